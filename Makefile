@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# Installed before the package so pip never resolves "torch" to a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.torch: | $(PY)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	touch $@
+
+$(VENV)/.base: setup.py $(VENV)/.torch
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: setup.py $(VENV)/.torch
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@ $(VENV)/.base
+
+demo: $(VENV)/.base
+	$(PY) benchmarks/throughput.py --quick
+
+test: $(VENV)/.test
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

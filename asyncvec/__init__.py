@@ -1,0 +1,51 @@
+"""asyncvec: online RL that keeps pace with slow, large-model policies.
+
+Public names are imported lazily, so a worker process that only runs an env never pays for
+importing torch.
+
+Example:
+    >>> import gymnasium as gym
+    >>> import asyncvec
+    >>> envs = asyncvec.AsyncLLMVectorEnv([lambda: gym.make("CartPole-v1")] * 2)
+    >>> obs, info = envs.reset(seed=0)
+    >>> envs.close()
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_LAZY = {
+    "AsyncLLMVectorEnv": "asyncvec.vector.async_llm_vector_env",
+    "AlreadyPendingCallError": "asyncvec.vector.errors",
+    "NoAsyncCallError": "asyncvec.vector.errors",
+    "ClosedEnvironmentError": "asyncvec.vector.errors",
+    "WorkerError": "asyncvec.vector.errors",
+    "check_vector_env": "asyncvec.vector.checker",
+    "VectorEnvCheckError": "asyncvec.vector.checker",
+    "VersionManager": "asyncvec.versioning",
+    "ReplayBuffer": "asyncvec.buffers",
+    "RolloutStore": "asyncvec.buffers",
+    "Collector": "asyncvec.collector",
+    "Policy": "asyncvec.inference",
+    "PolicyOutput": "asyncvec.inference",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncvec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,37 @@
+"""asyncvec: asynchronous vectorized envs, batched slow policies and staleness-aware learners."""
+
+from setuptools import find_packages, setup
+
+HF = ["transformers>=4.45", "tokenizers>=0.19", "safetensors"]
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "pydantic>=2"]
+
+setup(
+    name="asyncvec",
+    version="0.1.0",
+    description="Online RL that keeps pace with slow, large-model policies.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["asyncvec", "asyncvec.*", "agents", "agents.*", "envs", "envs.*"]),
+    install_requires=[
+        "gymnasium>=1.0,<2",
+        "numpy>=1.24",
+        "cloudpickle>=2.0",
+        # Install torch first (see the Makefile): a bare "torch" would pull a CUDA build.
+        "torch>=2.2",
+        "tensorboard>=2.14",
+        "tyro>=0.8",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "hf": HF,
+        "serve": HF + SERVE,
+        "vllm": ["vllm>=0.6"],
+        "ray": ["ray>=2.9"],
+        "sb3": ["stable-baselines3>=2.3"],
+        "test": HF
+        + SERVE
+        + ["stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+    },
+    entry_points={"console_scripts": ["asyncvec=asyncvec.cli:main"]},
+)
