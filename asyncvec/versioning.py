@@ -1,0 +1,346 @@
+"""Policy versions, the max-lag gate and staleness statistics (stdlib only).
+
+The learner owns a :class:`VersionManager`. Every ``publish(weights)`` bumps a
+monotonically increasing integer version and hands the weights to every registered
+backend. Collectors stamp each sample with the version that produced it and ask the
+manager whether that version is still fresh enough (``admit``), or wait until it is
+(``wait_for_lag``).
+
+Sharing across processes: the version counter, the closed flag, the staleness histogram
+and the drop counter live in ``multiprocessing`` shared memory (``Value``/``Array``) guarded
+by one ``multiprocessing.Condition``. Hand the manager to a child process as a
+``Process`` argument (inheritance; ``spawn``, ``fork`` and ``forkserver`` all work). The
+child sees the same version, can wait on it and records into the same statistics.
+Registered backends are per process: a child's copy starts with none.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import operator
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+__all__ = ["VersionManager", "StalenessStats", "WeightsBackend"]
+
+VersionSource = int | Callable[[], int]
+
+
+class WeightsBackend(Protocol):
+    """Anything that can load a new set of policy weights."""
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        """Replace the weights in use and remember their version."""
+
+
+@dataclass(frozen=True)
+class StalenessStats:
+    """Snapshot of the staleness statistics.
+
+    Attributes:
+        count: number of recorded samples.
+        mean: mean staleness (0.0 when nothing was recorded).
+        max: largest recorded staleness (0 when nothing was recorded).
+        histogram: ``histogram[s]`` counts samples with staleness ``s``; the last bin counts
+            every staleness ``>= len(histogram) - 1``.
+        dropped: samples rejected by the max-lag gate.
+    """
+
+    count: int
+    mean: float
+    max: int
+    histogram: list[int]
+    dropped: int
+
+
+class VersionManager:
+    """Monotonic policy version with a max-lag gate, shareable with child processes.
+
+    Args:
+        initial_version: the version before the first ``publish``.
+        max_lag: largest allowed ``current_version - version_in_use``; ``None`` disables the
+            gate.
+        on_lag: what ``admit`` does with a too-stale version: ``"wait"`` blocks until the
+            version in use catches up (or the timeout passes), ``"drop"`` rejects at once.
+        histogram_bins: number of staleness histogram bins (the last one is open-ended).
+        poll_interval: how often a waiter re-reads a callable version source, in seconds.
+            Publishing and ``close()`` wake waiters at once regardless.
+        mp_context: ``multiprocessing`` context used to create the shared state; the
+            default context when ``None``.
+
+    Example:
+        >>> class Backend:
+        ...     def load_weights(self, weights, version):
+        ...         self.weights, self.version = weights, version
+        >>> vm = VersionManager(max_lag=1, on_lag="drop")
+        >>> backend = Backend()
+        >>> vm.register(backend)
+        >>> vm.publish({"w": 1.0}), backend.version
+        (1, 1)
+        >>> vm.publish({"w": 2.0})
+        2
+        >>> vm.admit(1), vm.admit(0)
+        (True, False)
+        >>> vm.record_staleness([0, 1, 1])
+        >>> vm.staleness_stats().mean, vm.staleness_stats().dropped
+        (0.6666666666666666, 1)
+        >>> vm.close()
+    """
+
+    def __init__(
+        self,
+        initial_version: int = 0,
+        *,
+        max_lag: int | None = None,
+        on_lag: Literal["wait", "drop"] = "wait",
+        histogram_bins: int = 32,
+        poll_interval: float = 0.005,
+        mp_context: multiprocessing.context.BaseContext | None = None,
+    ) -> None:
+        initial_version = _check_int("initial_version", initial_version, minimum=0)
+        if max_lag is not None:
+            max_lag = _check_int("max_lag", max_lag, minimum=0)
+        if on_lag not in ("wait", "drop"):
+            raise ValueError(f"on_lag: expected 'wait' or 'drop', got {on_lag!r}")
+        histogram_bins = _check_int("histogram_bins", histogram_bins, minimum=2)
+        if not poll_interval > 0:
+            raise ValueError(f"poll_interval: expected a positive number, got {poll_interval!r}")
+        ctx = mp_context if mp_context is not None else multiprocessing.get_context()
+        self.max_lag = max_lag
+        self.on_lag = on_lag
+        self.poll_interval = float(poll_interval)
+        # One condition guards every shared value below; lock=False avoids a second lock each.
+        self._cond = ctx.Condition(ctx.Lock())
+        self._version = ctx.Value("q", initial_version, lock=False)
+        self._closed = ctx.Value("b", 0, lock=False)
+        self._histogram = ctx.Array("q", histogram_bins, lock=False)
+        self._stale_sum = ctx.Value("q", 0, lock=False)
+        self._stale_max = ctx.Value("q", 0, lock=False)
+        self._dropped = ctx.Value("q", 0, lock=False)
+        # Serializes publishers (also across processes) while backends load weights.
+        self._publish_lock = ctx.Lock()
+        self._backends: list[WeightsBackend] = []
+        self._backends_lock = threading.Lock()
+
+    # -- pickling: only the shared state travels to a child process ----------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_backends"] = []
+        del state["_backends_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._backends_lock = threading.Lock()
+
+    # -- versions ---------------------------------------------------------------------------
+    @property
+    def current_version(self) -> int:
+        """The latest published version."""
+        with self._cond:
+            return int(self._version.value)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (in any process)."""
+        with self._cond:
+            return bool(self._closed.value)
+
+    def register(self, backend: WeightsBackend) -> None:
+        """Hand every future ``publish`` to ``backend.load_weights(weights, version)``."""
+        if not callable(getattr(backend, "load_weights", None)):
+            raise TypeError(
+                f"backend: expected an object with a load_weights(weights, version) method, "
+                f"got {type(backend).__name__}"
+            )
+        with self._backends_lock:
+            self._backends.append(backend)
+
+    def unregister(self, backend: WeightsBackend) -> None:
+        """Stop handing weights to ``backend``."""
+        with self._backends_lock:
+            self._backends.remove(backend)
+
+    def publish(self, weights: Any) -> int:
+        """Load ``weights`` into every registered backend, then bump and return the version.
+
+        Backends receive the new version before waiters see it, so a collector woken by the
+        new version finds its backend already updated.
+
+        Raises:
+            RuntimeError: the manager is closed.
+        """
+        with self._publish_lock:
+            with self._cond:
+                self._raise_if_closed()
+                new_version = int(self._version.value) + 1
+            with self._backends_lock:
+                backends = list(self._backends)
+            for backend in backends:
+                backend.load_weights(weights, new_version)
+            with self._cond:
+                self._raise_if_closed()
+                self._version.value = new_version
+                self._cond.notify_all()
+        return new_version
+
+    # -- the max-lag gate -------------------------------------------------------------------
+    def lag(self, version_in_use: int) -> int:
+        """``current_version - version_in_use``."""
+        return self.current_version - _check_int("version_in_use", version_in_use, minimum=0)
+
+    def within_lag(self, version_in_use: int) -> bool:
+        """Whether ``version_in_use`` passes the gate now (always true without ``max_lag``)."""
+        return self.max_lag is None or self.lag(version_in_use) <= self.max_lag
+
+    def wait_for_lag(self, version_in_use: VersionSource, timeout: float | None = None) -> bool:
+        """Block until the version in use is within ``max_lag`` of the current version.
+
+        The current version only grows, so waiting ends well only if the version in use can
+        advance meanwhile: pass a callable such as ``lambda: backend.version`` for a backend
+        that swaps weights between batches. It is re-read every ``poll_interval``.
+
+        Args:
+            version_in_use: an int, or a zero-argument callable returning the version in use.
+            timeout: seconds to wait at most; ``None`` waits until ``close()``.
+
+        Returns:
+            True when within the lag; False on timeout or when the manager is closed.
+        """
+        polled = callable(version_in_use)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            # Read a callable source outside the lock: it is user code.
+            in_use = _check_int(
+                "version_in_use", version_in_use() if polled else version_in_use, minimum=0
+            )
+            with self._cond:
+                if self._closed.value:
+                    return False
+                if self.max_lag is None or self._version.value - in_use <= self.max_lag:
+                    return True
+                wait = self.poll_interval if polled else None
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return False
+                    wait = remaining if wait is None else min(wait, remaining)
+                self._cond.wait(wait)
+
+    def wait_for_version(self, min_version: int, timeout: float | None = None) -> bool:
+        """Block until ``current_version >= min_version``.
+
+        Returns:
+            True when reached; False on timeout or when the manager is closed.
+        """
+        min_version = _check_int("min_version", min_version, minimum=0)
+        with self._cond:
+            reached = self._cond.wait_for(
+                lambda: self._closed.value or self._version.value >= min_version, timeout
+            )
+            return bool(reached) and not self._closed.value
+
+    def admit(self, version_in_use: VersionSource, timeout: float | None = None, count: int = 1) -> bool:
+        """Apply the gate with the configured ``on_lag`` policy.
+
+        ``"drop"`` answers at once; ``"wait"`` calls :meth:`wait_for_lag`. A rejection adds
+        ``count`` to the dropped-samples counter.
+
+        Returns:
+            True if the samples produced with ``version_in_use`` may be used.
+        """
+        count = _check_int("count", count, minimum=0)
+        if self.on_lag == "wait":
+            admitted = self.wait_for_lag(version_in_use, timeout)
+        else:
+            in_use = version_in_use() if callable(version_in_use) else version_in_use
+            admitted = self.within_lag(in_use)
+        if not admitted:
+            self.record_dropped(count)
+        return admitted
+
+    # -- statistics ---------------------------------------------------------------------
+    def record_staleness(self, staleness: int | Iterable[int]) -> None:
+        """Add one staleness value, or many, to the statistics."""
+        try:
+            items = list(staleness)  # type: ignore[arg-type]
+        except TypeError:  # a single number
+            items = [staleness]
+        values = [_check_int("staleness", value, minimum=0) for value in items]
+        last_bin = len(self._histogram) - 1
+        with self._cond:
+            for value in values:
+                self._histogram[min(value, last_bin)] += 1
+                self._stale_sum.value += value
+                self._stale_max.value = max(self._stale_max.value, value)
+
+    def record_dropped(self, count: int = 1) -> None:
+        """Count ``count`` samples discarded for staleness."""
+        count = _check_int("count", count, minimum=0)
+        with self._cond:
+            self._dropped.value += count
+
+    def staleness_stats(self) -> StalenessStats:
+        """A consistent snapshot of the staleness statistics."""
+        with self._cond:
+            histogram = list(self._histogram)
+            total = self._stale_sum.value
+            maximum = self._stale_max.value
+            dropped = self._dropped.value
+        count = sum(histogram)
+        return StalenessStats(
+            count=count,
+            mean=total / count if count else 0.0,
+            max=maximum,
+            histogram=histogram,
+            dropped=dropped,
+        )
+
+    def reset_stats(self) -> None:
+        """Zero the staleness statistics and the dropped counter."""
+        with self._cond:
+            for i in range(len(self._histogram)):
+                self._histogram[i] = 0
+            self._stale_sum.value = 0
+            self._stale_max.value = 0
+            self._dropped.value = 0
+
+    # -- shutdown -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Mark the manager closed in every process and wake all waiters (they return False)."""
+        with self._cond:
+            self._closed.value = 1
+            self._cond.notify_all()
+
+    def _raise_if_closed(self) -> None:
+        if self._closed.value:
+            raise RuntimeError("VersionManager is closed")
+
+    def __enter__(self) -> VersionManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"VersionManager(current_version={self.current_version}, max_lag={self.max_lag}, "
+            f"on_lag={self.on_lag!r})"
+        )
+
+
+def _check_int(field: str, value: Any, minimum: int) -> int:
+    """Return ``value`` as an int (numpy integers welcome), or raise naming ``field``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{field}: expected an int, got bool")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{field}: expected an int, got {type(value).__name__}") from None
+    if number < minimum:
+        raise ValueError(f"{field}: expected an int >= {minimum}, got {number}")
+    return number
