@@ -1,0 +1,242 @@
+"""Text tasks for language-model policies: the observation is a prompt, the action a completion.
+
+Both envs use :class:`gymnasium.spaces.Text` spaces and need no downloads. Any ``str``
+completion is accepted, also one outside ``action_space`` (longer, or with other characters),
+because a model may emit it; only non-strings are rejected. Completions are parsed leniently
+with :func:`asyncvec.rewards.parse_leading_int` (strip whitespace, take the leading integer).
+
+Example:
+    >>> from envs.text import ArithmeticEnv
+    >>> env = ArithmeticEnv(single_digit=True)
+    >>> prompt, info = env.reset(seed=0)
+    >>> prompt
+    '8+6='
+    >>> env.step("14")[1:4]
+    (1.0, True, False)
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+from typing import Any
+
+import gymnasium as gym
+from gymnasium import spaces
+
+from asyncvec.rewards import ARITHMETIC_OPERATIONS, exact_answer, parse_leading_int
+
+__all__ = ["COMPLETION_CHARSET", "ArithmeticEnv", "GuessNumberEnv"]
+
+COMPLETION_CHARSET = string.printable
+"""Characters of the completion (action) spaces: printable ASCII, including whitespace."""
+
+
+def _check_action(action: object) -> str:
+    if not isinstance(action, str):
+        raise TypeError(
+            f"action must be a str (the model's completion), got {type(action).__name__}: {action!r}"
+        )
+    return action
+
+
+def _check_int(field: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{field} must be an int, got {value!r} of type {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{field} must be >= {minimum}, got {value}")
+    return value
+
+
+class ArithmeticEnv(gym.Env[str, str]):
+    """One-step arithmetic: the prompt is ``"12+7="``, reward 1.0 for the exact answer.
+
+    The completion's leading integer is the answer (``" 19 because..."`` counts as 19).
+    Episodes end (``terminated``) after one step. ``info`` of ``step`` holds ``answer`` (int)
+    and ``parsed`` (whether the completion started with an integer).
+
+    Args:
+        min_operand: Smallest operand (>= 0).
+        max_operand: Largest operand (default 99; 9 in ``single_digit`` mode).
+        operations: Operators to draw from, a subset of ``"+"``, ``"-"``, ``"*"`` (default all;
+            ``("+",)`` in ``single_digit`` mode). Subtraction may give negative answers.
+        single_digit: The simplified task for a tiny model: single-digit sums (``"3+4="`` -> ``"7"``).
+        max_completion_length: ``max_length`` of the action space.
+
+    Example:
+        >>> from envs.text import ArithmeticEnv
+        >>> env = ArithmeticEnv(max_operand=20, operations="*")
+        >>> prompt, _ = env.reset(seed=3)
+        >>> _, reward, terminated, truncated, info = env.step("no idea")
+        >>> reward, terminated, truncated, info["parsed"]
+        (0.0, True, False, False)
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(
+        self,
+        *,
+        min_operand: int = 0,
+        max_operand: int | None = None,
+        operations: Sequence[str] | None = None,
+        single_digit: bool = False,
+        max_completion_length: int = 32,
+    ) -> None:
+        if single_digit:
+            if max_operand not in (None, 9) or (operations is not None and tuple(operations) != ("+",)):
+                raise ValueError(
+                    "single_digit=True fixes max_operand=9 and operations=('+',); "
+                    f"got max_operand={max_operand!r}, operations={operations!r}"
+                )
+            max_operand, operations = 9, ("+",)
+        self.min_operand = _check_int("min_operand", min_operand, 0)
+        self.max_operand = _check_int(
+            "max_operand", 99 if max_operand is None else max_operand, self.min_operand
+        )
+        self.operations = tuple(ARITHMETIC_OPERATIONS if operations is None else operations)
+        unknown = [op for op in self.operations if op not in ARITHMETIC_OPERATIONS]
+        if unknown or not self.operations:
+            raise ValueError(
+                f"operations must be a non-empty subset of {tuple(ARITHMETIC_OPERATIONS)}, "
+                f"got {operations!r}"
+            )
+        _check_int("max_completion_length", max_completion_length, 1)
+
+        operand_digits = len(str(self.max_operand))
+        self.observation_space = spaces.Text(
+            min_length=4,
+            max_length=2 * operand_digits + 2,
+            charset=string.digits + "".join(self.operations) + "=",
+        )
+        self.action_space = spaces.Text(
+            min_length=0, max_length=max_completion_length, charset=COMPLETION_CHARSET
+        )
+        self._prompt: str | None = None
+        self._answer = 0
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """Draw a new problem; ``info`` is empty (the answer comes with ``step``)."""
+        super().reset(seed=seed)
+        left, right = (
+            int(x) for x in self.np_random.integers(self.min_operand, self.max_operand + 1, size=2)
+        )
+        symbol = self.operations[int(self.np_random.integers(len(self.operations)))]
+        self._prompt = f"{left}{symbol}{right}="
+        self._answer = ARITHMETIC_OPERATIONS[symbol](left, right)
+        return self._prompt, {}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Score the completion; the returned observation is the answered prompt."""
+        completion = _check_action(action)
+        if self._prompt is None:
+            raise RuntimeError("ArithmeticEnv: call reset() before step() (episodes last one step)")
+        prompt, self._prompt = self._prompt, None
+        reward = exact_answer(prompt, completion, answer=self._answer)
+        info = {"answer": self._answer, "parsed": parse_leading_int(completion) is not None}
+        return prompt, reward, True, False, info
+
+
+_FEEDBACK = ("higher", "lower", "correct", "invalid")
+
+
+class GuessNumberEnv(gym.Env[str, str]):
+    """Multi-turn guess-the-number in ``[1, max_number]``.
+
+    The first observation is ``"Guess a number between 1 and 16."``; after each guess the
+    feedback is ``"higher"``, ``"lower"``, ``"correct"`` or ``"invalid"`` (no leading integer,
+    or one outside the range; it still uses a turn). With ``transcript=True`` the observation
+    is the whole game so far, one ``"<guess>: <feedback>"`` line per turn (``"?"`` for an
+    invalid guess); otherwise it is the last feedback only.
+
+    The reward is 1.0 for the correct guess, minus ``step_penalty`` on every step.
+    ``terminated`` on the correct guess, ``truncated`` after ``max_turns`` guesses.
+    ``info`` holds ``turn``, ``guess`` (int or None) and ``feedback``.
+
+    Args:
+        max_number: Upper end of the range (the secret is uniform in ``[1, max_number]``).
+        max_turns: Guesses per episode.
+        step_penalty: Subtracted from the reward on every step (>= 0).
+        transcript: Observe the running transcript instead of the last feedback.
+        max_completion_length: ``max_length`` of the action space.
+
+    Example:
+        >>> from envs.text import GuessNumberEnv
+        >>> env = GuessNumberEnv(max_number=16, max_turns=4)
+        >>> obs, _ = env.reset(seed=0)
+        >>> obs
+        'Guess a number between 1 and 16.'
+        >>> obs, reward, terminated, truncated, info = env.step("8")
+        >>> print(obs)
+        Guess a number between 1 and 16.
+        8: higher
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(
+        self,
+        *,
+        max_number: int = 16,
+        max_turns: int = 8,
+        step_penalty: float = 0.0,
+        transcript: bool = True,
+        max_completion_length: int = 16,
+    ) -> None:
+        self.max_number = _check_int("max_number", max_number, 1)
+        self.max_turns = _check_int("max_turns", max_turns, 1)
+        if isinstance(step_penalty, bool) or not isinstance(step_penalty, (int, float)) or not (
+            0 <= step_penalty < float("inf")
+        ):
+            raise ValueError(f"step_penalty must be a finite number >= 0, got {step_penalty!r}")
+        self.step_penalty = float(step_penalty)
+        self.transcript = bool(transcript)
+        _check_int("max_completion_length", max_completion_length, 1)
+
+        self.intro = f"Guess a number between 1 and {self.max_number}."
+        longest_line = len("\n") + len(str(self.max_number)) + len(": ") + max(map(len, _FEEDBACK))
+        max_length = len(self.intro) + (self.max_turns * longest_line if self.transcript else 0)
+        self.observation_space = spaces.Text(
+            min_length=1, max_length=max_length, charset=string.ascii_letters + string.digits + " .:?\n"
+        )
+        self.action_space = spaces.Text(
+            min_length=0, max_length=max_completion_length, charset=COMPLETION_CHARSET
+        )
+        self._secret = 0
+        self._turn = 0
+        self._lines: list[str] = []
+        self._done = True
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """Draw a new secret number and return the intro."""
+        super().reset(seed=seed)
+        self._secret = int(self.np_random.integers(1, self.max_number + 1))
+        self._turn = 0
+        self._lines = [self.intro]
+        self._done = False
+        return self.intro, {"turn": 0}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        """Take one guess (the completion's leading integer)."""
+        completion = _check_action(action)
+        if self._done:
+            raise RuntimeError("GuessNumberEnv: the episode is over (or not started); call reset()")
+        self._turn += 1
+        guess = parse_leading_int(completion)
+        if guess is None or not 1 <= guess <= self.max_number:
+            feedback, shown = "invalid", "?"
+        else:
+            shown = str(guess)
+            feedback = "correct" if guess == self._secret else "higher" if guess < self._secret else "lower"
+        self._lines.append(f"{shown}: {feedback}")
+        terminated = feedback == "correct"
+        truncated = not terminated and self._turn >= self.max_turns
+        self._done = terminated or truncated
+        reward = (1.0 if terminated else 0.0) - self.step_penalty
+        observation = "\n".join(self._lines) if self.transcript else feedback
+        info = {"turn": self._turn, "guess": guess, "feedback": feedback}
+        return observation, reward, terminated, truncated, info
