@@ -1,0 +1,85 @@
+"""Column allocation (RAM or ``.npy`` memmaps), atomic JSON headers and a directory lock."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ColumnSpec = dict[str, tuple[tuple[int, ...], np.dtype]]
+
+
+def allocate(specs: ColumnSpec, directory: Path | None) -> dict[str, np.ndarray]:
+    """Zeroed columns in RAM, or ``.npy`` memmaps in ``directory`` (opened if they exist)."""
+    if directory is None:
+        return {name: np.zeros(shape, dtype) for name, (shape, dtype) in specs.items()}
+    columns = {}
+    for name, (shape, dtype) in specs.items():
+        path = directory / f"{name}.npy"
+        if path.exists():
+            column = np.lib.format.open_memmap(path, mode="r+")
+            if column.shape != shape or column.dtype != dtype:
+                raise ValueError(
+                    f"{path}: holds shape {column.shape} dtype {column.dtype}, expected shape "
+                    f"{shape} dtype {dtype}; the directory belongs to a buffer with another layout"
+                )
+        else:
+            column = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+        columns[name] = column
+    return columns
+
+
+def describe(specs: ColumnSpec) -> dict[str, Any]:
+    """A JSON-friendly description of column shapes and dtypes."""
+    return {name: {"shape": list(shape), "dtype": np.dtype(dtype).str} for name, (shape, dtype) in specs.items()}
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any], fsync: bool) -> None:
+    """Write ``payload`` to ``path`` so readers see the old or the new file, never a mix.
+
+    The new content goes to a temporary file that replaces ``path`` with ``os.replace``
+    (atomic on POSIX). With ``fsync`` the file and its directory are also synced, so the
+    header survives power loss, not only a killed process.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as file:
+        json.dump(payload, file)
+        if fsync:
+            file.flush()
+            os.fsync(file.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as file:
+        return json.load(file)
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``directory/lock``; the kernel drops it when the holder dies."""
+
+    def __init__(self, directory: Path) -> None:
+        self._file = open(directory / "lock", "a+")  # noqa: SIM115 - held until release()
+        try:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise RuntimeError(
+                f"storage_dir {directory} is already open in another buffer or process; "
+                f"close that one first"
+            ) from None
+
+    def release(self) -> None:
+        if not self._file.closed:
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            self._file.close()

@@ -1,0 +1,234 @@
+"""Store samples of any fixed-size gymnasium space as flat numpy columns.
+
+A space is split into leaves (Dict and Tuple are walked recursively). Each leaf becomes one
+column with a leading batch dimension: Box/Discrete/MultiDiscrete/MultiBinary keep their own
+shape and dtype; Text is stored as int32 indices into its character set, padded with
+``len(charset)`` (gymnasium's own ``flatten``/``unflatten`` encoding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.spaces.utils import flatten, unflatten
+from gymnasium.vector.utils import batch_space
+
+RowLabel = Callable[[int], str]
+
+_FIXED = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+
+def default_row_label(row: int) -> str:
+    return f"batch row {row}"
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One stored column of a space: where it sits in the nest and how it is stored."""
+
+    path: tuple[str | int, ...]
+    label: str  # for error messages, e.g. "obs['image']"
+    space: spaces.Space
+    shape: tuple[int, ...]  # per sample
+    dtype: np.dtype
+
+    @property
+    def is_text(self) -> bool:
+        return isinstance(self.space, spaces.Text)
+
+
+class SpaceCodec:
+    """Validates, encodes and decodes batches of one space, leaf by leaf.
+
+    Args:
+        space: a Box, Discrete, MultiDiscrete, MultiBinary or Text space, or a Dict/Tuple
+            nesting of them.
+        field: the field name used in column names and error messages (``"obs"``).
+    """
+
+    def __init__(self, space: spaces.Space, field: str) -> None:
+        if not isinstance(space, spaces.Space):
+            raise TypeError(f"{field}: expected a gymnasium.spaces.Space, got {type(space).__name__}")
+        self.space = space
+        self.field = field
+        self.leaves: list[Leaf] = list(_walk(space, field, ()))
+        self._batched_cache: dict[tuple[int, int], spaces.Space] = {}
+
+    def column_names(self, prefix: str | None = None) -> list[str]:
+        """Stable, file-name-safe column names, one per leaf."""
+        prefix = self.field if prefix is None else prefix
+        if len(self.leaves) == 1 and not self.leaves[0].path:
+            return [prefix]
+        return [f"{prefix}.{i}" for i in range(len(self.leaves))]
+
+    # -- encoding ---------------------------------------------------------------------
+    def encode(self, value: Any, n: int, row_label: RowLabel = default_row_label) -> list[np.ndarray]:
+        """Validate a batch of ``n`` samples and return one array per leaf, ``(n, *shape)``.
+
+        Raises:
+            ValueError: naming the field, the expected space and, for a value outside the
+                space, the offending row.
+        """
+        return [self._encode_leaf(leaf, _pick(value, leaf, self.field), n, row_label) for leaf in self.leaves]
+
+    def _encode_leaf(self, leaf: Leaf, value: Any, n: int, row_label: RowLabel) -> np.ndarray:
+        if leaf.is_text:
+            return self._encode_text(leaf, value, n, row_label)
+        array = np.asarray(value)
+        expected_shape = (n, *leaf.shape)
+        if array.shape != expected_shape:
+            raise ValueError(
+                f"{leaf.label}: expected a batch of shape {expected_shape} from {leaf.space}, "
+                f"got shape {array.shape}"
+            )
+        array = cast_lossless(array, leaf.dtype, leaf.label, str(leaf.space))
+        key = (id(leaf), n)
+        batched = self._batched_cache.get(key)
+        if batched is None:
+            if len(self._batched_cache) > 16:
+                self._batched_cache.clear()
+            batched = self._batched_cache[key] = batch_space(leaf.space, n)
+        if not batched.contains(array):
+            for row in range(n):
+                if not leaf.space.contains(array[row]):
+                    raise ValueError(
+                        f"{leaf.label}: {row_label(row)}: value {_show(array[row])} is not in {leaf.space}"
+                    )
+        return array
+
+    def _encode_text(self, leaf: Leaf, value: Any, n: int, row_label: RowLabel) -> np.ndarray:
+        if isinstance(value, str) or not isinstance(value, (Sequence, np.ndarray)):
+            raise ValueError(
+                f"{leaf.label}: expected a list of {n} str from {leaf.space}, got {type(value).__name__}"
+            )
+        if len(value) != n:
+            raise ValueError(f"{leaf.label}: expected a list of {n} str from {leaf.space}, got {len(value)}")
+        for row, text in enumerate(value):
+            if not isinstance(text, str) or not leaf.space.contains(text):
+                raise ValueError(f"{leaf.label}: {row_label(row)}: value {text!r} is not in {leaf.space}")
+        if n == 0:
+            return np.empty((0, *leaf.shape), leaf.dtype)
+        return np.stack([flatten(leaf.space, text) for text in value])
+
+    # -- decoding ---------------------------------------------------------------------
+    def decode(self, columns: Sequence[np.ndarray]) -> Any:
+        """Rebuild the nested structure from one array per leaf (any leading shape).
+
+        Text leaves come back as numpy object arrays of ``str`` with the leading shape.
+        """
+        decoded = iter([self._decode_leaf(leaf, column) for leaf, column in zip(self.leaves, columns)])
+        return _assemble(self.space, decoded)
+
+    @staticmethod
+    def _decode_leaf(leaf: Leaf, column: np.ndarray) -> np.ndarray:
+        if not leaf.is_text:
+            return column
+        leading = column.shape[: column.ndim - 1]
+        texts = np.empty(int(np.prod(leading)), dtype=object)
+        for i, row in enumerate(column.reshape(-1, leaf.shape[0])):
+            texts[i] = unflatten(leaf.space, row)
+        return texts.reshape(leading)
+
+
+def _show(value: np.ndarray | np.generic) -> str:
+    """A short rendering of a rejected value (large arrays by their range only)."""
+    if np.size(value) <= 16:
+        return repr(np.asarray(value).tolist())
+    return f"<array shape {np.shape(value)}, min {np.min(value)}, max {np.max(value)}>"
+
+
+def _walk(space: spaces.Space, label: str, path: tuple[str | int, ...]) -> Iterator[Leaf]:
+    if isinstance(space, spaces.Dict):
+        for key, subspace in space.spaces.items():
+            yield from _walk(subspace, f"{label}[{key!r}]", (*path, key))
+    elif isinstance(space, spaces.Tuple):
+        for index, subspace in enumerate(space.spaces):
+            yield from _walk(subspace, f"{label}[{index}]", (*path, index))
+    elif isinstance(space, spaces.Text):
+        yield Leaf(path, label, space, (space.max_length,), np.dtype(np.int32))
+    elif isinstance(space, _FIXED):
+        yield Leaf(path, label, space, tuple(space.shape), np.dtype(space.dtype))
+    else:
+        raise TypeError(
+            f"{label}: {space} is not supported; expected Box, Discrete, MultiDiscrete, "
+            f"MultiBinary, Text, or a Dict/Tuple of them"
+        )
+
+
+def _pick(value: Any, leaf: Leaf, field: str) -> Any:
+    """Follow ``leaf.path`` into a nested batch, with errors that name the missing part."""
+    label = field
+    for key in leaf.path:
+        if isinstance(key, str):
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{label}: expected a dict of batched arrays, got {type(value).__name__}")
+            if key not in value:
+                raise ValueError(f"{label}: missing key {key!r}")
+        elif not isinstance(value, (tuple, list)) or key >= len(value):
+            raise ValueError(f"{label}: expected a tuple with an item {key}, got {type(value).__name__}")
+        value = value[key]
+        label = f"{label}[{key!r}]" if isinstance(key, str) else f"{label}[{key}]"
+    return value
+
+
+def cast_lossless(array: np.ndarray, target: np.dtype, label: str, expected: str) -> np.ndarray:
+    """Cast ``array`` to ``target`` when no value changes; otherwise raise naming ``label``.
+
+    Integers and bools may become floats; integers narrow only when every value fits
+    (``int64`` 300 never silently wraps to ``uint8`` 44); floats never become integers.
+    """
+    target = np.dtype(target)
+    source = array.dtype
+    if source == target:
+        return array
+    if target.kind == "f" and source.kind in "biuf":
+        return array.astype(target)
+    if target.kind in "biu" and source.kind in "biu":
+        cast = array.astype(target)
+        if np.array_equal(cast, array):
+            return cast
+        raise ValueError(f"{label}: values do not fit dtype {target} of {expected}")
+    raise ValueError(f"{label}: expected dtype {target} ({expected}), got {source}")
+
+
+def as_column(
+    field: str,
+    value: Any,
+    n: int,
+    dtype: np.dtype | type,
+    *,
+    allow_scalar: bool = True,
+    minimum: float | None = None,
+    finite: bool = False,
+) -> np.ndarray:
+    """Validate a per-sample scalar field as an ``(n,)`` array of ``dtype``.
+
+    A scalar is broadcast to all ``n`` rows when ``allow_scalar``.
+    """
+    dtype = np.dtype(dtype)
+    array = np.asarray(value)
+    if array.ndim == 0 and allow_scalar:
+        array = np.full(n, array)
+    expected = f"{dtype} values, shape ({n},)"
+    if array.dtype == object or array.shape != (n,):
+        raise ValueError(f"{field}: expected {expected}, got {array.dtype} shape {array.shape}")
+    array = cast_lossless(array, dtype, field, expected)
+    if finite and not np.all(np.isfinite(array)):
+        row = int(np.flatnonzero(~np.isfinite(array))[0])
+        raise ValueError(f"{field}: row {row}: expected a finite number, got {array[row]}")
+    if minimum is not None and array.size and array.min() < minimum:
+        row = int(np.argmin(array))
+        raise ValueError(f"{field}: row {row}: expected a value >= {minimum}, got {array[row]}")
+    return array
+
+
+def _assemble(space: spaces.Space, leaves: Iterator[Any]) -> Any:
+    if isinstance(space, spaces.Dict):
+        return {key: _assemble(subspace, leaves) for key, subspace in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        return tuple(_assemble(subspace, leaves) for subspace in space.spaces)
+    return next(leaves)

@@ -1,0 +1,168 @@
+"""Groups of k completions per prompt, for RLOO / GRPO-style learners."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncvec.buffers._spaces import as_column
+
+__all__ = ["CompletionGroups", "GroupBatch"]
+
+
+@dataclass
+class GroupBatch:
+    """Complete groups, ``G`` prompts by ``k`` completions.
+
+    Attributes:
+        prompt_ids: ``G`` prompt ids, in the order their groups completed.
+        completions: ``[G][k]`` completions as given to ``add``.
+        rewards: ``[G, k]`` float32, ready for ``asyncvec.losses.rloo_advantages``.
+        logps: ``[G, k, L]`` float32 per-token behavior log-probs, zero-padded to the
+            longest completion ``L``.
+        mask: ``[G, k, L]`` bool, True on real tokens.
+        policy_version: ``[G, k]`` int64 version that generated each completion.
+    """
+
+    prompt_ids: list[Hashable]
+    completions: list[list[Any]]
+    rewards: np.ndarray
+    logps: np.ndarray
+    mask: np.ndarray
+    policy_version: np.ndarray
+
+    def staleness(self, current_version: int) -> np.ndarray:
+        """``[G, k]`` ``current_version - policy_version``."""
+        return current_version - self.policy_version
+
+
+@dataclass
+class _Pending:
+    completions: list[Any] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    logps: list[np.ndarray] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class CompletionGroups:
+    """Gathers completions per prompt and releases a prompt once it has ``group_size`` of them.
+
+    Completions of different prompts may arrive interleaved and from several threads. Once a
+    prompt's group is complete it is queued (FIFO) and the prompt id may start a new group.
+
+    Args:
+        group_size: ``k``, completions per prompt (at least 2 for leave-one-out baselines).
+
+    Example:
+        >>> groups = CompletionGroups(group_size=2)
+        >>> groups.add("p0", "4", reward=1.0, logps=[-0.1], version=3)
+        False
+        >>> groups.add("p1", "no", reward=0.0, logps=[-2.0, -0.5], version=3)
+        False
+        >>> groups.add("p0", "5", reward=0.0, logps=[-1.2, -0.3], version=4)
+        True
+        >>> batch = groups.pop(timeout=0)
+        >>> batch.prompt_ids, batch.rewards.tolist(), batch.mask.sum(-1).tolist()
+        (['p0'], [[1.0, 0.0]], [[1, 2]])
+    """
+
+    def __init__(self, group_size: int) -> None:
+        if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or group_size < 1:
+            raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
+        self.group_size = int(group_size)
+        self._pending: OrderedDict[Hashable, _Pending] = OrderedDict()
+        self._complete: deque[tuple[Hashable, _Pending]] = deque()
+        self._cond = threading.Condition()
+
+    def add(self, prompt_id: Hashable, completion: Any, reward: float, logps: Any, version: int) -> bool:
+        """Add one completion; returns True when it completes its prompt's group.
+
+        Args:
+            prompt_id: any hashable id of the prompt.
+            completion: the completion (text, token ids, ...); stored as given.
+            reward: the scalar reward of the completion.
+            logps: 1-D per-token log-probabilities under the behavior policy.
+            version: the policy version that generated it.
+        """
+        try:
+            hash(prompt_id)
+        except TypeError:
+            raise ValueError(f"prompt_id: expected a hashable id, got {type(prompt_id).__name__}") from None
+        reward_value = float(as_column("reward", reward, 1, np.float64, finite=True)[0])
+        version_value = int(as_column("version", version, 1, np.int64, minimum=0)[0])
+        token_logps = np.asarray(logps)
+        if token_logps.ndim != 1 or token_logps.dtype.kind not in "iuf":
+            raise ValueError(
+                f"logps: expected a 1-D array of per-token log-probs, got {token_logps.dtype} "
+                f"shape {token_logps.shape} (prompt {prompt_id!r})"
+            )
+        with self._cond:
+            group = self._pending.setdefault(prompt_id, _Pending())
+            group.completions.append(completion)
+            group.rewards.append(reward_value)
+            group.logps.append(token_logps.astype(np.float32))
+            group.versions.append(version_value)
+            if len(group.completions) < self.group_size:
+                return False
+            del self._pending[prompt_id]
+            self._complete.append((prompt_id, group))
+            self._cond.notify_all()
+            return True
+
+    @property
+    def num_complete(self) -> int:
+        """Complete groups waiting to be popped."""
+        with self._cond:
+            return len(self._complete)
+
+    @property
+    def num_pending(self) -> int:
+        """Prompts with an incomplete group."""
+        with self._cond:
+            return len(self._pending)
+
+    def pop(self, num_groups: int | None = None, timeout: float | None = None) -> GroupBatch:
+        """Remove and return complete groups, oldest first.
+
+        Args:
+            num_groups: exactly this many groups; None: every complete group (at least one).
+            timeout: seconds to wait for them; 0 checks once; None waits indefinitely.
+
+        Raises:
+            TimeoutError: not enough complete groups in time.
+        """
+        if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1):
+            raise ValueError(f"num_groups: expected a positive int or None, got {num_groups!r}")
+        wanted = 1 if num_groups is None else num_groups
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._complete) >= wanted, timeout):
+                raise TimeoutError(
+                    f"pop: {len(self._complete)} complete groups after {timeout}s, need {wanted} "
+                    f"({len(self._pending)} prompts still incomplete)"
+                )
+            count = len(self._complete) if num_groups is None else num_groups
+            taken = [self._complete.popleft() for _ in range(count)]
+        return _to_batch(taken, self.group_size)
+
+
+def _to_batch(taken: list[tuple[Hashable, _Pending]], k: int) -> GroupBatch:
+    length = max((len(logps) for _, group in taken for logps in group.logps), default=0)
+    logps = np.zeros((len(taken), k, length), dtype=np.float32)
+    mask = np.zeros((len(taken), k, length), dtype=bool)
+    for g, (_, group) in enumerate(taken):
+        for i, token_logps in enumerate(group.logps):
+            logps[g, i, : len(token_logps)] = token_logps
+            mask[g, i, : len(token_logps)] = True
+    return GroupBatch(
+        prompt_ids=[prompt_id for prompt_id, _ in taken],
+        completions=[group.completions for _, group in taken],
+        rewards=np.array([group.rewards for _, group in taken], dtype=np.float32).reshape(len(taken), k),
+        logps=logps,
+        mask=mask,
+        policy_version=np.array([group.versions for _, group in taken], dtype=np.int64).reshape(len(taken), k),
+    )

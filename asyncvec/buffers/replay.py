@@ -1,0 +1,607 @@
+"""A version-aware ring replay buffer, in RAM or crash-safe on disk."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from asyncvec.buffers._disk import (
+    ColumnSpec,
+    DirectoryLock,
+    allocate,
+    describe,
+    read_json,
+    write_json_atomic,
+)
+from asyncvec.buffers._spaces import SpaceCodec, as_column
+
+__all__ = ["ReplayBatch", "ReplayBuffer"]
+
+_FORMAT = "asyncvec.ReplayBuffer/1"
+_META, _HEADER, _SPACES = "meta.json", "header.json", "spaces.pkl"
+
+# Per-sample metadata columns besides obs/action/next_obs.
+_SCALARS: dict[str, np.dtype] = {
+    "reward": np.dtype(np.float32),
+    "terminated": np.dtype(np.bool_),
+    "truncated": np.dtype(np.bool_),
+    "behavior_logp": np.dtype(np.float32),
+    "policy_version": np.dtype(np.int64),
+    "env_id": np.dtype(np.int64),
+    "episode_id": np.dtype(np.int64),
+    "fallback": np.dtype(np.bool_),
+}
+
+
+@dataclass
+class ReplayBatch:
+    """A sampled batch; every array has the batch as its leading dimension.
+
+    ``obs``/``next_obs``/``action`` follow their space: an array, or a dict/tuple of arrays
+    for Dict/Tuple spaces; Text comes back as an object array of ``str``.
+    ``staleness = current_version - policy_version``. ``indices`` are buffer slots for
+    :meth:`ReplayBuffer.update_priorities`. ``weights`` are the prioritized-replay
+    importance weights (all ones for uniform sampling).
+    """
+
+    obs: Any
+    action: Any
+    reward: np.ndarray
+    next_obs: Any
+    terminated: np.ndarray
+    truncated: np.ndarray
+    behavior_logp: np.ndarray
+    policy_version: np.ndarray
+    env_id: np.ndarray
+    episode_id: np.ndarray
+    fallback: np.ndarray
+    staleness: np.ndarray
+    indices: np.ndarray
+    weights: np.ndarray
+
+
+class ReplayBuffer:
+    """Preallocated ring buffer of transitions, each stamped with its policy version.
+
+    Storage is one numpy column per field (per leaf for Dict/Tuple spaces), in RAM or, with
+    ``storage_dir``, in ``.npy`` memmaps that survive a killed process.
+
+    Commit semantics (``storage_dir`` mode): ``add`` writes into the memmaps, then, every
+    ``commit_every`` adds (or on ``commit()``), replaces ``header.json`` atomically
+    (``os.replace``) with the committed range. The memmapped pages live in the kernel page
+    cache, so a process killed with SIGKILL loses nothing written before its last commit;
+    reopening the directory finds exactly the committed samples. Before an add overwrites
+    committed slots (the ring is full), a header that no longer covers them is written
+    first, so a crash mid-write never exposes a half-written sample. ``fsync=True``
+    additionally msyncs the columns and fsyncs the header on every commit, which also
+    survives power loss or an OS crash, at a large cost per commit.
+
+    Thread safety: one lock guards ``add``, ``sample`` and ``update_priorities``; one writer
+    and any number of reader threads may share a buffer. A ``storage_dir`` is locked
+    (``flock``) to one open buffer at a time.
+
+    Args:
+        capacity: number of transitions kept; the oldest are overwritten.
+        observation_space: space of ``obs`` and ``next_obs``: Box, Discrete, MultiDiscrete,
+            MultiBinary, Text, or a Dict/Tuple of them.
+        action_space: space of ``action`` (same choices).
+        prioritized: proportional prioritized replay (Schaul et al. 2016).
+        alpha: priority exponent, ``P(i) = p_i^alpha / sum_k p_k^alpha``.
+        beta: importance-weight exponent, ``w_i = (N P(i))^-beta / max_j w_j``; may be
+            changed between samples (annealing).
+        storage_dir: directory for the memmapped, crash-safe mode; reopened if it already
+            holds a buffer with the same layout.
+        commit_every: commit after this many ``add`` calls (``storage_dir`` mode); 0 commits
+            only on ``commit()``/``close()``.
+        fsync: make every commit durable against power loss (slow).
+        seed: seed of the buffer's own random generator.
+
+    Example:
+        >>> import numpy as np
+        >>> from gymnasium import spaces
+        >>> buffer = ReplayBuffer(100, spaces.Box(-1, 1, (3,)), spaces.Discrete(2), seed=0)
+        >>> obs = np.zeros((4, 3), np.float32)
+        >>> slots = buffer.add(obs, np.array([0, 1, 1, 0]), np.ones(4), obs,
+        ...                    np.zeros(4, bool), np.zeros(4, bool), policy_version=[5, 5, 6, 7])
+        >>> batch = buffer.sample(2, current_version=7, max_staleness=1)
+        >>> sorted(batch.staleness.tolist()), len(buffer), buffer.version_range()
+        ([0, 1], 4, (5, 7))
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        *,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        storage_dir: str | os.PathLike[str] | None = None,
+        commit_every: int = 1,
+        fsync: bool = False,
+        seed: int | None = None,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
+            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
+        if not alpha >= 0:
+            raise ValueError(f"alpha: expected a number >= 0, got {alpha!r}")
+        if not beta >= 0:
+            raise ValueError(f"beta: expected a number >= 0, got {beta!r}")
+        if isinstance(commit_every, bool) or not isinstance(commit_every, int) or commit_every < 0:
+            raise ValueError(f"commit_every: expected an int >= 0, got {commit_every!r}")
+        self.capacity = int(capacity)
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.prioritized = bool(prioritized)
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+        self.commit_every = commit_every
+        self.fsync = bool(fsync)
+        self._obs = SpaceCodec(observation_space, "obs")
+        self._next_obs = SpaceCodec(observation_space, "next_obs")
+        self._action = SpaceCodec(action_space, "action")
+        self._specs = self._column_specs()
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+        self._closed = False
+        # Ring state: valid samples occupy slots start, start+1, ... (size of them, mod
+        # capacity); the first `committed` of them are covered by the on-disk header.
+        self._start = 0
+        self._size = 0
+        self._committed = 0
+        self._added = 0
+        self._committed_added = 0
+        self._adds_since_commit = 0
+        self._max_priority = 1.0
+        self._version_counts: Counter[int] = Counter()
+        self._fallback_count = 0
+        self.storage_dir = None if storage_dir is None else Path(storage_dir)
+        self._dir_lock: DirectoryLock | None = None
+        if self.storage_dir is None:
+            self._columns = allocate(self._specs, None)
+        else:
+            self.storage_dir.mkdir(parents=True, exist_ok=True)
+            self._dir_lock = DirectoryLock(self.storage_dir)
+            try:
+                self._columns = self._open_directory(self.storage_dir)
+            except BaseException:
+                self._dir_lock.release()
+                raise
+
+    # -- layout and persistence ---------------------------------------------------------
+    def _column_specs(self) -> ColumnSpec:
+        specs: ColumnSpec = {}
+        for codec in (self._obs, self._next_obs, self._action):
+            for name, leaf in zip(codec.column_names(), codec.leaves):
+                specs[name] = ((self.capacity, *leaf.shape), leaf.dtype)
+        for name, dtype in _SCALARS.items():
+            specs[name] = ((self.capacity,), dtype)
+        if self.prioritized:
+            specs["priority"] = ((self.capacity,), np.dtype(np.float64))  # stores p ** alpha
+        return specs
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "capacity": self.capacity,
+            "prioritized": self.prioritized,
+            "alpha": self.alpha if self.prioritized else None,
+            "columns": describe(self._specs),
+            "observation_space": str(self.observation_space),
+            "action_space": str(self.action_space),
+        }
+
+    def _header(self) -> dict[str, Any]:
+        return {
+            "start": self._start,
+            "size": self._committed,
+            "added": self._committed_added,
+            "max_priority": self._max_priority,
+        }
+
+    def _open_directory(self, directory: Path) -> dict[str, np.ndarray]:
+        meta = self._meta()
+        meta_path = directory / _META
+        if meta_path.exists():
+            stored = read_json(meta_path)
+            for key in ("format", "capacity", "prioritized", "alpha", "columns"):
+                if stored.get(key) != meta[key]:
+                    raise ValueError(
+                        f"storage_dir {directory}: holds a buffer with {key}={stored.get(key)!r}, "
+                        f"this buffer has {key}={meta[key]!r} (spaces there: "
+                        f"{stored.get('observation_space')}, {stored.get('action_space')})"
+                    )
+        columns = allocate(self._specs, directory)
+        if not meta_path.exists():
+            with open(directory / _SPACES, "wb") as file:
+                pickle.dump((self.observation_space, self.action_space), file)
+            write_json_atomic(directory / _HEADER, self._header(), self.fsync)
+            write_json_atomic(meta_path, meta, self.fsync)
+        elif (directory / _HEADER).exists():
+            self._restore(read_json(directory / _HEADER), columns)
+        return columns
+
+    def _restore(self, header: dict[str, Any], columns: dict[str, np.ndarray]) -> None:
+        self._start = int(header["start"])
+        self._size = self._committed = int(header["size"])
+        self._added = self._committed_added = int(header["added"])
+        self._max_priority = float(header["max_priority"])
+        if not (0 <= self._start < self.capacity and 0 <= self._size <= self.capacity):
+            raise ValueError(f"{_HEADER}: start={self._start} size={self._size} do not fit capacity {self.capacity}")
+        slots = self._valid_slots()
+        versions, counts = np.unique(columns["policy_version"][slots], return_counts=True)
+        self._version_counts = Counter(dict(zip(versions.tolist(), counts.tolist())))
+        self._fallback_count = int(np.count_nonzero(columns["fallback"][slots]))
+
+    def commit(self) -> None:
+        """Make every added sample durable (``storage_dir`` mode; a no-op in RAM)."""
+        with self._lock:
+            self._check_open()
+            self._commit_locked()
+
+    def _commit_locked(self) -> None:
+        if self.storage_dir is None:
+            return
+        if self.fsync:
+            for column in self._columns.values():
+                column.flush()
+        self._committed = self._size
+        self._committed_added = self._added
+        self._adds_since_commit = 0
+        write_json_atomic(self.storage_dir / _HEADER, self._header(), self.fsync)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the buffer to the directory ``path`` in the ``storage_dir`` format.
+
+        Reload it in RAM with :meth:`load`, or keep using it on disk with :meth:`open`.
+        Saving to the buffer's own ``storage_dir`` is a ``commit()``.
+        """
+        path = Path(path)
+        with self._lock:
+            self._check_open()
+            if self.storage_dir is not None and path.resolve() == self.storage_dir.resolve():
+                self._commit_locked()
+                return
+            path.mkdir(parents=True, exist_ok=True)
+            lock = DirectoryLock(path)
+            try:
+                # Without a header the directory reads as empty while columns are replaced.
+                (path / _HEADER).unlink(missing_ok=True)
+                for name, column in self._columns.items():
+                    np.save(path / f"{name}.npy", column)
+                with open(path / _SPACES, "wb") as file:
+                    pickle.dump((self.observation_space, self.action_space), file)
+                write_json_atomic(path / _META, self._meta(), fsync=True)
+                header = self._header() | {"size": self._size, "added": self._added}
+                write_json_atomic(path / _HEADER, header, fsync=True)
+            finally:
+                lock.release()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, seed: int | None = None) -> ReplayBuffer:
+        """Read a buffer saved with :meth:`save` (or a ``storage_dir``) into RAM.
+
+        The spaces are unpickled from ``spaces.pkl``: load only directories you trust.
+        """
+        path = Path(path)
+        meta, (observation_space, action_space) = _read_meta(path)
+        buffer = cls(
+            meta["capacity"],
+            observation_space,
+            action_space,
+            prioritized=meta["prioritized"],
+            alpha=meta["alpha"] if meta["alpha"] is not None else 0.6,
+            seed=seed,
+        )
+        lock = DirectoryLock(path)
+        try:
+            for name, column in buffer._columns.items():
+                column[...] = np.load(path / f"{name}.npy", mmap_mode="r")
+            buffer._restore(read_json(path / _HEADER), buffer._columns)
+        finally:
+            lock.release()
+        return buffer
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], **kwargs: Any) -> ReplayBuffer:
+        """Reopen a ``storage_dir`` (or a saved directory) in on-disk mode.
+
+        ``kwargs`` go to the constructor (``commit_every``, ``fsync``, ``beta``, ``seed``).
+        """
+        meta, (observation_space, action_space) = _read_meta(Path(path))
+        if meta["prioritized"]:
+            kwargs |= {"prioritized": True, "alpha": meta["alpha"]}
+        return cls(meta["capacity"], observation_space, action_space, storage_dir=path, **kwargs)
+
+    def close(self) -> None:
+        """Commit (``storage_dir`` mode), release the directory and the memory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._commit_locked()
+            self._closed = True
+            self._columns = {}
+            if self._dir_lock is not None:
+                self._dir_lock.release()
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ReplayBuffer is closed")
+
+    # -- writing --------------------------------------------------------------------------
+    def add(
+        self,
+        obs: Any,
+        action: Any,
+        reward: Any,
+        next_obs: Any,
+        terminated: Any,
+        truncated: Any,
+        policy_version: Any,
+        *,
+        behavior_logp: Any = np.nan,
+        env_id: Any = -1,
+        episode_id: Any = -1,
+        fallback: Any = False,
+    ) -> np.ndarray:
+        """Append a batch of transitions (leading dimension = batch).
+
+        Args:
+            obs, next_obs: batched observations: an array ``(B, *shape)``, a dict/tuple of
+                them for Dict/Tuple spaces, a list of ``B`` str for Text.
+            action: batched actions, same conventions.
+            reward: ``(B,)`` floats. terminated, truncated: ``(B,)`` bools.
+            policy_version: version that produced each action, ``(B,)`` or one int.
+            behavior_logp: log-probability of each action under the behavior policy (NaN:
+                unknown). env_id, episode_id: ids for bookkeeping (-1: unknown).
+            fallback: whether the action was a deadline fallback rather than the policy's.
+            Every metadata argument may be one scalar for the whole batch.
+
+        Returns:
+            The slots written, in order.
+
+        Raises:
+            ValueError: a field does not match its space or shape; the message names the
+                field, the expected space and the offending row (and its env_id).
+        """
+        reward_array = np.asarray(reward)
+        if reward_array.ndim != 1:
+            raise ValueError(f"reward: expected a 1-D batch (leading dim = batch), got shape {reward_array.shape}")
+        n = reward_array.shape[0]
+        env_ids = as_column("env_id", env_id, n, np.int64, minimum=-1)
+
+        def row_label(row: int) -> str:
+            return f"row {row}" if env_ids[row] < 0 else f"row {row} (env_id {env_ids[row]})"
+
+        data: dict[str, np.ndarray] = {}
+        for codec, value in ((self._obs, obs), (self._action, action), (self._next_obs, next_obs)):
+            data.update(zip(codec.column_names(), codec.encode(value, n, row_label)))
+        data["reward"] = as_column("reward", reward_array, n, np.float32, allow_scalar=False, finite=True)
+        data["terminated"] = as_column("terminated", terminated, n, np.bool_, allow_scalar=False)
+        data["truncated"] = as_column("truncated", truncated, n, np.bool_, allow_scalar=False)
+        data["behavior_logp"] = as_column("behavior_logp", behavior_logp, n, np.float32)
+        data["policy_version"] = as_column("policy_version", policy_version, n, np.int64, minimum=0)
+        data["env_id"] = env_ids
+        data["episode_id"] = as_column("episode_id", episode_id, n, np.int64)
+        data["fallback"] = as_column("fallback", fallback, n, np.bool_)
+        with self._lock:
+            self._check_open()
+            self._added += n
+            if n > self.capacity:  # only the newest `capacity` rows can be kept
+                data = {name: values[-self.capacity :] for name, values in data.items()}
+                n = self.capacity
+            self._make_room(n)
+            position = (self._start + self._size) % self.capacity
+            first = min(n, self.capacity - position)
+            for name, values in data.items():
+                column = self._columns[name]
+                column[position : position + first] = values[:first]
+                column[: n - first] = values[first:]
+            slots = (position + np.arange(n)) % self.capacity
+            if self.prioritized:
+                self._columns["priority"][slots] = self._max_priority**self.alpha
+            self._size += n
+            self._count(data["policy_version"], data["fallback"], sign=1)
+            self._adds_since_commit += 1
+            if self.storage_dir is not None and self.commit_every and self._adds_since_commit >= self.commit_every:
+                self._commit_locked()
+        return slots
+
+    def _make_room(self, n: int) -> None:
+        """Retire the oldest samples so ``n`` new ones fit, committing that first on disk."""
+        overflow = self._size + n - self.capacity
+        if overflow <= 0:
+            return
+        retired = (self._start + np.arange(overflow)) % self.capacity
+        self._count(self._columns["policy_version"][retired], self._columns["fallback"][retired], sign=-1)
+        covered = self._committed > 0
+        self._start = (self._start + overflow) % self.capacity
+        self._size -= overflow
+        self._committed = max(0, self._committed - overflow)
+        if self.storage_dir is not None and covered:
+            # The header must stop covering these slots before they are overwritten.
+            write_json_atomic(self.storage_dir / _HEADER, self._header(), self.fsync)
+
+    def _count(self, versions: np.ndarray, fallback: np.ndarray, sign: int) -> None:
+        values, counts = np.unique(versions, return_counts=True)
+        for version, count in zip(values.tolist(), counts.tolist()):
+            self._version_counts[version] += sign * count
+            if self._version_counts[version] == 0:
+                del self._version_counts[version]
+        self._fallback_count += sign * int(np.count_nonzero(fallback))
+
+    # -- reading --------------------------------------------------------------------------
+    def sample(
+        self,
+        batch_size: int,
+        current_version: int,
+        max_staleness: int | None = None,
+        exclude_fallback: bool = True,
+        rng: np.random.Generator | int | None = None,
+    ) -> ReplayBatch:
+        """Sample ``batch_size`` distinct transitions (prioritized: proportional, with replacement).
+
+        Args:
+            batch_size: number of transitions.
+            current_version: the learner's version; ``staleness = current_version -
+                policy_version``.
+            max_staleness: skip samples with a larger staleness.
+            exclude_fallback: skip transitions whose action was a deadline fallback.
+            rng: a numpy Generator or seed; the buffer's own generator when None.
+
+        Raises:
+            ValueError: fewer than ``batch_size`` samples are stored or eligible.
+        """
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size: expected a positive int, got {batch_size!r}")
+        if isinstance(current_version, bool) or not isinstance(current_version, (int, np.integer)):
+            raise ValueError(f"current_version: expected an int, got {current_version!r}")
+        if max_staleness is not None and (not isinstance(max_staleness, (int, np.integer)) or max_staleness < 0):
+            raise ValueError(f"max_staleness: expected an int >= 0 or None, got {max_staleness!r}")
+        generator = rng if isinstance(rng, np.random.Generator) else None
+        with self._lock:
+            self._check_open()
+            if generator is None:
+                generator = self._rng if rng is None else np.random.default_rng(rng)
+            slots, weights = self._choose(batch_size, current_version, max_staleness, exclude_fallback, generator)
+            gathered = {name: column[slots] for name, column in self._columns.items()}
+        obs, action, next_obs = (
+            codec.decode([gathered[name] for name in codec.column_names()])
+            for codec in (self._obs, self._action, self._next_obs)
+        )
+        return ReplayBatch(
+            obs=obs,
+            action=action,
+            reward=gathered["reward"],
+            next_obs=next_obs,
+            terminated=gathered["terminated"],
+            truncated=gathered["truncated"],
+            behavior_logp=gathered["behavior_logp"],
+            policy_version=gathered["policy_version"],
+            env_id=gathered["env_id"],
+            episode_id=gathered["episode_id"],
+            fallback=gathered["fallback"],
+            staleness=current_version - gathered["policy_version"],
+            indices=slots,
+            weights=weights,
+        )
+
+    def _choose(
+        self,
+        batch_size: int,
+        current_version: int,
+        max_staleness: int | None,
+        exclude_fallback: bool,
+        rng: np.random.Generator,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        oldest_allowed = None if max_staleness is None else current_version - max_staleness
+        must_filter = (exclude_fallback and self._fallback_count > 0) or (
+            oldest_allowed is not None and self._size > 0 and min(self._version_counts) < oldest_allowed
+        )
+        candidates = None
+        if must_filter or self.prioritized:
+            candidates = self._valid_slots()
+        if must_filter:
+            keep = np.ones(len(candidates), dtype=bool)
+            if exclude_fallback:
+                keep &= ~self._columns["fallback"][candidates]
+            if oldest_allowed is not None:
+                keep &= self._columns["policy_version"][candidates] >= oldest_allowed
+            candidates = candidates[keep]
+        eligible = self._size if candidates is None else len(candidates)
+        if eligible < batch_size:
+            raise ValueError(
+                f"sample: asked for {batch_size} samples but only {eligible} of the {self._size} "
+                f"stored are eligible (current_version={current_version}, "
+                f"max_staleness={max_staleness}, exclude_fallback={exclude_fallback}; stored "
+                f"versions {self._version_span()}, {self._fallback_count} fallback samples)"
+            )
+        if not self.prioritized:
+            picks = rng.choice(eligible, batch_size, replace=False)
+            slots = (self._start + picks) % self.capacity if candidates is None else candidates[picks]
+            return slots, np.ones(batch_size, dtype=np.float32)
+        priorities = self._columns["priority"][candidates]
+        probabilities = priorities / priorities.sum()
+        picks = rng.choice(eligible, batch_size, replace=True, p=probabilities)
+        # w_i = (N P(i))^-beta, normalized by the largest weight among the eligible samples.
+        weights = (eligible * probabilities[picks]) ** -self.beta
+        weights /= (eligible * probabilities.min()) ** -self.beta
+        return candidates[picks], weights.astype(np.float32)
+
+    def update_priorities(self, indices: Any, priorities: Any) -> None:
+        """Set the priorities (e.g. ``|TD error| + eps``) of the sampled slots ``indices``.
+
+        Raises:
+            RuntimeError: the buffer is not prioritized.
+            ValueError: shapes differ, a priority is not finite and > 0, or a slot is empty.
+        """
+        if not self.prioritized:
+            raise RuntimeError("update_priorities: this ReplayBuffer was created with prioritized=False")
+        indices = np.asarray(indices)
+        if indices.ndim != 1 or indices.dtype.kind not in "iu":
+            raise ValueError(f"indices: expected a 1-D int array, got {indices.dtype} shape {indices.shape}")
+        values = as_column("priorities", priorities, len(indices), np.float64, allow_scalar=False, finite=True)
+        if np.any(values <= 0):
+            row = int(np.flatnonzero(values <= 0)[0])
+            raise ValueError(f"priorities: row {row}: expected a value > 0, got {values[row]}")
+        with self._lock:
+            self._check_open()
+            logical = (indices - self._start) % self.capacity
+            bad = (indices < 0) | (indices >= self.capacity) | (logical >= self._size)
+            if np.any(bad):
+                row = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"indices: row {row}: slot {indices[row]} holds no sample")
+            self._columns["priority"][indices] = values**self.alpha
+            self._max_priority = max(self._max_priority, float(values.max()))
+
+    def version_range(self) -> tuple[int, int] | None:
+        """``(oldest, newest)`` policy version stored, or None when empty."""
+        with self._lock:
+            if not self._version_counts:
+                return None
+            return min(self._version_counts), max(self._version_counts)
+
+    def _version_span(self) -> str:
+        if not self._version_counts:
+            return "none"
+        return f"{min(self._version_counts)}..{max(self._version_counts)}"
+
+    def _valid_slots(self) -> np.ndarray:
+        return (self._start + np.arange(self._size)) % self.capacity
+
+    @property
+    def num_added(self) -> int:
+        """Transitions passed to ``add`` over the buffer's life (including overwritten ones)."""
+        return self._added
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        where = f", storage_dir={str(self.storage_dir)!r}" if self.storage_dir is not None else ""
+        return f"ReplayBuffer(size={self._size}, capacity={self.capacity}, prioritized={self.prioritized}{where})"
+
+
+def _read_meta(path: Path) -> tuple[dict[str, Any], tuple[spaces.Space, spaces.Space]]:
+    if not (path / _META).exists():
+        raise FileNotFoundError(f"{path}: no {_META}; not a saved ReplayBuffer")
+    meta = read_json(path / _META)
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {_FORMAT!r}")
+    with open(path / _SPACES, "rb") as file:
+        return meta, pickle.load(file)

@@ -1,0 +1,304 @@
+"""Time-major on-policy rollout segments filled by an asynchronous collector."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from asyncvec.buffers._spaces import SpaceCodec, as_column
+
+__all__ = ["RolloutStore", "Segment"]
+
+_SCALARS: dict[str, np.dtype] = {
+    "rewards": np.dtype(np.float32),
+    "terminated": np.dtype(np.bool_),
+    "truncated": np.dtype(np.bool_),
+    "values": np.dtype(np.float32),
+    "behavior_logp": np.dtype(np.float32),
+    "policy_version": np.dtype(np.int64),
+}
+
+
+@dataclass
+class Segment:
+    """One full rollout segment, time-major ``[T, N]``.
+
+    Attributes:
+        obs: observation at each step, ``[T, N, *obs_shape]`` (dict/tuple of such arrays for
+            Dict/Tuple spaces; object arrays of ``str`` for Text).
+        actions: action taken at each step, ``[T, N, *action_shape]``.
+        rewards: ``[T, N]`` float32, the reward received after ``actions[t]``.
+        terminated, truncated: ``[T, N]`` bool, whether the episode ended after step ``t``.
+        values: ``[T, N]`` float32 critic values given to ``add`` (NaN where none was given).
+        behavior_logp: ``[T, N]`` float32 log-probability of ``actions[t]`` under the
+            behavior policy.
+        policy_version: ``[T, N]`` int64 version that chose ``actions[t]``.
+        last_obs: ``[N, *obs_shape]``, the observation after step ``T - 1`` of each env, to
+            bootstrap ``V(last_obs)``.
+    """
+
+    obs: Any
+    actions: Any
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    values: np.ndarray
+    behavior_logp: np.ndarray
+    policy_version: np.ndarray
+    last_obs: Any
+
+    def staleness(self, current_version: int) -> np.ndarray:
+        """``[T, N]`` ``current_version - policy_version``."""
+        return current_version - self.policy_version
+
+
+class RolloutStore:
+    """Collects fixed-length, time-major segments ``[T, N]`` for on-policy learners.
+
+    Transitions arrive per env in any order and in partial batches (EnvPool style): ``add``
+    appends each env's transition at that env's own cursor. The segment is ready when every
+    env has ``T`` steps; ``get()`` returns it and shifts any steps a fast env already
+    collected beyond ``T`` to the start of the next segment. An env may run at most
+    ``max_steps_ahead`` steps past ``T`` before ``add`` refuses its transitions.
+
+    Bootstrapping: the segment's ``last_obs[e]`` is env ``e``'s observation after its step
+    ``T - 1``: the observation of its step ``T`` if it ran ahead, otherwise the ``next_obs``
+    passed with its latest ``add``. ``get`` raises if an env has neither.
+
+    Thread safety: ``add`` (collector thread) and ``get`` (learner thread) share one lock;
+    ``get(timeout=...)`` blocks until the segment is ready.
+
+    Args:
+        num_steps: ``T``, steps per env in a segment.
+        num_envs: ``N``.
+        observation_space: per-env observation space (as for :class:`ReplayBuffer`).
+        action_space: per-env action space.
+        max_steps_ahead: how many steps of the next segment an env may collect before
+            ``get``; defaults to ``num_steps``.
+
+    Example:
+        >>> import numpy as np
+        >>> from gymnasium import spaces
+        >>> store = RolloutStore(2, 3, spaces.Box(-1, 1, (1,)), spaces.Discrete(2))
+        >>> def step(env_ids, version):  # a partial batch from an asynchronous env
+        ...     n = len(env_ids)
+        ...     store.add(env_ids, np.zeros((n, 1), np.float32), np.ones(n, int), np.ones(n),
+        ...               np.zeros(n, bool), np.zeros(n, bool), behavior_logp=np.full(n, -0.7),
+        ...               policy_version=version, next_obs=np.full((n, 1), 0.5, np.float32))
+        >>> step([0, 2], 0); step([2, 1, 0], 0); store.ready()
+        False
+        >>> step([1, 2], 1); store.ready()
+        True
+        >>> segment = store.get(timeout=0)
+        >>> segment.rewards.shape, segment.policy_version[:, 2].tolist(), store.steps_per_env
+        ((2, 3), [0, 0], [0, 0, 1])
+    """
+
+    def __init__(
+        self,
+        num_steps: int,
+        num_envs: int,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        *,
+        max_steps_ahead: int | None = None,
+    ) -> None:
+        for field, value in (("num_steps", num_steps), ("num_envs", num_envs)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{field}: expected a positive int, got {value!r}")
+        max_steps_ahead = num_steps if max_steps_ahead is None else max_steps_ahead
+        if isinstance(max_steps_ahead, bool) or not isinstance(max_steps_ahead, (int, np.integer)) or max_steps_ahead < 0:
+            raise ValueError(f"max_steps_ahead: expected an int >= 0, got {max_steps_ahead!r}")
+        self.num_steps = int(num_steps)
+        self.num_envs = int(num_envs)
+        self.max_steps_ahead = int(max_steps_ahead)
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self._obs = SpaceCodec(observation_space, "obs")
+        self._action = SpaceCodec(action_space, "action")
+        self._next_obs = SpaceCodec(observation_space, "next_obs")
+        rows = self.num_steps + self.max_steps_ahead
+        self._columns: dict[str, np.ndarray] = {}
+        for codec in (self._obs, self._action):
+            for name, leaf in zip(codec.column_names(), codec.leaves):
+                self._columns[name] = np.zeros((rows, self.num_envs, *leaf.shape), leaf.dtype)
+        for name, dtype in _SCALARS.items():
+            self._columns[name] = np.zeros((rows, self.num_envs), dtype)
+        self._next = [np.zeros((self.num_envs, *leaf.shape), leaf.dtype) for leaf in self._next_obs.leaves]
+        self._has_next = np.zeros(self.num_envs, dtype=bool)
+        self._cursor = np.zeros(self.num_envs, dtype=np.int64)
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def add(
+        self,
+        env_ids: Any,
+        obs: Any,
+        action: Any,
+        reward: Any,
+        terminated: Any,
+        truncated: Any,
+        behavior_logp: Any,
+        policy_version: Any,
+        *,
+        values: Any = np.nan,
+        next_obs: Any = None,
+    ) -> None:
+        """Append one transition for each env in ``env_ids`` at that env's cursor.
+
+        Args:
+            env_ids: ``(B,)`` env indices in ``[0, num_envs)``, in any order; an env may
+                appear more than once (its transitions are appended in order).
+            obs: the observation each action was chosen from, batched like ``env_ids``.
+            action, reward, terminated, truncated: the step's outcome, batched.
+            behavior_logp: ``(B,)`` log-probabilities of the actions under the acting policy.
+            policy_version: the version that chose each action, ``(B,)`` or one int.
+            values: optional ``(B,)`` critic values of ``obs``.
+            next_obs: optional observations after the step; the latest one per env serves as
+                the bootstrap observation if the env has not started its next segment.
+
+        Raises:
+            ValueError: a field does not match its space/shape (the message names the field,
+                the space and the env), an env id is out of range, or an env is already
+                ``max_steps_ahead`` steps past the segment end.
+        """
+        env_ids = np.asarray(env_ids)
+        if env_ids.ndim != 1 or env_ids.dtype.kind not in "iu":
+            raise ValueError(f"env_ids: expected a 1-D int array, got {env_ids.dtype} shape {env_ids.shape}")
+        n = len(env_ids)
+        if n and (env_ids.min() < 0 or env_ids.max() >= self.num_envs):
+            row = int(np.flatnonzero((env_ids < 0) | (env_ids >= self.num_envs))[0])
+            raise ValueError(f"env_ids: row {row}: env {env_ids[row]} is not in [0, {self.num_envs})")
+
+        def row_label(row: int) -> str:
+            return f"row {row} (env {env_ids[row]})"
+
+        data: dict[str, np.ndarray] = {}
+        for codec, value in ((self._obs, obs), (self._action, action)):
+            data.update(zip(codec.column_names(), codec.encode(value, n, row_label)))
+        data["rewards"] = as_column("reward", reward, n, np.float32, allow_scalar=False, finite=True)
+        data["terminated"] = as_column("terminated", terminated, n, np.bool_, allow_scalar=False)
+        data["truncated"] = as_column("truncated", truncated, n, np.bool_, allow_scalar=False)
+        data["values"] = as_column("values", values, n, np.float32)
+        data["behavior_logp"] = as_column("behavior_logp", behavior_logp, n, np.float32)
+        data["policy_version"] = as_column("policy_version", policy_version, n, np.int64, minimum=0)
+        next_columns = None if next_obs is None else self._next_obs.encode(next_obs, n, row_label)
+        # The k-th occurrence of an env in this batch goes k steps past its cursor.
+        occurrence = np.zeros(n, dtype=np.int64)
+        seen: dict[int, int] = {}
+        for row, env in enumerate(env_ids.tolist()):
+            occurrence[row] = seen.get(env, 0)
+            seen[env] = occurrence[row] + 1
+        limit = self.num_steps + self.max_steps_ahead
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("RolloutStore is closed")
+            rows = self._cursor[env_ids] + occurrence
+            if n and rows.max() >= limit:
+                row = int(np.argmax(rows))
+                raise ValueError(
+                    f"add: env {env_ids[row]} already holds {self._cursor[env_ids[row]]} steps, the "
+                    f"segment length {self.num_steps} plus max_steps_ahead={self.max_steps_ahead}; "
+                    f"call get() to consume the ready segment first"
+                )
+            for name, value in data.items():
+                self._columns[name][rows, env_ids] = value
+            last = np.array(sorted({env: row for row, env in enumerate(env_ids.tolist())}.items()), dtype=np.int64)
+            if len(last):
+                envs, last_rows = last[:, 0], last[:, 1]
+                if next_columns is None:
+                    self._has_next[envs] = False
+                else:
+                    for stored, column in zip(self._next, next_columns):
+                        stored[envs] = column[last_rows]
+                    self._has_next[envs] = True
+            np.add.at(self._cursor, env_ids, 1)
+            if self._ready_locked():
+                self._cond.notify_all()
+
+    def ready(self) -> bool:
+        """Whether every env holds at least ``num_steps`` steps."""
+        with self._cond:
+            return self._ready_locked()
+
+    def _ready_locked(self) -> bool:
+        return bool(np.all(self._cursor >= self.num_steps))
+
+    def get(self, timeout: float | None = None) -> Segment:
+        """Wait for the segment, return it and start the next one.
+
+        Args:
+            timeout: seconds to wait for the segment; 0 checks once; None waits until ready
+                or ``close()``.
+
+        Raises:
+            TimeoutError: not ready in time (the message lists the steps per env).
+            ValueError: an env has no bootstrap observation (pass ``next_obs`` to ``add``).
+            RuntimeError: the store was closed.
+        """
+        T = self.num_steps
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._closed or self._ready_locked(), timeout):
+                raise TimeoutError(
+                    f"get: segment not ready after {timeout}s; steps per env {self._cursor.tolist()}, "
+                    f"need {T} each"
+                )
+            if self._closed:
+                raise RuntimeError("RolloutStore is closed")
+            ahead = self._cursor > T
+            missing = ~ahead & ~self._has_next
+            if np.any(missing):
+                raise ValueError(
+                    f"get: envs {np.flatnonzero(missing).tolist()} have no bootstrap observation; "
+                    f"pass next_obs to add() or add their next step first"
+                )
+            segment = {name: column[:T].copy() for name, column in self._columns.items()}
+            last_obs = []
+            for name, stored in zip(self._obs.column_names(), self._next):
+                last = stored.copy()
+                last[ahead] = self._columns[name][T, ahead]
+                last_obs.append(last)
+            for env in np.flatnonzero(ahead).tolist():
+                extra = int(self._cursor[env]) - T
+                for column in self._columns.values():
+                    column[:extra, env] = column[T : T + extra, env]
+            self._cursor = np.maximum(self._cursor - T, 0)
+        return Segment(
+            obs=self._obs.decode([segment[name] for name in self._obs.column_names()]),
+            actions=self._action.decode([segment[name] for name in self._action.column_names()]),
+            rewards=segment["rewards"],
+            terminated=segment["terminated"],
+            truncated=segment["truncated"],
+            values=segment["values"],
+            behavior_logp=segment["behavior_logp"],
+            policy_version=segment["policy_version"],
+            last_obs=self._obs.decode(last_obs),
+        )
+
+    @property
+    def steps_per_env(self) -> list[int]:
+        """Steps each env holds now (can exceed ``num_steps`` by ``max_steps_ahead``)."""
+        with self._cond:
+            return self._cursor.tolist()
+
+    def clear(self) -> None:
+        """Drop every stored step and bootstrap observation (e.g. after a policy reset)."""
+        with self._cond:
+            self._cursor[:] = 0
+            self._has_next[:] = False
+
+    def close(self) -> None:
+        """Wake a waiting ``get`` (it raises RuntimeError) and refuse further adds."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def __repr__(self) -> str:
+        return (
+            f"RolloutStore(num_steps={self.num_steps}, num_envs={self.num_envs}, "
+            f"steps_per_env={self.steps_per_env})"
+        )
