@@ -1,0 +1,59 @@
+"""Inference layer: batched, deadline-safe, versioned policies over local and remote models.
+
+Names are imported lazily: ``import asyncvec.inference`` loads nothing heavy, and torch,
+transformers, httpx or vllm are imported only by the backend that needs them.
+
+Example:
+    >>> import gymnasium as gym, torch
+    >>> from asyncvec.inference import TorchPolicy
+    >>> with TorchPolicy(torch.nn.Linear(4, 3), gym.spaces.Discrete(3), max_wait_ms=2) as policy:
+    ...     answer = policy.submit([0.0, 1.0, 0.0, 1.0], env_id=0).result(timeout=10)
+    >>> answer.policy_version, answer.fallback
+    (0, False)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_LAZY = {
+    "Policy": "asyncvec.inference.types",
+    "PolicyOutput": "asyncvec.inference.types",
+    "BackendResult": "asyncvec.inference.types",
+    "TextPrompt": "asyncvec.inference.types",
+    "PolicyError": "asyncvec.inference.types",
+    "PolicyClosedError": "asyncvec.inference.types",
+    "BackendError": "asyncvec.inference.types",
+    "BackendRejectedError": "asyncvec.inference.types",
+    "TransientBackendError": "asyncvec.inference.types",
+    "DynamicBatcher": "asyncvec.inference.batcher",
+    "adaptive_threshold": "asyncvec.inference.batcher",
+    "fit_batch_cost": "asyncvec.inference.batcher",
+    "BatchedPolicy": "asyncvec.inference.base",
+    "zero_action": "asyncvec.inference.base",
+    "observation_key": "asyncvec.inference.base",
+    "TorchPolicy": "asyncvec.inference.torch_policy",
+    "LatencyModel": "asyncvec.inference.latency",
+    "HFTextPolicy": "asyncvec.inference.hf_policy",
+    "OpenAIPolicy": "asyncvec.inference.openai_policy",
+    "VLLMPolicy": "asyncvec.inference.vllm_policy",
+    "build_tiny_lm": "asyncvec.inference.tiny_models",
+    "DEFAULT_VOCAB": "asyncvec.inference.tiny_models",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncvec.inference' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
