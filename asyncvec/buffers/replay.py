@@ -78,9 +78,11 @@ class ReplayBuffer:
     ``commit_every`` adds (or on ``commit()``), replaces ``header.json`` atomically
     (``os.replace``) with the committed range. The memmapped pages live in the kernel page
     cache, so a process killed with SIGKILL loses nothing written before its last commit;
-    reopening the directory finds exactly the committed samples. Before an add overwrites
-    committed slots (the ring is full), a header that no longer covers them is written
-    first, so a crash mid-write never exposes a half-written sample. ``fsync=True``
+    reopening the directory finds the committed samples, each intact with its version.
+    Before an add overwrites committed slots (the ring is full), a header that no longer
+    covers them is written first, so a crash mid-write never exposes a half-written sample;
+    the price is that a crash inside such an add also drops the oldest samples it was
+    evicting (at most its batch size). ``fsync=True``
     additionally msyncs the columns and fsyncs the header on every commit, which also
     survives power loss or an OS crash, at a large cost per commit.
 
