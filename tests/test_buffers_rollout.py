@@ -1,0 +1,244 @@
+"""RolloutStore filled asynchronously, and CompletionGroups."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from asyncvec.buffers import CompletionGroups, RolloutStore
+
+OBS = spaces.Box(-np.inf, np.inf, (2,), np.float64)
+
+
+class AsyncCollector:
+    """Feeds a store the way an EnvPool-style collector does: random partial batches.
+
+    Env ``e``'s ``k``-th transition has obs ``[e, k]``, action ``k % 2``, reward ``k``,
+    version ``k // 3`` and value ``-k``; so every stored field says where it came from.
+    """
+
+    def __init__(self, store: RolloutStore, seed: int) -> None:
+        self.store = store
+        self.rng = np.random.default_rng(seed)
+        self.steps = np.zeros(store.num_envs, dtype=np.int64)
+
+    def add(self, env_ids: np.ndarray) -> None:
+        k = np.zeros(len(env_ids), dtype=np.int64)
+        counts = self.steps.copy()
+        for row, env in enumerate(env_ids):  # duplicates take consecutive steps
+            k[row] = counts[env]
+            counts[env] += 1
+        self.store.add(
+            env_ids,
+            np.stack([env_ids, k], axis=1).astype(np.float64),
+            k % 2,
+            k.astype(np.float32),
+            k % 4 == 3,
+            np.zeros(len(k), bool),
+            behavior_logp=-0.01 * k,
+            policy_version=k // 3,
+            values=-k.astype(np.float32),
+            next_obs=np.stack([env_ids, k + 1], axis=1).astype(np.float64),
+        )
+        self.steps = counts
+
+    def random_batch(self, limit: int) -> np.ndarray:
+        allowed = np.flatnonzero(self.steps < limit)
+        if len(allowed) == 0:
+            return np.empty(0, dtype=np.int64)
+        size = int(self.rng.integers(1, len(allowed) + 1))
+        picked = self.rng.choice(allowed, size, replace=False)
+        # Sometimes the same env twice in one batch.
+        if self.steps[picked[0]] + 1 < limit and self.rng.random() < 0.3:
+            picked = np.append(picked, picked[0])
+        return picked
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_partial_batches_in_any_order_build_time_major_segments(seed: int) -> None:
+    T, N = 5, 4
+    store = RolloutStore(T, N, OBS, spaces.Discrete(2), max_steps_ahead=3)
+    collector = AsyncCollector(store, seed)
+    for segment_index in range(3):
+        limit = (segment_index + 1) * T + store.max_steps_ahead
+        while not store.ready():
+            collector.add(collector.random_batch(limit))
+        # Some envs run ahead into the next segment before the learner calls get().
+        for _ in range(2):
+            batch = collector.random_batch(limit)
+            if len(batch):
+                collector.add(batch)
+        segment = store.get(timeout=0)
+        k = segment_index * T + np.arange(T)[:, None] * np.ones(N, dtype=np.int64)
+        np.testing.assert_array_equal(segment.obs[..., 0], np.broadcast_to(np.arange(N), (T, N)))
+        np.testing.assert_array_equal(segment.obs[..., 1], k)
+        np.testing.assert_array_equal(segment.actions, k % 2)
+        np.testing.assert_array_equal(segment.rewards, k)
+        np.testing.assert_array_equal(segment.terminated, k % 4 == 3)
+        np.testing.assert_array_equal(segment.values, -k)
+        np.testing.assert_allclose(segment.behavior_logp, -0.01 * k, rtol=1e-5)
+        np.testing.assert_array_equal(segment.policy_version, k // 3)
+        np.testing.assert_array_equal(segment.staleness(10), 10 - k // 3)
+        # Bootstrap: the observation after step T-1 of every env.
+        np.testing.assert_array_equal(segment.last_obs, np.stack([np.arange(N), np.full(N, (segment_index + 1) * T)], 1))
+        assert segment.rewards.dtype == np.float32 and segment.policy_version.dtype == np.int64
+        assert store.steps_per_env == (collector.steps - (segment_index + 1) * T).tolist()
+
+
+def test_get_waits_for_a_collector_thread() -> None:
+    store = RolloutStore(3, 2, OBS, spaces.Discrete(2))
+    collector = AsyncCollector(store, 0)
+
+    def collect() -> None:
+        for _ in range(3):
+            time.sleep(0.01)
+            collector.add(np.array([1, 0]))
+
+    thread = threading.Thread(target=collect)
+    thread.start()
+    segment = store.get(timeout=30)
+    thread.join(timeout=30)
+    assert segment.rewards.tolist() == [[0, 0], [1, 1], [2, 2]]
+
+
+def test_get_times_out_and_close_wakes_it() -> None:
+    store = RolloutStore(2, 2, OBS, spaces.Discrete(2))
+    AsyncCollector(store, 0).add(np.array([0, 0, 1]))
+    with pytest.raises(TimeoutError, match=r"steps per env \[2, 1\], need 2 each"):
+        store.get(timeout=0.01)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            store.get(timeout=30)
+        except RuntimeError as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.02)
+    store.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and "closed" in str(errors[0])
+    with pytest.raises(RuntimeError, match="closed"):
+        AsyncCollector(store, 0).add(np.array([1]))
+
+
+def test_bootstrap_observation_comes_from_next_obs_or_the_next_step() -> None:
+    store = RolloutStore(1, 2, spaces.Discrete(10), spaces.Discrete(2), max_steps_ahead=2)
+    zeros = np.zeros(2, bool)
+    store.add([0, 1], np.array([1, 2]), np.array([0, 0]), [0.0, 0.0], zeros, zeros, 0.0, 0)
+    with pytest.raises(ValueError, match=r"envs \[0, 1\] have no bootstrap observation"):
+        store.get(timeout=0)
+    store.add([1], np.array([7]), np.array([1]), [1.0], [False], [False], 0.0, 0, next_obs=np.array([8]))
+    store.add([0], np.array([3]), np.array([0]), [0.0], [False], [False], 0.0, 0, next_obs=np.array([4]))
+    store.add([0], np.array([5]), np.array([1]), [0.0], [False], [False], 0.0, 0, next_obs=np.array([6]))
+    segment = store.get(timeout=0)
+    assert segment.last_obs.tolist() == [3, 7] and segment.obs.tolist() == [[1, 2]]
+    assert np.isnan(segment.values).all()
+    segment = store.get(timeout=0)
+    assert segment.obs.tolist() == [[3, 7]] and segment.last_obs.tolist() == [5, 8] and store.steps_per_env == [1, 0]
+    store.clear()
+    assert store.steps_per_env == [0, 0] and not store.ready()
+
+
+def test_text_and_dict_observations() -> None:
+    space = spaces.Dict({"prompt": spaces.Text(6, charset="abc"), "turn": spaces.Discrete(4)})
+    store = RolloutStore(2, 2, space, spaces.Text(3, charset="xy"))
+    for turn in range(2):
+        store.add(
+            [1, 0],
+            {"prompt": ["a" * (turn + 1), "b"], "turn": np.array([turn, turn])},
+            ["x", "yy"],
+            [1.0, 2.0],
+            [False, False],
+            [False, False],
+            [-1.0, -2.0],
+            turn,
+            next_obs={"prompt": ["c", "c"], "turn": np.array([turn + 1, turn + 1])},
+        )
+    segment = store.get(timeout=0)
+    assert segment.obs["prompt"].tolist() == [["b", "a"], ["b", "aa"]]
+    assert segment.actions.tolist() == [["yy", "x"], ["yy", "x"]]
+    assert segment.last_obs["turn"].tolist() == [2, 2]
+
+
+def test_bad_input_names_the_field_and_env() -> None:
+    store = RolloutStore(2, 3, OBS, spaces.Discrete(2), max_steps_ahead=0)
+    zeros = np.zeros(2, bool)
+
+    def add(env_ids=(0, 2), obs=np.zeros((2, 2)), action=np.array([0, 1]), version=0):
+        store.add(np.asarray(env_ids), obs, action, [0.0, 0.0], zeros, zeros, [-0.1, -0.2], version)
+
+    with pytest.raises(ValueError, match=r"env_ids: row 1: env 3 is not in \[0, 3\)"):
+        add(env_ids=(0, 3))
+    with pytest.raises(ValueError, match=r"env_ids: expected a 1-D int array"):
+        add(env_ids=(0.0, 1.0))
+    with pytest.raises(ValueError, match=r"obs: expected a batch of shape \(2, 2\) from Box"):
+        add(obs=np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"action: row 1 \(env 2\): value 5 is not in Discrete\(2\)"):
+        add(action=np.array([0, 5]))
+    with pytest.raises(ValueError, match=r"policy_version: row 0: expected a value >= 0"):
+        add(version=-3)
+    add()
+    add()
+    with pytest.raises(ValueError, match=r"add: env 0 already holds 2 steps.*max_steps_ahead=0"):
+        add()
+    assert store.steps_per_env == [2, 0, 2]
+    with pytest.raises(ValueError, match="num_steps"):
+        RolloutStore(0, 1, OBS, spaces.Discrete(2))
+
+
+def test_completion_groups_collect_interleaved_completions() -> None:
+    groups = CompletionGroups(group_size=3)
+    rng = np.random.default_rng(0)
+    arrivals = [(prompt, i) for prompt in range(4) for i in range(3)]
+    rng.shuffle(arrivals)
+    completed = []
+    for prompt, i in arrivals:
+        length = 1 + (prompt + i) % 4
+        if groups.add(f"p{prompt}", f"c{prompt}.{i}", reward=prompt + i / 10, logps=np.full(length, -0.5), version=i):
+            completed.append(f"p{prompt}")
+    assert groups.num_complete == 4 and groups.num_pending == 0
+    first = groups.pop(num_groups=1, timeout=0)
+    assert first.prompt_ids == completed[:1] and first.rewards.shape == (1, 3)
+    rest = groups.pop(timeout=0)
+    assert rest.prompt_ids == completed[1:]
+    for batch in (first, rest):
+        for g, prompt_id in enumerate(batch.prompt_ids):
+            prompt = int(prompt_id[1:])
+            order = [int(c.split(".")[1]) for c in batch.completions[g]]
+            np.testing.assert_allclose(batch.rewards[g], [prompt + i / 10 for i in order], rtol=1e-6)
+            assert batch.policy_version[g].tolist() == order
+            lengths = [1 + (prompt + i) % 4 for i in order]
+            assert batch.mask[g].sum(-1).tolist() == lengths
+            assert np.all(batch.logps[g][batch.mask[g]] == -0.5) and np.all(batch.logps[g][~batch.mask[g]] == 0)
+    assert rest.staleness(5).max() == 5
+    with pytest.raises(TimeoutError, match=r"0 complete groups after 0.01s, need 1"):
+        groups.pop(timeout=0.01)
+
+
+def test_completion_groups_across_threads_and_bad_input() -> None:
+    groups = CompletionGroups(group_size=2)
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(groups.pop(num_groups=2, timeout=30)))
+    waiter.start()
+    for prompt in ("a", "b"):
+        for _ in range(2):
+            groups.add(prompt, "text", 1.0, [-0.1, -0.2], 0)
+    waiter.join(timeout=30)
+    assert result[0].prompt_ids == ["a", "b"]
+    with pytest.raises(ValueError, match="prompt_id: expected a hashable"):
+        groups.add(["unhashable"], "x", 0.0, [-1.0], 0)
+    with pytest.raises(ValueError, match="logps: expected a 1-D array"):
+        groups.add("a", "x", 0.0, [[-1.0]], 0)
+    with pytest.raises(ValueError, match="reward: row 0: expected a finite number"):
+        groups.add("a", "x", float("nan"), [-1.0], 0)
+    with pytest.raises(ValueError, match="version: row 0: expected a value >= 0"):
+        groups.add("a", "x", 0.0, [-1.0], -1)
+    with pytest.raises(ValueError, match="group_size"):
+        CompletionGroups(0)
