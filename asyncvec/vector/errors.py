@@ -1,0 +1,36 @@
+"""Errors raised by the vector env.
+
+Gymnasium's split-phase errors are re-exported so that code catching them keeps working.
+"""
+
+from __future__ import annotations
+
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+
+__all__ = ["AlreadyPendingCallError", "ClosedEnvironmentError", "NoAsyncCallError", "WorkerError"]
+
+
+class WorkerError(RuntimeError):
+    """A sub-environment failed: it raised, died, or hung past ``step_timeout``.
+
+    Attributes:
+        env_index: index of the sub-environment in the vector env.
+        command: what the worker was doing (``"step"``, ``"reset"``, ``"call"``...).
+        exc_type: name of the exception type raised in the worker (or ``"WorkerDied"`` /
+            ``"StepTimeout"`` when there was no exception to report).
+        worker_traceback: the traceback formatted in the worker process, if any.
+
+    The original exception, when it could be pickled back, is chained as ``__cause__``.
+    """
+
+    def __init__(
+        self, env_index: int, command: str, exc_type: str, message: str, worker_traceback: str = ""
+    ) -> None:
+        self.env_index = env_index
+        self.command = command
+        self.exc_type = exc_type
+        self.worker_traceback = worker_traceback
+        text = f"env {env_index} failed in {command}(): {exc_type}: {message}"
+        if worker_traceback:
+            text += f"\n\nTraceback in the worker process of env {env_index}:\n{worker_traceback}"
+        super().__init__(text)

@@ -1,0 +1,255 @@
+"""AsyncLLMVectorEnv against gymnasium.vector.SyncVectorEnv, and the EnvPool-style API."""
+
+from __future__ import annotations
+
+import multiprocessing
+from functools import partial
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+from asyncvec import AsyncLLMVectorEnv
+from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from toy_envs import CounterEnv, SleepyEnv
+
+MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
+KINDS = ["box", "discrete", "dict", "text"]
+
+
+def assert_same(a, b, path="") -> None:
+    """Deep equality for observations and infos (arrays, dicts, tuples, object arrays, str)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{k}]")
+    elif isinstance(a, np.ndarray) and a.dtype == object:
+        assert isinstance(b, np.ndarray) and a.shape == b.shape, f"{path}: {a!r} != {b!r}"
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{k}]")
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b, err_msg=path)
+        assert a.dtype == np.asarray(b).dtype, f"{path}: dtype {a.dtype} != {np.asarray(b).dtype}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def run_both(kind, mode, shared_memory, steps=30, num_envs=3):
+    fns = [partial(CounterEnv, obs_kind=kind) for _ in range(num_envs)]
+    sync = SyncVectorEnv(fns, autoreset_mode=mode)
+    ours = AsyncLLMVectorEnv(fns, autoreset_mode=mode, shared_memory=shared_memory)
+    try:
+        assert ours.observation_space == sync.observation_space
+        assert ours.action_space == sync.action_space
+        assert ours.metadata["autoreset_mode"] == mode == ours.autoreset_mode
+        assert_same(ours.reset(seed=7), sync.reset(seed=7), "reset")
+        action_space = sync.action_space
+        action_space.seed(3)
+        for t in range(steps):
+            actions = action_space.sample()
+            got, want = ours.step(actions), sync.step(actions)
+            assert_same(got, want, f"step {t}")
+            done = np.logical_or(want[2], want[3])
+            if mode == AutoresetMode.DISABLED and done.any():
+                options = {"reset_mask": done}
+                assert_same(
+                    ours.reset(seed=None, options=dict(options)), sync.reset(options=dict(options)), f"masked reset {t}"
+                )
+        return True
+    finally:
+        ours.close()
+        sync.close()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("kind", KINDS)
+def test_equivalent_to_sync_vector_env(kind, mode, no_leftover_children):
+    assert run_both(kind, mode, shared_memory=True)
+
+
+@pytest.mark.parametrize("kind", ["box", "dict"])
+def test_equivalent_without_shared_memory(kind):
+    assert run_both(kind, AutoresetMode.NEXT_STEP, shared_memory=False, steps=15)
+
+
+def test_equivalent_on_cartpole_with_spawn():
+    fns = [lambda: gym.make("CartPole-v1")] * 2
+    sync = SyncVectorEnv(fns)
+    ours = AsyncLLMVectorEnv(fns, context="spawn")
+    try:
+        assert_same(ours.reset(seed=1), sync.reset(seed=1))
+        for t in range(60):
+            actions = np.array([t % 2, (t // 3) % 2])
+            assert_same(ours.step(actions), sync.step(actions), f"step {t}")
+    finally:
+        ours.close()
+        sync.close()
+
+
+def test_text_observations_go_through_pipes():
+    envs = AsyncLLMVectorEnv([partial(CounterEnv, obs_kind="text")] * 2, shared_memory=True)
+    try:
+        assert envs.shared_memory is False
+        obs, _ = envs.reset(seed=0)
+        assert isinstance(obs, tuple) and all(isinstance(o, str) for o in obs)
+    finally:
+        envs.close()
+
+
+def test_call_get_set_attr_and_render():
+    envs = AsyncLLMVectorEnv([partial(CounterEnv, render_mode="rgb_array")] * 2)
+    try:
+        envs.reset(seed=0)
+        assert envs.get_attr("max_len") == (6, 6)
+        envs.set_attr("max_len", [3, 4])
+        assert envs.get_attr("max_len") == (3, 4)
+        assert envs.call("_obs")[0].shape == (3,)
+        frames = envs.render()
+        assert len(frames) == 2 and frames[0].shape == (2, 2, 3)
+        with pytest.raises(ValueError, match="length equal"):
+            envs.set_attr("max_len", [1, 2, 3])
+    finally:
+        envs.close()
+
+
+def test_split_phase_state_errors():
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+    envs.reset(seed=0)
+    with pytest.raises(NoAsyncCallError):
+        envs.step_wait()
+    envs.step_async(np.array([0, 1]))
+    with pytest.raises(AlreadyPendingCallError):
+        envs.step_async(np.array([0, 1]))
+    with pytest.raises(AlreadyPendingCallError):
+        envs.reset_async()
+    envs.step_wait(timeout=10)
+    envs.close()
+    envs.close()  # twice is fine
+    with pytest.raises(ClosedEnvironmentError):
+        envs.step(np.array([0, 1]))
+
+
+def test_step_wait_timeout_keeps_answers():
+    envs = AsyncLLMVectorEnv([partial(SleepyEnv, 0.3)] * 2)
+    try:
+        envs.reset(seed=0)
+        envs.step_async(np.array([1, 1]))
+        with pytest.raises(multiprocessing.TimeoutError):
+            envs.step_wait(timeout=0.01)
+        obs, rewards, *_ = envs.step_wait(timeout=10)
+        assert obs.shape == (2, 3) and (rewards >= 1).all()
+    finally:
+        envs.close()
+
+
+# ---------------------------------------------------------------- EnvPool-style partial batches
+
+
+def test_partial_batches_invariants(no_leftover_children):
+    delays = [0.0, 0.0, 0.02, 0.05, 0.0, 0.03]
+    fns = [partial(SleepyEnv, d) for d in delays]
+    envs = AsyncLLMVectorEnv(fns, batch_size=2)
+    try:
+        envs.async_reset(seed=0)
+        in_flight = set(range(len(fns)))
+        returned = {i: 0 for i in in_flight}
+        sent = {i: 1 for i in in_flight}
+        for _ in range(60):
+            obs, rewards, term, trunc, info = envs.recv(timeout=10)
+            ids = info["env_id"]
+            assert 1 <= len(ids) <= 2, "recv never returns an empty batch nor more than batch_size"
+            assert obs.shape == (len(ids), 3) and rewards.shape == (len(ids),)
+            assert len(set(ids.tolist())) == len(ids)
+            for i in ids:
+                assert i in in_flight, f"env {i} returned twice for one send"
+                in_flight.remove(i)
+                returned[i] += 1
+            envs.send(np.ones(len(ids), dtype=np.int64), ids)
+            for i in ids:
+                in_flight.add(int(i))
+                sent[i] += 1
+        assert all(returned[i] == sent[i] - 1 for i in returned)
+        # Fast envs are not held back by slow ones.
+        assert returned[0] > returned[3] and returned[1] > returned[3]
+    finally:
+        envs.close()
+
+
+def test_recv_arrival_order_and_rows_match_env():
+    envs = AsyncLLMVectorEnv([partial(SleepyEnv, d) for d in (0.2, 0.0, 0.1)], batch_size=1)
+    try:
+        envs.async_reset(seed=0)
+        got = []
+        for _ in range(3):
+            obs, _, _, _, info = envs.recv(timeout=10)
+            got.append(int(info["env_id"][0]))
+        assert sorted(got) == [0, 1, 2]
+        envs.send(np.array([1, 1, 1]), [0, 1, 2])
+        order = [int(envs.recv(timeout=10)[4]["env_id"][0]) for _ in range(3)]
+        assert order == [1, 2, 0]
+        # the row of env 2 carries env 2's own observation
+        envs.send(np.array([2]), [2])
+        obs, rew, *_ , info = envs.recv(timeout=10)
+        assert info["env_id"].tolist() == [2] and obs[0][0] == 2.0  # its second step
+    finally:
+        envs.close()
+
+
+def test_recv_infos_are_sized_to_the_batch():
+    envs = AsyncLLMVectorEnv([CounterEnv] * 4, batch_size=4)
+    try:
+        envs.async_reset(seed=0)
+        _, _, _, _, info = envs.recv(timeout=10)
+        assert info["length"].shape == (4,) and info["_length"].all()
+        envs.send(np.zeros(2, dtype=np.int64), [3, 1])
+        _, _, _, _, info = envs.recv(timeout=10)  # fewer in flight than batch_size: all of them
+        assert sorted(info["env_id"].tolist()) == [1, 3]
+        assert info["t"].shape == (2,) and info["_t"].all()
+    finally:
+        envs.close()
+
+
+def test_send_and_recv_errors():
+    envs = AsyncLLMVectorEnv([CounterEnv] * 3, batch_size=2)
+    try:
+        with pytest.raises(NoAsyncCallError):
+            envs.recv()
+        envs.async_reset(seed=0)
+        with pytest.raises(AlreadyPendingCallError):
+            envs.step(np.zeros(3, dtype=np.int64))
+        _, _, _, _, info = envs.recv(timeout=10)
+        with pytest.raises(ValueError, match="out of range"):
+            envs.send(np.zeros(1, dtype=np.int64), [7])
+        with pytest.raises(ValueError, match="repeated"):
+            envs.send(np.zeros(2, dtype=np.int64), [0, 0])
+        busy = ({0, 1, 2} - set(info["env_id"].tolist())).pop()
+        with pytest.raises(ValueError, match=f"env {busy} is still busy"):
+            envs.send(np.zeros(1, dtype=np.int64), [busy])
+    finally:
+        envs.close()
+
+
+def test_lockstep_after_draining_partial_batches():
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2, batch_size=1)
+    try:
+        envs.async_reset(seed=0)
+        envs.recv(timeout=10)
+        envs.recv(timeout=10)
+        obs, *_ = envs.step(np.array([1, 1]))
+        assert obs.shape == (2, 3)
+    finally:
+        envs.close()
+
+
+def test_constructor_validation():
+    with pytest.raises(ValueError, match="batch_size"):
+        AsyncLLMVectorEnv([CounterEnv] * 2, batch_size=3)
+    with pytest.raises(ValueError, match="empty"):
+        AsyncLLMVectorEnv([])
+    with pytest.raises(TypeError, match=r"env_fns\[1\]"):
+        AsyncLLMVectorEnv([CounterEnv, "CartPole-v1"])
