@@ -1,0 +1,144 @@
+"""`HFTextPolicy`: a transformers causal LM sampling completions in left-padded batches."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from asyncvec.inference.text import TextPolicy, group_by_sampling
+from asyncvec.inference.types import BackendResult, TextPrompt
+from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
+
+
+class HFTextPolicy(TextPolicy):
+    """A local ``transformers`` causal LM behind a `DynamicBatcher`.
+
+    Prompts of a batch are left-padded and sampled together with ``model.generate``
+    (requests with different sampling settings form separate calls). Each generated token
+    comes with its log-probability **under the distribution it was sampled from**: the
+    log-softmax of the logits divided by ``temperature``, renormalised over the top-p nucleus
+    when ``top_p`` is set (top-k and other processors are off). With the defaults
+    (``temperature=1.0``, ``top_p=None``) that is the log-softmax of the unmodified logits.
+    For greedy decoding (``temperature=0``) it is the log-softmax of the unmodified logits.
+    ``behavior_logp`` is the sum over the completion, eos included when it was sampled.
+
+    Args:
+        model: a ``PreTrainedModel`` or a ``save_pretrained`` folder.
+        tokenizer: its tokenizer (default: loaded from the model folder). It is switched to
+            left padding; without a pad token the eos token pads.
+        action_parser: ``text -> action`` (see `TextPolicy`).
+        max_new_tokens, temperature, top_p: default sampling settings.
+        **kwargs: `BatchedPolicy` options (``action_space`` or a ``fallback`` function is
+            required for rejected completions).
+
+    `load_weights` takes a state dict, a ``torch.save``'d file or a ``save_pretrained``
+    folder; weights are copied into the model in place.
+
+    Example:
+        >>> import tempfile, gymnasium as gym
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> with HFTextPolicy(folder, None, lambda text: int(text.strip()[:1]), action_space=gym.spaces.Discrete(10),
+        ...                   max_new_tokens=2) as policy:
+        ...     out = policy.submit("3+4=", env_id=0).result(timeout=30)
+        >>> len(out.token_ids) <= 2 and abs(out.behavior_logp - sum(out.token_logps)) < 1e-9
+        True
+    """
+
+    def __init__(
+        self,
+        model: Union[Any, str, os.PathLike],
+        tokenizer: Any = None,
+        action_parser: Optional[Callable[[str], Any]] = None,
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: Optional[float] = None,
+        **kwargs: Any,
+    ) -> None:
+        import transformers
+
+        if action_parser is None:
+            raise TypeError("HFTextPolicy: action_parser is required (a function text -> action)")
+        if isinstance(model, (str, os.PathLike)):
+            folder = Path(model)
+            if not folder.is_dir():
+                raise FileNotFoundError(f"HFTextPolicy: no model folder at {folder}")
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+            if tokenizer is None:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        if not isinstance(model, transformers.PreTrainedModel):
+            raise TypeError(f"HFTextPolicy: model must be a transformers PreTrainedModel or a folder, got {type(model).__name__}")
+        if tokenizer is None:
+            raise TypeError("HFTextPolicy: pass the tokenizer (or a model folder that contains one)")
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_positions: Optional[int] = getattr(model.config, "max_position_embeddings", None)
+        # Fast tokenizers are not safe to share between threads (padding state, "Already borrowed").
+        self._tokenizer_lock = threading.Lock()
+        super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
+
+    def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
+        with self._tokenizer_lock:
+            length = len(self.tokenizer(prompt.prompt).input_ids)
+        if length == 0:
+            raise ValueError(f"{self._label}: {where}the prompt tokenizes to no tokens")
+        if self.max_positions is not None and length + prompt.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"{self._label}: {where}prompt of {length} tokens + max_new_tokens {prompt.max_new_tokens} "
+                f"exceeds the model's {self.max_positions} positions"
+            )
+
+    def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
+        results: list[Optional[BackendResult]] = [None] * len(prompts)
+        for (max_new_tokens, temperature, top_p, top_k), indices in group_by_sampling(prompts).items():
+            for index, result in zip(indices, self._generate([prompts[i].prompt for i in indices], max_new_tokens, temperature, top_p, top_k)):
+                results[index] = result
+        return results  # type: ignore[return-value]
+
+    def _generate(self, texts: list[str], max_new_tokens: int, temperature: float, top_p: Optional[float], top_k: int) -> list[BackendResult]:
+        import transformers
+
+        with self._tokenizer_lock:
+            encoded = self.tokenizer(texts, return_tensors="pt", padding=True).to(self.model.device)
+        eos = self.tokenizer.eos_token_id
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {"do_sample": False}
+        config = transformers.GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=eos,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **sampling,
+        )
+        with torch.no_grad():
+            out = self.model.generate(**encoded, generation_config=config)
+        generated = out.sequences[:, encoded["input_ids"].shape[1] :]
+        # scores are the processed logits the sampler drew from: log-softmax gives the sampled distribution
+        logps_all = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)
+        token_logps = logps_all.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
+        top = torch.topk(logps_all, top_k, dim=-1) if top_k else None
+        results = []
+        for row in range(generated.shape[0]):
+            ids = generated[row].tolist()
+            length = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
+            ids = ids[:length]
+            with self._tokenizer_lock:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            top_rows = None
+            if top is not None:
+                top_rows = [
+                    dict(zip(top.indices[row, step].tolist(), top.values[row, step].tolist())) for step in range(length)
+                ]
+            results.append(self._text_result(text, ids, token_logps[row, :length].tolist(), top_rows))
+        return results
+
+    def _apply_weights(self, weights: WeightsSource, version: int) -> None:
+        apply_state_dict(self.model, load_state_dict_source(weights))
