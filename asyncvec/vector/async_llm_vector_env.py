@@ -438,7 +438,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             if np.issubdtype(action.dtype, np.number) and action.dtype != space.dtype:
                 action = action.astype(space.dtype)
         if not space.contains(action):
-            raise ValueError(f"action {action!r} for env {env_id} is not in the action space {space}")
+            raise ValueError(f"action {action} for env {env_id} is not in the action space {space}")
         return action
 
     def _split_actions(self, actions: Any, env_ids: Sequence[int]) -> list[Any]:

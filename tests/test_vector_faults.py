@@ -1,0 +1,258 @@
+"""Faults: an env that raises, a worker killed by SIGKILL, a hung worker, a bad action, close()."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode
+
+from asyncvec import AsyncLLMVectorEnv
+from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
+from conftest import live_children
+from toy_envs import CounterEnv, FaultyEnv
+
+FAULTS = ["raise", "kill", "hang"]
+
+
+def make_envs(tmp_path, fault, num_envs=3, faulty=1, **kwargs):
+    fns = [partial(CounterEnv, max_len=50) for _ in range(num_envs)]
+    fns[faulty] = partial(FaultyEnv, fault, 3, str(tmp_path / "fault-once"), max_len=50)
+    kwargs.setdefault("step_timeout", 2.0)
+    return AsyncLLMVectorEnv(fns, **kwargs)
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_without_restarts_raises_and_leaves_no_child(tmp_path, fault, no_leftover_children):
+    envs = make_envs(tmp_path, fault)
+    envs.reset(seed=0)
+    expected = {"raise": "ZeroDivisionError", "kill": "WorkerDied", "hang": "StepTimeout"}[fault]
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=f"env 1 failed in step\\(\\): {expected}") as err:
+        for _ in range(5):
+            envs.step(np.ones(3, dtype=np.int64))
+    assert time.monotonic() - start < 30, "a fault must never be waited on forever"
+    assert err.value.env_index == 1
+    if fault == "raise":
+        assert "the simulator divided by zero" in str(err.value)
+        assert "Traceback" in err.value.worker_traceback and "toy_envs.py" in err.value.worker_traceback
+        assert isinstance(err.value.__cause__, ZeroDivisionError)
+    if fault == "kill":
+        assert "killed by signal 9" in str(err.value)
+    assert envs.closed
+    with pytest.raises(ClosedEnvironmentError):
+        envs.step(np.ones(3, dtype=np.int64))
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_restart_in_place_lockstep(tmp_path, fault, mode, no_leftover_children):
+    envs = make_envs(tmp_path, fault, max_restarts=1, autoreset_mode=mode)
+    try:
+        obs, _ = envs.reset(seed=0)
+        last = obs.copy()
+        for t in range(1, 6):
+            obs, rewards, term, trunc, info = envs.step(np.ones(3, dtype=np.int64))
+            if t == 3:
+                assert info["env_restarted"][1] and info["_env_restarted"].tolist() == [False, True, False]
+                assert trunc.tolist() == [False, True, False] and not term.any()
+                assert rewards[1] == 0.0
+                if mode == AutoresetMode.NEXT_STEP:
+                    # the episode ends at the last observation seen before the fault
+                    np.testing.assert_array_equal(obs[1], last[1])
+                else:
+                    np.testing.assert_array_equal(info["final_obs"][1], last[1])
+                    assert obs[1][0] == 0.0, "a fresh episode starts in the same step"
+                # the other envs' transitions are intact
+                np.testing.assert_array_equal(obs[[0, 2], 0], [3.0, 3.0])
+            if t == 4 and mode == AutoresetMode.NEXT_STEP:
+                assert obs[1][0] == 0.0 and rewards[1] == 0.0, "next step resets the restarted env"
+            last = obs.copy()
+        assert envs.restarts == [0, 1, 0]
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_restart_in_place_partial_batches_lose_nothing(tmp_path, fault, no_leftover_children):
+    envs = make_envs(tmp_path, fault, num_envs=4, faulty=2, batch_size=2, max_restarts=1, step_timeout=1.0)
+    try:
+        envs.async_reset(seed=0)
+        steps = {i: 0 for i in range(4)}
+        restarted = []
+        deadline = time.monotonic() + 3.0  # longer than step_timeout, so the hang is noticed
+        while time.monotonic() < deadline:
+            _, _, _, trunc, info = envs.recv(timeout=20)
+            for k, i in enumerate(info["env_id"].tolist()):
+                steps[i] += 1
+                if info.get("_env_restarted", np.zeros(len(trunc), bool))[k]:
+                    restarted.append(i)
+                    assert trunc[k]
+            envs.send(np.ones(len(info["env_id"]), dtype=np.int64), info["env_id"])
+        assert restarted == [2]
+        assert all(n > 5 for n in steps.values()), steps
+        assert envs.restarts == [0, 0, 1, 0]
+    finally:
+        envs.close()
+
+
+def test_restart_budget_runs_out(tmp_path, no_leftover_children):
+    class AlwaysFails(CounterEnv):
+        def step(self, action):
+            raise RuntimeError("broken for good")
+
+    envs = AsyncLLMVectorEnv([CounterEnv, AlwaysFails], max_restarts=2)
+    envs.reset(seed=0)
+    with pytest.raises(WorkerError, match="after 2 restart") as err:
+        for _ in range(10):
+            envs.step(np.zeros(2, dtype=np.int64))
+    assert err.value.env_index == 1
+
+
+def test_reset_fault_is_retried_after_restart(tmp_path):
+    marker = tmp_path / "reset-fault"
+
+    class FailsFirstReset(CounterEnv):
+        def reset(self, *, seed=None, options=None):
+            if not marker.exists():
+                marker.touch()
+                raise OSError("simulator not ready")
+            return super().reset(seed=seed, options=options)
+
+    envs = AsyncLLMVectorEnv([CounterEnv, FailsFirstReset], max_restarts=1)
+    try:
+        obs, info = envs.reset(seed=5)
+        assert info["env_restarted"].tolist() == [False, True]
+        want, _ = CounterEnv().reset(seed=6)
+        np.testing.assert_array_equal(obs[1], want)  # same seed as asked for
+    finally:
+        envs.close()
+
+
+def test_env_that_fails_to_build():
+    def broken():
+        raise ImportError("no such simulator")
+
+    calls = {"n": 0}
+
+    def first_ok_then_broken():
+        calls["n"] += 1
+        if calls["n"] > 1:  # the parent's space probe succeeds; the worker's copy fails
+            raise ImportError("no such simulator")
+        return CounterEnv()
+
+    with pytest.raises(ImportError):
+        AsyncLLMVectorEnv([broken])
+    with pytest.raises(WorkerError, match="env 0 failed in make\\(\\): ImportError: no such simulator"):
+        AsyncLLMVectorEnv([first_ok_then_broken], context="fork")
+
+
+@pytest.mark.parametrize(
+    "actions, message",
+    [
+        (np.array([0, 5]), r"action 5 for env 1 is not in the action space Discrete\(3\)"),
+        (np.array([0.5, 1.0]), r"for env 0 is not in the action space Discrete\(3\)"),
+        (np.array([0, 1, 2]), r"Discrete\(3\)"),
+    ],
+)
+def test_bad_action_raises_before_anything_is_sent(actions, message):
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+    try:
+        envs.reset(seed=0)
+        with pytest.raises(ValueError, match=message):
+            envs.step(actions)
+        obs, *_ = envs.step(np.array([1, 1]))  # nothing was sent: the env still works
+        assert obs[:, 0].tolist() == [1.0, 1.0]
+    finally:
+        envs.close()
+
+
+def test_bad_box_action_names_the_space():
+    import gymnasium as gym
+
+    envs = AsyncLLMVectorEnv([lambda: gym.make("Pendulum-v1")] * 2, batch_size=1)
+    try:
+        envs.async_reset(seed=0)
+        _, _, _, _, info = envs.recv(timeout=10)
+        env_id = int(info["env_id"][0])
+        with pytest.raises(ValueError, match=rf"shape \(2,\), expected \(1,\) of Box\(-2.0, 2.0, \(1,\), float32\)"):
+            envs.send(np.zeros((1, 2)), [env_id])
+        with pytest.raises(ValueError, match=rf"for env {env_id} is not in the action space Box"):
+            envs.send(np.array([[3.5]]), [env_id])
+        envs.send(np.array([[1.5]], dtype=np.float64), [env_id])  # castable and in bounds
+        envs.recv(timeout=10)
+    finally:
+        envs.close()
+
+
+def test_close_after_exception_and_garbage_collection(no_leftover_children):
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+    pids = envs.worker_pids
+    try:
+        envs.reset(seed=0)
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        envs.close()
+    assert not (set(pids) & live_children())
+
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+    pids = envs.worker_pids
+    envs.async_reset()  # dropped with a command in flight
+    del envs
+    gc.collect()
+    assert not (set(pids) & live_children())
+
+
+def test_close_kills_a_worker_stuck_in_step(tmp_path, no_leftover_children):
+    envs = make_envs(tmp_path, "hang", step_timeout=None)
+    envs.reset(seed=0)
+    for _ in range(2):
+        envs.step(np.ones(3, dtype=np.int64))
+    envs.step_async(np.ones(3, dtype=np.int64))  # env 1 hangs in this step
+    start = time.monotonic()
+    envs.close(timeout=0.5)
+    assert time.monotonic() - start < 10
+
+
+def test_context_manager_closes():
+    with AsyncLLMVectorEnv([CounterEnv] * 2) as envs:
+        envs.reset(seed=0)
+        pids = envs.worker_pids
+    assert envs.closed
+    assert not (set(pids) & live_children())
+
+
+def test_worker_exits_when_parent_dies(tmp_path):
+    """A worker whose parent was SIGKILLed exits on its own instead of lingering."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from toy_envs import CounterEnv
+        from asyncvec import AsyncLLMVectorEnv
+        envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+        print(*envs.worker_pids, flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{p}") for p in pids), "workers outlived their parent"
+    finally:
+        parent.kill()
