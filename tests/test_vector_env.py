@@ -11,6 +11,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from asyncvec import AsyncLLMVectorEnv
+from asyncvec.vector.checker import first_difference
 from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from toy_envs import CounterEnv, SleepyEnv
 
@@ -19,24 +20,8 @@ KINDS = ["box", "discrete", "dict", "text"]
 
 
 def assert_same(a, b, path="") -> None:
-    """Deep equality for observations and infos (arrays, dicts, tuples, object arrays, str)."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(a)} != {sorted(b)}"
-        for key in a:
-            assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (tuple, list)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for k, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{k}]")
-    elif isinstance(a, np.ndarray) and a.dtype == object:
-        assert isinstance(b, np.ndarray) and a.shape == b.shape, f"{path}: {a!r} != {b!r}"
-        for k, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{k}]")
-    elif isinstance(a, np.ndarray):
-        np.testing.assert_array_equal(a, b, err_msg=path)
-        assert a.dtype == np.asarray(b).dtype, f"{path}: dtype {a.dtype} != {np.asarray(b).dtype}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+    found = first_difference(a, b, path)
+    assert found is None, found
 
 
 def run_both(kind, mode, shared_memory, steps=30, num_envs=3):

@@ -1,6 +1,7 @@
 """Vectorized envs: ``AsyncLLMVectorEnv`` and the conformance checker ``check_vector_env``."""
 
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
+from asyncvec.vector.checker import VectorEnvCheckError, check_vector_env
 from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, WorkerError
 
 __all__ = [
@@ -8,5 +9,7 @@ __all__ = [
     "AsyncLLMVectorEnv",
     "ClosedEnvironmentError",
     "NoAsyncCallError",
+    "VectorEnvCheckError",
     "WorkerError",
+    "check_vector_env",
 ]
