@@ -473,7 +473,7 @@ class AsyncLLMVectorEnv(VectorEnv):
                 f"Calling `{call}` while waiting for a pending call to `{self._state.value}` to complete.",
                 self._state.value,
             )
-        busy = [i for i, w in enumerate(self._workers) if w.pending is not None]
+        busy = self.in_flight
         if busy:
             raise AlreadyPendingCallError(
                 f"Calling `{call}` while envs {busy} have sends in flight or answers not yet received with recv().",
@@ -623,7 +623,7 @@ class AsyncLLMVectorEnv(VectorEnv):
                 seconds; answers already received stay buffered for the next ``recv``.
         """
         self._assert_is_running()
-        in_flight = [i for i, w in enumerate(self._workers) if w.pending is not None]
+        in_flight = self.in_flight
         if not in_flight:
             raise NoAsyncCallError("Calling `recv` with no env in flight: call `async_reset` or `send` first.", "recv")
         target = min(self.batch_size, len(in_flight))
@@ -720,6 +720,11 @@ class AsyncLLMVectorEnv(VectorEnv):
                 raise RuntimeError(f"env {index} has an action space different from {self.single_action_space}")
 
     # ------------------------------------------------------------------ closing
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Ids of the envs that were sent a command whose answer ``recv`` has not returned yet."""
+        return [i for i, w in enumerate(self._workers) if w.pending is not None]
 
     @property
     def restarts(self) -> list[int]:
