@@ -85,9 +85,18 @@ class HFTextPolicy(TextPolicy):
         self._tokenizer_lock = threading.Lock()
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
 
-    def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
+    def count_tokens(self, text: str) -> int:
+        """Number of tokens ``text`` encodes to (as a prompt)."""
         with self._tokenizer_lock:
-            length = len(self.tokenizer(prompt.prompt).input_ids)
+            return len(self.tokenizer(text).input_ids)
+
+    def token_texts(self, token_ids: "list[int] | tuple[int, ...]") -> list[str]:
+        """Each token's text on its own (special tokens decode to "")."""
+        with self._tokenizer_lock:
+            return [self.tokenizer.decode([token], skip_special_tokens=True) for token in token_ids]
+
+    def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
+        length = self.count_tokens(prompt.prompt)
         if length == 0:
             raise ValueError(f"{self._label}: {where}the prompt tokenizes to no tokens")
         if self.max_positions is not None and length + prompt.max_new_tokens > self.max_positions:

@@ -1,0 +1,99 @@
+"""The ``asyncvec`` console script.
+
+Example:
+    $ asyncvec serve --model ./tiny-lm --port 8000 --weights-dir ./checkpoints --token s3cret
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+TOKEN_ENV = "ASYNCVEC_SERVE_TOKEN"
+
+
+def _existing_dir(value: str) -> Path:
+    path = Path(value)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a directory")
+    return path
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be an int, got {value!r}") from None
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
+    return port
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``asyncvec`` command."""
+    parser = argparse.ArgumentParser(prog="asyncvec", description="asyncvec command line tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser(
+        "serve",
+        help="serve a transformers model folder over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible /v1/completions server (with log-probs and weight updates) for a model folder.",
+    )
+    serve.add_argument("--model", required=True, type=_existing_dir, help="save_pretrained folder (model + tokenizer)")
+    serve.add_argument("--port", required=True, type=_port, help="TCP port")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument(
+        "--weights-dir", type=_existing_dir, default=None, help="POST /update_weights loads only from inside this folder (omit: updates disabled)"
+    )
+    serve.add_argument(
+        "--token", default=None, help=f"bearer token required by /update_weights (or set ${TOKEN_ENV}; prefer the variable: it stays out of ps)"
+    )
+    serve.add_argument("--model-name", default=None, help="name clients send as 'model' (default: the folder name)")
+    serve.add_argument("--max-batch-size", type=_positive_int, default=32, help="largest batch sent to the model")
+    serve.add_argument("--max-wait-ms", type=float, default=5.0, help="longest wait for a batch to fill")
+    serve.add_argument("--max-tokens-limit", type=_positive_int, default=256, help="largest max_tokens a request may ask for")
+    serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of the ``asyncvec`` console script."""
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from asyncvec.inference.server import serve
+
+        token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"asyncvec serve: binding {args.host}: the server is reachable from the network", file=sys.stderr)
+            if token is None and args.weights_dir is not None:
+                print("asyncvec serve: /update_weights has no token; pass --token or set " + TOKEN_ENV, file=sys.stderr)
+        print(f"asyncvec serve: {args.model} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        serve(
+            args.model,
+            host=args.host,
+            port=args.port,
+            weights_dir=args.weights_dir,
+            token=token,
+            model_name=args.model_name,
+            max_batch_size=args.max_batch_size,
+            max_wait_ms=args.max_wait_ms,
+            max_tokens_limit=args.max_tokens_limit,
+            log_level=args.log_level,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
