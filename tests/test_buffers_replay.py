@@ -381,3 +381,14 @@ def test_closed_buffer_refuses_work() -> None:
         buffer.sample(1, 0)
     with pytest.raises(RuntimeError, match="closed"):
         add_serials(buffer, np.arange(2), versions=0)
+
+
+def test_integer_box_bounds_are_checked_unless_the_dtype_implies_them() -> None:
+    narrow = ReplayBuffer(4, spaces.Box(0, 10, (2,), np.uint8), spaces.Discrete(2))
+    obs = np.array([[0, 10], [11, 3]], np.uint8)
+    with pytest.raises(ValueError, match=r"obs: row 1: value \[11, 3\] is not in Box\(0, 10"):
+        narrow.add(obs, np.array([0, 1]), [0.0, 0.0], obs, [False, False], [False, False], 0)
+    full = ReplayBuffer(4, spaces.Box(0, 255, (2,), np.uint8), spaces.Discrete(2))
+    obs = np.array([[0, 255], [11, 3]], np.uint8)
+    full.add(obs, np.array([0, 1]), [0.0, 0.0], obs, [False, False], [False, False], 0)
+    np.testing.assert_array_equal(np.sort(full.sample(2, 0).obs, axis=0), np.sort(obs, axis=0))

@@ -35,6 +35,9 @@ class Leaf:
     space: spaces.Space
     shape: tuple[int, ...]  # per sample
     dtype: np.dtype
+    # True when the dtype alone guarantees membership (a uint8 Box over [0, 255]), so the
+    # per-batch bounds check can be skipped: it costs more than the copy for images.
+    dtype_is_space: bool = False
 
     @property
     def is_text(self) -> bool:
@@ -85,7 +88,9 @@ class SpaceCodec:
                 f"{leaf.label}: expected a batch of shape {expected_shape} from {leaf.space}, "
                 f"got shape {array.shape}"
             )
-        array = cast_lossless(array, leaf.dtype, leaf.label, str(leaf.space))
+        array = cast_lossless(array, leaf.dtype, leaf.label, leaf.space)
+        if leaf.dtype_is_space:
+            return array
         key = (id(leaf), n)
         batched = self._batched_cache.get(key)
         if batched is None:
@@ -151,7 +156,13 @@ def _walk(space: spaces.Space, label: str, path: tuple[str | int, ...]) -> Itera
     elif isinstance(space, spaces.Text):
         yield Leaf(path, label, space, (space.max_length,), np.dtype(np.int32))
     elif isinstance(space, _FIXED):
-        yield Leaf(path, label, space, tuple(space.shape), np.dtype(space.dtype))
+        dtype = np.dtype(space.dtype)
+        full_range = (
+            isinstance(space, spaces.Box)
+            and dtype.kind in "iu"
+            and bool(np.all(space.low == np.iinfo(dtype).min) and np.all(space.high == np.iinfo(dtype).max))
+        )
+        yield Leaf(path, label, space, tuple(space.shape), dtype, dtype_is_space=full_range)
     else:
         raise TypeError(
             f"{label}: {space} is not supported; expected Box, Discrete, MultiDiscrete, "
@@ -175,13 +186,13 @@ def _pick(value: Any, leaf: Leaf, field: str) -> Any:
     return value
 
 
-def cast_lossless(array: np.ndarray, target: np.dtype, label: str, expected: str) -> np.ndarray:
+def cast_lossless(array: np.ndarray, target: np.dtype, label: str, expected: object) -> np.ndarray:
     """Cast ``array`` to ``target`` when no value changes; otherwise raise naming ``label``.
 
     Integers and bools may become floats; integers narrow only when every value fits
     (``int64`` 300 never silently wraps to ``uint8`` 44); floats never become integers.
+    ``expected`` (a space or a description) is only formatted into an error message.
     """
-    target = np.dtype(target)
     source = array.dtype
     if source == target:
         return array
@@ -213,10 +224,10 @@ def as_column(
     array = np.asarray(value)
     if array.ndim == 0 and allow_scalar:
         array = np.full(n, array)
-    expected = f"{dtype} values, shape ({n},)"
     if array.dtype == object or array.shape != (n,):
-        raise ValueError(f"{field}: expected {expected}, got {array.dtype} shape {array.shape}")
-    array = cast_lossless(array, dtype, field, expected)
+        raise ValueError(f"{field}: expected {dtype} values, shape ({n},), got {array.dtype} shape {array.shape}")
+    if array.dtype != dtype:
+        array = cast_lossless(array, dtype, field, "one value per sample")
     if finite and not np.all(np.isfinite(array)):
         row = int(np.flatnonzero(~np.isfinite(array))[0])
         raise ValueError(f"{field}: row {row}: expected a finite number, got {array[row]}")

@@ -440,8 +440,15 @@ class ReplayBuffer:
             write_json_atomic(self.storage_dir / _HEADER, self._header(), self.fsync)
 
     def _count(self, versions: np.ndarray, fallback: np.ndarray, sign: int) -> None:
-        values, counts = np.unique(versions, return_counts=True)
-        for version, count in zip(values.tolist(), counts.tolist()):
+        if len(versions) == 0:
+            return
+        low, high = int(versions.min()), int(versions.max())
+        if low == high:  # the common case: one version per batch
+            values, counts = [low], [len(versions)]
+        else:
+            unique, repeats = np.unique(versions, return_counts=True)
+            values, counts = unique.tolist(), repeats.tolist()
+        for version, count in zip(values, counts):
             self._version_counts[version] += sign * count
             if self._version_counts[version] == 0:
                 del self._version_counts[version]
