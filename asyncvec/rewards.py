@@ -133,9 +133,9 @@ def unregister(name: str) -> None:
         False
     """
     with _registry_lock:
-        if name not in _registry:
-            raise KeyError(_unknown_message(name))
-        del _registry[name]
+        removed = _registry.pop(name, None)
+    if removed is None:
+        raise KeyError(_unknown_message(name))
 
 
 def get(name: str) -> RewardFn:
@@ -628,7 +628,8 @@ class RewardServiceStats:
     """Counters of a :class:`RewardService`.
 
     Every request ends in exactly one of ``cache_hits``, ``scored``, ``timeouts``, ``errors``
-    (or is still pending).
+    (or is still pending). ``batches`` counts ``score_batch`` calls (batch scorers only);
+    ``cache_size`` is the number of cached scores.
     """
 
     requests: int
@@ -731,6 +732,7 @@ class RewardService:
         self._loop = asyncio.new_event_loop()
         self._queue: asyncio.Queue[_Request] = asyncio.Queue()
         self._pending: set[_Request] = set()  # touched on the loop thread only
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self._slots = asyncio.Semaphore(self.num_workers)
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="asyncvec-reward-loop", daemon=True
@@ -940,7 +942,9 @@ class RewardService:
                 if not group:
                     continue
                 await self._slots.acquire()
-                self._loop.create_task(self._score(group))
+                task = self._loop.create_task(self._score(group))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def _score(self, batch: list[_Request]) -> None:
         try:
