@@ -36,7 +36,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +66,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-RewardFn = Callable[..., Union[float, Awaitable[float]]]
+RewardFn = Callable[..., float | Awaitable[float]]
 """A reward plugin: ``f(prompt: str, completion: str, **info) -> float`` (or awaitable)."""
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -281,9 +281,8 @@ def _resolve(reward: str | RewardFn) -> tuple[str, RewardFn]:
 def _is_async(fn: object) -> bool:
     if isinstance(fn, CombinedReward):
         return fn.is_async
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)
-    )
+    # an instance with an ``async def __call__`` is async too
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _call(name: str, fn: RewardFn, prompt: str, completion: str, info: Mapping[str, Any]) -> float:
@@ -358,7 +357,9 @@ class CombinedReward:
                     f"got {weight!r} of type {type(weight).__name__}"
                 )
             if not math.isfinite(weight):
-                raise ValueError(f"CombinedReward weight for {name!r} must be finite, got {weight!r}")
+                raise ValueError(
+                    f"CombinedReward weight for {name!r} must be finite, got {weight!r}"
+                )
             self._plugins[name] = get(name)
             self.weights[name] = float(weight)
         self.is_async: bool = any(_is_async(fn) for fn in self._plugins.values())
@@ -377,7 +378,7 @@ class CombinedReward:
         return self._total(values)
 
     def _total(self, values: Sequence[float]) -> float:
-        total = math.fsum(w * v for w, v in zip(self.weights.values(), values))
+        total = math.fsum(w * v for w, v in zip(self.weights.values(), values, strict=True))
         return check_reward(total, repr(self))
 
     def __repr__(self) -> str:
@@ -454,11 +455,13 @@ def exact_answer(prompt: str, completion: str, *, answer: int | None = None, **i
         answer = solve_arithmetic(prompt)
         if answer is None:
             raise ValueError(
-                f"exact_answer needs info['answer'] or a prompt ending in 'a+b=', got prompt {prompt!r}"
+                "exact_answer needs info['answer'] or a prompt ending in 'a+b=', "
+                f"got prompt {prompt!r}"
             )
     elif isinstance(answer, bool) or not isinstance(answer, numbers.Integral):
         raise TypeError(
-            f"exact_answer: info['answer'] must be an int, got {answer!r} of type {type(answer).__name__}"
+            f"exact_answer: info['answer'] must be an int, "
+            f"got {answer!r} of type {type(answer).__name__}"
         )
     return 1.0 if parse_leading_int(completion) == int(answer) else 0.0
 
@@ -508,10 +511,12 @@ class HFRewardModel:
 
     Example:
         >>> from tokenizers import Tokenizer, models
-        >>> from transformers import GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast
+        >>> from transformers import (
+        ...     GPT2Config, GPT2ForSequenceClassification, PreTrainedTokenizerFast)
         >>> from asyncvec.rewards import HFRewardModel
         >>> vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate("0123456789+-*= ")}}
-        >>> chars = Tokenizer(models.BPE(vocab, merges=[], unk_token="<pad>"))  # no merges: one token per char
+        >>> # a BPE model without merges is a character-level tokenizer
+        >>> chars = Tokenizer(models.BPE(vocab, merges=[], unk_token="<pad>"))
         >>> tok = PreTrainedTokenizerFast(tokenizer_object=chars, pad_token="<pad>")
         >>> config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(vocab),
         ...                     num_labels=1, pad_token_id=0)
@@ -535,7 +540,8 @@ class HFRewardModel:
             raise ValueError(f"label must be in [0, {num_labels}) for this model, got {label!r}")
         if tokenizer.pad_token_id is None:
             raise ValueError(
-                "tokenizer.pad_token is None; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)"
+                "tokenizer.pad_token is None; set one "
+                "(e.g. tokenizer.pad_token = tokenizer.eos_token)"
             )
         if config.pad_token_id is None:
             raise ValueError(
@@ -748,7 +754,7 @@ class RewardService:
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> RewardService:
-        """A service over :meth:`HFRewardModel.from_pretrained` ``(path)``; kwargs go to the service."""
+        """A service over ``HFRewardModel.from_pretrained(path)``; kwargs go to the service."""
         return cls(HFRewardModel.from_pretrained(path, device=device), **kwargs)
 
     # -- public API -----------------------------------------------------------------------
@@ -801,7 +807,9 @@ class RewardService:
             self._cache.clear()
 
     def load_weights(
-        self, weights: Mapping[str, torch.Tensor] | str | os.PathLike[str], version: int | None = None
+        self,
+        weights: Mapping[str, torch.Tensor] | str | os.PathLike[str],
+        version: int | None = None,
     ) -> int:
         """Load new reward-model weights and switch version (default: current + 1).
 
@@ -950,21 +958,35 @@ class RewardService:
         try:
             if self._batched:
                 version, values = await self._loop.run_in_executor(
-                    self._executor, self._score_batch, [r.prompt for r in batch], [r.response for r in batch]
+                    self._executor,
+                    self._score_batch,
+                    [r.prompt for r in batch],
+                    [r.response for r in batch],
                 )
             else:
                 (request,) = batch
                 with self._lock:
                     version = self._version
                 if self._async:
-                    values = [await _acall(self._name, self._scorer, request.prompt, request.response, request.info)]
+                    values = [
+                        await _acall(
+                            self._name, self._scorer, request.prompt, request.response, request.info
+                        )
+                    ]
                 else:
                     call = functools.partial(
-                        _call, self._name, self._scorer, request.prompt, request.response, request.info
+                        _call,
+                        self._name,
+                        self._scorer,
+                        request.prompt,
+                        request.response,
+                        request.info,
                     )
                     values = [await self._loop.run_in_executor(self._executor, call)]
         except Exception as exc:  # scorer failures flag the requests; the service keeps going
-            logger.warning("reward scorer %r failed on %d request(s): %r", self._name, len(batch), exc)
+            logger.warning(
+                "reward scorer %r failed on %d request(s): %r", self._name, len(batch), exc
+            )
             with self._lock:
                 version = self._version
             for request in batch:
@@ -988,7 +1010,7 @@ class RewardService:
         return version, values
 
     def _finish(self, batch: list[_Request], values: list[Any], version: int) -> None:
-        for request, value in zip(batch, values):
+        for request, value in zip(batch, values, strict=True):
             try:
                 reward = check_reward(value, self._name)
             except (TypeError, ValueError) as exc:
@@ -1004,7 +1026,9 @@ class RewardService:
                 self._resolve(request, RewardResult(reward, False, 0.0, version, False))
 
     async def _shutdown(self) -> None:
-        tasks = [task for task in asyncio.all_tasks(self._loop) if task is not asyncio.current_task()]
+        tasks = [
+            task for task in asyncio.all_tasks(self._loop) if task is not asyncio.current_task()
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -35,7 +35,8 @@ COMPLETION_CHARSET = string.printable
 def _check_action(action: object) -> str:
     if not isinstance(action, str):
         raise TypeError(
-            f"action must be a str (the model's completion), got {type(action).__name__}: {action!r}"
+            "action must be a str (the model's completion), "
+            f"got {type(action).__name__}: {action!r}"
         )
     return action
 
@@ -60,7 +61,8 @@ class ArithmeticEnv(gym.Env[str, str]):
         max_operand: Largest operand (default 99; 9 in ``single_digit`` mode).
         operations: Operators to draw from, a subset of ``"+"``, ``"-"``, ``"*"`` (default all;
             ``("+",)`` in ``single_digit`` mode). Subtraction may give negative answers.
-        single_digit: The simplified task for a tiny model: single-digit sums (``"3+4="`` -> ``"7"``).
+        single_digit: The simplified task for a tiny model: single-digit sums
+            (``"3+4="`` -> ``"7"``).
         max_completion_length: ``max_length`` of the action space.
 
     Example:
@@ -84,7 +86,9 @@ class ArithmeticEnv(gym.Env[str, str]):
         max_completion_length: int = 32,
     ) -> None:
         if single_digit:
-            if max_operand not in (None, 9) or (operations is not None and tuple(operations) != ("+",)):
+            if max_operand not in (None, 9) or (
+                operations is not None and tuple(operations) != ("+",)
+            ):
                 raise ValueError(
                     "single_digit=True fixes max_operand=9 and operations=('+',); "
                     f"got max_operand={max_operand!r}, operations={operations!r}"
@@ -187,8 +191,10 @@ class GuessNumberEnv(gym.Env[str, str]):
     ) -> None:
         self.max_number = _check_int("max_number", max_number, 1)
         self.max_turns = _check_int("max_turns", max_turns, 1)
-        if isinstance(step_penalty, bool) or not isinstance(step_penalty, (int, float)) or not (
-            0 <= step_penalty < float("inf")
+        if (
+            isinstance(step_penalty, bool)
+            or not isinstance(step_penalty, (int, float))
+            or not (0 <= step_penalty < float("inf"))
         ):
             raise ValueError(f"step_penalty must be a finite number >= 0, got {step_penalty!r}")
         self.step_penalty = float(step_penalty)
@@ -199,7 +205,9 @@ class GuessNumberEnv(gym.Env[str, str]):
         longest_line = len("\n") + len(str(self.max_number)) + len(": ") + max(map(len, _FEEDBACK))
         max_length = len(self.intro) + (self.max_turns * longest_line if self.transcript else 0)
         self.observation_space = spaces.Text(
-            min_length=1, max_length=max_length, charset=string.ascii_letters + string.digits + " .:?\n"
+            min_length=1,
+            max_length=max_length,
+            charset=string.ascii_letters + string.digits + " .:?\n",
         )
         self.action_space = spaces.Text(
             min_length=0, max_length=max_completion_length, charset=COMPLETION_CHARSET
@@ -231,7 +239,13 @@ class GuessNumberEnv(gym.Env[str, str]):
             feedback, shown = "invalid", "?"
         else:
             shown = str(guess)
-            feedback = "correct" if guess == self._secret else "higher" if guess < self._secret else "lower"
+            feedback = (
+                "correct"
+                if guess == self._secret
+                else "higher"
+                if guess < self._secret
+                else "lower"
+            )
         self._lines.append(f"{shown}: {feedback}")
         terminated = feedback == "correct"
         truncated = not terminated and self._turn >= self.max_turns

@@ -108,8 +108,14 @@ def test_register_rejects_bad_names():
 
 @pytest.mark.parametrize(
     ("value", "error"),
-    [("1.0", TypeError), (None, TypeError), ([1.0], TypeError), (float("nan"), ValueError),
-     (float("inf"), ValueError), (-math.inf, ValueError)],
+    [
+        ("1.0", TypeError),
+        (None, TypeError),
+        ([1.0], TypeError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (-math.inf, ValueError),
+    ],
 )
 def test_bad_reward_values_name_plugin_and_value(name, value, error):
     register_temp(name, lambda prompt, completion, **info: value)
@@ -249,7 +255,12 @@ def test_service_scores_caches_and_counts():
     with RewardService("exact_answer", timeout_s=WAIT_S) as service:
         first = service.submit("3+4=", "7").result(WAIT_S)
         assert isinstance(first, RewardResult)
-        assert (first.reward, first.flagged, first.cached, first.rm_version) == (1.0, False, False, 0)
+        assert (first.reward, first.flagged, first.cached, first.rm_version) == (
+            1.0,
+            False,
+            False,
+            0,
+        )
         assert first.usable and first.reason is None and first.latency >= 0.0
         second = service.submit("3+4=", "7").result(WAIT_S)
         assert (second.reward, second.cached) == (1.0, True)
@@ -259,7 +270,13 @@ def test_service_scores_caches_and_counts():
         other = service.submit("3+4=", "7", answer=8).result(WAIT_S)
         assert (other.reward, other.cached) == (0.0, False)
         stats = service.stats()
-    assert (stats.requests, stats.cache_hits, stats.scored, stats.timeouts, stats.errors) == (4, 1, 3, 0, 0)
+    assert (stats.requests, stats.cache_hits, stats.scored, stats.timeouts, stats.errors) == (
+        4,
+        1,
+        3,
+        0,
+        0,
+    )
     assert stats.cache_size == 3
 
 
@@ -305,7 +322,12 @@ def test_slow_sync_scorer_times_out_flagged_then_late_score_fills_cache(name):
 
     with RewardService(name, timeout_s=0.05, timeout_reward=-1.0) as service:
         result = service.submit("p", "c").result(WAIT_S)
-        assert (result.reward, result.flagged, result.usable, result.cached) == (-1.0, True, False, False)
+        assert (result.reward, result.flagged, result.usable, result.cached) == (
+            -1.0,
+            True,
+            False,
+            False,
+        )
         assert "timed out" in result.reason
         assert result.latency >= 0.04  # timers may fire a clock tick early
         release.set()
@@ -371,7 +393,9 @@ def test_combined_reward_as_scorer(name):
     async def one(prompt, completion, **info):
         return 1.0
 
-    with RewardService(CombinedReward({name: 1.0, "exact_answer": 1.0}), timeout_s=WAIT_S) as service:
+    with RewardService(
+        CombinedReward({name: 1.0, "exact_answer": 1.0}), timeout_s=WAIT_S
+    ) as service:
         assert service.submit("1+2=", "3").result(WAIT_S).reward == 2.0
 
 
@@ -450,8 +474,15 @@ def build_reward_model(num_labels: int = 1, seed: int = 0):
         tokenizer_object=core, pad_token="<pad>", model_input_names=["input_ids", "attention_mask"]
     )
     config = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=len(vocab), num_labels=num_labels,
-        pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        n_positions=64,
+        vocab_size=len(vocab),
+        num_labels=num_labels,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     torch.manual_seed(seed)
     return transformers.GPT2ForSequenceClassification(config), tokenizer
@@ -471,7 +502,7 @@ PAIRS = [("3+4=", "7"), ("12+7=", " 19 because"), ("Guess a number", "8"), ("x" 
 
 def test_hf_batch_scores_equal_single_scores(rm_path):
     scorer = HFRewardModel.from_pretrained(rm_path)
-    prompts, responses = zip(*PAIRS)
+    prompts, responses = zip(*PAIRS, strict=True)
     batch = scorer.score_batch(prompts, responses)
     single = [scorer.score_batch([p], [r])[0] for p, r in PAIRS]
     assert batch == pytest.approx(single, abs=1e-5)
@@ -486,9 +517,9 @@ def test_hf_label_selection():
     with torch.no_grad():
         logits = model(**encoded).logits[0]
     assert scorer.score_batch(["3+4="], ["7"])[0] == pytest.approx(logits[1].item(), abs=1e-6)
-    assert HFRewardModel(model, tokenizer, label=2).score_batch(["3+4="], ["7"])[0] == pytest.approx(
-        logits[2].item(), abs=1e-6
-    )
+    assert HFRewardModel(model, tokenizer, label=2).score_batch(["3+4="], ["7"])[
+        0
+    ] == pytest.approx(logits[2].item(), abs=1e-6)
     with pytest.raises(ValueError, match="label must be in"):
         HFRewardModel(model, tokenizer, label=3)
 
@@ -503,7 +534,9 @@ def test_hf_requires_pad_tokens():
 def test_service_batches_hf_model_and_matches_direct_scores(rm_path):
     direct = HFRewardModel.from_pretrained(rm_path)
     expected = [direct.score_batch([p], [r])[0] for p, r in PAIRS]
-    with RewardService.from_pretrained(rm_path, max_batch_size=8, max_wait_s=0.2, timeout_s=WAIT_S) as service:
+    with RewardService.from_pretrained(
+        rm_path, max_batch_size=8, max_wait_s=0.2, timeout_s=WAIT_S
+    ) as service:
         futures = [service.submit(p, r, ignored_info=1) for p, r in PAIRS]
         results = [f.result(WAIT_S) for f in futures]
         stats = service.stats()

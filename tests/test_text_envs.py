@@ -18,7 +18,10 @@ ENV_CONFIGS = [
     (ArithmeticEnv, {"single_digit": True}),
     (ArithmeticEnv, {"min_operand": 100, "max_operand": 999, "operations": "*"}),
     (GuessNumberEnv, {}),
-    (GuessNumberEnv, {"max_number": 1000, "max_turns": 3, "transcript": False, "step_penalty": 0.01}),
+    (
+        GuessNumberEnv,
+        {"max_number": 1000, "max_turns": 3, "transcript": False, "step_penalty": 0.01},
+    ),
 ]
 
 
@@ -39,7 +42,12 @@ PROBLEM = re.compile(r"(\d+)([-+*])(\d+)=")
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"single_digit": True}, {"max_operand": 5, "operations": ["-"]}, {"min_operand": 90, "max_operand": 120}],
+    [
+        {},
+        {"single_digit": True},
+        {"max_operand": 5, "operations": ["-"]},
+        {"min_operand": 90, "max_operand": 120},
+    ],
 )
 def test_arithmetic_prompts_are_in_space_and_answers_correct(kwargs):
     env = ArithmeticEnv(**kwargs)
@@ -52,10 +60,19 @@ def test_arithmetic_prompts_are_in_space_and_answers_correct(kwargs):
         seen_ops.add(symbol)
         assert env.min_operand <= int(left) <= env.max_operand
         assert env.min_operand <= int(right) <= env.max_operand
-        expected = {"+": int(left) + int(right), "-": int(left) - int(right), "*": int(left) * int(right)}[symbol]
+        expected = {
+            "+": int(left) + int(right),
+            "-": int(left) - int(right),
+            "*": int(left) * int(right),
+        }[symbol]
         obs, reward, terminated, truncated, info = env.step(f" {expected} ")
         assert obs in env.observation_space
-        assert (reward, terminated, truncated, info) == (1.0, True, False, {"answer": expected, "parsed": True})
+        assert (reward, terminated, truncated, info) == (
+            1.0,
+            True,
+            False,
+            {"answer": expected, "parsed": True},
+        )
     assert seen_ops == set(env.operations)
 
 
@@ -70,9 +87,20 @@ def test_single_digit_mode_is_single_digit_sums():
 
 @pytest.mark.parametrize(
     ("completion", "reward", "parsed"),
-    [("14", 1.0, True), ("  14\n", 1.0, True), ("14 is the sum", 1.0, True), ("+14", 1.0, True),
-     ("15", 0.0, True), ("-14", 0.0, True), ("fourteen", 0.0, False), ("", 0.0, False),
-     ("= 14", 0.0, False), ("1 4", 0.0, True), ("é14", 0.0, False), ("14" + "!" * 500, 1.0, True)],
+    [
+        ("14", 1.0, True),
+        ("  14\n", 1.0, True),
+        ("14 is the sum", 1.0, True),
+        ("+14", 1.0, True),
+        ("15", 0.0, True),
+        ("-14", 0.0, True),
+        ("fourteen", 0.0, False),
+        ("", 0.0, False),
+        ("= 14", 0.0, False),
+        ("1 4", 0.0, True),
+        ("é14", 0.0, False),
+        ("14" + "!" * 500, 1.0, True),
+    ],
 )
 def test_arithmetic_reward_parsing(completion, reward, parsed):
     env = ArithmeticEnv(single_digit=True)
@@ -151,7 +179,13 @@ def test_guess_feedback_leads_to_the_secret():
     secret = info["guess"]
     assert all(s[4]["feedback"] == "higher" and s[1] == 0.0 for s in misses)
     assert len(misses) == secret - 1
-    assert (reward, terminated, truncated, info["feedback"], info["turn"]) == (1.0, True, False, "correct", secret)
+    assert (reward, terminated, truncated, info["feedback"], info["turn"]) == (
+        1.0,
+        True,
+        False,
+        "correct",
+        secret,
+    )
 
     env.reset(seed=3)  # same secret from the top: every miss is "lower"
     steps = play(env, [str(g) for g in range(16, 0, -1)])
@@ -242,7 +276,11 @@ def test_guess_errors():
     env.reset(seed=0)
     with pytest.raises(TypeError, match="action must be a str"):
         env.step(None)
-    for kwargs, field in [({"max_number": 0}, "max_number"), ({"max_turns": 0}, "max_turns"),
-                          ({"step_penalty": -1}, "step_penalty"), ({"step_penalty": "0"}, "step_penalty")]:
+    for kwargs, field in [
+        ({"max_number": 0}, "max_number"),
+        ({"max_turns": 0}, "max_turns"),
+        ({"step_penalty": -1}, "step_penalty"),
+        ({"step_penalty": "0"}, "step_penalty"),
+    ]:
         with pytest.raises((TypeError, ValueError), match=field):
             GuessNumberEnv(**kwargs)
