@@ -62,7 +62,7 @@ def test_storage_dir_reopens_with_every_committed_sample(tmp_path: Path) -> None
     with ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path) as buffer:
         add_serials(buffer, 0, 50)
         add_serials(buffer, 50, 30)  # wraps around
-    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["header.json", "meta.json"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".npy")) == ["commit.bin", "lock", "meta.json", "spaces.pkl"]
     with ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path) as buffer:
         assert buffer.num_added == 80
         assert_holds_exactly(buffer, 80 - CAPACITY, 80)
@@ -196,3 +196,23 @@ def test_fsync_mode_and_saving_a_disk_buffer(tmp_path: Path) -> None:
     with ReplayBuffer.open(tmp_path / "a") as reopened:
         assert_holds_exactly(reopened, 0, 9)
     assert_holds_exactly(ReplayBuffer.load(tmp_path / "b"), 0, 9)
+
+
+def test_a_torn_commit_record_falls_back_to_the_previous_commit(tmp_path: Path) -> None:
+    from asyncvec.buffers._disk import CommitLog
+
+    log = CommitLog(tmp_path / "commit.bin")
+    assert log.read() is None
+    log.write(0, 10, 1.0, fsync=False)
+    log.write(2, 12, 3.0, fsync=True)
+    assert log.read() == (2, 2, 12, 3.0)
+    log.close()
+    # Tear the newest record (slot seq % 2 == 0) as a kill mid-write would.
+    raw = bytearray((tmp_path / "commit.bin").read_bytes())
+    raw[10] ^= 0xFF
+    (tmp_path / "commit.bin").write_bytes(bytes(raw))
+    reopened = CommitLog(tmp_path / "commit.bin")
+    assert reopened.read() == (1, 0, 10, 1.0)
+    reopened.write(5, 15, 1.0, fsync=False)  # continues after the intact record
+    assert reopened.read() == (2, 5, 15, 1.0)
+    reopened.close()

@@ -15,6 +15,7 @@ from gymnasium import spaces
 
 from asyncvec.buffers._disk import (
     ColumnSpec,
+    CommitLog,
     DirectoryLock,
     allocate,
     describe,
@@ -26,7 +27,7 @@ from asyncvec.buffers._spaces import SpaceCodec, as_column
 __all__ = ["ReplayBatch", "ReplayBuffer"]
 
 _FORMAT = "asyncvec.ReplayBuffer/1"
-_META, _HEADER, _SPACES = "meta.json", "header.json", "spaces.pkl"
+_META, _COMMIT, _SPACES = "meta.json", "commit.bin", "spaces.pkl"
 
 # Per-sample metadata columns besides obs/action/next_obs.
 _SCALARS: dict[str, np.dtype] = {
@@ -74,17 +75,18 @@ class ReplayBuffer:
     Storage is one numpy column per field (per leaf for Dict/Tuple spaces), in RAM or, with
     ``storage_dir``, in ``.npy`` memmaps that survive a killed process.
 
-    Commit semantics (``storage_dir`` mode): ``add`` writes into the memmaps, then, every
-    ``commit_every`` adds (or on ``commit()``), replaces ``header.json`` atomically
-    (``os.replace``) with the committed range. The memmapped pages live in the kernel page
-    cache, so a process killed with SIGKILL loses nothing written before its last commit;
-    reopening the directory finds the committed samples, each intact with its version.
-    Before an add overwrites committed slots (the ring is full), a header that no longer
-    covers them is written first, so a crash mid-write never exposes a half-written sample;
-    the price is that a crash inside such an add also drops the oldest samples it was
-    evicting (at most its batch size). ``fsync=True``
-    additionally msyncs the columns and fsyncs the header on every commit, which also
-    survives power loss or an OS crash, at a large cost per commit.
+    Commit semantics (``storage_dir`` mode): ``add`` writes the rows into the memmaps, then,
+    every ``commit_every`` adds (or on ``commit()``/``close()``), writes a commit record
+    (the range of stored sample serials) into ``commit.bin``. Records alternate between
+    two checksummed slots, so a record torn by a crash is ignored and the previous one
+    holds. Memmapped pages live in the kernel page cache, so a process killed with SIGKILL
+    loses nothing written before its last commit: reopening the directory finds every
+    committed sample, intact, with its version. Before an add reuses slots of the ring
+    that the last commit covers, a record that no longer covers them is written first,
+    so a crash mid-write never exposes a half-written sample; a crash inside such an add
+    also loses the oldest samples it was evicting (at most its batch size).
+    ``fsync=True`` additionally msyncs the columns before and the record after every
+    commit, which also survives power loss or an OS crash, at a large cost per commit.
 
     Thread safety: one lock guards ``add``, ``sample`` and ``update_priorities``; one writer
     and any number of reader threads may share a buffer. A ``storage_dir`` is locked
@@ -155,19 +157,20 @@ class ReplayBuffer:
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self._closed = False
-        # Ring state: valid samples occupy slots start, start+1, ... (size of them, mod
-        # capacity); the first `committed` of them are covered by the on-disk header.
-        self._start = 0
-        self._size = 0
-        self._committed = 0
+        # Ring state by serial number: the s-th transition ever added lives in slot
+        # s % capacity; serials oldest <= s < added are stored. On disk, the latest commit
+        # record covers durable_oldest <= s < durable_end.
+        self._oldest = 0
         self._added = 0
-        self._committed_added = 0
+        self._durable_oldest = 0
+        self._durable_end = 0
         self._adds_since_commit = 0
         self._max_priority = 1.0
         self._version_counts: Counter[int] = Counter()
         self._fallback_count = 0
         self.storage_dir = None if storage_dir is None else Path(storage_dir)
         self._dir_lock: DirectoryLock | None = None
+        self._commit_log: CommitLog | None = None
         if self.storage_dir is None:
             self._columns = allocate(self._specs, None)
         else:
@@ -202,14 +205,6 @@ class ReplayBuffer:
             "action_space": str(self.action_space),
         }
 
-    def _header(self) -> dict[str, Any]:
-        return {
-            "start": self._start,
-            "size": self._committed,
-            "added": self._committed_added,
-            "max_priority": self._max_priority,
-        }
-
     def _open_directory(self, directory: Path) -> dict[str, np.ndarray]:
         meta = self._meta()
         meta_path = directory / _META
@@ -223,22 +218,25 @@ class ReplayBuffer:
                         f"{stored.get('observation_space')}, {stored.get('action_space')})"
                     )
         columns = allocate(self._specs, directory)
-        if not meta_path.exists():
+        self._commit_log = CommitLog(directory / _COMMIT)
+        if meta_path.exists():
+            self._restore(self._commit_log, columns)
+        else:
             with open(directory / _SPACES, "wb") as file:
                 pickle.dump((self.observation_space, self.action_space), file)
-            write_json_atomic(directory / _HEADER, self._header(), self.fsync)
             write_json_atomic(meta_path, meta, self.fsync)
-        elif (directory / _HEADER).exists():
-            self._restore(read_json(directory / _HEADER), columns)
         return columns
 
-    def _restore(self, header: dict[str, Any], columns: dict[str, np.ndarray]) -> None:
-        self._start = int(header["start"])
-        self._size = self._committed = int(header["size"])
-        self._added = self._committed_added = int(header["added"])
-        self._max_priority = float(header["max_priority"])
-        if not (0 <= self._start < self.capacity and 0 <= self._size <= self.capacity):
-            raise ValueError(f"{_HEADER}: start={self._start} size={self._size} do not fit capacity {self.capacity}")
+    def _restore(self, log: CommitLog, columns: dict[str, np.ndarray]) -> None:
+        """Adopt the latest commit of ``log`` and recount what its samples hold."""
+        record = log.read()
+        if record is None:
+            return
+        if not 0 <= record.end - record.oldest <= self.capacity:
+            raise ValueError(f"{_COMMIT}: serials {record.oldest}..{record.end} do not fit capacity {self.capacity}")
+        self._oldest = self._durable_oldest = record.oldest
+        self._added = self._durable_end = record.end
+        self._max_priority = record.max_priority
         slots = self._valid_slots()
         versions, counts = np.unique(columns["policy_version"][slots], return_counts=True)
         self._version_counts = Counter(dict(zip(versions.tolist(), counts.tolist())))
@@ -251,15 +249,18 @@ class ReplayBuffer:
             self._commit_locked()
 
     def _commit_locked(self) -> None:
-        if self.storage_dir is None:
+        if self._commit_log is None:
             return
         if self.fsync:
             for column in self._columns.values():
                 column.flush()
-        self._committed = self._size
-        self._committed_added = self._added
+        self._write_record(self._oldest, self._added)
         self._adds_since_commit = 0
-        write_json_atomic(self.storage_dir / _HEADER, self._header(), self.fsync)
+
+    def _write_record(self, oldest: int, end: int) -> None:
+        assert self._commit_log is not None
+        self._commit_log.write(oldest, end, self._max_priority, self.fsync)
+        self._durable_oldest, self._durable_end = oldest, end
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the buffer to the directory ``path`` in the ``storage_dir`` format.
@@ -276,15 +277,16 @@ class ReplayBuffer:
             path.mkdir(parents=True, exist_ok=True)
             lock = DirectoryLock(path)
             try:
-                # Without a header the directory reads as empty while columns are replaced.
-                (path / _HEADER).unlink(missing_ok=True)
+                # Without a commit log the directory reads as empty while columns are replaced.
+                (path / _COMMIT).unlink(missing_ok=True)
                 for name, column in self._columns.items():
                     np.save(path / f"{name}.npy", column)
                 with open(path / _SPACES, "wb") as file:
                     pickle.dump((self.observation_space, self.action_space), file)
                 write_json_atomic(path / _META, self._meta(), fsync=True)
-                header = self._header() | {"size": self._size, "added": self._added}
-                write_json_atomic(path / _HEADER, header, fsync=True)
+                log = CommitLog(path / _COMMIT)
+                log.write(self._oldest, self._added, self._max_priority, fsync=True)
+                log.close()
             finally:
                 lock.release()
 
@@ -308,7 +310,9 @@ class ReplayBuffer:
         try:
             for name, column in buffer._columns.items():
                 column[...] = np.load(path / f"{name}.npy", mmap_mode="r")
-            buffer._restore(read_json(path / _HEADER), buffer._columns)
+            log = CommitLog(path / _COMMIT)
+            buffer._restore(log, buffer._columns)
+            log.close()
         finally:
             lock.release()
         return buffer
@@ -332,6 +336,8 @@ class ReplayBuffer:
             self._commit_locked()
             self._closed = True
             self._columns = {}
+            if self._commit_log is not None:
+                self._commit_log.close()
             if self._dir_lock is not None:
                 self._dir_lock.release()
 
@@ -403,41 +409,38 @@ class ReplayBuffer:
         data["fallback"] = as_column("fallback", fallback, n, np.bool_)
         with self._lock:
             self._check_open()
-            self._added += n
             if n > self.capacity:  # only the newest `capacity` rows can be kept
                 data = {name: values[-self.capacity :] for name, values in data.items()}
-                n = self.capacity
-            self._make_room(n)
-            position = (self._start + self._size) % self.capacity
-            first = min(n, self.capacity - position)
+            first = self._added + n - len(data["reward"])  # serial of the first kept row
+            end = self._added + n
+            self._retire_before(end - self.capacity)
+            n = end - first
+            position = first % self.capacity
+            head = min(n, self.capacity - position)
             for name, values in data.items():
                 column = self._columns[name]
-                column[position : position + first] = values[:first]
-                column[: n - first] = values[first:]
-            slots = (position + np.arange(n)) % self.capacity
+                column[position : position + head] = values[:head]
+                column[: n - head] = values[head:]
+            slots = (first + np.arange(n)) % self.capacity
             if self.prioritized:
                 self._columns["priority"][slots] = self._max_priority**self.alpha
-            self._size += n
+            self._added = end
             self._count(data["policy_version"], data["fallback"], sign=1)
             self._adds_since_commit += 1
-            if self.storage_dir is not None and self.commit_every and self._adds_since_commit >= self.commit_every:
+            if self.commit_every and self._adds_since_commit >= self.commit_every:
                 self._commit_locked()
         return slots
 
-    def _make_room(self, n: int) -> None:
-        """Retire the oldest samples so ``n`` new ones fit, committing that first on disk."""
-        overflow = self._size + n - self.capacity
-        if overflow <= 0:
+    def _retire_before(self, serial: int) -> None:
+        """Drop the samples older than ``serial`` because their slots are about to be reused."""
+        if serial <= self._oldest:
             return
-        retired = (self._start + np.arange(overflow)) % self.capacity
-        self._count(self._columns["policy_version"][retired], self._columns["fallback"][retired], sign=-1)
-        covered = self._committed > 0
-        self._start = (self._start + overflow) % self.capacity
-        self._size -= overflow
-        self._committed = max(0, self._committed - overflow)
-        if self.storage_dir is not None and covered:
-            # The header must stop covering these slots before they are overwritten.
-            write_json_atomic(self.storage_dir / _HEADER, self._header(), self.fsync)
+        gone = np.arange(self._oldest, min(serial, self._added)) % self.capacity
+        self._count(self._columns["policy_version"][gone], self._columns["fallback"][gone], sign=-1)
+        self._oldest = serial
+        if self._commit_log is not None and self._durable_oldest < min(serial, self._durable_end):
+            # The last commit must stop covering these slots before they are overwritten.
+            self._write_record(min(serial, self._durable_end), self._durable_end)
 
     def _count(self, versions: np.ndarray, fallback: np.ndarray, sign: int) -> None:
         if len(versions) == 0:
@@ -520,7 +523,7 @@ class ReplayBuffer:
     ) -> tuple[np.ndarray, np.ndarray]:
         oldest_allowed = None if max_staleness is None else current_version - max_staleness
         must_filter = (exclude_fallback and self._fallback_count > 0) or (
-            oldest_allowed is not None and self._size > 0 and min(self._version_counts) < oldest_allowed
+            oldest_allowed is not None and self._version_counts and min(self._version_counts) < oldest_allowed
         )
         candidates = None
         if must_filter or self.prioritized:
@@ -532,17 +535,18 @@ class ReplayBuffer:
             if oldest_allowed is not None:
                 keep &= self._columns["policy_version"][candidates] >= oldest_allowed
             candidates = candidates[keep]
-        eligible = self._size if candidates is None else len(candidates)
+        size = len(self)
+        eligible = size if candidates is None else len(candidates)
         if eligible < batch_size:
             raise ValueError(
-                f"sample: asked for {batch_size} samples but only {eligible} of the {self._size} "
+                f"sample: asked for {batch_size} samples but only {eligible} of the {size} "
                 f"stored are eligible (current_version={current_version}, "
                 f"max_staleness={max_staleness}, exclude_fallback={exclude_fallback}; stored "
                 f"versions {self._version_span()}, {self._fallback_count} fallback samples)"
             )
         if not self.prioritized:
             picks = rng.choice(eligible, batch_size, replace=False)
-            slots = (self._start + picks) % self.capacity if candidates is None else candidates[picks]
+            slots = (self._oldest + picks) % self.capacity if candidates is None else candidates[picks]
             return slots, np.ones(batch_size, dtype=np.float32)
         priorities = self._columns["priority"][candidates]
         probabilities = priorities / priorities.sum()
@@ -570,8 +574,8 @@ class ReplayBuffer:
             raise ValueError(f"priorities: row {row}: expected a value > 0, got {values[row]}")
         with self._lock:
             self._check_open()
-            logical = (indices - self._start) % self.capacity
-            bad = (indices < 0) | (indices >= self.capacity) | (logical >= self._size)
+            logical = (indices - self._oldest) % self.capacity
+            bad = (indices < 0) | (indices >= self.capacity) | (logical >= len(self))
             if np.any(bad):
                 row = int(np.flatnonzero(bad)[0])
                 raise ValueError(f"indices: row {row}: slot {indices[row]} holds no sample")
@@ -591,7 +595,7 @@ class ReplayBuffer:
         return f"{min(self._version_counts)}..{max(self._version_counts)}"
 
     def _valid_slots(self) -> np.ndarray:
-        return (self._start + np.arange(self._size)) % self.capacity
+        return np.arange(self._oldest, self._added) % self.capacity
 
     @property
     def num_added(self) -> int:
@@ -599,11 +603,11 @@ class ReplayBuffer:
         return self._added
 
     def __len__(self) -> int:
-        return self._size
+        return self._added - self._oldest
 
     def __repr__(self) -> str:
         where = f", storage_dir={str(self.storage_dir)!r}" if self.storage_dir is not None else ""
-        return f"ReplayBuffer(size={self._size}, capacity={self.capacity}, prioritized={self.prioritized}{where})"
+        return f"ReplayBuffer(size={len(self)}, capacity={self.capacity}, prioritized={self.prioritized}{where})"
 
 
 def _read_meta(path: Path) -> tuple[dict[str, Any], tuple[spaces.Space, spaces.Space]]:
