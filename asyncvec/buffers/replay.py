@@ -19,6 +19,7 @@ from asyncvec.buffers._disk import (
     DirectoryLock,
     allocate,
     describe,
+    flush,
     read_json,
     write_json_atomic,
 )
@@ -253,7 +254,7 @@ class ReplayBuffer:
             return
         if self.fsync:
             for column in self._columns.values():
-                column.flush()
+                flush(column)
         self._write_record(self._oldest, self._added)
         self._adds_since_commit = 0
 
