@@ -561,6 +561,16 @@ class BatchedPolicy(abc.ABC):
 
     def _run_batch(self, batch: list[_Request]) -> Optional[float]:
         """Batcher handler: call the backend with retries and deliver the answers."""
+        try:
+            return self._run_batch_with_retries(batch)
+        except BaseException as exc:  # a bug in delivery must not leave futures unresolved
+            failure = BackendError(f"{self._label}: internal error while answering a batch: {type(exc).__name__}: {exc}")
+            failure.__cause__ = exc
+            for request in batch:
+                self._complete(request, error=failure)
+            raise
+
+    def _run_batch_with_retries(self, batch: list[_Request]) -> Optional[float]:
         live = [request for request in batch if not request.completed]
         error: Optional[BaseException] = None
         attempt = 0

@@ -97,7 +97,7 @@ class OpenAIPolicy(TextPolicy):
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s), limits=limits)
 
     # -------------------------------------------------------------------------- plumbing
-    def _run(self, coroutine: Any) -> Any:
+    def _run_on_loop(self, coroutine: Any) -> Any:
         """Run a coroutine on the private loop and wait for it (bounded)."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
@@ -132,11 +132,11 @@ class OpenAIPolicy(TextPolicy):
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         async def complete_all() -> list[BackendResult]:
-            return list(await asyncio.gather(*(self._complete(prompt) for prompt in prompts)))
+            return list(await asyncio.gather(*(self._complete_prompt(prompt) for prompt in prompts)))
 
-        return self._run(complete_all())
+        return self._run_on_loop(complete_all())
 
-    async def _complete(self, prompt: TextPrompt) -> BackendResult:
+    async def _complete_prompt(self, prompt: TextPrompt) -> BackendResult:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt.prompt,
@@ -176,13 +176,13 @@ class OpenAIPolicy(TextPolicy):
                 "OpenAIPolicy.load_weights takes a checkpoint folder path as the server sees it "
                 f"(under its --weights-dir), got {type(weights).__name__}"
             )
-        info = self._run(self._request("GET", "/version"))
+        info = self._run_on_loop(self._request("GET", "/version"))
         if not isinstance(info, dict) or info.get("server") != "asyncvec":
             raise BackendError(
                 f"{self.base_url} is not an asyncvec server (GET /version -> {info!r}); "
                 "update the weights of a vLLM/SGLang/TGI server with its own tools"
             )
-        answer = self._run(
+        answer = self._run_on_loop(
             self._request("POST", "/update_weights", json={"path": os.fspath(weights), "version": version}, token=self._update_token)
         )
         if not isinstance(answer, dict) or answer.get("version") != version:
@@ -190,12 +190,12 @@ class OpenAIPolicy(TextPolicy):
 
     def server_version(self) -> int:
         """The version the server reports now (``GET /version``, asyncvec servers)."""
-        info = self._run(self._request("GET", "/version"))
+        info = self._run_on_loop(self._request("GET", "/version"))
         return int(info["version"])
 
     def _close_backend(self) -> None:
         try:
-            self._run(self._client.aclose())
+            self._run_on_loop(self._client.aclose())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(5.0)

@@ -1,0 +1,178 @@
+"""Tiny language models and HFTextPolicy: sampled-token log-probs against teacher forcing,
+parser fallbacks, weight loading, bad input; VLLMPolicy's install hint."""
+
+import importlib.util
+
+import gymnasium as gym
+import pytest
+import torch
+import transformers
+
+from asyncvec.inference import (
+    DEFAULT_VOCAB,
+    BackendError,
+    HFTextPolicy,
+    TextPrompt,
+    build_tiny_lm,
+)
+from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPTS = ["3+4=", "12+30=", "1+1=", "Hello, world! 7+2="]  # different lengths: left padding
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    return build_tiny_lm(tmp_path_factory.mktemp("gpt2"), arch="gpt2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return build_tiny_lm(tmp_path_factory.mktemp("llama"), arch="llama", n_embd=32, seed=0)
+
+
+def digit(text):
+    return int(text.strip()[0])
+
+
+def teacher_forced_logps(model, tokenizer, prompt, token_ids, temperature=1.0, top_p=None):
+    """Log-probs of `token_ids` after `prompt`, from one unpadded forward pass."""
+    prompt_ids = tokenizer(prompt).input_ids
+    ids = torch.tensor([prompt_ids + list(token_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None:
+        logits = transformers.TopPLogitsWarper(top_p)(ids, logits)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
+
+
+def test_tiny_lm_folders_load_with_transformers(gpt2_dir, llama_dir):
+    for folder, model_type in ((gpt2_dir, "gpt2"), (llama_dir, "llama")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        assert model.config.model_type == model_type and model.config.vocab_size == len(tokenizer)
+        text = "3+4=7 Sums: (9-2)*x, ok? \"yes\"!"
+        ids = tokenizer(text).input_ids
+        assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == text
+        assert tokenizer.padding_side == "left" and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert set("0123456789+= abcxyzABCXYZ.,!?") <= set(DEFAULT_VOCAB)
+
+
+def test_build_tiny_lm_is_seeded_and_validates(tmp_path):
+    a = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_lm(tmp_path / "a", n_layer=1, n_embd=32, seed=3))
+    b = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_lm(tmp_path / "b", n_layer=1, n_embd=32, seed=3))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    with pytest.raises(ValueError, match="arch must be one of"):
+        build_tiny_lm(tmp_path / "c", arch="bert")
+    with pytest.raises(ValueError, match="n_head must be an int >= 1 dividing n_embd=64"):
+        build_tiny_lm(tmp_path / "d", n_head=3)
+    with pytest.raises(ValueError, match="repeated characters"):
+        build_tiny_lm(tmp_path / "e", vocab="aab")
+
+
+@pytest.mark.parametrize(
+    "arch, temperature, top_p",
+    [("gpt2", 1.0, None), ("gpt2", 0.7, None), ("gpt2", 1.3, 0.8), ("gpt2", 0.0, None), ("llama", 1.0, None)],
+)
+def test_behavior_logps_equal_teacher_forcing(request, arch, temperature, top_p):
+    folder = request.getfixturevalue(f"{arch}_dir")
+    policy = HFTextPolicy(
+        folder,
+        None,
+        digit,
+        action_space=gym.spaces.Discrete(10),
+        max_new_tokens=6,
+        temperature=temperature,
+        top_p=top_p,
+        max_batch_size=len(PROMPTS),
+        max_wait_ms=500,
+    )
+    with policy:
+        outputs = policy.act(PROMPTS, timeout=60)
+        assert policy.stats()["batches"] == 1  # all prompts shared one padded batch
+    for prompt, out in zip(PROMPTS, outputs):
+        assert 1 <= len(out.token_ids) <= 6 and len(out.token_logps) == len(out.token_ids)
+        expected = teacher_forced_logps(policy.model, policy.tokenizer, prompt, out.token_ids, temperature, top_p)
+        assert out.token_logps == pytest.approx(expected, abs=1e-4)
+        assert out.behavior_logp == pytest.approx(sum(out.token_logps), abs=1e-9)
+        assert out.text == policy.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_parser_rejections_become_flagged_fallbacks(gpt2_dir):
+    def never(text):
+        raise ValueError("no digit")
+
+    with HFTextPolicy(gpt2_dir, None, never, action_space=gym.spaces.Discrete(10, start=3), max_new_tokens=3) as policy:
+        out = policy.submit("3+4=", env_id=0).result(timeout=30)
+        assert out.fallback and out.action == 3  # the zero action of Discrete(10, start=3)
+        assert out.text is not None and out.behavior_logp == pytest.approx(sum(out.token_logps))
+        assert policy.stats()["parse_failures"] == 1
+
+    outside = HFTextPolicy(gpt2_dir, None, lambda text: 99, action_space=gym.spaces.Discrete(10), max_new_tokens=2)
+    with outside:
+        assert outside.submit("1+1=").result(timeout=30).fallback  # 99 is not in Discrete(10)
+
+    def buggy(text):
+        raise RuntimeError("parser bug")
+
+    with HFTextPolicy(gpt2_dir, None, buggy, action_space=gym.spaces.Discrete(10), max_new_tokens=2) as policy:
+        error = policy.submit("1+1=").exception(timeout=30)
+        assert isinstance(error, BackendError) and "action_parser raised RuntimeError: parser bug" in str(error)
+
+
+def test_per_request_settings_and_top_logprobs(gpt2_dir):
+    with HFTextPolicy(gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), max_new_tokens=8) as policy:
+        greedy = [policy.submit(TextPrompt("3+4=", max_new_tokens=3, temperature=0.0, top_logprobs=2)) for _ in range(2)]
+        first, second = (future.result(timeout=30) for future in greedy)
+    assert first.token_ids == second.token_ids and len(first.token_ids) == 3
+    for token, logp, top in zip(first.token_ids, first.token_logps, first.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logp)  # greedy picks the top token
+        assert max(top, key=top.get) == token
+
+
+def test_load_weights_from_folder_and_state_dict(gpt2_dir, tmp_path):
+    new_dir = build_tiny_lm(tmp_path / "v1", arch="gpt2", seed=1)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(new_dir)
+    policy = HFTextPolicy(gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), max_new_tokens=4, temperature=0.0)
+    with policy:
+        before = policy.submit("3+4=").result(timeout=30)
+        policy.load_weights(new_dir, 1)
+        after = policy.submit("3+4=").result(timeout=30)
+        assert (before.policy_version, after.policy_version) == (0, 1)
+        tokenizer = policy.tokenizer
+        assert after.token_logps == pytest.approx(teacher_forced_logps(reference, tokenizer, "3+4=", after.token_ids), abs=1e-4)
+        policy.load_weights(transformers.AutoModelForCausalLM.from_pretrained(gpt2_dir).state_dict(), 2)
+        again = policy.submit("3+4=").result(timeout=30)
+        assert again.token_ids == before.token_ids and again.policy_version == 2
+        with pytest.raises(ValueError, match="weights do not fit GPT2LMHeadModel"):
+            policy.load_weights({"lm_head.weight": torch.zeros(3, 3)}, 3)
+        assert policy.policy_version == 2
+
+
+def test_bad_prompts_and_settings_give_clear_errors(gpt2_dir):
+    with HFTextPolicy(gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), max_new_tokens=4) as policy:
+        with pytest.raises(ValueError, match="env_id=2: expected a str prompt or a TextPrompt, got int"):
+            policy.submit(5, env_id=2)
+        with pytest.raises(ValueError, match="the prompt must be a non-empty str"):
+            policy.submit("")
+        with pytest.raises(ValueError, match="exceeds the model's 128 positions"):
+            policy.submit("1+" * 70)
+        with pytest.raises(ValueError, match="top_p must be in"):
+            policy.submit(TextPrompt("1+1=", top_p=1.5))
+    with pytest.raises(ValueError, match="needs action_space"):
+        HFTextPolicy(gpt2_dir, None, digit)
+    with pytest.raises(TypeError, match="action_parser is required"):
+        HFTextPolicy(gpt2_dir, None)
+    with pytest.raises(FileNotFoundError, match="no model folder"):
+        HFTextPolicy(gpt2_dir / "missing", None, digit, action_space=gym.spaces.Discrete(10))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_policy_without_vllm_names_the_extra():
+    from asyncvec.inference import VLLMPolicy
+
+    with pytest.raises(ImportError, match=r"pip install -e \.\[vllm\]"):
+        VLLMPolicy("unused", digit, action_space=gym.spaces.Discrete(10))
