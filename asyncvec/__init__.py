@@ -31,6 +31,8 @@ _LAZY = {
     "ReplayBuffer": "asyncvec.buffers",
     "RolloutStore": "asyncvec.buffers",
     "Collector": "asyncvec.collector",
+    "CollectorError": "asyncvec.collector",
+    "Transitions": "asyncvec.collector",
     "Policy": "asyncvec.inference",
     "PolicyOutput": "asyncvec.inference",
 }

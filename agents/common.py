@@ -1,0 +1,134 @@
+"""Pieces the agents share: env and policy construction, lagged weight delivery, checkpoints."""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from gymnasium.vector import AutoresetMode
+
+import envs as _example_envs  # noqa: F401  (registers the asyncvec/ ids)
+from asyncvec import AsyncLLMVectorEnv
+from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
+from envs.slow import SlowEnv
+
+
+def check_env_id(env_id: str) -> None:
+    """Raises a ValueError naming close matches when ``env_id`` is not registered."""
+    if env_id in gym.registry:
+        return
+    matches = difflib.get_close_matches(env_id, list(gym.registry), n=5, cutoff=0.5)
+    hint = f"; did you mean {', '.join(matches)}?" if matches else "; see gymnasium.pprint_registry()"
+    raise ValueError(f"unknown env id {env_id!r}{hint}")
+
+
+def make_env_fn(env_id: str, env_latency_ms: float = 0.0, seed: int | None = None) -> Callable[[], gym.Env]:
+    """A picklable function building ``env_id``, slowed by a sleeping SlowEnv when asked."""
+
+    def make() -> gym.Env:
+        env = gym.make(env_id)
+        if env_latency_ms > 0:
+            env = SlowEnv(env, latency_ms=env_latency_ms, seed=seed)
+        return env
+
+    return make
+
+
+def make_vector_env(env_id: str, num_envs: int, env_latency_ms: float = 0.0, batch_size: int | None = None) -> AsyncLLMVectorEnv:
+    """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes."""
+    check_env_id(env_id)
+    return AsyncLLMVectorEnv(
+        [make_env_fn(env_id, env_latency_ms, seed=i) for i in range(num_envs)],
+        batch_size=batch_size,
+        autoreset_mode=AutoresetMode.SAME_STEP,
+    )
+
+
+def make_policy(module: torch.nn.Module, action_space: gym.Space, num_envs: int, policy_latency_ms: float = 0.0) -> BatchedPolicy:
+    """A TorchPolicy, behind a LatencyModel playing a remote model server when latency > 0.
+
+    The server takes batches of up to ``num_envs``, waits up to 2 ms to fill one, and serves
+    several batches at once, as an inference engine with continuous batching does.
+    """
+    local = TorchPolicy(module, action_space, max_batch_size=num_envs, max_wait_ms=1.0)
+    if policy_latency_ms <= 0:
+        return local
+    return LatencyModel(local, a_ms=policy_latency_ms, b_ms=0.0, max_batch_size=num_envs, max_wait_ms=2.0, max_inflight_batches=4)
+
+
+class LaggedWeights:
+    """Delivers each published version to ``backend`` only ``lag`` publications later.
+
+    It plays a slow weight broadcast to a remote inference fleet, so actors act with a policy
+    ``lag`` versions behind the learner (forcing staleness for experiments and tests).
+
+    Example:
+        >>> class Backend:
+        ...     def load_weights(self, weights, version): self.version = version
+        >>> backend = Backend(); lagged = LaggedWeights(backend, lag=2)
+        >>> for v in (1, 2, 3): lagged.load_weights({}, v)
+        >>> backend.version
+        1
+    """
+
+    def __init__(self, backend: Any, lag: int) -> None:
+        if lag < 0:
+            raise ValueError(f"lag must be >= 0, got {lag}")
+        self.backend = backend
+        self.lag = lag
+        self._queue: collections.deque[tuple[Any, int]] = collections.deque()
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        self._queue.append((weights, version))
+        while len(self._queue) > self.lag:
+            self.backend.load_weights(*self._queue.popleft())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(path: str | Path, **state: Any) -> Path:
+    """``torch.save`` of ``state`` plus the RNG states, written atomically (tmp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({**state, "rng": rng_state()}, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Loads a checkpoint written by :func:`save_checkpoint` and restores the RNG states."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path} (--resume needs --checkpoint-dir of an earlier run)")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    set_rng_state(state["rng"])
+    return state
+
+
+def layer_init(layer: torch.nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> torch.nn.Linear:
+    """Orthogonal init, as in CleanRL."""
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer

@@ -1,0 +1,442 @@
+"""PPO that learns while its envs keep acting with a slightly older policy.
+
+Run:   python agents/ppo.py --env CartPole-v1 --mode async --total-timesteps 100000
+Import: from agents.ppo import PPO, Args; result = PPO(Args(env="CartPole-v1")).train()
+
+``--mode sync`` is the classic loop (CleanRL): step all envs in lockstep with one batched policy
+call per step, then learn, then act again. ``--mode async`` runs a Collector thread that
+submits each env's observation as soon as it is ready and keeps acting while the learner
+trains; every sample carries the policy version that chose it.
+
+Off-policy corrections (``--correction``), with ``mu`` the behavior policy that acted,
+``pi_prox`` the learner's policy at the start of the update and ``pi`` the one being trained:
+
+* ``none``: PPO with ``mu`` as the old policy, ``r = pi/mu`` (staleness ignored).
+* ``tis``: as ``none``, but the ratio is truncated, ``min(r, C) A`` in place of ``r A``, so a
+  stale sample cannot blow up the surrogate (``C = --is-cap``).
+* ``vtrace``: V-trace value targets and policy-gradient advantages (IMPALA, with
+  ``rho = min(1, pi_prox/mu)``), PPO clipped against ``pi_prox``.
+* ``decoupled`` (default): GAE advantages, Hilton et al.'s decoupled PPO loss, clipped
+  against ``pi_prox`` and weighted by ``min(pi_prox/mu, C)``.
+
+Samples older than ``--max-staleness`` versions are masked out of the loss (and counted).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from torch.distributions import Categorical, Normal
+
+from agents.common import (
+    LaggedWeights,
+    layer_init,
+    load_checkpoint,
+    make_policy,
+    make_vector_env,
+    save_checkpoint,
+    seed_everything,
+)
+from asyncvec import Collector, RolloutStore, VersionManager
+from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
+from asyncvec.metrics import EpisodeStats, RunLogger
+
+
+@dataclass
+class Args:
+    env: str = "CartPole-v1"
+    """gymnasium env id"""
+    num_envs: int = 8
+    """number of parallel envs (worker processes)"""
+    mode: Literal["sync", "async"] = "async"
+    """sync: act then learn, in lockstep; async: a collector thread acts while the learner trains"""
+    max_staleness: int = 4
+    """samples more than this many versions older than the learner are masked out"""
+    correction: Literal["none", "tis", "vtrace", "decoupled"] = "decoupled"
+    """off-policy correction for stale samples (see the module docstring)"""
+    is_cap: float = 2.0
+    """truncation C of the importance weights"""
+    policy_lag: int = 0
+    """actors receive each new version this many updates late (a slow weight broadcast)"""
+    policy_latency_ms: float = 0.0
+    """latency of each policy call (a LatencyModel playing a remote model server)"""
+    env_latency_ms: float = 0.0
+    """latency of each env step (a sleeping SlowEnv playing a slow simulator)"""
+    total_timesteps: int = 100_000
+    """env steps to train for"""
+    target_return: float | None = None
+    """stop once the mean return of the last 20 episodes reaches this"""
+    seed: int = 1
+    """seed of torch, numpy and the envs"""
+    track: bool = False
+    """write TensorBoard logs to runs/"""
+    log_dir: str = "runs"
+    """TensorBoard log root"""
+    progress: bool = True
+    """show a progress bar"""
+    checkpoint_dir: str | None = None
+    """save a checkpoint here after every update"""
+    resume: bool = False
+    """continue from the checkpoint in --checkpoint-dir"""
+    # Algorithm (SB3-zoo CartPole settings)
+    num_steps: int = 32
+    """steps per env per rollout segment"""
+    learning_rate: float = 1e-3
+    """Adam learning rate (annealed linearly to 0)"""
+    anneal_lr: bool = True
+    """anneal the learning rate and the clip coefficient"""
+    gamma: float = 0.98
+    """discount"""
+    gae_lambda: float = 0.8
+    """GAE lambda"""
+    num_minibatches: int = 1
+    """minibatches per epoch"""
+    update_epochs: int = 20
+    """epochs per update"""
+    clip_coef: float = 0.2
+    """PPO clip coefficient"""
+    ent_coef: float = 0.0
+    """entropy bonus"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """gradient clipping"""
+    hidden: int = 64
+    """width of the two hidden layers"""
+
+    def __post_init__(self) -> None:
+        for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.policy_lag > self.max_staleness:
+            raise ValueError(
+                f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}: every sample "
+                f"would be too stale to learn from"
+            )
+        if self.is_cap <= 0:
+            raise ValueError(f"--is-cap must be > 0, got {self.is_cap}")
+
+
+class Actor(nn.Module):
+    """Logits (Discrete) or (mean, log_std) (Box): what TorchPolicy samples from."""
+
+    def __init__(self, obs_dim: int, action_space: gym.Space, hidden: int) -> None:
+        super().__init__()
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        out = action_space.n if self.discrete else int(np.prod(action_space.shape))
+        self.body = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden)), nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+            layer_init(nn.Linear(hidden, out), std=0.01),
+        )
+        if not self.discrete:
+            self.log_std = nn.Parameter(torch.zeros(out))
+
+    def forward(self, obs: torch.Tensor):
+        out = self.body(obs)
+        return out if self.discrete else (out, self.log_std.expand_as(out))
+
+    def distribution(self, obs: torch.Tensor):
+        out = self(obs)
+        return Categorical(logits=out) if self.discrete else Normal(out[0], out[1].exp())
+
+    def log_prob_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = self.distribution(obs)
+        if self.discrete:
+            return dist.log_prob(actions.long()), dist.entropy()
+        return dist.log_prob(actions).sum(-1), dist.entropy().sum(-1)
+
+
+class Critic(nn.Module):
+    def __init__(self, obs_dim: int, hidden: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            layer_init(nn.Linear(obs_dim, hidden)), nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+            layer_init(nn.Linear(hidden, 1), std=1.0),
+        )
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.body(obs).squeeze(-1)
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns: returns, speed and staleness of the run."""
+
+    global_step: int
+    updates: int
+    wall_time_s: float
+    env_steps_per_s: float
+    episodic_returns: list[float]
+    final_return: float
+    reached_target_s: float | None
+    staleness_mean: float
+    dropped_samples: int
+    history: list[dict] = field(default_factory=list)
+
+
+class PPO:
+    """Proximal Policy Optimization over an AsyncLLMVectorEnv, sync or async (see module doc)."""
+
+    def __init__(self, args: Args) -> None:
+        self.args = args
+        seed_everything(args.seed)
+        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4))
+        obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
+        if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+            self.envs.close()
+            raise ValueError(f"PPO here takes flat Box observations, {args.env} has {obs_space}")
+        if not isinstance(self.action_space, (gym.spaces.Discrete, gym.spaces.Box)):
+            self.envs.close()
+            raise ValueError(f"PPO needs a Discrete or Box action space, {args.env} has {self.action_space}")
+        obs_dim = obs_space.shape[0]
+        self.actor = Actor(obs_dim, self.action_space, args.hidden)
+        self.critic = Critic(obs_dim, args.hidden)
+        self.optimizer = torch.optim.Adam([*self.actor.parameters(), *self.critic.parameters()], lr=args.learning_rate, eps=1e-5)
+        self.policy = make_policy(copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms)
+        self.versions = VersionManager(max_lag=args.max_staleness)
+        self.versions.register(LaggedWeights(self.policy, args.policy_lag))
+        self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, self.action_space)
+        self.global_step = 0
+        self.updates = 0
+        self.run_name = f"{args.env.replace('/', '_')}__ppo__{args.mode}__{args.seed}__{int(time.time())}"
+        self.checkpoint_path = Path(args.checkpoint_dir) / "ppo.pt" if args.checkpoint_dir else None
+        if args.resume:
+            self._resume()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _resume(self) -> None:
+        if self.checkpoint_path is None:
+            raise ValueError("--resume needs --checkpoint-dir")
+        state = load_checkpoint(self.checkpoint_path)
+        self.actor.load_state_dict(state["actor"])
+        self.critic.load_state_dict(state["critic"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step, self.updates = state["global_step"], state["updates"]
+        # Bring the version counter and the actors' weights to the checkpoint's version.
+        while self.versions.current_version < state["version"]:
+            self.versions.publish(self._actor_weights())
+
+    def save(self) -> None:
+        if self.checkpoint_path is not None:
+            save_checkpoint(
+                self.checkpoint_path,
+                actor=self.actor.state_dict(), critic=self.critic.state_dict(), optimizer=self.optimizer.state_dict(),
+                version=self.versions.current_version, global_step=self.global_step, updates=self.updates,
+                args=asdict(self.args),
+            )
+
+    def _actor_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
+
+    # ------------------------------------------------------------------ learning
+
+    def update(self, segment) -> dict[str, float]:
+        """One PPO update on a [T, N] segment; returns loss and correction statistics."""
+        args = self.args
+        T, N = segment.rewards.shape
+        obs = torch.as_tensor(segment.obs, dtype=torch.float32)
+        actions = torch.as_tensor(segment.actions)
+        rewards = torch.as_tensor(segment.rewards)
+        terminated = torch.as_tensor(segment.terminated)
+        truncated = torch.as_tensor(segment.truncated)
+        behavior_logp = torch.as_tensor(segment.behavior_logp)
+        staleness = torch.as_tensor(segment.staleness(self.versions.current_version))
+        valid = staleness <= args.max_staleness
+        self.versions.record_staleness(staleness.flatten().tolist())
+        if (~valid).any():
+            self.versions.record_dropped(int((~valid).sum()))
+
+        with torch.no_grad():
+            values = self.critic(obs)
+            bootstrap = self.critic(torch.as_tensor(segment.last_obs, dtype=torch.float32))
+            prox_logp, _ = self.actor.log_prob_entropy(obs, actions)
+            if args.correction == "vtrace":
+                # An episode boundary cuts the trace: no discount, no bootstrap across it.
+                discounts = args.gamma * (~(terminated | truncated)).float()
+                targets = vtrace(behavior_logp, prox_logp, rewards, values, bootstrap, discounts)
+                advantages, returns = targets.pg_advantages, targets.vs
+            else:
+                advantages, returns = gae(rewards, values, bootstrap, terminated | truncated, gamma=args.gamma, lam=args.gae_lambda)
+
+        b = {
+            "obs": obs.reshape(T * N, -1), "actions": actions.reshape(T * N, *actions.shape[2:]),
+            "behavior_logp": behavior_logp.reshape(-1), "prox_logp": prox_logp.reshape(-1),
+            "advantages": advantages.reshape(-1), "returns": returns.reshape(-1), "valid": valid.reshape(-1),
+        }
+        frac = 1.0 - self.global_step / args.total_timesteps if args.anneal_lr else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = max(frac, 0.0) * args.learning_rate
+        clip = args.clip_coef * max(frac, 0.05) if args.anneal_lr else args.clip_coef
+        batch_size = T * N
+        minibatch = max(1, batch_size // args.num_minibatches)
+        stats: dict[str, list[float]] = {}
+        for _ in range(args.update_epochs):
+            order = torch.randperm(batch_size)
+            for start in range(0, batch_size, minibatch):
+                idx = order[start : start + minibatch]
+                mask = b["valid"][idx]
+                if not mask.any():
+                    continue
+                logp, entropy = self.actor.log_prob_entropy(b["obs"][idx], b["actions"][idx])
+                adv = b["advantages"][idx]
+                adv = (adv - adv[mask].mean()) / (adv[mask].std() + 1e-8) if mask.sum() > 1 else adv
+                pg_loss, pg_stats = self._policy_loss(logp, b["prox_logp"][idx], b["behavior_logp"][idx], adv, clip, mask)
+                value = self.critic(b["obs"][idx])
+                v_loss = 0.5 * ((value - b["returns"][idx])[mask] ** 2).mean()
+                ent = entropy[mask].mean()
+                loss = pg_loss - args.ent_coef * ent + args.vf_coef * v_loss
+                self.optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_([*self.actor.parameters(), *self.critic.parameters()], args.max_grad_norm)
+                self.optimizer.step()
+                for key, value in {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": ent, **pg_stats}.items():
+                    stats.setdefault(key, []).append(float(value.detach()) if torch.is_tensor(value) else float(value))
+        self.updates += 1
+        out = {f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}
+        out["staleness/mean"] = float(staleness.float().mean())
+        out["staleness/max"] = float(staleness.max())
+        out["staleness/dropped_fraction"] = float((~valid).float().mean())
+        return out
+
+    def _policy_loss(self, logp, prox_logp, behavior_logp, adv, clip, mask):
+        args = self.args
+        if args.correction == "decoupled":
+            loss, stats = decoupled_ppo_loss(logp, prox_logp, behavior_logp, adv, clip, behavior_cap=args.is_cap, mask=mask)
+            stats["is_weight_mean"] = stats.pop("behavior_weight_mean")
+            stats["is_clipped_fraction"] = stats.pop("behavior_clipped_fraction")
+            stats["is_ess"] = stats.pop("behavior_ess")
+            return loss, stats
+        if args.correction == "vtrace":
+            return ppo_clip_loss(logp, prox_logp, adv, clip, mask=mask)
+        if args.correction == "tis":
+            ratio = torch.exp(logp - behavior_logp)
+            surrogate = torch.min(ratio.clamp(max=args.is_cap) * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+            loss = -surrogate[mask].mean()
+            _, w_stats = truncated_importance_weights(logp.detach(), behavior_logp, args.is_cap, mask=mask)
+            return loss, {"is_weight_mean": w_stats["mean_weight"], "is_clipped_fraction": w_stats["clipped_fraction"], "is_ess": w_stats["ess"]}
+        return ppo_clip_loss(logp, behavior_logp, adv, clip, mask=mask)
+
+    # ------------------------------------------------------------------ acting
+
+    def _sync_segment(self, episodes: EpisodeStats, obs: np.ndarray) -> np.ndarray:
+        """Acts T lockstep steps with one batched policy call each; fills the store."""
+        ids = np.arange(self.args.num_envs)
+        for _ in range(self.args.num_steps):
+            outputs = self.policy.act(obs, env_ids=ids, timeout=60)
+            actions = np.stack([np.asarray(o.action) for o in outputs])
+            executed = np.clip(actions, self.action_space.low, self.action_space.high) if isinstance(self.action_space, gym.spaces.Box) else actions
+            next_obs, rewards, terminated, truncated, info = self.envs.step(executed)
+            done = terminated | truncated
+            final = next_obs.copy()
+            if done.any():
+                final[done] = np.stack(info["final_obs"][done])
+            self.store.add(
+                ids, obs, actions, rewards, terminated, truncated,
+                np.array([o.behavior_logp for o in outputs], dtype=np.float32),
+                np.array([o.policy_version for o in outputs]), next_obs=final,
+            )
+            episodes.update(ids, rewards, done)
+            obs = next_obs
+        return obs
+
+    def train(self) -> TrainResult:
+        """Trains until ``total_timesteps`` (or ``target_return``); closes envs and policy."""
+        args = self.args
+        logger = RunLogger(Path(args.log_dir) / self.run_name, track=args.track, total_steps=args.total_timesteps,
+                           progress=args.progress, hparams=asdict(args))
+        history: list[dict] = []
+        reached_at = None
+        start = time.monotonic()
+        collector = None
+        episodes = EpisodeStats(args.num_envs)
+        try:
+            if args.mode == "async":
+                collector = Collector(self.envs, self.policy, self.store, version_manager=self.versions, seed=args.seed).start()
+            else:
+                obs, _ = self.envs.reset(seed=args.seed)
+            while self.global_step < args.total_timesteps:
+                if collector is not None:
+                    segment = self._next_segment(collector)
+                else:
+                    obs = self._sync_segment(episodes, obs)
+                    segment = self.store.get(timeout=0)
+                self.global_step += segment.rewards.size
+                stats = self.update(segment)
+                self.versions.publish(self._actor_weights())
+                returns = collector.recent_returns() if collector is not None else episodes.returns()
+                mean20 = float(np.mean(returns[-20:])) if returns else float("nan")
+                elapsed = time.monotonic() - start
+                row = {**stats, "charts/episodic_return": mean20, "charts/env_steps_per_s": self.global_step / elapsed,
+                       "charts/version": self.versions.current_version, "time/wall_s": elapsed, "global_step": self.global_step}
+                if collector is not None:
+                    m = collector.metrics()
+                    row.update({"charts/policy_latency_p50_ms": m["policy_latency_p50_ms"], "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
+                                "charts/policy_batch_size": m.get("policy/mean_batch_size", float("nan")),
+                                "charts/policy_queue_depth": m.get("policy/queue_depth", float("nan")), "charts/fallback_rate": m["fallback_rate"]})
+                history.append(row)
+                logger.log(row, self.global_step)
+                if self.updates % 10 == 0:
+                    logger.histogram("staleness/histogram", segment.staleness(self.versions.current_version).ravel(), self.global_step)
+                    if collector is not None:
+                        logger.histogram("charts/policy_latency_ms", collector.latencies() * 1000, self.global_step)
+                self.save()
+                if args.target_return is not None and len(returns) >= 20 and mean20 >= args.target_return:
+                    reached_at = elapsed
+                    break
+        finally:
+            if collector is not None:
+                collector.stop()
+            logger.close()
+            self.policy.close()
+            self.envs.close()
+            self.store.close()
+        wall = time.monotonic() - start
+        returns = collector.recent_returns() if collector is not None else episodes.returns()
+        staleness = self.versions.staleness_stats()
+        self.versions.close()
+        return TrainResult(
+            global_step=self.global_step, updates=self.updates, wall_time_s=wall, env_steps_per_s=self.global_step / wall,
+            episodic_returns=returns, final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
+            reached_target_s=reached_at, staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
+        )
+
+    def _next_segment(self, collector: Collector):
+        while True:
+            try:
+                return self.store.get(timeout=1.0)
+            except TimeoutError:
+                collector.check()
+            except RuntimeError:
+                collector.check()
+                raise
+
+
+def train(args: Args) -> TrainResult:
+    """Builds a PPO from ``args``, trains it and returns the result."""
+    return PPO(args).train()
+
+
+if __name__ == "__main__":
+    result = train(tyro.cli(Args))
+    print(
+        f"PPO {result.global_step} steps in {result.wall_time_s:.1f} s ({result.env_steps_per_s:.0f} steps/s), "
+        f"final return (last 20 episodes) {result.final_return:.1f}, mean staleness {result.staleness_mean:.2f}"
+        + (f", reached the target after {result.reached_target_s:.1f} s" if result.reached_target_s is not None else "")
+    )

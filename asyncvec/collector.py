@@ -1,0 +1,367 @@
+"""``Collector``: drives an ``AsyncLLMVectorEnv`` with a ``Policy`` in a background thread.
+
+Each env's observation is submitted to the policy as soon as that env is ready (continuous
+admission), each answer goes back to its env with ``send`` as soon as it arrives, and every
+transition is written with the policy version that chose its action, the behavior log-prob
+and the fallback flag. The learner trains meanwhile.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector.utils import concatenate, create_empty_array
+
+from asyncvec.buffers import ReplayBuffer, RolloutStore
+from asyncvec.inference.base import zero_action
+from asyncvec.inference.types import Policy, PolicyOutput
+from asyncvec.metrics import EpisodeStats
+from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
+from asyncvec.versioning import VersionManager
+
+__all__ = ["Collector", "CollectorError", "Transitions"]
+
+
+class CollectorError(RuntimeError):
+    """The collector thread stopped on an error (the original is chained as ``__cause__``)."""
+
+
+@dataclass
+class Transitions:
+    """A batch of transitions as the collector writes them (leading dimension = batch).
+
+    ``action`` is the action the policy sampled (Box actions unclipped: ``behavior_logp``
+    belongs to it); the env executed it clipped into the action space.
+    """
+
+    env_ids: np.ndarray
+    obs: Any
+    action: Any
+    reward: np.ndarray
+    next_obs: Any
+    terminated: np.ndarray
+    truncated: np.ndarray
+    behavior_logp: np.ndarray
+    policy_version: np.ndarray
+    fallback: np.ndarray
+    episode_id: np.ndarray
+
+
+Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
+
+
+def _write(sink: Sink, t: Transitions) -> None:
+    if isinstance(sink, RolloutStore):
+        sink.add(t.env_ids, t.obs, t.action, t.reward, t.terminated, t.truncated, t.behavior_logp,
+                 t.policy_version, next_obs=t.next_obs)
+    elif isinstance(sink, ReplayBuffer):
+        sink.add(t.obs, t.action, t.reward, t.next_obs, t.terminated, t.truncated, t.policy_version,
+                 behavior_logp=t.behavior_logp, env_id=t.env_ids, episode_id=t.episode_id, fallback=t.fallback)
+    else:
+        sink(t)
+
+
+def _row(batch: Any, k: int) -> Any:
+    """Row ``k`` of a batched observation (arrays, dicts/tuples of arrays, or a tuple of str)."""
+    if isinstance(batch, dict):
+        return {key: _row(value, k) for key, value in batch.items()}
+    if isinstance(batch, tuple) and not isinstance(batch[0], np.ndarray):
+        return batch[k]
+    if isinstance(batch, tuple):
+        return tuple(_row(value, k) for value in batch)
+    return batch[k]
+
+
+class Collector:
+    """Steps ``env`` with ``policy`` and writes transitions to ``sink``, in a background thread.
+
+    Args:
+        env: an :class:`AsyncLLMVectorEnv` in NEXT_STEP or SAME_STEP autoreset mode; any
+            ``batch_size`` works (small ones return ready envs sooner).
+        policy: anything with ``submit(obs, env_id=...) -> Future[PolicyOutput]``.
+        sink: a :class:`RolloutStore` (on-policy: the collector waits when an env is as far
+            ahead as the store allows), a :class:`ReplayBuffer`, or a callable taking
+            :class:`Transitions`.
+        version_manager: if given, observations are submitted only while the policy's version
+            is within ``max_lag`` of the learner's (the semi-asynchronous gate).
+        seed: seed of the first ``async_reset``.
+        episode_window: how many recent episodes the return/length statistics cover.
+
+    Example:
+        >>> import gymnasium as gym, torch
+        >>> from asyncvec import AsyncLLMVectorEnv, Collector, RolloutStore
+        >>> from asyncvec.inference import TorchPolicy
+        >>> envs = AsyncLLMVectorEnv([lambda: gym.make("CartPole-v1")] * 2, batch_size=1)
+        >>> policy = TorchPolicy(torch.nn.Linear(4, 2), envs.single_action_space)
+        >>> store = RolloutStore(8, 2, envs.single_observation_space, envs.single_action_space)
+        >>> with Collector(envs, policy, store, seed=0) as collector:
+        ...     segment = store.get(timeout=30)
+        >>> segment.rewards.shape
+        (8, 2)
+        >>> policy.close(); envs.close()
+    """
+
+    def __init__(
+        self,
+        env: AsyncLLMVectorEnv,
+        policy: Policy,
+        sink: Sink,
+        *,
+        version_manager: VersionManager | None = None,
+        seed: int | None = None,
+        episode_window: int = 100,
+    ) -> None:
+        if not isinstance(env, AsyncLLMVectorEnv):
+            raise TypeError(f"Collector needs an AsyncLLMVectorEnv (send/recv), got {type(env).__name__}")
+        if env.autoreset_mode == AutoresetMode.DISABLED:
+            raise ValueError("Collector needs autoreset_mode NEXT_STEP or SAME_STEP, got DISABLED")
+        if not callable(getattr(policy, "submit", None)):
+            raise TypeError(f"policy must have submit(obs, env_id=...), got {type(policy).__name__}")
+        if isinstance(sink, RolloutStore) and sink.num_envs != env.num_envs:
+            raise ValueError(f"RolloutStore has num_envs={sink.num_envs}, the env has {env.num_envs}")
+        if not isinstance(sink, (RolloutStore, ReplayBuffer)) and not callable(sink):
+            raise TypeError(f"sink must be a RolloutStore, a ReplayBuffer or a callable, got {type(sink).__name__}")
+        self.env = env
+        self.policy = policy
+        self.sink = sink
+        self.version_manager = version_manager
+        self.seed = seed
+        n = env.num_envs
+        self._space = env.single_observation_space
+        self._action_space = env.single_action_space
+        self._noop = zero_action(self._action_space)
+        self._answers: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
+        self._obs: list[Any] = [None] * n  # the observation each env's next action is chosen from
+        self._waiting_policy = np.zeros(n, dtype=bool)
+        self._resetting = np.zeros(n, dtype=bool)  # NEXT_STEP: the env's next step is its reset
+        self._parked: dict[int, PolicyOutput] = {}  # answers held back by the sink's capacity
+        self._sent: dict[int, PolicyOutput] = {}  # the answer each stepping env is executing
+        self._episodes = EpisodeStats(n, episode_window)
+        self._episode_id = np.arange(n, dtype=np.int64)
+        self._next_episode_id = n
+        self._lock = threading.Lock()
+        self._latencies: deque[float] = deque(maxlen=10_000)
+        self._counts = {"fallbacks": 0, "gate_waits": 0}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._started_at = 0.0
+
+    # ------------------------------------------------------------------ control
+
+    def start(self) -> Collector:
+        """Starts the background thread (resets the envs first)."""
+        if self._thread is not None:
+            raise RuntimeError("Collector already started")
+        self._started_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="asyncvec-collector", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops the thread and drains the env (answers still in flight are received and dropped)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise CollectorError(f"collector thread did not stop within {timeout} s")
+
+    def check(self) -> None:
+        """Raises :class:`CollectorError` if the collector thread died."""
+        if self._error is not None:
+            raise CollectorError(f"the collector stopped: {type(self._error).__name__}: {self._error}") from self._error
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> Collector:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ metrics
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and rates: env_steps, env_steps_per_s, episodes, episodic return/length over
+        the recent window, policy latency p50/p99 (ms), fallback rate, and the policy's own
+        stats (batch size, queue depth) prefixed with ``policy/``."""
+        with self._lock:
+            counts = {**self._counts, "env_steps": self._episodes.steps, "episodes": self._episodes.episodes}
+            returns = np.array(self._episodes.returns())
+            lengths = np.array(self._episodes.lengths())
+            latencies = np.array(self._latencies)
+        elapsed = max(time.monotonic() - self._started_at, 1e-9) if self._started_at else float("nan")
+        out: dict[str, float] = {
+            **counts,
+            "env_steps_per_s": counts["env_steps"] / elapsed,
+            "episodic_return": float(returns.mean()) if returns.size else float("nan"),
+            "episodic_length": float(lengths.mean()) if lengths.size else float("nan"),
+            "fallback_rate": counts["fallbacks"] / max(counts["env_steps"], 1),
+            "policy_latency_p50_ms": float(np.percentile(latencies, 50) * 1000) if latencies.size else float("nan"),
+            "policy_latency_p99_ms": float(np.percentile(latencies, 99) * 1000) if latencies.size else float("nan"),
+        }
+        stats = getattr(self.policy, "stats", None)
+        if callable(stats):
+            out.update({f"policy/{k}": float(v) for k, v in stats().items() if isinstance(v, (int, float))})
+        return out
+
+    def recent_returns(self) -> list[float]:
+        """Returns of the episodes in the recent window, oldest first."""
+        with self._lock:
+            return self._episodes.returns()
+
+    def latencies(self) -> np.ndarray:
+        """Recent policy latencies in seconds (for histograms)."""
+        with self._lock:
+            return np.array(self._latencies)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        try:
+            self.env.async_reset(seed=self.seed)
+            while not self._stop.is_set():
+                self._send_ready_actions(block=not self.env.in_flight)
+                if self.env.in_flight:
+                    try:
+                        # Short waits while answers may come back; the policy side needs us too.
+                        timeout = 0.002 if self._waiting_policy.any() or self._parked else 0.1
+                        result = self.env.recv(timeout=timeout)
+                    except multiprocessing.TimeoutError:
+                        continue
+                    self._handle_results(*result)
+        except BaseException as exc:  # surfaced to the learner by check()
+            self._error = exc
+            if isinstance(self.sink, RolloutStore):
+                self.sink.close()  # wake a learner blocked in get()
+        finally:
+            self._drain()
+
+    def _drain(self) -> None:
+        try:
+            while not self.env.closed and self.env.in_flight:
+                self.env.recv(timeout=30)
+        except Exception:
+            pass
+
+    def _room(self, env_id: int) -> bool:
+        if not isinstance(self.sink, RolloutStore):
+            return True
+        return self.sink.steps_per_env[env_id] < self.sink.num_steps + self.sink.max_steps_ahead
+
+    def _send_ready_actions(self, block: bool) -> None:
+        ready: list[tuple[int, PolicyOutput]] = []
+        for env_id in list(self._parked):
+            if self._room(env_id):
+                ready.append((env_id, self._parked.pop(env_id)))
+        try:
+            timeout = 0.05 if block and not ready else None
+            while True:
+                env_id, future = self._answers.get(timeout=timeout) if timeout else self._answers.get_nowait()
+                timeout = None
+                output = future.result()  # a policy error stops the collector with that error
+                self._waiting_policy[env_id] = False
+                with self._lock:
+                    self._latencies.append(output.latency_s)
+                if self._room(env_id):
+                    ready.append((env_id, output))
+                else:
+                    self._parked[env_id] = output
+        except queue.Empty:
+            pass
+        if not ready:
+            return
+        ids = np.array([env_id for env_id, _ in ready], dtype=np.int64)
+        actions = [self._executable(output.action) for _, output in ready]
+        for env_id, output in ready:
+            self._sent[env_id] = output
+        self.env.send(self._batch_actions(actions), ids)
+
+    def _executable(self, action: Any) -> Any:
+        if isinstance(self._action_space, spaces.Box):
+            return np.clip(np.asarray(action, dtype=self._action_space.dtype), self._action_space.low, self._action_space.high)
+        return action
+
+    def _batch_actions(self, actions: list[Any]) -> Any:
+        return concatenate(self._action_space, actions, create_empty_array(self._action_space, len(actions)))
+
+    def _submit(self, env_id: int, obs: Any) -> None:
+        vm = self.version_manager
+        if vm is not None and not vm.within_lag(self.policy.policy_version):
+            with self._lock:
+                self._counts["gate_waits"] += 1
+            while not vm.wait_for_lag(lambda: self.policy.policy_version, timeout=0.1):
+                if self._stop.is_set() or vm.closed:
+                    return
+        self._obs[env_id] = obs
+        self._waiting_policy[env_id] = True
+        future = self.policy.submit(obs, env_id=env_id)
+        future.add_done_callback(lambda f, e=env_id: self._answers.put((e, f)))
+
+    def _handle_results(self, obs: Any, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict) -> None:
+        env_ids = info["env_id"]
+        same_step = self.env.autoreset_mode == AutoresetMode.SAME_STEP
+        rows, next_obs, reset_sends = [], [], []
+        for k, env_id in enumerate(env_ids.tolist()):
+            observation = _row(obs, k)
+            if self._resetting[env_id]:
+                self._resetting[env_id] = False
+                self._submit(env_id, observation)
+                continue
+            output = self._sent.pop(env_id, None)
+            if output is None:  # the first observation after async_reset
+                self._submit(env_id, observation)
+                continue
+            done = bool(terminated[k] or truncated[k])
+            final = info["final_obs"][k] if same_step and done else observation
+            rows.append((k, env_id, output, self._obs[env_id]))
+            next_obs.append(final)
+            if done and not same_step:
+                self._resetting[env_id] = True
+                reset_sends.append(env_id)
+            else:
+                self._submit(env_id, observation)
+        if rows:
+            self._write_rows(rows, next_obs, rewards, terminated, truncated)
+        if reset_sends:
+            self.env.send(self._batch_actions([self._noop] * len(reset_sends)), np.array(reset_sends))
+
+    def _write_rows(self, rows: list, next_obs: list, rewards, terminated, truncated) -> None:
+        ks = np.array([row[0] for row in rows])
+        ids = np.array([row[1] for row in rows], dtype=np.int64)
+        outputs = [row[2] for row in rows]
+        n = len(rows)
+        batch = Transitions(
+            env_ids=ids,
+            obs=concatenate(self._space, [row[3] for row in rows], create_empty_array(self._space, n)),
+            action=concatenate(self._action_space, [o.action for o in outputs], create_empty_array(self._action_space, n)),
+            reward=rewards[ks],
+            next_obs=concatenate(self._space, next_obs, create_empty_array(self._space, n)),
+            terminated=terminated[ks],
+            truncated=truncated[ks],
+            behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
+            policy_version=np.array([o.policy_version for o in outputs], dtype=np.int64),
+            fallback=np.array([o.fallback for o in outputs], dtype=bool),
+            episode_id=self._episode_id[ids].copy(),
+        )
+        _write(self.sink, batch)
+        with self._lock:
+            self._episodes.update(ids, batch.reward, batch.terminated | batch.truncated)
+            self._counts["fallbacks"] += int(batch.fallback.sum())
+        for env_id, done in zip(ids, terminated[ks] | truncated[ks]):
+            if done:
+                self._episode_id[env_id] = self._next_episode_id
+                self._next_episode_id += 1

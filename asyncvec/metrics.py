@@ -1,0 +1,117 @@
+"""Run telemetry: TensorBoard scalars and histograms, a terminal progress bar, episode statistics."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["EpisodeStats", "RunLogger"]
+
+
+class EpisodeStats:
+    """Running return and length of each env's current episode, and a window of finished ones.
+
+    Example:
+        >>> stats = EpisodeStats(num_envs=2, window=10)
+        >>> stats.update(np.array([0, 1]), np.array([1.0, 1.0]), np.array([False, True]))
+        >>> stats.returns(), stats.episodes
+        ([1.0], 1)
+    """
+
+    def __init__(self, num_envs: int, window: int = 100) -> None:
+        self._return = np.zeros(num_envs)
+        self._length = np.zeros(num_envs, dtype=np.int64)
+        self._returns: deque[float] = deque(maxlen=window)
+        self._lengths: deque[int] = deque(maxlen=window)
+        self.episodes = 0
+        self.steps = 0
+
+    def update(self, env_ids: np.ndarray, rewards: np.ndarray, dones: np.ndarray) -> None:
+        """Adds one step for each env in ``env_ids``; closes the episodes where ``dones``."""
+        np.add.at(self._return, env_ids, rewards)
+        np.add.at(self._length, env_ids, 1)
+        self.steps += len(env_ids)
+        for env_id in np.asarray(env_ids)[np.asarray(dones, dtype=bool)]:
+            self._returns.append(float(self._return[env_id]))
+            self._lengths.append(int(self._length[env_id]))
+            self._return[env_id] = 0.0
+            self._length[env_id] = 0
+            self.episodes += 1
+
+    def returns(self, last: int | None = None) -> list[float]:
+        """Returns of the finished episodes in the window (the ``last`` ones if given)."""
+        items = list(self._returns)
+        return items if last is None else items[-last:]
+
+    def lengths(self) -> list[int]:
+        return list(self._lengths)
+
+    def mean_return(self, last: int | None = None) -> float:
+        items = self.returns(last)
+        return float(np.mean(items)) if items else float("nan")
+
+
+class RunLogger:
+    """TensorBoard writer (when ``track``) plus a tqdm progress bar over env steps.
+
+    Example:
+        >>> logger = RunLogger("runs/example", track=False, total_steps=100, progress=False)
+        >>> logger.log({"charts/return": 1.0}, step=10)
+        >>> logger.close()
+    """
+
+    def __init__(
+        self,
+        log_dir: str | Path,
+        *,
+        track: bool = False,
+        total_steps: int | None = None,
+        progress: bool = True,
+        hparams: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.writer = None
+        if track:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(log_dir))
+            if hparams:
+                table = "\n".join(f"|{k}|{v}|" for k, v in hparams.items())
+                self.writer.add_text("hyperparameters", f"|param|value|\n|-|-|\n{table}")
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, mininterval=1.0)
+        self._last_step = 0
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        """Writes finite scalars to TensorBoard and advances the progress bar to ``step``."""
+        if self.writer is not None:
+            for name, value in scalars.items():
+                if isinstance(value, (int, float, np.floating, np.integer)) and math.isfinite(value):
+                    self.writer.add_scalar(name, float(value), step)
+        if self.bar is not None:
+            self.bar.update(max(0, step - self._last_step))
+            shown = {k.rsplit("/", 1)[-1]: f"{v:.3g}" for k, v in scalars.items() if k in _BAR_KEYS and math.isfinite(v)}
+            if shown:
+                self.bar.set_postfix(shown, refresh=False)
+        self._last_step = max(self._last_step, step)
+
+    def histogram(self, name: str, values: Any, step: int) -> None:
+        """Writes a histogram (e.g. latencies, staleness) when there are values."""
+        values = np.asarray(values, dtype=np.float64)
+        if self.writer is not None and values.size:
+            self.writer.add_histogram(name, values, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+_BAR_KEYS = {"charts/episodic_return", "charts/env_steps_per_s", "staleness/mean"}
