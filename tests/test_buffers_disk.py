@@ -82,6 +82,7 @@ def _commit_ten_then_add_ten(directory: str, done) -> None:
     time.sleep(120)
 
 
+@pytest.mark.usefixtures("no_leftover_children")
 def test_manual_commits_expose_only_committed_samples(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
     done = ctx.Event()
@@ -146,6 +147,7 @@ def _write_forever(directory: str, committed, batch_sizes: list[int]) -> None:
         committed.value = serial  # add() returned: this batch is committed
 
 
+@pytest.mark.usefixtures("no_leftover_children")
 @pytest.mark.parametrize("rounds", [3])
 def test_sigkilled_writer_loses_no_committed_sample(tmp_path: Path, rounds: int) -> None:
     ctx = multiprocessing.get_context("spawn")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import doctest
+import re
 import string
 import threading
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -392,3 +394,16 @@ def test_integer_box_bounds_are_checked_unless_the_dtype_implies_them() -> None:
     obs = np.array([[0, 255], [11, 3]], np.uint8)
     full.add(obs, np.array([0, 1]), [0.0, 0.0], obs, [False, False], [False, False], 0)
     np.testing.assert_array_equal(np.sort(full.sample(2, 0).obs, axis=0), np.sort(obs, axis=0))
+
+
+def python_blocks(markdown: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", markdown, flags=re.DOTALL)
+
+
+def test_docs_examples_run(capsys) -> None:
+    blocks = python_blocks((Path(__file__).parent.parent / "docs" / "buffers.md").read_text())
+    assert len(blocks) >= 5
+    for block in blocks:
+        exec(compile(block, "docs/buffers.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "1.0 2 [1, 2, 1, 0] 8" in printed and "(4, 3) (3, 2)" in printed

@@ -211,6 +211,7 @@ def _child(vm: VersionManager, results) -> None:  # runs in a spawned process
     results[2] = vm.publish("from child")
 
 
+@pytest.mark.usefixtures("no_leftover_children")
 def test_shared_with_a_spawned_child_process() -> None:
     ctx = multiprocessing.get_context("spawn")
     vm = VersionManager(max_lag=2, on_lag="drop", mp_context=ctx)
