@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import doctest
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -316,3 +318,12 @@ def test_shape_errors_name_the_argument() -> None:
         losses.approx_kl(torch.zeros(2), torch.zeros(2), "k4")
     with pytest.raises(ValueError, match="advantages"):
         losses.ppo_clip_loss(torch.zeros(3), torch.zeros(3), torch.zeros(2))
+
+
+def test_docs_examples_run(capsys) -> None:
+    markdown = (Path(__file__).parent.parent / "docs" / "losses.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", markdown, flags=re.DOTALL)
+    assert len(blocks) >= 4
+    for block in blocks:
+        exec(compile(block, "docs/losses.md", "exec"), {})
+    assert "tensor([2.0000, 1.2214])" in capsys.readouterr().out
