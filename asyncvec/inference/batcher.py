@@ -85,7 +85,11 @@ class DynamicBatcher(Generic[T]):
     threads each take a batch when one is ready and call ``handler(batch)``:
 
     * a batch is ready when ``threshold`` requests wait (``max_batch_size`` in static mode)
-      or ``max_wait_ms`` has passed since the oldest waiting request arrived;
+      or ``max_wait_ms`` has passed since the oldest waiting request arrived. Time spent
+      while every worker was busy does not count: the wait runs from the later of the
+      arrival and the moment a worker became free. Otherwise, when envs resubmit right after
+      their answers (a closed loop), requests that queued behind a busy backend would leave
+      at once in a small batch and split the envs into two alternating half-size cohorts;
     * a batch holds up to ``max_batch_size`` requests, highest ``priority`` first and, within
       a priority, oldest first;
     * while all workers are busy, requests keep queueing, so under load batches come out full.
@@ -200,7 +204,7 @@ class DynamicBatcher(Generic[T]):
         span = now - self._arrivals[0]
         return len(self._arrivals) / span if span > 0 else 0.0
 
-    def _wait_for_batch_locked(self) -> Optional[list[T]]:
+    def _wait_for_batch_locked(self, free_since: float) -> Optional[list[T]]:
         while True:
             if self._closed:
                 return None
@@ -210,8 +214,10 @@ class DynamicBatcher(Generic[T]):
             now = time.monotonic()
             waiting = len(self._heap)
             if waiting < self._threshold_locked(now):
+                # The batching wait starts when the request arrived or this worker became free,
+                # whichever is later: waiting for a busy backend is not waiting for a batch.
                 oldest = min(entry[2] for entry in self._heap)
-                remaining = oldest + self.max_wait_s - now
+                remaining = max(oldest, free_since) + self.max_wait_s - now
                 if remaining > 0:
                     self._cond.wait(remaining)
                     continue
@@ -230,9 +236,10 @@ class DynamicBatcher(Generic[T]):
         return batch
 
     def _worker_loop(self) -> None:
+        free_since = time.monotonic()
         while True:
             with self._cond:
-                batch = self._wait_for_batch_locked()
+                batch = self._wait_for_batch_locked(free_since)
                 if batch is None:
                     return
                 self._inflight += 1
@@ -250,6 +257,7 @@ class DynamicBatcher(Generic[T]):
                     self._handler_errors += 1
             elapsed = time.perf_counter() - started
             with self._cond:
+                free_since = time.monotonic()
                 self._inflight -= 1
                 if isinstance(measured, (int, float)) and not isinstance(measured, bool):
                     self._timings.append((len(batch), float(measured)))
