@@ -72,9 +72,11 @@ def test_storage_dir_reopens_with_every_committed_sample(tmp_path: Path) -> None
     reopened.close()
 
 
-def _commit_ten_then_add_ten(directory: str, done) -> None:
+def _commit_ten_then_add_ten(directory: str, done, prioritized: bool) -> None:
     """Child process: commit 10 samples, add 10 more without committing, wait to be killed."""
-    buffer = ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=directory, commit_every=0)
+    buffer = ReplayBuffer(
+        CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=directory, commit_every=0, prioritized=prioritized
+    )
     add_serials(buffer, 0, 10)
     buffer.commit()
     add_serials(buffer, 10, 10)
@@ -83,10 +85,11 @@ def _commit_ten_then_add_ten(directory: str, done) -> None:
 
 
 @pytest.mark.usefixtures("no_leftover_children")
-def test_manual_commits_expose_only_committed_samples(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prioritized", [False, True])
+def test_manual_commits_expose_only_committed_samples(tmp_path: Path, prioritized: bool) -> None:
     ctx = multiprocessing.get_context("spawn")
     done = ctx.Event()
-    child = ctx.Process(target=_commit_ten_then_add_ten, args=(str(tmp_path), done))
+    child = ctx.Process(target=_commit_ten_then_add_ten, args=(str(tmp_path), done, prioritized))
     child.start()
     try:
         assert done.wait(timeout=90), "child never finished writing"
@@ -97,8 +100,14 @@ def test_manual_commits_expose_only_committed_samples(tmp_path: Path) -> None:
             child.kill()
             child.join(timeout=10)
     with ReplayBuffer.open(tmp_path) as buffer:
-        assert buffer.num_added == 10
-        assert_holds_exactly(buffer, 0, 10)
+        assert buffer.num_added == 10 and buffer.prioritized == prioritized
+        if not prioritized:
+            assert_holds_exactly(buffer, 0, 10)
+        else:  # uncommitted slots must not be drawn by their leftover priorities
+            batches = [buffer.sample(10, 10**6, exclude_fallback=False) for _ in range(50)]
+            drawn = np.concatenate([batch.episode_id for batch in batches])
+            assert len(buffer) == 10 and np.array_equal(np.unique(drawn), np.arange(10))
+            assert all(np.array_equal(batch.reward, batch.episode_id) for batch in batches)
 
 
 def test_a_directory_is_locked_to_one_open_buffer(tmp_path: Path) -> None:

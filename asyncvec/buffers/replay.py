@@ -242,6 +242,10 @@ class ReplayBuffer:
         versions, counts = np.unique(columns["policy_version"][slots], return_counts=True)
         self._version_counts = Counter(dict(zip(versions.tolist(), counts.tolist())))
         self._fallback_count = int(np.count_nonzero(columns["fallback"][slots]))
+        if self.prioritized:  # slots outside the committed range may hold stale priorities
+            stored = np.zeros(self.capacity, dtype=bool)
+            stored[slots] = True
+            columns["priority"][~stored] = 0.0
 
     def commit(self) -> None:
         """Make every added sample durable (``storage_dir`` mode; a no-op in RAM)."""
@@ -492,7 +496,25 @@ class ReplayBuffer:
             if generator is None:
                 generator = self._rng if rng is None else np.random.default_rng(rng)
             slots, weights = self._choose(batch_size, current_version, max_staleness, exclude_fallback, generator)
-            gathered = {name: column[slots] for name, column in self._columns.items()}
+            return self._gather_locked(slots, current_version, weights)
+
+    def gather(self, indices: Any, current_version: int) -> ReplayBatch:
+        """The transitions stored at buffer slots ``indices`` (e.g. to follow an n-step sequence).
+
+        Raises:
+            ValueError: a slot is out of range or holds no sample.
+        """
+        slots = np.asarray(indices, dtype=np.int64).reshape(-1)
+        with self._lock:
+            self._check_open()
+            bad = (slots < 0) | (slots >= self.capacity) | ((slots - self._oldest) % self.capacity >= len(self))
+            if np.any(bad):
+                row = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"gather: row {row}: slot {slots[row]} holds no sample")
+            return self._gather_locked(slots, current_version, np.ones(slots.size, dtype=np.float32))
+
+    def _gather_locked(self, slots: np.ndarray, current_version: int, weights: np.ndarray) -> ReplayBatch:
+        gathered = {name: column[slots] for name, column in self._columns.items()}
         obs, action, next_obs = (
             codec.decode([gathered[name] for name in codec.column_names()])
             for codec in (self._obs, self._action, self._next_obs)
@@ -524,20 +546,19 @@ class ReplayBuffer:
     ) -> tuple[np.ndarray, np.ndarray]:
         oldest_allowed = None if max_staleness is None else current_version - max_staleness
         must_filter = (exclude_fallback and self._fallback_count > 0) or (
-            oldest_allowed is not None and self._version_counts and min(self._version_counts) < oldest_allowed
+            oldest_allowed is not None and bool(self._version_counts) and min(self._version_counts) < oldest_allowed
         )
-        candidates = None
-        if must_filter or self.prioritized:
-            candidates = self._valid_slots()
+        keep = None  # over physical slots; None: every stored sample is eligible
         if must_filter:
-            keep = np.ones(len(candidates), dtype=bool)
+            keep = np.zeros(self.capacity, dtype=bool)
+            for stored in self._valid_slices():
+                keep[stored] = True
             if exclude_fallback:
-                keep &= ~self._columns["fallback"][candidates]
+                keep &= ~self._columns["fallback"]
             if oldest_allowed is not None:
-                keep &= self._columns["policy_version"][candidates] >= oldest_allowed
-            candidates = candidates[keep]
+                keep &= self._columns["policy_version"] >= oldest_allowed
         size = len(self)
-        eligible = size if candidates is None else len(candidates)
+        eligible = size if keep is None else int(np.count_nonzero(keep))
         if eligible < batch_size:
             raise ValueError(
                 f"sample: asked for {batch_size} samples but only {eligible} of the {size} "
@@ -547,15 +568,21 @@ class ReplayBuffer:
             )
         if not self.prioritized:
             picks = rng.choice(eligible, batch_size, replace=False)
-            slots = (self._oldest + picks) % self.capacity if candidates is None else candidates[picks]
-            return slots, np.ones(batch_size, dtype=np.float32)
-        priorities = self._columns["priority"][candidates]
-        probabilities = priorities / priorities.sum()
-        picks = rng.choice(eligible, batch_size, replace=True, p=probabilities)
+            if keep is None:
+                return (self._oldest + picks) % self.capacity, np.ones(batch_size, dtype=np.float32)
+            return np.flatnonzero(keep)[picks], np.ones(batch_size, dtype=np.float32)
+        # Empty slots hold priority 0, so the whole column can be sampled from directly.
+        priorities = self._columns["priority"]
+        if keep is not None:
+            priorities = np.where(keep, priorities, 0.0)
+        cumulative = np.cumsum(priorities)
+        total = cumulative[-1]
+        slots = np.searchsorted(cumulative, rng.random(batch_size) * total, side="right")
+        slots = np.minimum(slots, self.capacity - 1)  # guards against float rounding at the top
         # w_i = (N P(i))^-beta, normalized by the largest weight among the eligible samples.
-        weights = (eligible * probabilities[picks]) ** -self.beta
-        weights /= (eligible * probabilities.min()) ** -self.beta
-        return candidates[picks], weights.astype(np.float32)
+        smallest = np.min(priorities, where=priorities > 0, initial=np.inf)
+        weights = (priorities[slots] / smallest) ** -self.beta
+        return slots, weights.astype(np.float32)
 
     def update_priorities(self, indices: Any, priorities: Any) -> None:
         """Set the priorities (e.g. ``|TD error| + eps``) of the sampled slots ``indices``.
@@ -597,6 +624,12 @@ class ReplayBuffer:
 
     def _valid_slots(self) -> np.ndarray:
         return np.arange(self._oldest, self._added) % self.capacity
+
+    def _valid_slices(self) -> tuple[slice, slice]:
+        """The stored samples' slots as (at most) two contiguous ranges."""
+        start, size = self._oldest % self.capacity, len(self)
+        head = min(size, self.capacity - start)
+        return slice(start, start + head), slice(0, size - head)
 
     @property
     def num_added(self) -> int:
