@@ -47,7 +47,9 @@ def _check_same_shape(**tensors: Tensor | None) -> None:
     first_name, first = named[0]
     for name, tensor in named[1:]:
         if tensor.shape != first.shape:
-            raise ValueError(f"{name}: expected shape {tuple(first.shape)} like {first_name}, got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name}: expected shape {tuple(first.shape)} like {first_name}, got {tuple(tensor.shape)}"
+            )
 
 
 def masked_mean(values: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -287,7 +289,9 @@ def gae(
         >>> advantages[:, 0]
         tensor([1.5000, 1.0000, 1.0000])
     """
-    _check_same_shape(rewards=rewards, values=values, terminated=terminated, truncated=truncated, final_values=final_values)
+    _check_same_shape(
+        rewards=rewards, values=values, terminated=terminated, truncated=truncated, final_values=final_values
+    )
     if values.dim() < 1 or bootstrap_value.shape != values.shape[1:]:
         raise ValueError(
             f"bootstrap_value: expected shape {tuple(values.shape[1:])} (values without time), "
@@ -446,7 +450,10 @@ def reinforce_pp_advantages(
             token_rewards = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
             token_rewards[torch.arange(mask.shape[0], device=mask.device), last] = final
         else:
-            raise ValueError(f"rewards: expected shape [B]=({mask.shape[0]},) or [B, L]={tuple(mask.shape)}, got {tuple(rewards.shape)}")
+            raise ValueError(
+                f"rewards: expected shape [B]=({mask.shape[0]},) or [B, L]={tuple(mask.shape)}, "
+                f"got {tuple(rewards.shape)}"
+            )
         if kl is not None:
             _check_same_shape(mask=mask, kl=kl)
             token_rewards = token_rewards - beta * torch.where(valid, kl, torch.zeros_like(kl))

@@ -215,9 +215,7 @@ class VersionManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             # Read a callable source outside the lock: it is user code.
-            in_use = _check_int(
-                "version_in_use", version_in_use() if polled else version_in_use, minimum=0
-            )
+            in_use = _check_int("version_in_use", version_in_use() if polled else version_in_use, minimum=0)
             with self._cond:
                 if self._closed.value:
                     return False
@@ -239,9 +237,7 @@ class VersionManager:
         """
         min_version = _check_int("min_version", min_version, minimum=0)
         with self._cond:
-            reached = self._cond.wait_for(
-                lambda: self._closed.value or self._version.value >= min_version, timeout
-            )
+            reached = self._cond.wait_for(lambda: self._closed.value or self._version.value >= min_version, timeout)
             return bool(reached) and not self._closed.value
 
     def admit(self, version_in_use: VersionSource, timeout: float | None = None, count: int = 1) -> bool:
@@ -327,10 +323,7 @@ class VersionManager:
         self.close()
 
     def __repr__(self) -> str:
-        return (
-            f"VersionManager(current_version={self.current_version}, max_lag={self.max_lag}, "
-            f"on_lag={self.on_lag!r})"
-        )
+        return f"VersionManager(current_version={self.current_version}, max_lag={self.max_lag}, on_lag={self.on_lag!r})"
 
 
 def _check_int(field: str, value: Any, minimum: int) -> int:

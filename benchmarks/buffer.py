@@ -106,7 +106,12 @@ def bench_asyncvec(case: Case, args: Args, batches: list[dict], variant: str) ->
             for _ in range(case.adds):
                 batch = batches[step[0] % len(batches)]
                 buffer.add(
-                    batch["obs"], batch["action"], batch["reward"], batch["next_obs"], batch["done"], zeros,
+                    batch["obs"],
+                    batch["action"],
+                    batch["reward"],
+                    batch["next_obs"],
+                    batch["done"],
+                    zeros,
                     policy_version=step[0] // 100,
                 )
                 step[0] += 1
@@ -123,7 +128,10 @@ def bench_asyncvec(case: Case, args: Args, batches: list[dict], variant: str) ->
             for _ in range(case.samples):
                 batch = buffer.sample(args.batch_size, current, max_staleness=max_staleness, rng=rng)
                 if variant == "+torch":
-                    tensors = [torch.tensor(x) for x in (batch.obs, batch.action, batch.next_obs, batch.reward, batch.terminated)]
+                    tensors = [
+                        torch.tensor(x)
+                        for x in (batch.obs, batch.action, batch.next_obs, batch.reward, batch.terminated)
+                    ]
                     assert len(tensors) == 5
             return case.samples * args.batch_size
 
@@ -165,10 +173,22 @@ def main(args: Args) -> None:
     torch.set_num_threads(1)
     scale = 10 if args.quick else 1
     cases = [
-        Case("CartPole (4 x float32)", spaces.Box(-np.inf, np.inf, (4,), np.float32), spaces.Discrete(2),
-             100_000 // scale, 2_000 // scale, 400 // scale),
-        Case("Atari (84x84x3 uint8)", spaces.Box(0, 255, (84, 84, 3), np.uint8), spaces.Discrete(6),
-             10_000 // scale, 500 // scale, 40 // scale),
+        Case(
+            "CartPole (4 x float32)",
+            spaces.Box(-np.inf, np.inf, (4,), np.float32),
+            spaces.Discrete(2),
+            100_000 // scale,
+            2_000 // scale,
+            400 // scale,
+        ),
+        Case(
+            "Atari (84x84x3 uint8)",
+            spaces.Box(0, 255, (84, 84, 3), np.uint8),
+            spaces.Discrete(6),
+            10_000 // scale,
+            500 // scale,
+            40 // scale,
+        ),
     ]
     rng = np.random.default_rng(args.seed)
     rows = []

@@ -62,7 +62,12 @@ def test_storage_dir_reopens_with_every_committed_sample(tmp_path: Path) -> None
     with ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path) as buffer:
         add_serials(buffer, 0, 50)
         add_serials(buffer, 50, 30)  # wraps around
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".npy")) == ["commit.bin", "lock", "meta.json", "spaces.pkl"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".npy")) == [
+        "commit.bin",
+        "lock",
+        "meta.json",
+        "spaces.pkl",
+    ]
     with ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path) as buffer:
         assert buffer.num_added == 80
         assert_holds_exactly(buffer, 80 - CAPACITY, 80)
@@ -198,7 +203,9 @@ def test_sigkilled_writer_loses_no_committed_sample(tmp_path: Path, rounds: int)
 
 
 def test_fsync_mode_and_saving_a_disk_buffer(tmp_path: Path) -> None:
-    with ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path / "a", fsync=True, commit_every=2) as buffer:
+    with ReplayBuffer(
+        CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path / "a", fsync=True, commit_every=2
+    ) as buffer:
         add_serials(buffer, 0, 3)
         add_serials(buffer, 3, 3)  # second add: committed with msync + fsync
         add_serials(buffer, 6, 3)  # not committed yet

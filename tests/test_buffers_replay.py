@@ -68,7 +68,9 @@ def test_every_field_round_trips_with_dict_and_text_spaces() -> None:
             "pair": spaces.Tuple((spaces.Discrete(5, start=-2), spaces.MultiBinary(3))),
         }
     )
-    action_space = spaces.Dict({"move": spaces.MultiDiscrete([3, 4]), "say": spaces.Text(5, min_length=0, charset="abc")})
+    action_space = spaces.Dict(
+        {"move": spaces.MultiDiscrete([3, 4]), "say": spaces.Text(5, min_length=0, charset="abc")}
+    )
     buffer = ReplayBuffer(8, obs_space, action_space, seed=0)
     rng = np.random.default_rng(1)
     n = 3
@@ -77,7 +79,11 @@ def test_every_field_round_trips_with_dict_and_text_spaces() -> None:
         "prompt": ["hello world", "", "z"],
         "pair": (np.array([-2, 0, 2]), rng.integers(0, 2, (n, 3), dtype=np.int8)),
     }
-    next_obs = {"image": obs["image"][::-1], "prompt": ["a", "bb", "ccc"], "pair": (np.array([1, 1, 1]), obs["pair"][1])}
+    next_obs = {
+        "image": obs["image"][::-1],
+        "prompt": ["a", "bb", "ccc"],
+        "pair": (np.array([1, 1, 1]), obs["pair"][1]),
+    }
     action = {"move": np.array([[0, 3], [2, 0], [1, 1]]), "say": ["abc", "", "cab"]}
     buffer.add(
         obs,

@@ -84,7 +84,9 @@ def test_partial_batches_in_any_order_build_time_major_segments(seed: int) -> No
         np.testing.assert_array_equal(segment.policy_version, k // 3)
         np.testing.assert_array_equal(segment.staleness(10), 10 - k // 3)
         # Bootstrap: the observation after step T-1 of every env.
-        np.testing.assert_array_equal(segment.last_obs, np.stack([np.arange(N), np.full(N, (segment_index + 1) * T)], 1))
+        np.testing.assert_array_equal(
+            segment.last_obs, np.stack([np.arange(N), np.full(N, (segment_index + 1) * T)], 1)
+        )
         assert segment.rewards.dtype == np.float32 and segment.policy_version.dtype == np.int64
         assert store.steps_per_env == (collector.steps - (segment_index + 1) * T).tolist()
 
@@ -171,8 +173,9 @@ def test_bad_input_names_the_field_and_env() -> None:
     store = RolloutStore(2, 3, OBS, spaces.Discrete(2), max_steps_ahead=0)
     zeros = np.zeros(2, bool)
 
-    def add(env_ids=(0, 2), obs=np.zeros((2, 2)), action=np.array([0, 1]), version=0):
-        store.add(np.asarray(env_ids), obs, action, [0.0, 0.0], zeros, zeros, [-0.1, -0.2], version)
+    def add(env_ids=(0, 2), obs=None, action=(0, 1), version=0):
+        obs = np.zeros((2, 2)) if obs is None else obs
+        store.add(np.asarray(env_ids), obs, np.asarray(action), [0.0, 0.0], zeros, zeros, [-0.1, -0.2], version)
 
     with pytest.raises(ValueError, match=r"env_ids: row 1: env 3 is not in \[0, 3\)"):
         add(env_ids=(0, 3))
@@ -181,7 +184,7 @@ def test_bad_input_names_the_field_and_env() -> None:
     with pytest.raises(ValueError, match=r"obs: expected a batch of shape \(2, 2\) from Box"):
         add(obs=np.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"action: row 1 \(env 2\): value 5 is not in Discrete\(2\)"):
-        add(action=np.array([0, 5]))
+        add(action=(0, 5))
     with pytest.raises(ValueError, match=r"policy_version: row 0: expected a value >= 0"):
         add(version=-3)
     add()

@@ -59,12 +59,20 @@ def test_vtrace_matches_the_impala_recursion(seed: int, rho_bar: float, c_bar: f
     data = random_rollout(seed)
     discounts = 0.9 * (~data["terminated"]).double()
     out = losses.vtrace(
-        data["behavior_logp"], data["target_logp"], data["rewards"], data["values"], data["bootstrap_value"],
-        discounts, rho_bar=rho_bar, c_bar=c_bar,
+        data["behavior_logp"],
+        data["target_logp"],
+        data["rewards"],
+        data["values"],
+        data["bootstrap_value"],
+        discounts,
+        rho_bar=rho_bar,
+        c_bar=c_bar,
     )
     vs, pg = vtrace_reference(
         *(data[k].numpy() for k in ("behavior_logp", "target_logp", "rewards", "values", "bootstrap_value")),
-        discounts.numpy(), rho_bar, c_bar,
+        discounts.numpy(),
+        rho_bar,
+        c_bar,
     )
     np.testing.assert_allclose(out.vs.numpy(), vs, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(out.pg_advantages.numpy(), pg, rtol=1e-10, atol=1e-12)
@@ -106,12 +114,20 @@ def test_gae_matches_a_loop(seed: int, use_final_values: bool) -> None:
     data = random_rollout(seed, T=9, B=4)
     final_values = data["final_values"] if use_final_values else None
     advantages, returns = losses.gae(
-        data["rewards"], data["values"], data["bootstrap_value"], data["terminated"], data["truncated"],
-        gamma=0.97, lam=0.9, final_values=final_values,
+        data["rewards"],
+        data["values"],
+        data["bootstrap_value"],
+        data["terminated"],
+        data["truncated"],
+        gamma=0.97,
+        lam=0.9,
+        final_values=final_values,
     )
     expected = gae_reference(
         *(data[k].numpy() for k in ("rewards", "values", "bootstrap_value", "terminated", "truncated")),
-        None if final_values is None else final_values.numpy(), 0.97, 0.9,
+        None if final_values is None else final_values.numpy(),
+        0.97,
+        0.9,
     )
     np.testing.assert_allclose(advantages.numpy(), expected, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(returns, advantages + data["values"])
@@ -304,7 +320,10 @@ def test_weights_are_detached_and_diagnostics() -> None:
     assert losses.effective_sample_size(torch.tensor([5.0, 1.0]), mask=torch.tensor([False, True])).item() == 1.0
     assert losses.effective_sample_size(torch.zeros(3)).item() == 0.0
     assert losses.clipped_fraction(torch.tensor([0.5, 1.0, 3.0]), high=2.0).item() == pytest.approx(1 / 3)
-    assert losses.clipped_fraction(torch.tensor([0.5, 1.0, 3.0]), 0.8, 2.0, torch.tensor([True, True, False])).item() == 0.5
+    assert (
+        losses.clipped_fraction(torch.tensor([0.5, 1.0, 3.0]), 0.8, 2.0, torch.tensor([True, True, False])).item()
+        == 0.5
+    )
 
 
 def test_shape_errors_name_the_argument() -> None:

@@ -90,8 +90,7 @@ class DirectoryLock:
         except BlockingIOError:
             self._file.close()
             raise RuntimeError(
-                f"storage_dir {directory} is already open in another buffer or process; "
-                f"close that one first"
+                f"storage_dir {directory} is already open in another buffer or process; close that one first"
             ) from None
 
     def release(self) -> None:

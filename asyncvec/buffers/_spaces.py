@@ -85,8 +85,7 @@ class SpaceCodec:
         expected_shape = (n, *leaf.shape)
         if array.shape != expected_shape:
             raise ValueError(
-                f"{leaf.label}: expected a batch of shape {expected_shape} from {leaf.space}, "
-                f"got shape {array.shape}"
+                f"{leaf.label}: expected a batch of shape {expected_shape} from {leaf.space}, got shape {array.shape}"
             )
         array = cast_lossless(array, leaf.dtype, leaf.label, leaf.space)
         if leaf.dtype_is_space:
@@ -107,9 +106,7 @@ class SpaceCodec:
 
     def _encode_text(self, leaf: Leaf, value: Any, n: int, row_label: RowLabel) -> np.ndarray:
         if isinstance(value, str) or not isinstance(value, (Sequence, np.ndarray)):
-            raise ValueError(
-                f"{leaf.label}: expected a list of {n} str from {leaf.space}, got {type(value).__name__}"
-            )
+            raise ValueError(f"{leaf.label}: expected a list of {n} str from {leaf.space}, got {type(value).__name__}")
         if len(value) != n:
             raise ValueError(f"{leaf.label}: expected a list of {n} str from {leaf.space}, got {len(value)}")
         for row, text in enumerate(value):

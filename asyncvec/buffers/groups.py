@@ -136,7 +136,9 @@ class CompletionGroups:
         Raises:
             TimeoutError: not enough complete groups in time.
         """
-        if num_groups is not None and (isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1):
+        if num_groups is not None and (
+            isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1
+        ):
             raise ValueError(f"num_groups: expected a positive int or None, got {num_groups!r}")
         wanted = 1 if num_groups is None else num_groups
         with self._cond:

@@ -111,7 +111,11 @@ class RolloutStore:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{field}: expected a positive int, got {value!r}")
         max_steps_ahead = num_steps if max_steps_ahead is None else max_steps_ahead
-        if isinstance(max_steps_ahead, bool) or not isinstance(max_steps_ahead, (int, np.integer)) or max_steps_ahead < 0:
+        if (
+            isinstance(max_steps_ahead, bool)
+            or not isinstance(max_steps_ahead, (int, np.integer))
+            or max_steps_ahead < 0
+        ):
             raise ValueError(f"max_steps_ahead: expected an int >= 0, got {max_steps_ahead!r}")
         self.num_steps = int(num_steps)
         self.num_envs = int(num_envs)
@@ -244,8 +248,7 @@ class RolloutStore:
         with self._cond:
             if not self._cond.wait_for(lambda: self._closed or self._ready_locked(), timeout):
                 raise TimeoutError(
-                    f"get: segment not ready after {timeout}s; steps per env {self._cursor.tolist()}, "
-                    f"need {T} each"
+                    f"get: segment not ready after {timeout}s; steps per env {self._cursor.tolist()}, need {T} each"
                 )
             if self._closed:
                 raise RuntimeError("RolloutStore is closed")
@@ -298,7 +301,4 @@ class RolloutStore:
             self._cond.notify_all()
 
     def __repr__(self) -> str:
-        return (
-            f"RolloutStore(num_steps={self.num_steps}, num_envs={self.num_envs}, "
-            f"steps_per_env={self.steps_per_env})"
-        )
+        return f"RolloutStore(num_steps={self.num_steps}, num_envs={self.num_envs}, steps_per_env={self.steps_per_env})"
