@@ -173,6 +173,9 @@ class VersionManager:
 
         Raises:
             RuntimeError: the manager is closed.
+            Exception: whatever a backend's ``load_weights`` raises. The version is bumped
+                anyway: earlier backends may hold these weights, and a version number must
+                never name two different sets of weights.
         """
         with self._publish_lock:
             with self._cond:
@@ -180,12 +183,13 @@ class VersionManager:
                 new_version = int(self._version.value) + 1
             with self._backends_lock:
                 backends = list(self._backends)
-            for backend in backends:
-                backend.load_weights(weights, new_version)
-            with self._cond:
-                self._raise_if_closed()
-                self._version.value = new_version
-                self._cond.notify_all()
+            try:
+                for backend in backends:
+                    backend.load_weights(weights, new_version)
+            finally:
+                with self._cond:
+                    self._version.value = new_version
+                    self._cond.notify_all()
         return new_version
 
     # -- the max-lag gate -------------------------------------------------------------------

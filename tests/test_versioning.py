@@ -237,3 +237,25 @@ def test_shared_with_a_spawned_child_process() -> None:
             child.kill()
             child.join(timeout=10)
         vm.close()
+
+
+def test_a_failing_backend_still_consumes_the_version_number() -> None:
+    class Flaky:
+        def __init__(self) -> None:
+            self.versions: list[int] = []
+
+        def load_weights(self, weights: object, version: int) -> None:
+            if weights == "bad":
+                raise ValueError("weights do not fit the model")
+            self.versions.append(version)
+
+    vm = VersionManager()
+    first, flaky = RecordingBackend(), Flaky()
+    vm.register(first)
+    vm.register(flaky)
+    vm.publish("good")
+    with pytest.raises(ValueError, match="do not fit"):
+        vm.publish("bad")
+    assert vm.current_version == 2  # `first` already holds version 2: never reuse the number
+    assert vm.publish("good again") == 3
+    assert [version for _, version in first.loaded] == [1, 2, 3] and flaky.versions == [1, 3]
