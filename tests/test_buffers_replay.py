@@ -415,3 +415,15 @@ def test_docs_examples_run(capsys) -> None:
         exec(compile(block, "docs/buffers.md", "exec"), {})
     printed = capsys.readouterr().out
     assert "1.0 2 [1, 2, 1, 0] 8" in printed and "(4, 3) (3, 2)" in printed
+
+
+def test_gather_reads_given_slots_and_rejects_empty_ones() -> None:
+    buffer = ReplayBuffer(6, SCALAR_OBS, spaces.Discrete(2))
+    slots = add_serials(buffer, np.arange(4), versions=[1, 1, 2, 2])
+    rows = buffer.gather(slots[::-1], current_version=3)
+    assert rows.episode_id.tolist() == [3, 2, 1, 0] and rows.staleness.tolist() == [1, 1, 2, 2]
+    np.testing.assert_array_equal(rows.obs, rows.reward)
+    add_serials(buffer, np.arange(4, 8), versions=3)  # wraps: slots 0 and 1 now hold serials 6, 7
+    assert buffer.gather([0, 1], 3).episode_id.tolist() == [6, 7]
+    with pytest.raises(ValueError, match=r"gather: row 1: slot 6 holds no sample"):
+        buffer.gather([0, 6], 3)

@@ -496,10 +496,16 @@ class ReplayBuffer:
             if generator is None:
                 generator = self._rng if rng is None else np.random.default_rng(rng)
             slots, weights = self._choose(batch_size, current_version, max_staleness, exclude_fallback, generator)
-            return self._gather_locked(slots, current_version, weights)
+            rows = {name: column[slots] for name, column in self._columns.items()}
+        return self._batch(rows, slots, current_version, weights)
 
     def gather(self, indices: Any, current_version: int) -> ReplayBatch:
         """The transitions stored at buffer slots ``indices`` (e.g. to follow an n-step sequence).
+
+        The slots of one ``add`` call are consecutive (mod ``capacity``), so the transitions
+        of one env are not: link them by ``env_id``/``episode_id`` at add time. A slot is
+        reused once ``capacity`` newer transitions were added; compare ``episode_id`` or
+        ``env_id`` of the result to detect that.
 
         Raises:
             ValueError: a slot is out of range or holds no sample.
@@ -511,10 +517,13 @@ class ReplayBuffer:
             if np.any(bad):
                 row = int(np.flatnonzero(bad)[0])
                 raise ValueError(f"gather: row {row}: slot {slots[row]} holds no sample")
-            return self._gather_locked(slots, current_version, np.ones(slots.size, dtype=np.float32))
+            rows = {name: column[slots] for name, column in self._columns.items()}
+        return self._batch(rows, slots, current_version, np.ones(slots.size, dtype=np.float32))
 
-    def _gather_locked(self, slots: np.ndarray, current_version: int, weights: np.ndarray) -> ReplayBatch:
-        gathered = {name: column[slots] for name, column in self._columns.items()}
+    def _batch(
+        self, gathered: dict[str, np.ndarray], slots: np.ndarray, current_version: int, weights: np.ndarray
+    ) -> ReplayBatch:
+        """Assemble copied rows into a batch (outside the lock: decoding Text is slow)."""
         obs, action, next_obs = (
             codec.decode([gathered[name] for name in codec.column_names()])
             for codec in (self._obs, self._action, self._next_obs)
