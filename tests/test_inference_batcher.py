@@ -38,6 +38,30 @@ def test_partial_batch_leaves_after_max_wait():
         batcher.close()
 
 
+def test_waiting_behind_a_busy_worker_does_not_count_as_batching_wait():
+    release = threading.Event()
+    batches = queue.Queue()
+
+    def handler(batch):
+        batches.put(batch)
+        if batch == ["a"]:
+            release.wait(10)
+
+    batcher = DynamicBatcher(handler, max_batch_size=4, max_wait_ms=300, max_inflight_batches=1)
+    try:
+        batcher.put("a")
+        assert batches.get(timeout=10) == ["a"]  # the only worker is now busy
+        batcher.put("b")
+        batcher.put("c")
+        time.sleep(0.4)  # b and c have waited longer than max_wait_ms, behind a busy worker
+        release.set()
+        batcher.put("d")  # arrives just after the worker frees up: joins b and c
+        assert batches.get(timeout=10) == ["b", "c", "d"]
+    finally:
+        release.set()
+        batcher.close()
+
+
 def test_priority_then_arrival_order():
     release = threading.Event()
     batches = queue.Queue()
