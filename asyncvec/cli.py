@@ -42,6 +42,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _non_negative_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``asyncvec`` command."""
     parser = argparse.ArgumentParser(prog="asyncvec", description="asyncvec command line tools")
@@ -62,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--model-name", default=None, help="name clients send as 'model' (default: the folder name)")
     serve.add_argument("--max-batch-size", type=_positive_int, default=32, help="largest batch sent to the model")
-    serve.add_argument("--max-wait-ms", type=float, default=5.0, help="longest wait for a batch to fill")
+    serve.add_argument("--max-wait-ms", type=_non_negative_float, default=5.0, help="longest wait for a batch to fill")
     serve.add_argument("--max-tokens-limit", type=_positive_int, default=256, help="largest max_tokens a request may ask for")
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     return parser
