@@ -41,8 +41,8 @@ class Args:
     """transitions per add call (one vector-env step)"""
     batch_size: int = 256
     """transitions per sample call"""
-    repeats: int = 3
-    """timed repetitions per measurement; the median is reported"""
+    repeats: int = 5
+    """timed repetitions per measurement, alternating asyncvec and sb3; medians are reported"""
     seed: int = 0
     """seed of the generated data and of sampling"""
 
@@ -57,14 +57,24 @@ class Case:
     samples: int  # sample calls per timed repetition
 
 
-def median_rate(run: Callable[[], int], repeats: int) -> float:
-    """Median transitions per second over ``repeats`` runs of ``run`` (returns transitions)."""
-    rates = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        transitions = run()
-        rates.append(transitions / (time.perf_counter() - start))
-    return statistics.median(rates)
+def rate(run: Callable[[], int]) -> float:
+    """Transitions per second of one call of ``run`` (which returns its transition count)."""
+    start = time.perf_counter()
+    transitions = run()
+    return transitions / (time.perf_counter() - start)
+
+
+def paired(ours: Callable[[], int], theirs: Callable[[], int], repeats: int) -> tuple[float, float, float]:
+    """Alternate the two runs ``repeats`` times; median rates and median of paired ratios.
+
+    Pairing adjacent runs keeps the ratio meaningful on a machine whose load drifts.
+    """
+    pairs = [(rate(ours), rate(theirs)) for _ in range(repeats)]
+    return (
+        statistics.median(a for a, _ in pairs),
+        statistics.median(b for _, b in pairs),
+        statistics.median(a / b for a, b in pairs),
+    )
 
 
 def make_batches(case: Case, num_envs: int, rng: np.random.Generator, count: int = 16) -> list[dict]:
@@ -88,7 +98,39 @@ def make_batches(case: Case, num_envs: int, rng: np.random.Generator, count: int
     return batches
 
 
-def bench_asyncvec(case: Case, args: Args, batches: list[dict], variant: str) -> tuple[float, float]:
+class SB3Side:
+    """stable-baselines3's ReplayBuffer, filled once per observation case."""
+
+    def __init__(self, case: Case, args: Args, batches: list[dict]) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SB3 warns about buffer sizes vs. free memory
+            self.buffer = SB3ReplayBuffer(
+                case.capacity, case.observation_space, case.action_space, device="cpu", n_envs=args.num_envs
+            )
+        self.case, self.args, self.batches = case, args, batches
+        self.infos = [{} for _ in range(args.num_envs)]
+        self.step = 0
+        while not self.buffer.full:
+            self.add()
+        np.random.seed(args.seed)  # SB3 samples with the global numpy generator
+
+    def add(self) -> int:
+        for _ in range(self.case.adds):
+            batch = self.batches[self.step % len(self.batches)]
+            self.buffer.add(
+                batch["obs"], batch["next_obs"], batch["action"], batch["reward"], batch["done"], self.infos
+            )
+            self.step += 1
+        return self.case.adds * self.args.num_envs
+
+    def sample(self) -> int:
+        for _ in range(self.case.samples):
+            self.buffer.sample(self.args.batch_size)
+        return self.case.samples * self.args.batch_size
+
+
+def bench_variant(case: Case, args: Args, batches: list[dict], sb3: SB3Side, variant: str) -> list[tuple]:
+    """Rows (op, asyncvec rate, sb3 rate, paired ratio) for one asyncvec configuration."""
     with tempfile.TemporaryDirectory() as directory:
         buffer = ReplayBuffer(
             case.capacity,
@@ -119,7 +161,9 @@ def bench_asyncvec(case: Case, args: Args, batches: list[dict], variant: str) ->
 
         while len(buffer) < case.capacity:  # fill before timing samples from a full ring
             add()
-        add_rate = median_rate(add, args.repeats)
+        rows = []
+        if variant not in ("+torch", "max_staleness"):  # these change sampling only
+            rows.append(("add", *paired(add, sb3.add, args.repeats)))
         current = step[0] // 100
         max_staleness = current // 2 if variant == "max_staleness" else None
         rng = np.random.default_rng(args.seed)
@@ -127,46 +171,14 @@ def bench_asyncvec(case: Case, args: Args, batches: list[dict], variant: str) ->
         def sample() -> int:
             for _ in range(case.samples):
                 batch = buffer.sample(args.batch_size, current, max_staleness=max_staleness, rng=rng)
-                if variant == "+torch":
-                    tensors = [
-                        torch.tensor(x)
-                        for x in (batch.obs, batch.action, batch.next_obs, batch.reward, batch.terminated)
-                    ]
-                    assert len(tensors) == 5
+                if variant == "+torch":  # what SB3's sample() does: copy into torch tensors
+                    for array in (batch.obs, batch.action, batch.next_obs, batch.reward, batch.terminated):
+                        torch.tensor(array)
             return case.samples * args.batch_size
 
-        sample_rate = median_rate(sample, args.repeats)
+        rows.append(("sample", *paired(sample, sb3.sample, args.repeats)))
         buffer.close()
-    return add_rate, sample_rate
-
-
-def bench_sb3(case: Case, args: Args, batches: list[dict]) -> tuple[float, float]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # SB3 warns about buffer sizes vs. free memory
-        buffer = SB3ReplayBuffer(
-            case.capacity, case.observation_space, case.action_space, device="cpu", n_envs=args.num_envs
-        )
-    infos = [{} for _ in range(args.num_envs)]
-    step = [0]
-
-    def add() -> int:
-        for _ in range(case.adds):
-            batch = batches[step[0] % len(batches)]
-            buffer.add(batch["obs"], batch["next_obs"], batch["action"], batch["reward"], batch["done"], infos)
-            step[0] += 1
-        return case.adds * args.num_envs
-
-    while not buffer.full:
-        add()
-    add_rate = median_rate(add, args.repeats)
-
-    def sample() -> int:
-        for _ in range(case.samples):
-            buffer.sample(args.batch_size)
-        return case.samples * args.batch_size
-
-    np.random.seed(args.seed)  # SB3 samples with the global numpy generator
-    return add_rate, median_rate(sample, args.repeats)
+    return rows
 
 
 def main(args: Args) -> None:
@@ -194,22 +206,21 @@ def main(args: Args) -> None:
     rows = []
     for case in cases:
         batches = make_batches(case, args.num_envs, rng)
-        sb3_add, sb3_sample = bench_sb3(case, args, batches)
+        sb3 = SB3Side(case, args, batches)
         for variant in ("uniform", "+torch", "max_staleness", "prioritized", "on disk", "on disk, commit/100"):
-            ours_add, ours_sample = bench_asyncvec(case, args, batches, variant)
-            if variant not in ("+torch", "max_staleness"):  # these change sampling only
-                rows.append((case.name, variant, "add", ours_add, sb3_add))
-            rows.append((case.name, variant, "sample", ours_sample, sb3_sample))
+            for op, ours, theirs, ratio in bench_variant(case, args, batches, sb3, variant):
+                rows.append((case.name, variant, op, ours, theirs, ratio))
+        del sb3
         print(f"done: {case.name}", flush=True)
     print(
-        f"\nnum_envs={args.num_envs} per add, batch_size={args.batch_size} per sample, "
-        f"median of {args.repeats}; transitions/s\n"
+        f"\nnum_envs={args.num_envs} per add, batch_size={args.batch_size} per sample; transitions/s, "
+        f"median of {args.repeats} runs alternating asyncvec and sb3; ratio = median of paired ratios\n"
     )
     header = f"{'observations':<24}{'asyncvec variant':<22}{'op':<8}{'asyncvec':>12}{'sb3':>12}{'ratio':>8}"
     print(header)
     print("-" * len(header))
-    for name, variant, op, ours, theirs in rows:
-        print(f"{name:<24}{variant:<22}{op:<8}{ours:>12,.0f}{theirs:>12,.0f}{ours / theirs:>8.2f}")
+    for name, variant, op, ours, theirs, ratio in rows:
+        print(f"{name:<24}{variant:<22}{op:<8}{ours:>12,.0f}{theirs:>12,.0f}{ratio:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import threading
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,8 +166,7 @@ class ReplayBuffer:
         self._durable_end = 0
         self._adds_since_commit = 0
         self._max_priority = 1.0
-        self._version_counts: Counter[int] = Counter()
-        self._fallback_count = 0
+        self._fallback_count = 0  # kept up to date so unfiltered sampling needs no scan
         self.storage_dir = None if storage_dir is None else Path(storage_dir)
         self._dir_lock: DirectoryLock | None = None
         self._commit_log: CommitLog | None = None
@@ -239,8 +237,6 @@ class ReplayBuffer:
         self._added = self._durable_end = record.end
         self._max_priority = record.max_priority
         slots = self._valid_slots()
-        versions, counts = np.unique(columns["policy_version"][slots], return_counts=True)
-        self._version_counts = Counter(dict(zip(versions.tolist(), counts.tolist())))
         self._fallback_count = int(np.count_nonzero(columns["fallback"][slots]))
         if self.prioritized:  # slots outside the committed range may hold stale priorities
             stored = np.zeros(self.capacity, dtype=bool)
@@ -425,12 +421,13 @@ class ReplayBuffer:
             for name, values in data.items():
                 column = self._columns[name]
                 column[position : position + head] = values[:head]
-                column[: n - head] = values[head:]
+                if head < n:  # wrapped around the end of the ring
+                    column[: n - head] = values[head:]
             slots = (first + np.arange(n)) % self.capacity
             if self.prioritized:
                 self._columns["priority"][slots] = self._max_priority**self.alpha
             self._added = end
-            self._count(data["policy_version"], data["fallback"], sign=1)
+            self._fallback_count += int(np.count_nonzero(data["fallback"]))
             self._adds_since_commit += 1
             if self.commit_every and self._adds_since_commit >= self.commit_every:
                 self._commit_locked()
@@ -441,26 +438,11 @@ class ReplayBuffer:
         if serial <= self._oldest:
             return
         gone = np.arange(self._oldest, min(serial, self._added)) % self.capacity
-        self._count(self._columns["policy_version"][gone], self._columns["fallback"][gone], sign=-1)
+        self._fallback_count -= int(np.count_nonzero(self._columns["fallback"][gone]))
         self._oldest = serial
         if self._commit_log is not None and self._durable_oldest < min(serial, self._durable_end):
             # The last commit must stop covering these slots before they are overwritten.
             self._write_record(min(serial, self._durable_end), self._durable_end)
-
-    def _count(self, versions: np.ndarray, fallback: np.ndarray, sign: int) -> None:
-        if len(versions) == 0:
-            return
-        low, high = int(versions.min()), int(versions.max())
-        if low == high:  # the common case: one version per batch
-            values, counts = [low], [len(versions)]
-        else:
-            unique, repeats = np.unique(versions, return_counts=True)
-            values, counts = unique.tolist(), repeats.tolist()
-        for version, count in zip(values, counts):
-            self._version_counts[version] += sign * count
-            if self._version_counts[version] == 0:
-                del self._version_counts[version]
-        self._fallback_count += sign * int(np.count_nonzero(fallback))
 
     # -- reading --------------------------------------------------------------------------
     def sample(
@@ -554,9 +536,7 @@ class ReplayBuffer:
         rng: np.random.Generator,
     ) -> tuple[np.ndarray, np.ndarray]:
         oldest_allowed = None if max_staleness is None else current_version - max_staleness
-        must_filter = (exclude_fallback and self._fallback_count > 0) or (
-            oldest_allowed is not None and bool(self._version_counts) and min(self._version_counts) < oldest_allowed
-        )
+        must_filter = (exclude_fallback and self._fallback_count > 0) or oldest_allowed is not None
         keep = None  # over physical slots; None: every stored sample is eligible
         if must_filter:
             keep = np.zeros(self.capacity, dtype=bool)
@@ -622,14 +602,17 @@ class ReplayBuffer:
     def version_range(self) -> tuple[int, int] | None:
         """``(oldest, newest)`` policy version stored, or None when empty."""
         with self._lock:
-            if not self._version_counts:
-                return None
-            return min(self._version_counts), max(self._version_counts)
+            return self._version_range_locked()
+
+    def _version_range_locked(self) -> tuple[int, int] | None:
+        if len(self) == 0:
+            return None
+        versions = [self._columns["policy_version"][part] for part in self._valid_slices()]
+        return min(int(v.min()) for v in versions if v.size), max(int(v.max()) for v in versions if v.size)
 
     def _version_span(self) -> str:
-        if not self._version_counts:
-            return "none"
-        return f"{min(self._version_counts)}..{max(self._version_counts)}"
+        span = self._version_range_locked()
+        return "none" if span is None else f"{span[0]}..{span[1]}"
 
     def _valid_slots(self) -> np.ndarray:
         return np.arange(self._oldest, self._added) % self.capacity
