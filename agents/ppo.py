@@ -117,6 +117,8 @@ class Args:
     """gradient clipping"""
     hidden: int = 64
     """width of the two hidden layers"""
+    torch_threads: int = 1
+    """torch CPU threads for the learner (small nets run faster on one)"""
 
     def __post_init__(self) -> None:
         for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
@@ -196,6 +198,7 @@ class PPO:
     def __init__(self, args: Args) -> None:
         self.args = args
         seed_everything(args.seed)
+        torch.set_num_threads(args.torch_threads)
         self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4))
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:

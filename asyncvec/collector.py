@@ -96,6 +96,8 @@ class Collector:
         version_manager: if given, observations are submitted only while the policy's version
             is within ``max_lag`` of the learner's (the semi-asynchronous gate).
         seed: seed of the first ``async_reset``.
+        pace: called with the number of env steps written so far after each write; it may
+            block to hold the collector back (e.g. to keep an update-to-data ratio).
         episode_window: how many recent episodes the return/length statistics cover.
 
     Example:
@@ -120,6 +122,7 @@ class Collector:
         *,
         version_manager: VersionManager | None = None,
         seed: int | None = None,
+        pace: Callable[[int], None] | None = None,
         episode_window: int = 100,
     ) -> None:
         if not isinstance(env, AsyncLLMVectorEnv):
@@ -137,6 +140,7 @@ class Collector:
         self.sink = sink
         self.version_manager = version_manager
         self.seed = seed
+        self.pace = pace
         n = env.num_envs
         self._space = env.single_observation_space
         self._action_space = env.single_action_space
@@ -361,6 +365,9 @@ class Collector:
         with self._lock:
             self._episodes.update(ids, batch.reward, batch.terminated | batch.truncated)
             self._counts["fallbacks"] += int(batch.fallback.sum())
+            written = self._episodes.steps
+        if self.pace is not None:
+            self.pace(written)
         for env_id, done in zip(ids, terminated[ks] | truncated[ks]):
             if done:
                 self._episode_id[env_id] = self._next_episode_id

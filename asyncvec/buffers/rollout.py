@@ -263,7 +263,8 @@ class RolloutStore:
             last_obs = []
             for name, stored in zip(self._obs.column_names(), self._next):
                 last = stored.copy()
-                last[ahead] = self._columns[name][T, ahead]
+                if ahead.any():  # (with max_steps_ahead=0 there is no row T to read)
+                    last[ahead] = self._columns[name][T, ahead]
                 last_obs.append(last)
             for env in np.flatnonzero(ahead).tolist():
                 extra = int(self._cursor[env]) - T

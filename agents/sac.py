@@ -1,0 +1,501 @@
+"""Soft Actor-Critic that learns from version-tagged replay while its envs keep acting.
+
+Run:   python agents/sac.py --env Pendulum-v1 --mode async --total-timesteps 15000
+Import: from agents.sac import SAC, Args; result = SAC(Args()).train()
+
+``--mode sync`` is CleanRL's loop: act on every env, store, take gradient steps, repeat.
+``--mode async`` runs a Collector thread that fills the replay buffer while the learner
+takes gradient steps; the two are paced to the same update-to-data ratio (``--utd``).
+
+Every sample carries the version of the actor that chose its action and that action's
+log-prob. ``--max-staleness`` drops older samples at sampling time. With ``--n-step n > 1``
+the critic targets are Retrace-style n-step returns whose traces are cut by truncated
+importance weights ``c_k = lambda * min(1, pi(a_k|s_k) / mu(a_k|s_k))`` (Munos et al. 2016),
+so stale intermediate actions stop contributing instead of biasing the target:
+
+    y_k = r_k + gamma (1 - d_k) [ V(s_{k+1}) + c_{k+1} (y_{k+1} - Q(s_{k+1}, a_{k+1})) ]
+
+with the soft value ``V(s) = min_j Q'_j(s, a') - alpha log pi(a'|s)``, ``a' ~ pi``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
+
+from agents.common import LaggedWeights, load_checkpoint, make_policy, make_vector_env, save_checkpoint, seed_everything
+from asyncvec import Collector, ReplayBuffer, VersionManager
+from asyncvec.collector import Transitions
+from asyncvec.metrics import EpisodeStats, RunLogger
+
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+
+
+@dataclass
+class Args:
+    env: str = "Pendulum-v1"
+    """gymnasium env id (Box action space)"""
+    num_envs: int = 2
+    """number of parallel envs (worker processes)"""
+    mode: Literal["sync", "async"] = "async"
+    """sync: act, store, learn, in turn; async: a collector thread acts while the learner trains"""
+    max_staleness: int | None = None
+    """drop samples more than this many versions older than the learner (None: keep all)"""
+    n_step: int = 1
+    """n-step Retrace targets with truncated traces (1: the usual one-step target)"""
+    trace_lambda: float = 1.0
+    """lambda of the Retrace traces"""
+    is_cap: float = 1.0
+    """truncation of the trace importance weights"""
+    policy_lag: int = 0
+    """actors receive each new version this many publications late"""
+    publish_every: int = 1
+    """publish the actor's weights every this many gradient steps"""
+    policy_latency_ms: float = 0.0
+    """latency of each policy call (a LatencyModel playing a remote model server)"""
+    env_latency_ms: float = 0.0
+    """latency of each env step (a sleeping SlowEnv)"""
+    total_timesteps: int = 15_000
+    """env steps to train for"""
+    target_return: float | None = None
+    """stop once the mean return of the last 10 episodes reaches this"""
+    seed: int = 1
+    """seed of torch, numpy and the envs"""
+    track: bool = False
+    """write TensorBoard logs"""
+    log_dir: str = "runs"
+    """TensorBoard log root"""
+    progress: bool = True
+    """show a progress bar"""
+    checkpoint_dir: str | None = None
+    """save a checkpoint (weights, optimizers, version, RNG, replay buffer) here"""
+    checkpoint_every: int = 5000
+    """env steps between checkpoints"""
+    resume: bool = False
+    """continue from the checkpoint in --checkpoint-dir"""
+    # Algorithm (CleanRL's SAC)
+    buffer_size: int = 100_000
+    """replay capacity"""
+    batch_size: int = 256
+    """minibatch size"""
+    learning_starts: int = 1000
+    """env steps before the first gradient step"""
+    utd: float = 1.0
+    """gradient steps per env step"""
+    gamma: float = 0.99
+    """discount"""
+    tau: float = 0.005
+    """target network smoothing"""
+    policy_lr: float = 3e-4
+    """actor learning rate"""
+    q_lr: float = 1e-3
+    """critic learning rate"""
+    policy_frequency: int = 2
+    """actor (and alpha) updates every this many critic updates (each then done this many times)"""
+    alpha: float = 0.2
+    """entropy coefficient (initial value when autotuned)"""
+    autotune: bool = True
+    """tune alpha towards the target entropy -dim(A)"""
+    hidden: int = 256
+    """width of the hidden layers"""
+    torch_threads: int = 1
+    """torch CPU threads for the learner (small nets run faster on one)"""
+
+    def __post_init__(self) -> None:
+        for name in ("num_envs", "total_timesteps", "batch_size", "n_step", "publish_every", "buffer_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.utd <= 0:
+            raise ValueError(f"--utd must be > 0, got {self.utd}")
+        if self.max_staleness is not None and self.policy_lag > self.max_staleness:
+            raise ValueError(f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}")
+
+
+class Actor(nn.Module):
+    """Tanh-squashed Gaussian scaled to the action bounds; ``forward`` returns the distribution."""
+
+    def __init__(self, obs_dim: int, action_space: gym.spaces.Box, hidden: int) -> None:
+        super().__init__()
+        act_dim = int(np.prod(action_space.shape))
+        self.body = nn.Sequential(nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
+        self.mean = nn.Linear(hidden, act_dim)
+        self.log_std = nn.Linear(hidden, act_dim)
+        self.register_buffer("scale", torch.as_tensor((action_space.high - action_space.low) / 2, dtype=torch.float32))
+        self.register_buffer("bias", torch.as_tensor((action_space.high + action_space.low) / 2, dtype=torch.float32))
+
+    def forward(self, obs: torch.Tensor) -> Independent:
+        h = self.body(obs)
+        log_std = torch.tanh(self.log_std(h))
+        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
+        base = Normal(self.mean(h), log_std.exp())
+        squash = [TanhTransform(cache_size=1), AffineTransform(self.bias, self.scale, cache_size=1)]
+        return Independent(TransformedDistribution(base, squash), 1)
+
+    def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reparameterized action and its log-prob (tanh correction included)."""
+        dist = self(obs)
+        action = dist.rsample()
+        return action, dist.log_prob(action)
+
+    def log_prob(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        """Log-prob of a stored action (clamped inside the bounds so atanh stays finite)."""
+        inner = ((action - self.bias) / self.scale).clamp(-1 + 1e-6, 1 - 1e-6)
+        return self(obs).log_prob(inner * self.scale + self.bias)
+
+
+class SoftQ(nn.Module):
+    def __init__(self, obs_dim: int, act_dim: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(obs_dim + act_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([obs, action], -1)).squeeze(-1)
+
+
+@dataclass
+class TrainResult:
+    global_step: int
+    gradient_steps: int
+    wall_time_s: float
+    env_steps_per_s: float
+    episodic_returns: list[float]
+    final_return: float
+    reached_target_s: float | None
+    staleness_mean: float
+    dropped_samples: int
+    history: list[dict] = field(default_factory=list)
+
+
+class NStepIndex:
+    """Links each replay slot to the same env's next transition, for n-step sequences.
+
+    The collector writes transitions of many envs interleaved; ``link`` remembers, per env,
+    the slot of its previous transition, so ``sequences`` can follow an episode forward.
+    """
+
+    def __init__(self, capacity: int, num_envs: int) -> None:
+        self.next_slot = np.full(capacity, -1, dtype=np.int64)
+        self.episode = np.full(capacity, -1, dtype=np.int64)
+        self.last_slot = np.full(num_envs, -1, dtype=np.int64)
+        self.lock = threading.Lock()
+
+    def link(self, slots: np.ndarray, env_ids: np.ndarray, episode_ids: np.ndarray, dones: np.ndarray) -> None:
+        with self.lock:
+            for slot, env_id, episode, done in zip(slots, env_ids, episode_ids, dones):
+                self.next_slot[slot] = -1
+                self.episode[slot] = episode
+                previous = self.last_slot[env_id]
+                if previous >= 0 and self.episode[previous] == episode:
+                    self.next_slot[previous] = slot
+                self.last_slot[env_id] = -1 if done else slot
+
+    def sequences(self, start: np.ndarray, n: int) -> np.ndarray:
+        """``[B, n]`` slots from each start (-1 once the episode or the stored data ends)."""
+        with self.lock:
+            out = np.full((len(start), n), -1, dtype=np.int64)
+            out[:, 0] = start
+            for k in range(1, n):
+                prev = out[:, k - 1]
+                nxt = np.where(prev >= 0, self.next_slot[np.maximum(prev, 0)], -1)
+                same = (nxt >= 0) & (self.episode[np.maximum(nxt, 0)] == self.episode[np.maximum(prev, 0)])
+                out[:, k] = np.where(same, nxt, -1)
+            return out
+
+
+class SAC:
+    """SAC over an AsyncLLMVectorEnv, sync or async (see the module docstring)."""
+
+    def __init__(self, args: Args) -> None:
+        self.args = args
+        seed_everything(args.seed)
+        torch.set_num_threads(args.torch_threads)
+        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 2))
+        obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
+        if not isinstance(self.action_space, gym.spaces.Box):
+            self.envs.close()
+            raise ValueError(
+                f"SAC needs a continuous (Box) action space; {args.env} has {self.action_space}. "
+                f"Use agents/ppo.py for discrete actions."
+            )
+        if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+            self.envs.close()
+            raise ValueError(f"SAC here takes flat Box observations, {args.env} has {obs_space}")
+        obs_dim, act_dim = obs_space.shape[0], int(np.prod(self.action_space.shape))
+        self.actor = Actor(obs_dim, self.action_space, args.hidden)
+        self.qf1, self.qf2 = SoftQ(obs_dim, act_dim, args.hidden), SoftQ(obs_dim, act_dim, args.hidden)
+        self.qf1_target, self.qf2_target = copy.deepcopy(self.qf1), copy.deepcopy(self.qf2)
+        self.q_optimizer = torch.optim.Adam([*self.qf1.parameters(), *self.qf2.parameters()], lr=args.q_lr)
+        self.actor_optimizer = torch.optim.Adam(self.actor.parameters(), lr=args.policy_lr)
+        self.target_entropy = -float(act_dim)
+        self.log_alpha = torch.tensor(np.log(args.alpha), dtype=torch.float32, requires_grad=True)
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=args.q_lr)
+        self.policy = make_policy(copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms)
+        self.versions = VersionManager(max_lag=None)
+        self.versions.register(LaggedWeights(self.policy, args.policy_lag))
+        self.buffer = ReplayBuffer(args.buffer_size, obs_space, self.action_space, seed=args.seed)
+        self.index = NStepIndex(args.buffer_size, args.num_envs)
+        self.global_step = 0
+        self.gradient_steps = 0
+        self._stopping = threading.Event()
+        self._progress = threading.Condition()
+        self.run_name = f"{args.env.replace('/', '_')}__sac__{args.mode}__{args.seed}__{int(time.time())}"
+        self.checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+        if args.resume:
+            self._resume()
+
+    # ------------------------------------------------------------------ data
+
+    def store(self, t: Transitions) -> None:
+        """Adds a batch of transitions to the replay buffer and links them for n-step targets."""
+        slots = self.buffer.add(
+            t.obs, t.action, t.reward, t.next_obs, t.terminated, t.truncated, t.policy_version,
+            behavior_logp=t.behavior_logp, env_id=t.env_ids, episode_id=t.episode_id, fallback=t.fallback,
+        )
+        self.index.link(slots, t.env_ids, t.episode_id, t.terminated | t.truncated)
+        with self._progress:
+            self.global_step += len(slots)
+            self._progress.notify_all()
+
+    def _pace(self, written: int) -> None:
+        """Holds the collector back while it is too far ahead of the learner's update-to-data ratio."""
+        args = self.args
+        slack = max(args.batch_size, 4 * args.num_envs)
+        with self._progress:
+            while (
+                not self._stopping.is_set()
+                and self.global_step >= args.learning_starts
+                and self.global_step > self.gradient_steps / args.utd + slack
+            ):
+                self._progress.wait(0.1)
+
+    def _gather(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
+        """The transitions at ``slots`` ([B, k]; -1 entries read slot 0 and must be masked), as tensors."""
+        rows = self.buffer.gather(np.maximum(slots.reshape(-1), 0), self.versions.current_version)
+        fields = {"obs": rows.obs, "action": rows.action, "reward": rows.reward, "next_obs": rows.next_obs,
+                  "terminated": rows.terminated, "behavior_logp": rows.behavior_logp}
+        return {k: torch.as_tensor(np.asarray(v), dtype=torch.float32).reshape(*slots.shape, *np.shape(v)[1:]) for k, v in fields.items()}
+
+    # ------------------------------------------------------------------ learning
+
+    def soft_value(self, next_obs: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        action, logp = self.actor.sample(next_obs)
+        return torch.min(self.qf1_target(next_obs, action), self.qf2_target(next_obs, action)) - alpha * logp
+
+    def critic_targets(self, batch, alpha: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """One-step soft targets, or Retrace n-step targets with truncated traces."""
+        args = self.args
+        reward = torch.as_tensor(batch.reward, dtype=torch.float32)
+        not_done = 1.0 - torch.as_tensor(batch.terminated, dtype=torch.float32)
+        next_obs = torch.as_tensor(batch.next_obs, dtype=torch.float32)
+        with torch.no_grad():
+            target = reward + args.gamma * not_done * self.soft_value(next_obs, alpha)
+            if args.n_step == 1:
+                return target, {}
+            seq = self.index.sequences(batch.indices, args.n_step)  # [B, n]
+            rows = self._gather(seq[:, 1:])  # steps 1..n-1
+            valid = torch.as_tensor(seq[:, 1:] >= 0)
+            B, n1 = valid.shape
+            obs_k = rows["obs"].reshape(B * n1, -1)
+            act_k = rows["action"].reshape(B * n1, -1)
+            q_k = torch.min(self.qf1_target(obs_k, act_k), self.qf2_target(obs_k, act_k)).reshape(B, n1)
+            pi_logp = self.actor.log_prob(obs_k, act_k).reshape(B, n1)
+            c = args.trace_lambda * torch.exp(torch.clamp(pi_logp - rows["behavior_logp"], max=np.log(args.is_cap)))
+            c = torch.where(valid, c.clamp(max=1.0), torch.zeros_like(c))
+            v_next = self.soft_value(rows["next_obs"].reshape(B * n1, -1), alpha).reshape(B, n1)
+            not_done_k = 1.0 - rows["terminated"]
+            # Backward recursion: y_k = r_k + gamma (1 - d_k) [V(s_{k+1}) + c_{k+1} (y_{k+1} - Q(s_{k+1}, a_{k+1}))]
+            y_next = rows["reward"][:, -1] + args.gamma * not_done_k[:, -1] * v_next[:, -1]
+            for k in range(n1 - 2, -1, -1):
+                correction = c[:, k + 1] * (y_next - q_k[:, k + 1])
+                y_next = rows["reward"][:, k] + args.gamma * not_done_k[:, k] * (v_next[:, k] + correction)
+            y_next = torch.where(valid[:, 0], y_next, torch.zeros_like(y_next))
+            trace = torch.where(valid[:, 0], c[:, 0] * (y_next - q_k[:, 0]), torch.zeros_like(y_next))
+            target = target + args.gamma * not_done * trace
+        return target, {"trace/mean_c": float(c[valid].mean()) if valid.any() else float("nan")}
+
+    def gradient_step(self) -> dict[str, float]:
+        args = self.args
+        batch = self.buffer.sample(args.batch_size, current_version=self.versions.current_version, max_staleness=args.max_staleness)
+        alpha = self.log_alpha.exp().detach()
+        target, stats = self.critic_targets(batch, alpha)
+        obs = torch.as_tensor(batch.obs, dtype=torch.float32)
+        action = torch.as_tensor(batch.action, dtype=torch.float32)
+        q_loss = F.mse_loss(self.qf1(obs, action), target) + F.mse_loss(self.qf2(obs, action), target)
+        self.q_optimizer.zero_grad()
+        q_loss.backward()
+        self.q_optimizer.step()
+        self.versions.record_staleness(batch.staleness.tolist())
+        stats.update({"losses/q_loss": float(q_loss.detach()), "staleness/mean": float(batch.staleness.mean())})
+        if self.gradient_steps % args.policy_frequency == 0:
+            for _ in range(args.policy_frequency):
+                new_action, logp = self.actor.sample(obs)
+                q = torch.min(self.qf1(obs, new_action), self.qf2(obs, new_action))
+                actor_loss = (alpha * logp - q).mean()
+                self.actor_optimizer.zero_grad()
+                actor_loss.backward()
+                self.actor_optimizer.step()
+                if args.autotune:
+                    alpha_loss = -(self.log_alpha.exp() * (logp.detach() + self.target_entropy)).mean()
+                    self.alpha_optimizer.zero_grad()
+                    alpha_loss.backward()
+                    self.alpha_optimizer.step()
+                    alpha = self.log_alpha.exp().detach()
+            stats.update({"losses/actor_loss": float(actor_loss.detach()), "losses/alpha": float(alpha)})
+        with torch.no_grad():
+            for net, target_net in ((self.qf1, self.qf1_target), (self.qf2, self.qf2_target)):
+                for p, tp in zip(net.parameters(), target_net.parameters()):
+                    tp.mul_(1 - args.tau).add_(args.tau * p)
+        self.gradient_steps += 1
+        if self.gradient_steps % args.publish_every == 0:
+            self.versions.publish({k: v.detach().clone() for k, v in self.actor.state_dict().items()})
+        return stats
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        self.buffer.save(self.checkpoint_dir / "replay")
+        save_checkpoint(
+            self.checkpoint_dir / "sac.pt",
+            actor=self.actor.state_dict(), qf1=self.qf1.state_dict(), qf2=self.qf2.state_dict(),
+            qf1_target=self.qf1_target.state_dict(), qf2_target=self.qf2_target.state_dict(),
+            log_alpha=self.log_alpha.detach(), q_optimizer=self.q_optimizer.state_dict(),
+            actor_optimizer=self.actor_optimizer.state_dict(), alpha_optimizer=self.alpha_optimizer.state_dict(),
+            version=self.versions.current_version, global_step=self.global_step, gradient_steps=self.gradient_steps,
+            index=(self.index.next_slot, self.index.episode), args=asdict(self.args),
+        )
+
+    def _resume(self) -> None:
+        if self.checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir")
+        state = load_checkpoint(self.checkpoint_dir / "sac.pt")
+        for name in ("actor", "qf1", "qf2", "qf1_target", "qf2_target"):
+            getattr(self, name).load_state_dict(state[name])
+        for name in ("q_optimizer", "actor_optimizer", "alpha_optimizer"):
+            getattr(self, name).load_state_dict(state[name])
+        with torch.no_grad():
+            self.log_alpha.copy_(state["log_alpha"])
+        self.buffer = ReplayBuffer.load(self.checkpoint_dir / "replay", seed=self.args.seed)
+        self.index.next_slot[:], self.index.episode[:] = state["index"]
+        self.global_step, self.gradient_steps = state["global_step"], state["gradient_steps"]
+        while self.versions.current_version < state["version"]:
+            self.versions.publish({k: v.detach().clone() for k, v in self.actor.state_dict().items()})
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> TrainResult:
+        """Trains until ``total_timesteps`` (or ``target_return``); closes envs and policy."""
+        args = self.args
+        logger = RunLogger(Path(args.log_dir) / self.run_name, track=args.track, total_steps=args.total_timesteps,
+                           progress=args.progress, hparams=asdict(args))
+        history: list[dict] = []
+        start = time.monotonic()
+        reached_at = None
+        collector = None
+        episodes = EpisodeStats(args.num_envs)
+        ids = np.arange(args.num_envs)
+        next_log = next_checkpoint = self.global_step
+        stats: dict[str, float] = {}
+        try:
+            if args.mode == "async":
+                collector = Collector(self.envs, self.policy, self.store, seed=args.seed, pace=self._pace).start()
+            else:
+                obs, _ = self.envs.reset(seed=args.seed)
+                episode_ids = ids.copy()
+            while self.global_step < args.total_timesteps:
+                if collector is None:
+                    outputs = self.policy.act(obs, env_ids=ids, timeout=60)
+                    actions = np.stack([o.action for o in outputs])
+                    next_obs, rewards, terminated, truncated, info = self.envs.step(np.clip(actions, self.action_space.low, self.action_space.high))
+                    done = terminated | truncated
+                    final = next_obs.copy()
+                    if done.any():
+                        final[done] = np.stack(info["final_obs"][done])
+                    self.store(Transitions(
+                        env_ids=ids, obs=obs, action=actions, reward=rewards, next_obs=final, terminated=terminated,
+                        truncated=truncated, behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
+                        policy_version=np.array([o.policy_version for o in outputs]), fallback=np.array([o.fallback for o in outputs]),
+                        episode_id=episode_ids.copy(),
+                    ))
+                    episodes.update(ids, rewards, done)
+                    episode_ids[done] = episode_ids.max() + 1 + np.arange(done.sum())
+                    obs = next_obs
+                    steps_due = int(args.utd * self.global_step) - self.gradient_steps if self.global_step >= args.learning_starts else 0
+                else:
+                    with self._progress:
+                        if self.global_step < args.learning_starts or self.gradient_steps >= args.utd * self.global_step:
+                            self._progress.wait(0.05)
+                    collector.check()
+                    steps_due = 1 if self.global_step >= args.learning_starts and self.gradient_steps < args.utd * self.global_step else 0
+                for _ in range(max(steps_due, 0)):
+                    stats = self.gradient_step()
+                with self._progress:
+                    self._progress.notify_all()
+                if self.global_step >= next_log:
+                    next_log += 500
+                    returns = collector.recent_returns() if collector is not None else episodes.returns()
+                    mean10 = float(np.mean(returns[-10:])) if returns else float("nan")
+                    elapsed = time.monotonic() - start
+                    row = {**stats, "charts/episodic_return": mean10, "charts/env_steps_per_s": self.global_step / elapsed,
+                           "charts/gradient_steps": self.gradient_steps, "time/wall_s": elapsed, "global_step": self.global_step}
+                    if collector is not None:
+                        m = collector.metrics()
+                        row.update({"charts/policy_latency_p50_ms": m["policy_latency_p50_ms"], "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
+                                    "charts/fallback_rate": m["fallback_rate"]})
+                    history.append(row)
+                    logger.log(row, self.global_step)
+                    if args.target_return is not None and len(returns) >= 10 and mean10 >= args.target_return:
+                        reached_at = elapsed
+                        break
+                if self.checkpoint_dir is not None and self.global_step >= next_checkpoint + args.checkpoint_every:
+                    next_checkpoint = self.global_step
+                    self.save()
+        finally:
+            self._stopping.set()
+            if collector is not None:
+                collector.stop()
+            logger.close()
+            self.policy.close()
+            self.envs.close()
+        if self.checkpoint_dir is not None:
+            self.save()
+        wall = time.monotonic() - start
+        returns = collector.recent_returns() if collector is not None else episodes.returns()
+        staleness = self.versions.staleness_stats()
+        self.versions.close()
+        return TrainResult(
+            global_step=self.global_step, gradient_steps=self.gradient_steps, wall_time_s=wall,
+            env_steps_per_s=self.global_step / wall, episodic_returns=returns,
+            final_return=float(np.mean(returns[-10:])) if returns else float("nan"), reached_target_s=reached_at,
+            staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
+        )
+
+
+def train(args: Args) -> TrainResult:
+    """Builds a SAC from ``args``, trains it and returns the result."""
+    return SAC(args).train()
+
+
+if __name__ == "__main__":
+    result = train(tyro.cli(Args))
+    print(
+        f"SAC {result.global_step} steps, {result.gradient_steps} gradient steps in {result.wall_time_s:.1f} s "
+        f"({result.env_steps_per_s:.0f} steps/s), final return (last 10 episodes) {result.final_return:.1f}"
+    )

@@ -1,0 +1,207 @@
+"""Collector: transitions are consistent, version-tagged, back-pressured and gated; errors surface."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.vector import AutoresetMode
+
+from asyncvec import AsyncLLMVectorEnv, Collector, ReplayBuffer, RolloutStore, VersionManager
+from asyncvec.collector import CollectorError
+from asyncvec.inference import LatencyModel, TorchPolicy
+from toy_envs import CounterEnv
+
+
+def cartpole_envs(n=4, mode=AutoresetMode.SAME_STEP, batch_size=1):
+    return AsyncLLMVectorEnv([lambda: gym.make("CartPole-v1")] * n, batch_size=batch_size, autoreset_mode=mode)
+
+
+def linear_policy(space, **kwargs):
+    torch.manual_seed(0)
+    return TorchPolicy(torch.nn.Linear(4, 2), space, max_wait_ms=1, **kwargs)
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.SAME_STEP, AutoresetMode.NEXT_STEP], ids=lambda m: m.value)
+def test_transitions_chain_and_carry_behavior_logp(mode, no_leftover_children):
+    envs = cartpole_envs(mode=mode)
+    policy = linear_policy(envs.single_action_space)
+    store = RolloutStore(64, 4, envs.single_observation_space, envs.single_action_space)
+    try:
+        with Collector(envs, policy, store, seed=0) as collector:
+            segment = store.get(timeout=60)
+        obs, actions = torch.as_tensor(segment.obs), torch.as_tensor(segment.actions)
+        with torch.no_grad():
+            logp = torch.log_softmax(policy.module(obs), -1).gather(-1, actions[..., None]).squeeze(-1)
+        np.testing.assert_allclose(segment.behavior_logp, logp.numpy(), atol=1e-5)
+        assert (segment.policy_version == 0).all() and (segment.rewards == 1.0).all()
+        done = segment.terminated | segment.truncated
+        assert done.any(), "episodes end within 64 random-ish steps"
+        # CartPole episodes start near zero: every step after a done is a fresh reset observation,
+        # so the reset step of NEXT_STEP mode was not recorded as a transition.
+        starts = segment.obs[1:][done[:-1]]
+        assert np.abs(starts).max() <= 0.05
+        m = collector.metrics()
+        assert m["env_steps"] >= 256 and m["episodes"] >= 1 and m["episodic_return"] > 0
+        assert m["policy/requests"] >= 256
+    finally:
+        policy.close()
+        envs.close()
+
+
+def test_next_obs_matches_following_obs():
+    seen = []
+    envs = cartpole_envs(n=2)
+    policy = linear_policy(envs.single_action_space)
+    try:
+        with Collector(envs, policy, seen.append, seed=1):
+            deadline = time.monotonic() + 30
+            while sum(len(t.env_ids) for t in seen) < 200 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        per_env = {0: [], 1: []}
+        for t in list(seen):
+            for k, e in enumerate(t.env_ids):
+                per_env[int(e)].append((t.obs[k], t.next_obs[k], t.terminated[k] or t.truncated[k]))
+        checked = 0
+        for rows in per_env.values():
+            for (obs, next_obs, done), (following, _, _) in zip(rows, rows[1:]):
+                if not done:
+                    np.testing.assert_array_equal(next_obs, following)
+                    checked += 1
+        assert checked > 100
+    finally:
+        policy.close()
+        envs.close()
+
+
+def test_versions_follow_load_weights():
+    envs = cartpole_envs()
+    policy = linear_policy(envs.single_action_space)
+    buffer = ReplayBuffer(10_000, envs.single_observation_space, envs.single_action_space)
+    versions = VersionManager()
+    versions.register(policy)
+    try:
+        with Collector(envs, policy, buffer, version_manager=versions, seed=0) as collector:
+            for _ in range(3):
+                while len(buffer) < 50 * (versions.current_version + 1):
+                    time.sleep(0.01)
+                    collector.check()
+                versions.publish({k: v + 0.1 for k, v in policy.module.state_dict().items()})
+            while buffer.version_range() is None or buffer.version_range()[1] < 3:
+                time.sleep(0.01)
+                collector.check()
+        batch = buffer.sample(len(buffer), current_version=3)
+        assert set(batch.policy_version.tolist()) == {0, 1, 2, 3}
+        assert (batch.staleness == 3 - batch.policy_version).all()
+        assert (batch.env_id >= 0).all() and (batch.episode_id >= 0).all() and not batch.fallback.any()
+    finally:
+        policy.close()
+        envs.close()
+        versions.close()
+
+
+def test_back_pressure_parks_envs_until_the_learner_takes_the_segment():
+    envs = cartpole_envs()
+    policy = linear_policy(envs.single_action_space)
+    store = RolloutStore(16, 4, envs.single_observation_space, envs.single_action_space, max_steps_ahead=0)
+    try:
+        with Collector(envs, policy, store, seed=0) as collector:
+            deadline = time.monotonic() + 30
+            while not store.ready() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # the collector would overrun the store here without back-pressure
+            collector.check()
+            assert store.steps_per_env == [16] * 4
+            first = store.get(timeout=0)
+            second = store.get(timeout=30)
+        assert first.rewards.shape == second.rewards.shape == (16, 4)
+    finally:
+        policy.close()
+        envs.close()
+
+
+def test_max_lag_gate_holds_the_collector():
+    envs = cartpole_envs(n=2)
+    policy = linear_policy(envs.single_action_space)
+    buffer = ReplayBuffer(10_000, envs.single_observation_space, envs.single_action_space)
+    versions = VersionManager(max_lag=1)  # the policy is not registered: it falls behind
+    try:
+        with Collector(envs, policy, buffer, version_manager=versions, seed=0) as collector:
+            while len(buffer) < 20:
+                time.sleep(0.01)
+            versions.publish({})
+            versions.publish({})  # lag 2 > max_lag 1
+            time.sleep(0.3)
+            held = len(buffer)
+            time.sleep(0.5)
+            assert len(buffer) - held <= 2, "the gate lets no new observation through"
+            assert collector.metrics()["gate_waits"] >= 1
+            policy.load_weights(policy.module.state_dict(), 2)  # the policy catches up
+            deadline = time.monotonic() + 30
+            while len(buffer) < held + 20 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(buffer) >= held + 20
+    finally:
+        policy.close()
+        envs.close()
+        versions.close()
+
+
+def test_deadline_fallbacks_are_flagged_in_the_buffer():
+    envs = cartpole_envs(n=2)
+    slow = LatencyModel(linear_policy(envs.single_action_space), a_ms=200, b_ms=0, deadline_ms=20, fallback="zero")
+    buffer = ReplayBuffer(1000, envs.single_observation_space, envs.single_action_space)
+    try:
+        with Collector(envs, slow, buffer, seed=0) as collector:
+            while len(buffer) < 20:
+                time.sleep(0.01)
+                collector.check()
+        batch = buffer.sample(len(buffer), current_version=0, exclude_fallback=False)
+        assert batch.fallback.all() and (batch.action == 0).all()
+        assert collector.metrics()["fallback_rate"] == 1.0
+        with pytest.raises(ValueError, match="eligible"):
+            buffer.sample(1, current_version=0)  # fallbacks are excluded by default
+    finally:
+        slow.close()
+        envs.close()
+
+
+def test_policy_error_surfaces_and_wakes_the_learner():
+    envs = AsyncLLMVectorEnv([partial(CounterEnv, obs_kind="box")] * 2, batch_size=1)
+    policy = TorchPolicy(torch.nn.Linear(4, 3), envs.single_action_space, max_wait_ms=1)  # obs has 3 dims
+    store = RolloutStore(8, 2, envs.single_observation_space, envs.single_action_space)
+    try:
+        collector = Collector(envs, policy, store, seed=0).start()
+        with pytest.raises(RuntimeError, match="closed"):
+            store.get(timeout=30)
+        with pytest.raises(CollectorError, match="the collector stopped"):
+            collector.check()
+        collector.stop()
+    finally:
+        policy.close()
+        envs.close()
+
+
+def test_constructor_errors():
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2, autoreset_mode=AutoresetMode.DISABLED)
+    policy = TorchPolicy(torch.nn.Linear(3, 3), envs.single_action_space)
+    try:
+        with pytest.raises(ValueError, match="DISABLED"):
+            Collector(envs, policy, lambda t: None)
+        with pytest.raises(TypeError, match="AsyncLLMVectorEnv"):
+            Collector(gym.vector.SyncVectorEnv([CounterEnv]), policy, lambda t: None)
+    finally:
+        envs.close()
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+    try:
+        with pytest.raises(TypeError, match="sink must be"):
+            Collector(envs, policy, 3)
+        with pytest.raises(ValueError, match="num_envs=5"):
+            Collector(envs, policy, RolloutStore(4, 5, envs.single_observation_space, envs.single_action_space))
+    finally:
+        policy.close()
+        envs.close()
