@@ -1,0 +1,86 @@
+"""REINFORCE++ (Hu 2025) for language-model policies, with the ``--baseline`` variant.
+
+Run:    python agents/reinforce_pp.py --env asyncvec/SingleDigitSums-v0 --total-prompts 4096 --sft-steps 150
+Import: from agents.reinforce_pp import ReinforcePP, Args; result = ReinforcePP(Args(sft_steps=150)).train()
+
+Each prompt gets ``k = --group-size`` completions from the policy (HFTextPolicy in process by
+default, ``--backend openai --base-url ...`` for an ``asyncvec serve`` server). No critic:
+
+* token rewards ``r_t = 1[t = T] * R - beta * KL_t`` (``T``: the completion's last token,
+  ``beta = --kl-coef``, KL against the frozen initial model, ``--kl-estimator``);
+  ``--baseline`` (REINFORCE++-baseline) first subtracts from ``R`` the mean reward of the
+  prompt's usable completions;
+* returns ``G_t = sum_{i >= t} r_i``, advantages ``(G_t - mean G) / std G`` over all valid
+  tokens of the batch;
+* PPO-clip loss ``-mean_t w_t * min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps) A_t)`` with
+  ``rho = pi_theta / pi_prox`` (``pi_prox``: the learner at the start of the update,
+  ``eps = --clip-coef``) and the truncated importance weight ``w = min(pi_prox / mu, C)``
+  against the log-probs ``mu`` the engine reported (``--is-cap C``, ``--is-level``).
+
+Sample handling (stale groups, flagged rewards, unparsable completions) and ``--mode
+async|sync`` are described in ``agents/lm_common.py`` and ``docs/lm_agents.md``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import tyro
+
+from agents.lm_common import LMArgs, LMBatch, LMTrainer, LMTrainResult, summary
+from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
+
+
+@dataclass
+class Args(LMArgs):
+    """REINFORCE++: token-level returns normalized over the batch, PPO-clip loss, no critic."""
+
+    baseline: bool = False
+    """REINFORCE++-baseline: subtract each prompt's mean reward before the returns"""
+    clip_coef: float = 0.2
+    """PPO clip coefficient eps"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.clip_coef, bool) or not isinstance(self.clip_coef, (int, float)) or not 0 < self.clip_coef < 1:
+            raise ValueError(f"--clip-coef must be a number in (0, 1), got {self.clip_coef!r}")
+
+
+class ReinforcePP(LMTrainer):
+    """REINFORCE++ learner over a text policy (see the module docstring).
+
+    Example:
+        >>> from agents.reinforce_pp import ReinforcePP, Args
+        >>> args = Args(total_prompts=8, prompts_per_update=4, baseline=True, eval_prompts=0, progress=False)
+        >>> ReinforcePP(args).train().final_version
+        2
+    """
+
+    name = "reinforce_pp"
+
+    def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
+        """Globally normalized returns-to-go ``[N, L]`` (0 off the mask)."""
+        args = self.args
+        kl = approx_kl(logp, ref_logp, args.kl_estimator) if ref_logp is not None else None
+        return reinforce_pp_advantages(data.rewards, data.mask, kl, args.kl_coef, baseline=args.baseline,
+                                       group_ids=data.group_ids)
+
+    def policy_loss(self, logp, prox_logp, advantages, weights, mask):
+        """PPO-clip against ``pi_prox``, each token weighted by its truncated IS weight; mean over tokens."""
+        return ppo_clip_loss(logp, prox_logp, advantages, self.args.clip_coef, mask=mask, weights=weights)
+
+
+def train(args: Args) -> LMTrainResult:
+    """Builds a REINFORCE++ learner from ``args``, trains it and returns the result."""
+    return ReinforcePP(args).train()
+
+
+if __name__ == "__main__":
+    args = tyro.cli(Args)
+    print(summary("REINFORCE++" + ("-baseline" if args.baseline else ""), train(args)))

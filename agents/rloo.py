@@ -1,0 +1,82 @@
+"""RLOO (REINFORCE leave-one-out, Ahmadian et al. 2024) for language-model policies.
+
+Run:    python agents/rloo.py --env asyncvec/SingleDigitSums-v0 --total-prompts 4096 --sft-steps 150
+Import: from agents.rloo import RLOO, Args; result = RLOO(Args(sft_steps=150)).train()
+
+Each prompt gets ``k = --group-size`` completions from the policy (HFTextPolicy in process by
+default, ``--backend openai --base-url ...`` for an ``asyncvec serve`` server). The objective:
+
+* reward with the KL penalty inside: ``R_i = r_i - beta * sum_t KL_t`` (``beta = --kl-coef``,
+  KL of the learner against the frozen initial model, ``--kl-estimator``);
+* leave-one-out baseline: ``A_i = R_i - mean_{j != i} R_j`` over the usable completions of the
+  same prompt; no division by a standard deviation;
+* loss ``-mean_i sum_t w_it * A_i * pi_theta(y_it) / pi_prox(y_it)``: REINFORCE on the
+  completion's log-likelihood (``pi_prox``: the learner at the start of the update), with the
+  truncated importance weight ``w = min(pi_prox / mu, C)`` against the log-probs ``mu`` the
+  engine reported (``--is-cap C``, ``--is-level token|sequence``).
+
+Sample handling (stale groups, flagged rewards, unparsable completions) and ``--mode
+async|sync`` are described in ``agents/lm_common.py`` and ``docs/lm_agents.md``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import tyro
+
+from agents.lm_common import LMArgs, LMBatch, LMTrainer, LMTrainResult, summary
+from asyncvec.losses import kl_penalized_rewards, masked_mean, rloo_advantages
+
+
+@dataclass
+class Args(LMArgs):
+    """RLOO: k completions per prompt, leave-one-out baseline, KL penalty in the reward."""
+
+
+class RLOO(LMTrainer):
+    """RLOO learner over a text policy (see the module docstring).
+
+    Example:
+        >>> from agents.rloo import RLOO, Args
+        >>> result = RLOO(Args(total_prompts=8, prompts_per_update=4, eval_prompts=0, progress=False)).train()
+        >>> result.updates, result.final_version
+        (2, 2)
+    """
+
+    name = "rloo"
+    min_group_samples = 2  # a leave-one-out baseline needs another sample of the same prompt
+
+    def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
+        """``A_i`` of each completion, broadcast to its tokens: ``[N, L]``."""
+        rewards = data.rewards
+        if ref_logp is not None:
+            rewards = kl_penalized_rewards(rewards, logp, ref_logp, self.args.kl_coef, data.mask, self.args.kl_estimator)
+        advantages = torch.zeros_like(rewards)
+        # Flagged samples are out, so groups may be smaller than k: one baseline per group.
+        for group in data.group_ids.unique():
+            rows = (data.group_ids == group).nonzero().squeeze(-1)
+            advantages[rows] = rloo_advantages(rewards[rows].unsqueeze(0)).squeeze(0)
+        return advantages.unsqueeze(-1) * data.mask
+
+    def policy_loss(self, logp, prox_logp, advantages, weights, mask):
+        """``-mean_i sum_t w_it A_i pi/pi_prox``: sum over a completion's tokens, mean over completions."""
+        ratio = torch.exp(logp - prox_logp)
+        per_token = weights * advantages * ratio * mask
+        loss = -per_token.sum(-1).mean()
+        return loss, {"ratio_mean": masked_mean(ratio.detach(), mask)}
+
+
+def train(args: Args) -> LMTrainResult:
+    """Builds an RLOO learner from ``args``, trains it and returns the result."""
+    return RLOO(args).train()
+
+
+if __name__ == "__main__":
+    print(summary("RLOO", train(tyro.cli(Args))))
