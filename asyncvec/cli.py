@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 TOKEN_ENV = "ASYNCVEC_SERVE_TOKEN"
 
@@ -65,20 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", required=True, type=_port, help="TCP port")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     serve.add_argument(
-        "--weights-dir", type=_existing_dir, default=None, help="POST /update_weights loads only from inside this folder (omit: updates disabled)"
+        "--weights-dir",
+        type=_existing_dir,
+        default=None,
+        help="POST /update_weights loads only from inside this folder (omit: updates disabled)",
     )
     serve.add_argument(
-        "--token", default=None, help=f"bearer token required by /update_weights (or set ${TOKEN_ENV}; prefer the variable: it stays out of ps)"
+        "--token",
+        default=None,
+        help=f"bearer token required by /update_weights (or set ${TOKEN_ENV}; prefer the variable: it stays out of ps)",
     )
     serve.add_argument("--model-name", default=None, help="name clients send as 'model' (default: the folder name)")
     serve.add_argument("--max-batch-size", type=_positive_int, default=32, help="largest batch sent to the model")
     serve.add_argument("--max-wait-ms", type=_non_negative_float, default=5.0, help="longest wait for a batch to fill")
-    serve.add_argument("--max-tokens-limit", type=_positive_int, default=256, help="largest max_tokens a request may ask for")
+    serve.add_argument(
+        "--max-tokens-limit", type=_positive_int, default=256, help="largest max_tokens a request may ask for"
+    )
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncvec`` console script."""
     args = build_parser().parse_args(argv)
     if args.command == "serve":

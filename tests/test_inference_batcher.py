@@ -5,9 +5,9 @@ import threading
 import time
 
 import pytest
+from test_inference_policy import no_leftover_threads  # noqa: F401  (fixture)
 
 from asyncvec.inference import DynamicBatcher, PolicyClosedError, adaptive_threshold, fit_batch_cost
-from test_inference_policy import no_leftover_threads  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leftover_threads")]
 

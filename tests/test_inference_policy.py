@@ -54,10 +54,11 @@ def wait_until(predicate, timeout=10.0):
 class FlakyNet(torch.nn.Module):
     """Raises `error` on its first `failures` calls (None: forever), then returns logits."""
 
-    def __init__(self, failures, error=RuntimeError("transient backend hiccup")):
+    def __init__(self, failures, error=None):
         super().__init__()
         self.linear = torch.nn.Linear(4, 3)
-        self.failures, self.error, self.calls = failures, error, 0
+        self.failures, self.calls = failures, 0
+        self.error = error if error is not None else RuntimeError("transient backend hiccup")
 
     def forward(self, x):
         self.calls += 1
@@ -71,7 +72,11 @@ class FlakyNet(torch.nn.Module):
 @pytest.mark.parametrize("max_batch_size, max_wait_ms", [(16, 20.0), (32, 500.0)])
 def test_mean_batch_size_under_load(max_batch_size, max_wait_ms):
     policy = LatencyModel(
-        TorchPolicy(mlp(), gym.spaces.Discrete(3)), a_ms=20, b_ms=1, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms
+        TorchPolicy(mlp(), gym.spaces.Discrete(3)),
+        a_ms=20,
+        b_ms=1,
+        max_batch_size=max_batch_size,
+        max_wait_ms=max_wait_ms,
     )
     stop = threading.Event()
     errors = []
@@ -106,7 +111,12 @@ def test_mean_batch_size_under_load(max_batch_size, max_wait_ms):
 # -------------------------------------------------------------------------- deadlines
 def test_deadline_delivers_flagged_fallback_and_drops_late_answer():
     policy = LatencyModel(
-        TorchPolicy(mlp(), gym.spaces.Discrete(3)), a_ms=200, b_ms=0, deadline_ms=50, max_wait_ms=1, max_inflight_batches=3
+        TorchPolicy(mlp(), gym.spaces.Discrete(3)),
+        a_ms=200,
+        b_ms=0,
+        deadline_ms=50,
+        max_wait_ms=1,
+        max_inflight_batches=3,
     )
     deliveries = []
     try:
@@ -382,7 +392,9 @@ def test_dict_observations_are_flattened_with_the_space():
 def test_wrong_observations_give_clear_errors():
     space = gym.spaces.Box(-1, 1, (4,))
     with TorchPolicy(mlp(), gym.spaces.Discrete(3), observation_space=space) as policy:
-        with pytest.raises(ValueError, match=r"env_id=2: observation has shape \(3,\), expected \(4,\) for observation_space Box"):
+        with pytest.raises(
+            ValueError, match=r"env_id=2: observation has shape \(3,\), expected \(4,\) for observation_space Box"
+        ):
             policy.submit(np.zeros(3), env_id=2)
         with pytest.raises(ValueError, match="env_id=0: expected an array for Box"):
             policy.submit("not an array", env_id=0)
@@ -414,7 +426,16 @@ def test_protocol_stats_and_act():
         with pytest.raises(TypeError, match="single str"):
             policy.act("abc")
         stats = policy.stats()
-    for key in ("requests", "batches", "mean_batch_size", "timeouts", "fallbacks", "latency_p50_ms", "latency_p99_ms", "queue_depth"):
+    for key in (
+        "requests",
+        "batches",
+        "mean_batch_size",
+        "timeouts",
+        "fallbacks",
+        "latency_p50_ms",
+        "latency_p99_ms",
+        "queue_depth",
+    ):
         assert key in stats
     assert stats["requests"] == 5 and stats["answered"] == 5 and stats["latency_p99_ms"] >= stats["latency_p50_ms"] > 0
 

@@ -7,6 +7,7 @@ import gymnasium as gym
 import pytest
 import torch
 import transformers
+from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
 
 from asyncvec.inference import (
     DEFAULT_VOCAB,
@@ -15,7 +16,6 @@ from asyncvec.inference import (
     TextPrompt,
     build_tiny_lm,
 )
-from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,7 +54,7 @@ def test_tiny_lm_folders_load_with_transformers(gpt2_dir, llama_dir):
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder)
         assert model.config.model_type == model_type and model.config.vocab_size == len(tokenizer)
-        text = "3+4=7 Sums: (9-2)*x, ok? \"yes\"!"
+        text = '3+4=7 Sums: (9-2)*x, ok? "yes"!'
         ids = tokenizer(text).input_ids
         assert tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == text
         assert tokenizer.padding_side == "left" and tokenizer.pad_token_id != tokenizer.eos_token_id
@@ -64,7 +64,7 @@ def test_tiny_lm_folders_load_with_transformers(gpt2_dir, llama_dir):
 def test_build_tiny_lm_is_seeded_and_validates(tmp_path):
     a = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_lm(tmp_path / "a", n_layer=1, n_embd=32, seed=3))
     b = transformers.AutoModelForCausalLM.from_pretrained(build_tiny_lm(tmp_path / "b", n_layer=1, n_embd=32, seed=3))
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     with pytest.raises(ValueError, match="arch must be one of"):
         build_tiny_lm(tmp_path / "c", arch="bert")
     with pytest.raises(ValueError, match="n_head must be an int >= 1 dividing n_embd=64"):
@@ -93,7 +93,7 @@ def test_behavior_logps_equal_teacher_forcing(request, arch, temperature, top_p)
     with policy:
         outputs = policy.act(PROMPTS, timeout=60)
         assert policy.stats()["batches"] == 1  # all prompts shared one padded batch
-    for prompt, out in zip(PROMPTS, outputs):
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
         assert 1 <= len(out.token_ids) <= 6 and len(out.token_logps) == len(out.token_ids)
         expected = teacher_forced_logps(policy.model, policy.tokenizer, prompt, out.token_ids, temperature, top_p)
         assert out.token_logps == pytest.approx(expected, abs=1e-4)
@@ -125,10 +125,12 @@ def test_parser_rejections_become_flagged_fallbacks(gpt2_dir):
 
 def test_per_request_settings_and_top_logprobs(gpt2_dir):
     with HFTextPolicy(gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), max_new_tokens=8) as policy:
-        greedy = [policy.submit(TextPrompt("3+4=", max_new_tokens=3, temperature=0.0, top_logprobs=2)) for _ in range(2)]
+        greedy = [
+            policy.submit(TextPrompt("3+4=", max_new_tokens=3, temperature=0.0, top_logprobs=2)) for _ in range(2)
+        ]
         first, second = (future.result(timeout=30) for future in greedy)
     assert first.token_ids == second.token_ids and len(first.token_ids) == 3
-    for token, logp, top in zip(first.token_ids, first.token_logps, first.top_logprobs):
+    for token, logp, top in zip(first.token_ids, first.token_logps, first.top_logprobs, strict=True):
         assert len(top) == 2 and max(top.values()) == pytest.approx(logp)  # greedy picks the top token
         assert max(top, key=top.get) == token
 
@@ -136,14 +138,18 @@ def test_per_request_settings_and_top_logprobs(gpt2_dir):
 def test_load_weights_from_folder_and_state_dict(gpt2_dir, tmp_path):
     new_dir = build_tiny_lm(tmp_path / "v1", arch="gpt2", seed=1)
     reference = transformers.AutoModelForCausalLM.from_pretrained(new_dir)
-    policy = HFTextPolicy(gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), max_new_tokens=4, temperature=0.0)
+    policy = HFTextPolicy(
+        gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), max_new_tokens=4, temperature=0.0
+    )
     with policy:
         before = policy.submit("3+4=").result(timeout=30)
         policy.load_weights(new_dir, 1)
         after = policy.submit("3+4=").result(timeout=30)
         assert (before.policy_version, after.policy_version) == (0, 1)
         tokenizer = policy.tokenizer
-        assert after.token_logps == pytest.approx(teacher_forced_logps(reference, tokenizer, "3+4=", after.token_ids), abs=1e-4)
+        assert after.token_logps == pytest.approx(
+            teacher_forced_logps(reference, tokenizer, "3+4=", after.token_ids), abs=1e-4
+        )
         policy.load_weights(transformers.AutoModelForCausalLM.from_pretrained(gpt2_dir).state_dict(), 2)
         again = policy.submit("3+4=").result(timeout=30)
         assert again.token_ids == before.token_ids and again.policy_version == 2

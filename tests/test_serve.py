@@ -11,11 +11,11 @@ import gymnasium as gym
 import httpx
 import pytest
 import transformers
+from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
+from test_inference_text import teacher_forced_logps
 
 from asyncvec.cli import main as cli_main
 from asyncvec.inference import BackendError, OpenAIPolicy, build_tiny_lm
-from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
-from test_inference_text import teacher_forced_logps
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,7 +38,18 @@ def server(tmp_path_factory):
     port = free_port()
     log = open(root / "server.log", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "asyncvec.cli", "serve", "--model", str(model_dir), "--port", str(port), "--weights-dir", str(weights_dir)],
+        [
+            sys.executable,
+            "-m",
+            "asyncvec.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--weights-dir",
+            str(weights_dir),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "ASYNCVEC_SERVE_TOKEN": TOKEN},
@@ -89,7 +100,7 @@ def test_completions_with_logprobs_and_a_weight_update(server):
                 policy.load_weights("v1", 1)  # relative to the server's --weights-dir
                 assert policy.policy_version == 1 and policy.server_version() == 1
             outputs = policy.act(prompts, timeout=60)
-            for prompt, out in zip(prompts, outputs):
+            for prompt, out in zip(prompts, outputs, strict=True):
                 assert out.policy_version == version
                 assert out.token_ids and len(out.token_ids) == len(out.token_logps) <= 4
                 expected = teacher_forced_logps(models[version], tokenizer, prompt, out.token_ids)
@@ -112,15 +123,23 @@ def test_weight_updates_are_guarded(server, tmp_path):
             policy.load_weights("../weights/../../", current + 1)
         with pytest.raises(TypeError, match="takes a checkpoint folder path"):
             policy.load_weights({"w": 1}, current + 1)
-    with OpenAIPolicy(server["url"], MODEL, digit, action_space=gym.spaces.Discrete(10), update_token="wrong") as policy:
+    with OpenAIPolicy(
+        server["url"], MODEL, digit, action_space=gym.spaces.Discrete(10), update_token="wrong"
+    ) as policy:
         with pytest.raises(PermissionError, match="401.*bearer token"):
             policy.load_weights("v1", current + 1)
     update = server["url"] + "/update_weights"
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert httpx.post(update, json={"path": "v1", "version": current}, headers=auth, timeout=10).status_code == 409
-    assert httpx.post(update, json={"path": "nope", "version": current + 1}, headers=auth, timeout=10).status_code == 404
+    assert (
+        httpx.post(update, json={"path": "nope", "version": current + 1}, headers=auth, timeout=10).status_code == 404
+    )
     assert httpx.post(update, json={"path": "v1"}, headers=auth, timeout=10).status_code == 422
-    assert httpx.get(server["url"] + "/version", timeout=10).json() == {"server": "asyncvec", "model": MODEL, "version": current}
+    assert httpx.get(server["url"] + "/version", timeout=10).json() == {
+        "server": "asyncvec",
+        "model": MODEL,
+        "version": current,
+    }
 
 
 @pytest.mark.parametrize(
@@ -157,14 +176,19 @@ def test_raw_completion_response_shape(server):
         assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"])
         assert "".join(logprobs["tokens"]) == choice["text"] or choice["finish_reason"] == "stop"
         assert choice["finish_reason"] in ("stop", "length")
-        for token, logp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        for logp, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
             assert len(top) == 2 and max(top.values()) == pytest.approx(logp)  # greedy: the top token
     assert data["usage"]["prompt_tokens"] == 8
 
 
 def test_server_down_gives_an_error_not_a_hang():
     with OpenAIPolicy(
-        f"http://127.0.0.1:{free_port()}", MODEL, digit, action_space=gym.spaces.Discrete(10), max_attempts=2, retry_backoff_ms=10
+        f"http://127.0.0.1:{free_port()}",
+        MODEL,
+        digit,
+        action_space=gym.spaces.Discrete(10),
+        max_attempts=2,
+        retry_backoff_ms=10,
     ) as policy:
         started = time.monotonic()
         error = policy.submit("3+4=").exception(timeout=30)

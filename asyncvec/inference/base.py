@@ -16,10 +16,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -35,7 +36,7 @@ from asyncvec.inference.types import (
 
 logger = logging.getLogger(__name__)
 
-FallbackSpec = Union[str, Callable[[Any, Optional[int]], Any]]
+FallbackSpec = str | Callable[[Any, int | None], Any]
 FALLBACK_MODES = ("zero", "repeat")
 
 # Set while a policy thread resolves futures: done-callbacks run there and must not call
@@ -196,10 +197,10 @@ class _VersionLock:
 class _Request:
     raw_obs: Any
     obs: Any
-    env_id: Optional[int]
+    env_id: int | None
     submitted: float
     future: Future
-    cache_key: Optional[bytes] = None
+    cache_key: bytes | None = None
     completed: bool = False
 
 
@@ -267,18 +268,18 @@ class BatchedPolicy(abc.ABC):
     def __init__(
         self,
         *,
-        action_space: Optional[gym.Space] = None,
+        action_space: gym.Space | None = None,
         max_batch_size: int = 32,
         max_wait_ms: float = 5.0,
         max_inflight_batches: int = 1,
         adaptive_batching: bool = False,
-        deadline_ms: Optional[float] = None,
+        deadline_ms: float | None = None,
         fallback: FallbackSpec = "zero",
         cache_size: int = 0,
         max_attempts: int = 3,
         retry_backoff_ms: float = 20.0,
         version: int = 0,
-        name: Optional[str] = None,
+        name: str | None = None,
     ) -> None:
         self._label = name or type(self).__name__
         if action_space is not None and not isinstance(action_space, gym.Space):
@@ -325,15 +326,14 @@ class BatchedPolicy(abc.ABC):
         self._deadline_cond = threading.Condition()
         self._deadline_heap: list[tuple[float, int, _Request]] = []
         self._deadline_seq = itertools.count()
-        self._watchdog: Optional[threading.Thread] = None
+        self._watchdog: threading.Thread | None = None
 
-    def _resolve_zero_action(self, fallback: FallbackSpec, space: Optional[gym.Space], deadline_ms: Optional[float]) -> Any:
+    def _resolve_zero_action(self, fallback: FallbackSpec, space: gym.Space | None, deadline_ms: float | None) -> Any:
         if callable(fallback):
             return None
         if fallback not in FALLBACK_MODES:
-            raise ValueError(
-                f"{self._label}: fallback must be one of {FALLBACK_MODES} or a function(obs, env_id) -> action, got {fallback!r}"
-            )
+            expected = f"one of {FALLBACK_MODES} or a function(obs, env_id) -> action"
+            raise ValueError(f"{self._label}: fallback must be {expected}, got {fallback!r}")
         if space is None:
             if deadline_ms is not None or self._can_reject:
                 raise ValueError(
@@ -344,7 +344,7 @@ class BatchedPolicy(abc.ABC):
         return zero_action(space)
 
     # ------------------------------------------------------------------ hooks for backends
-    def _check_obs(self, obs: Any, env_id: Optional[int]) -> Any:
+    def _check_obs(self, obs: Any, env_id: int | None) -> Any:
         """Validate and convert one observation at submit time (raise ValueError/TypeError)."""
         return obs
 
@@ -374,11 +374,11 @@ class BatchedPolicy(abc.ABC):
         """Whether `close` was called."""
         return self._closed
 
-    def check_observation(self, obs: Any, env_id: Optional[int] = None) -> Any:
+    def check_observation(self, obs: Any, env_id: int | None = None) -> Any:
         """Validate one observation the way `submit` does and return its converted form."""
         return self._check_obs(obs, env_id)
 
-    def submit(self, obs: Any, *, env_id: Optional[int] = None, priority: int = 0) -> Future:
+    def submit(self, obs: Any, *, env_id: int | None = None, priority: int = 0) -> Future:
         """Queue one observation; the returned future resolves to a `PolicyOutput`.
 
         Args:
@@ -422,8 +422,8 @@ class BatchedPolicy(abc.ABC):
         self,
         obs_batch: Any,
         *,
-        env_ids: Optional[Sequence[int]] = None,
-        timeout: Optional[float] = None,
+        env_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> list[PolicyOutput]:
         """Submit a batch of observations and wait for all answers.
 
@@ -441,7 +441,7 @@ class BatchedPolicy(abc.ABC):
         ids = list(range(len(observations))) if env_ids is None else list(env_ids)
         if len(ids) != len(observations):
             raise ValueError(f"{self._label}: got {len(observations)} observations but {len(ids)} env_ids")
-        futures = [self.submit(obs, env_id=env_id) for obs, env_id in zip(observations, ids)]
+        futures = [self.submit(obs, env_id=env_id) for obs, env_id in zip(observations, ids, strict=True)]
         _, not_done = wait_futures(futures, timeout=timeout)
         if not_done:
             raise TimeoutError(f"{self._label}: {len(not_done)} of {len(futures)} answers not ready after {timeout} s")
@@ -483,11 +483,13 @@ class BatchedPolicy(abc.ABC):
             if self._cache is not None:
                 self._cache.clear()  # entries of older versions can never hit again
 
-    def _check_version(self, version: Any, current: Optional[int]) -> None:
+    def _check_version(self, version: Any, current: int | None) -> None:
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"{self._label}: version must be an int >= 0, got {version!r}")
         if current is not None and version <= current:
-            raise ValueError(f"{self._label}: version must be greater than the current policy_version {current}, got {version}")
+            raise ValueError(
+                f"{self._label}: version must be greater than the current policy_version {current}, got {version}"
+            )
 
     def stats(self) -> dict[str, float]:
         """Counters and latencies.
@@ -539,7 +541,7 @@ class BatchedPolicy(abc.ABC):
             self._complete(request, error=error)
         self._close_backend()
 
-    def __enter__(self) -> "BatchedPolicy":
+    def __enter__(self) -> BatchedPolicy:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -556,23 +558,27 @@ class BatchedPolicy(abc.ABC):
             raise TypeError(f"{self._label}._forward_batch returned {got} results for {len(obs_list)} observations")
         for result in results:
             if not isinstance(result, BackendResult):
-                raise TypeError(f"{self._label}._forward_batch must return BackendResult items, got {type(result).__name__}")
+                raise TypeError(
+                    f"{self._label}._forward_batch must return BackendResult items, got {type(result).__name__}"
+                )
         return results
 
-    def _run_batch(self, batch: list[_Request]) -> Optional[float]:
+    def _run_batch(self, batch: list[_Request]) -> float | None:
         """Batcher handler: call the backend with retries and deliver the answers."""
         try:
             return self._run_batch_with_retries(batch)
         except BaseException as exc:  # a bug in delivery must not leave futures unresolved
-            failure = BackendError(f"{self._label}: internal error while answering a batch: {type(exc).__name__}: {exc}")
+            failure = BackendError(
+                f"{self._label}: internal error while answering a batch: {type(exc).__name__}: {exc}"
+            )
             failure.__cause__ = exc
             for request in batch:
                 self._complete(request, error=failure)
             raise
 
-    def _run_batch_with_retries(self, batch: list[_Request]) -> Optional[float]:
+    def _run_batch_with_retries(self, batch: list[_Request]) -> float | None:
         live = [request for request in batch if not request.completed]
-        error: Optional[BaseException] = None
+        error: BaseException | None = None
         attempt = 0
         while live and attempt < self.max_attempts:
             attempt += 1
@@ -607,7 +613,7 @@ class BatchedPolicy(abc.ABC):
 
     def _deliver_batch(self, requests: list[_Request], results: list[BackendResult], version: int) -> None:
         now = time.monotonic()
-        for request, result in zip(requests, results):
+        for request, result in zip(requests, results, strict=True):
             action = result.action
             if result.rejected:
                 try:
@@ -635,7 +641,9 @@ class BatchedPolicy(abc.ABC):
             try:
                 return self._fallback(request.raw_obs, request.env_id)
             except Exception as exc:
-                raise BackendError(f"{self._label}: fallback function raised for env_id={request.env_id}: {exc!r}") from exc
+                raise BackendError(
+                    f"{self._label}: fallback function raised for env_id={request.env_id}: {exc!r}"
+                ) from exc
         if self._fallback == "repeat" and request.env_id in self._last_action:
             return self._last_action[request.env_id]
         if self._zero_action is None:
@@ -645,9 +653,9 @@ class BatchedPolicy(abc.ABC):
     def _complete(
         self,
         request: _Request,
-        output: Optional[PolicyOutput] = None,
+        output: PolicyOutput | None = None,
         *,
-        error: Optional[BaseException] = None,
+        error: BaseException | None = None,
         timeout: bool = False,
         parse_failure: bool = False,
         cache_hit: bool = False,
@@ -684,7 +692,9 @@ class BatchedPolicy(abc.ABC):
         deadline = request.submitted + self._deadline_s
         with self._deadline_cond:
             if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watchdog_loop, name=f"asyncvec-{self._label}-deadlines", daemon=True)
+                self._watchdog = threading.Thread(
+                    target=self._watchdog_loop, name=f"asyncvec-{self._label}-deadlines", daemon=True
+                )
                 self._watchdog.start()
             heapq.heappush(self._deadline_heap, (deadline, next(self._deadline_seq), request))
             if self._deadline_heap[0][2] is request:

@@ -9,7 +9,8 @@ import math
 import threading
 import time
 from collections import deque
-from typing import Callable, Generic, Optional, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 ADAPTIVE_HEADROOM = 1.25
 
 
-def fit_batch_cost(sizes: "list[int] | np.ndarray", seconds: "list[float] | np.ndarray") -> tuple[float, float]:
+def fit_batch_cost(sizes: list[int] | np.ndarray, seconds: list[float] | np.ndarray) -> tuple[float, float]:
     """Least-squares fit of ``seconds ≈ a + b * size`` over recent backend calls.
 
     Both coefficients are clamped at 0. With fewer than two distinct sizes the slope cannot
@@ -121,13 +122,13 @@ class DynamicBatcher(Generic[T]):
 
     def __init__(
         self,
-        handler: Callable[[list[T]], Optional[float]],
+        handler: Callable[[list[T]], float | None],
         *,
         max_batch_size: int = 32,
         max_wait_ms: float = 5.0,
         max_inflight_batches: int = 1,
         adaptive: bool = False,
-        drop_if: Optional[Callable[[T], bool]] = None,
+        drop_if: Callable[[T], bool] | None = None,
         fit_window: int = 64,
         name: str = "asyncvec-batcher",
     ) -> None:
@@ -155,7 +156,7 @@ class DynamicBatcher(Generic[T]):
         self._inflight = 0
         self._arrivals: deque[float] = deque(maxlen=max(4 * max_batch_size, 32))
         self._timings: deque[tuple[int, float]] = deque(maxlen=fit_window)
-        self._fit: Optional[tuple[float, float]] = None
+        self._fit: tuple[float, float] | None = None
         self._batches = 0
         self._items = 0
         self._dropped = 0
@@ -195,7 +196,9 @@ class DynamicBatcher(Generic[T]):
         if not self.adaptive or self._fit is None:
             return self.max_batch_size
         a_s, b_s = self._fit
-        return adaptive_threshold(self._arrival_rate_locked(now), a_s, b_s, self.max_inflight_batches, self.max_batch_size)
+        return adaptive_threshold(
+            self._arrival_rate_locked(now), a_s, b_s, self.max_inflight_batches, self.max_batch_size
+        )
 
     def _arrival_rate_locked(self, now: float) -> float:
         # Counting up to "now" (not the last arrival) lets the estimate decay when traffic stops.
@@ -204,7 +207,7 @@ class DynamicBatcher(Generic[T]):
         span = now - self._arrivals[0]
         return len(self._arrivals) / span if span > 0 else 0.0
 
-    def _wait_for_batch_locked(self, free_since: float) -> Optional[list[T]]:
+    def _wait_for_batch_locked(self, free_since: float) -> list[T] | None:
         while True:
             if self._closed:
                 return None
@@ -248,7 +251,7 @@ class DynamicBatcher(Generic[T]):
                 if self._heap:
                     self._cond.notify()  # an idle worker may form the next batch at once
             started = time.perf_counter()
-            measured: Optional[float] = None
+            measured: float | None = None
             try:
                 measured = self._handler(batch)
             except Exception:  # the handler owns error delivery; a bug must not kill the worker
@@ -264,7 +267,7 @@ class DynamicBatcher(Generic[T]):
                 else:
                     self._timings.append((len(batch), elapsed))
                 if self.adaptive:
-                    sizes, seconds = zip(*self._timings)
+                    sizes, seconds = zip(*self._timings, strict=True)
                     self._fit = fit_batch_cost(list(sizes), list(seconds))
 
     # ------------------------------------------------------------------------------ shutdown
@@ -311,7 +314,7 @@ class DynamicBatcher(Generic[T]):
                 "fit_b_ms": b_s * 1000.0,
             }
 
-    def fitted_cost(self) -> Optional[tuple[float, float]]:
+    def fitted_cost(self) -> tuple[float, float] | None:
         """The current ``(a, b)`` fit in seconds (adaptive mode), or None before any call."""
         with self._cond:
             return self._fit

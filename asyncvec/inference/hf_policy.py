@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
@@ -51,13 +52,13 @@ class HFTextPolicy(TextPolicy):
 
     def __init__(
         self,
-        model: Union[Any, str, os.PathLike],
+        model: Any | str | os.PathLike,
         tokenizer: Any = None,
-        action_parser: Optional[Callable[[str], Any]] = None,
+        action_parser: Callable[[str], Any] | None = None,
         *,
         max_new_tokens: int = 16,
         temperature: float = 1.0,
-        top_p: Optional[float] = None,
+        top_p: float | None = None,
         **kwargs: Any,
     ) -> None:
         import transformers
@@ -72,7 +73,9 @@ class HFTextPolicy(TextPolicy):
             if tokenizer is None:
                 tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
         if not isinstance(model, transformers.PreTrainedModel):
-            raise TypeError(f"HFTextPolicy: model must be a transformers PreTrainedModel or a folder, got {type(model).__name__}")
+            raise TypeError(
+                f"HFTextPolicy: model must be a transformers PreTrainedModel or a folder, got {type(model).__name__}"
+            )
         if tokenizer is None:
             raise TypeError("HFTextPolicy: pass the tokenizer (or a model folder that contains one)")
         tokenizer.padding_side = "left"
@@ -80,7 +83,7 @@ class HFTextPolicy(TextPolicy):
             tokenizer.pad_token = tokenizer.eos_token
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.max_positions: Optional[int] = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         # Fast tokenizers are not safe to share between threads (padding state, "Already borrowed").
         self._tokenizer_lock = threading.Lock()
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
@@ -90,7 +93,7 @@ class HFTextPolicy(TextPolicy):
         with self._tokenizer_lock:
             return len(self.tokenizer(text).input_ids)
 
-    def token_texts(self, token_ids: "list[int] | tuple[int, ...]") -> list[str]:
+    def token_texts(self, token_ids: list[int] | tuple[int, ...]) -> list[str]:
         """Each token's text on its own (special tokens decode to "")."""
         with self._tokenizer_lock:
             return [self.tokenizer.decode([token], skip_special_tokens=True) for token in token_ids]
@@ -106,19 +109,27 @@ class HFTextPolicy(TextPolicy):
             )
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
-        results: list[Optional[BackendResult]] = [None] * len(prompts)
+        results: list[BackendResult | None] = [None] * len(prompts)
         for (max_new_tokens, temperature, top_p, top_k), indices in group_by_sampling(prompts).items():
-            for index, result in zip(indices, self._generate([prompts[i].prompt for i in indices], max_new_tokens, temperature, top_p, top_k)):
+            texts = [prompts[i].prompt for i in indices]
+            generated = self._generate(texts, max_new_tokens, temperature, top_p, top_k)
+            for index, result in zip(indices, generated, strict=True):
                 results[index] = result
         return results  # type: ignore[return-value]
 
-    def _generate(self, texts: list[str], max_new_tokens: int, temperature: float, top_p: Optional[float], top_k: int) -> list[BackendResult]:
+    def _generate(
+        self, texts: list[str], max_new_tokens: int, temperature: float, top_p: float | None, top_k: int
+    ) -> list[BackendResult]:
         import transformers
 
         with self._tokenizer_lock:
             encoded = self.tokenizer(texts, return_tensors="pt", padding=True).to(self.model.device)
         eos = self.tokenizer.eos_token_id
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {"do_sample": False}
+        sampling = (
+            {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+            if temperature > 0
+            else {"do_sample": False}
+        )
         config = transformers.GenerationConfig(
             max_new_tokens=max_new_tokens,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -144,7 +155,8 @@ class HFTextPolicy(TextPolicy):
             top_rows = None
             if top is not None:
                 top_rows = [
-                    dict(zip(top.indices[row, step].tolist(), top.values[row, step].tolist())) for step in range(length)
+                    dict(zip(top.indices[row, step].tolist(), top.values[row, step].tolist(), strict=True))
+                    for step in range(length)
                 ]
             results.append(self._text_result(text, ids, token_logps[row, :length].tolist(), top_rows))
         return results

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 from asyncvec.inference.base import BatchedPolicy
 from asyncvec.inference.types import BackendResult
@@ -30,7 +30,9 @@ class LatencyModel(BatchedPolicy):
         True
     """
 
-    def __init__(self, policy: BatchedPolicy, a_ms: float, b_ms: float, *, close_inner: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, policy: BatchedPolicy, a_ms: float, b_ms: float, *, close_inner: bool = True, **kwargs: Any
+    ) -> None:
         if not isinstance(policy, BatchedPolicy):
             raise TypeError(f"LatencyModel wraps a BatchedPolicy, got {type(policy).__name__}")
         for field, value in (("a_ms", a_ms), ("b_ms", b_ms)):
@@ -44,7 +46,7 @@ class LatencyModel(BatchedPolicy):
         self.b_ms = float(b_ms)
         self._close_inner = close_inner
 
-    def _check_obs(self, obs: Any, env_id: Optional[int]) -> Any:
+    def _check_obs(self, obs: Any, env_id: int | None) -> Any:
         return self.policy.check_observation(obs, env_id)
 
     def _forward_batch(self, obs_list: list[Any]) -> list[BackendResult]:
@@ -57,4 +59,3 @@ class LatencyModel(BatchedPolicy):
     def _close_backend(self) -> None:
         if self._close_inner:
             self.policy.close()
-

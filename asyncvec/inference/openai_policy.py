@@ -6,7 +6,8 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 from asyncvec.inference.text import TextPolicy
 from asyncvec.inference.types import (
@@ -65,8 +66,8 @@ class OpenAIPolicy(TextPolicy):
         model: str,
         action_parser: Callable[[str], Any],
         *,
-        api_key: Optional[str] = None,
-        update_token: Optional[str] = None,
+        api_key: str | None = None,
+        update_token: str | None = None,
         request_timeout_s: float = 30.0,
         max_connections: int = 32,
         return_token_ids: bool = True,
@@ -91,7 +92,9 @@ class OpenAIPolicy(TextPolicy):
         self._update_token = update_token if update_token is not None else api_key
         self._httpx = httpx
         self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="asyncvec-OpenAIPolicy-http", daemon=True)
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="asyncvec-OpenAIPolicy-http", daemon=True
+        )
         self._loop_thread.start()
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s), limits=limits)
@@ -106,7 +109,7 @@ class OpenAIPolicy(TextPolicy):
             future.cancel()
             raise TransientBackendError(f"{self.base_url}: no answer within {self.request_timeout_s + 5.0} s") from exc
 
-    async def _request(self, method: str, route: str, *, json: Any = None, token: Optional[str] = None) -> Any:
+    async def _request(self, method: str, route: str, *, json: Any = None, token: str | None = None) -> Any:
         url = self.base_url + route
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
@@ -124,7 +127,9 @@ class OpenAIPolicy(TextPolicy):
         try:
             return response.json()
         except ValueError as exc:
-            raise BackendRejectedError(f"{url} answered {response.status_code} with a body that is not JSON: {response.text[:200]!r}") from exc
+            raise BackendRejectedError(
+                f"{url} answered {response.status_code} with a body that is not JSON: {response.text[:200]!r}"
+            ) from exc
 
     # --------------------------------------------------------------------------- forward
     def _is_transient(self, exc: BaseException) -> bool:
@@ -165,12 +170,14 @@ class OpenAIPolicy(TextPolicy):
         token_ids = [_token_id(token) for token in tokens] if self.return_token_ids and tokens is not None else None
         top_rows = None
         if prompt.top_logprobs and top is not None:
-            top_rows = [{_token_id(key) if self.return_token_ids else key: value for key, value in row.items()} for row in top]
+            top_rows = [
+                {_token_id(key) if self.return_token_ids else key: value for key, value in row.items()} for row in top
+            ]
         version = choice.get("policy_version", data.get("policy_version"))
         return self._text_result(text, token_ids, token_logps, top_rows, policy_version=version)
 
     # --------------------------------------------------------------------------- weights
-    def _apply_weights(self, weights: Union[str, os.PathLike], version: int) -> None:
+    def _apply_weights(self, weights: str | os.PathLike, version: int) -> None:
         if not isinstance(weights, (str, os.PathLike)):
             raise TypeError(
                 "OpenAIPolicy.load_weights takes a checkpoint folder path as the server sees it "
@@ -183,7 +190,12 @@ class OpenAIPolicy(TextPolicy):
                 "update the weights of a vLLM/SGLang/TGI server with its own tools"
             )
         answer = self._run_on_loop(
-            self._request("POST", "/update_weights", json={"path": os.fspath(weights), "version": version}, token=self._update_token)
+            self._request(
+                "POST",
+                "/update_weights",
+                json={"path": os.fspath(weights), "version": version},
+                token=self._update_token,
+            )
         )
         if not isinstance(answer, dict) or answer.get("version") != version:
             raise BackendError(f"{self.base_url}/update_weights answered {answer!r}, expected version {version}")

@@ -13,9 +13,10 @@ import hmac
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,20 +35,20 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str
-    prompt: Union[str, list[str]]
+    prompt: str | list[str]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=20)
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     stream: bool = Field(False, description="streaming is not supported")
     echo: bool = Field(False, description="echo is not supported")
     return_tokens_as_token_ids: bool = False
-    user: Optional[str] = None
+    user: str | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompts_non_empty(cls, value: Union[str, list[str]]) -> Union[str, list[str]]:
+    def _prompts_non_empty(cls, value: str | list[str]) -> str | list[str]:
         prompts = [value] if isinstance(value, str) else value
         if not prompts:
             raise ValueError("needs at least one prompt")
@@ -82,8 +83,8 @@ def create_app(
     policy: HFTextPolicy,
     *,
     model_name: str,
-    weights_dir: Optional[Union[str, Path]] = None,
-    token: Optional[str] = None,
+    weights_dir: str | Path | None = None,
+    token: str | None = None,
     max_tokens_limit: int = 256,
 ) -> FastAPI:
     """Build the FastAPI app serving ``policy``; the app closes the policy on shutdown.
@@ -205,7 +206,9 @@ def create_app(
         if not target.exists():
             return _error(404, f"no checkpoint at {body.path!r} under --weights-dir")
         if body.version <= policy.policy_version:
-            return _error(409, f"version must be greater than the current version {policy.policy_version}, got {body.version}")
+            return _error(
+                409, f"version must be greater than the current version {policy.policy_version}, got {body.version}"
+            )
         try:
             await asyncio.to_thread(policy.load_weights, target, body.version)
         except TimeoutError as exc:
@@ -234,8 +237,10 @@ def _choice(policy: HFTextPolicy, index: int, output: PolicyOutput, body: Comple
             top = []
             for row in output.top_logprobs:
                 keys = list(row)
-                labels = [f"token_id:{key}" for key in keys] if body.return_tokens_as_token_ids else policy.token_texts(keys)
-                top.append(dict(zip(labels, row.values())))
+                labels = (
+                    [f"token_id:{key}" for key in keys] if body.return_tokens_as_token_ids else policy.token_texts(keys)
+                )
+                top.append(dict(zip(labels, row.values(), strict=True)))
         logprobs = {
             "tokens": names,
             "token_logprobs": list(output.token_logps or ()),
@@ -252,13 +257,13 @@ def _choice(policy: HFTextPolicy, index: int, output: PolicyOutput, body: Comple
 
 
 def serve(
-    model_dir: Union[str, Path],
+    model_dir: str | Path,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    weights_dir: Optional[Union[str, Path]] = None,
-    token: Optional[str] = None,
-    model_name: Optional[str] = None,
+    weights_dir: str | Path | None = None,
+    token: str | None = None,
+    model_name: str | None = None,
     max_batch_size: int = 32,
     max_wait_ms: float = 5.0,
     max_tokens_limit: int = 256,

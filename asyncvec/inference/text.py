@@ -9,7 +9,8 @@ token ids and log-probs are kept, and ``behavior_logp`` is the completion's log-
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from asyncvec.inference.base import BatchedPolicy
 from asyncvec.inference.types import BackendResult, TextPrompt
@@ -52,28 +53,43 @@ class TextPolicy(BatchedPolicy):
         *,
         max_new_tokens: int = 16,
         temperature: float = 1.0,
-        top_p: Optional[float] = None,
+        top_p: float | None = None,
         **kwargs: Any,
     ) -> None:
         if not callable(action_parser):
-            raise TypeError(f"{kwargs.get('name') or type(self).__name__}: action_parser must be callable, got {type(action_parser).__name__}")
+            label = kwargs.get("name") or type(self).__name__
+            raise TypeError(f"{label}: action_parser must be callable, got {type(action_parser).__name__}")
         super().__init__(**kwargs)
         self.action_parser = action_parser
         self.defaults = self._check_sampling(TextPrompt("-", max_new_tokens, float(temperature), top_p), "")
 
     def _check_sampling(self, prompt: TextPrompt, where: str) -> TextPrompt:
         """Validate sampling fields (backends may add limits) and return ``prompt``."""
-        if isinstance(prompt.max_new_tokens, bool) or not isinstance(prompt.max_new_tokens, int) or prompt.max_new_tokens < 1:
+        if (
+            isinstance(prompt.max_new_tokens, bool)
+            or not isinstance(prompt.max_new_tokens, int)
+            or prompt.max_new_tokens < 1
+        ):
             raise ValueError(f"{self._label}: {where}max_new_tokens must be an int >= 1, got {prompt.max_new_tokens!r}")
-        if isinstance(prompt.temperature, bool) or not isinstance(prompt.temperature, (int, float)) or not prompt.temperature >= 0:
+        if (
+            isinstance(prompt.temperature, bool)
+            or not isinstance(prompt.temperature, (int, float))
+            or not prompt.temperature >= 0
+        ):
             raise ValueError(f"{self._label}: {where}temperature must be a number >= 0, got {prompt.temperature!r}")
         if prompt.top_p is not None and (not isinstance(prompt.top_p, (int, float)) or not 0 < prompt.top_p <= 1):
             raise ValueError(f"{self._label}: {where}top_p must be in (0, 1] or None, got {prompt.top_p!r}")
-        if isinstance(prompt.top_logprobs, bool) or not isinstance(prompt.top_logprobs, int) or not 0 <= prompt.top_logprobs <= 20:
-            raise ValueError(f"{self._label}: {where}top_logprobs must be an int in [0, 20], got {prompt.top_logprobs!r}")
+        if (
+            isinstance(prompt.top_logprobs, bool)
+            or not isinstance(prompt.top_logprobs, int)
+            or not 0 <= prompt.top_logprobs <= 20
+        ):
+            raise ValueError(
+                f"{self._label}: {where}top_logprobs must be an int in [0, 20], got {prompt.top_logprobs!r}"
+            )
         return prompt
 
-    def _check_obs(self, obs: Any, env_id: Optional[int]) -> TextPrompt:
+    def _check_obs(self, obs: Any, env_id: int | None) -> TextPrompt:
         where = f"env_id={env_id}: " if env_id is not None else ""
         if isinstance(obs, str):
             prompt = TextPrompt(obs)
@@ -115,10 +131,10 @@ class TextPolicy(BatchedPolicy):
     def _text_result(
         self,
         text: str,
-        token_ids: Optional[Iterable[int]],
+        token_ids: Iterable[int] | None,
         token_logps: Iterable[float],
-        top_logprobs: Optional[Iterable[dict[int, float]]] = None,
-        policy_version: Optional[int] = None,
+        top_logprobs: Iterable[dict[int, float]] | None = None,
+        policy_version: int | None = None,
     ) -> BackendResult:
         logps = tuple(float(value) for value in token_logps)
         action, rejected = self.parse(text)

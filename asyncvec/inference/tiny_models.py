@@ -10,7 +10,6 @@ import json
 import os
 import string
 from pathlib import Path
-from typing import Optional, Union
 
 #: digits, arithmetic, letters, space, newline and basic punctuation (e.g. "3+4=" -> "7")
 DEFAULT_VOCAB = string.digits + "+-*/=<>()[]{}.,:;!?'\"#%&_" + " \n" + string.ascii_lowercase + string.ascii_uppercase
@@ -52,12 +51,12 @@ def build_char_tokenizer(vocab: str = DEFAULT_VOCAB):
 
 
 def build_tiny_lm(
-    path: Union[str, os.PathLike],
+    path: str | os.PathLike,
     arch: str = "gpt2",
     vocab: str = DEFAULT_VOCAB,
     n_layer: int = 2,
     n_embd: int = 64,
-    n_head: Optional[int] = None,
+    n_head: int | None = None,
     max_positions: int = 128,
     seed: int = 0,
 ) -> Path:
@@ -99,7 +98,11 @@ def build_tiny_lm(
     if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or n_embd % heads:
         raise ValueError(f"n_head must be an int >= 1 dividing n_embd={n_embd}, got {heads!r}")
     tokenizer = build_char_tokenizer(vocab)
-    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.eos_token_id}
+    ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+    }
     if arch == "gpt2":
         config = transformers.GPT2Config(
             vocab_size=len(tokenizer), n_positions=max_positions, n_embd=n_embd, n_layer=n_layer, n_head=heads, **ids

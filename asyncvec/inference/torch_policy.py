@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -56,9 +57,9 @@ class TorchPolicy(BatchedPolicy):
         module: torch.nn.Module,
         action_space: gym.Space,
         *,
-        observation_space: Optional[gym.Space] = None,
+        observation_space: gym.Space | None = None,
         deterministic: bool = False,
-        device: Union[str, torch.device, None] = None,
+        device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
         if not isinstance(module, torch.nn.Module):
@@ -66,7 +67,9 @@ class TorchPolicy(BatchedPolicy):
         if not isinstance(action_space, (gym.spaces.Discrete, gym.spaces.Box)):
             raise ValueError(f"TorchPolicy: action_space must be Discrete or Box, got {action_space!r}")
         if observation_space is not None and not isinstance(observation_space, gym.Space):
-            raise TypeError(f"TorchPolicy: observation_space must be a gymnasium.Space, got {type(observation_space).__name__}")
+            raise TypeError(
+                f"TorchPolicy: observation_space must be a gymnasium.Space, got {type(observation_space).__name__}"
+            )
         super().__init__(action_space=action_space, **kwargs)
         self.module = module.eval()
         self.observation_space = observation_space
@@ -76,11 +79,11 @@ class TorchPolicy(BatchedPolicy):
             device = first.device if first is not None else "cpu"
         self.device = torch.device(device)
         self._action_size = int(np.prod(action_space.shape)) if isinstance(action_space, gym.spaces.Box) else 1
-        self._obs_shape: Optional[tuple[int, ...]] = None
+        self._obs_shape: tuple[int, ...] | None = None
         self._shape_lock = threading.Lock()
 
     # ------------------------------------------------------------------------ observations
-    def _check_obs(self, obs: Any, env_id: Optional[int]) -> np.ndarray:
+    def _check_obs(self, obs: Any, env_id: int | None) -> np.ndarray:
         where = f"{self._label}: env_id={env_id}: " if env_id is not None else f"{self._label}: "
         space = self.observation_space
         if space is None:
@@ -91,23 +94,32 @@ class TorchPolicy(BatchedPolicy):
                 if self._obs_shape is None:
                     self._obs_shape = array.shape
             if array.shape != self._obs_shape:
-                raise ValueError(f"{where}observation has shape {array.shape}, expected {self._obs_shape} (the first observation's shape)")
+                expected = f"expected {self._obs_shape} (the first observation's shape)"
+                raise ValueError(f"{where}observation has shape {array.shape}, {expected}")
             return array
         if isinstance(space, gym.spaces.Box):
             array = _numeric_array(obs, where, f"an array for {space}")
             if array.shape != space.shape:
-                raise ValueError(f"{where}observation has shape {array.shape}, expected {space.shape} for observation_space {space}")
+                raise ValueError(
+                    f"{where}observation has shape {array.shape}, expected {space.shape} for observation_space {space}"
+                )
             return array
         if isinstance(space, gym.spaces.Dict):
             if not isinstance(obs, Mapping):
-                raise ValueError(f"{where}expected a dict observation for observation_space {space}, got {type(obs).__name__}")
+                raise ValueError(
+                    f"{where}expected a dict observation for observation_space {space}, got {type(obs).__name__}"
+                )
             if set(obs) != set(space.spaces):
-                raise ValueError(f"{where}observation keys {sorted(obs)} do not match observation_space keys {sorted(space.spaces)}")
+                raise ValueError(
+                    f"{where}observation keys {sorted(obs)} do not match observation_space keys {sorted(space.spaces)}"
+                )
             for key, sub in space.spaces.items():
                 if isinstance(sub, gym.spaces.Box):
                     value = _numeric_array(obs[key], where, f"an array for key {key!r} of {sub}")
                     if value.shape != sub.shape:
-                        raise ValueError(f"{where}observation[{key!r}] has shape {value.shape}, expected {sub.shape} for {sub}")
+                        raise ValueError(
+                            f"{where}observation[{key!r}] has shape {value.shape}, expected {sub.shape} for {sub}"
+                        )
         try:
             return np.asarray(gym.spaces.flatten(space, obs), dtype=np.float32)
         except Exception as exc:
@@ -143,7 +155,12 @@ class TorchPolicy(BatchedPolicy):
         if isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out):
             mean, log_std = out
             dims = self._action_size
-            if mean.dim() >= 1 and mean.shape[0] == size and mean.numel() == size * dims and log_std.numel() in (dims, size * dims):
+            if (
+                mean.dim() >= 1
+                and mean.shape[0] == size
+                and mean.numel() == size * dims
+                and log_std.numel() in (dims, size * dims)
+            ):
                 mean = mean.float().reshape(size, dims)
                 std = log_std.float().reshape(-1, dims).exp().expand(size, dims)
                 return Independent(Normal(mean, std), 1)
@@ -156,10 +173,14 @@ class TorchPolicy(BatchedPolicy):
         space = self.action_space
         if isinstance(space, gym.spaces.Discrete):
             if np.ndim(value) != 0:
-                raise ValueError(f"{self._label}: sampled action has shape {np.shape(value)}, expected a scalar for {space}")
+                raise ValueError(
+                    f"{self._label}: sampled action has shape {np.shape(value)}, expected a scalar for {space}"
+                )
             return int(value) + int(space.start)
         if np.size(value) != self._action_size:
-            raise ValueError(f"{self._label}: sampled action has {np.size(value)} elements, expected {self._action_size} for {space}")
+            raise ValueError(
+                f"{self._label}: sampled action has {np.size(value)} elements, expected {self._action_size} for {space}"
+            )
         return np.asarray(value, dtype=space.dtype).reshape(space.shape)
 
     # ---------------------------------------------------------------------------- weights
@@ -192,4 +213,3 @@ def _describe(out: Any) -> str:
     if isinstance(out, (tuple, list)):
         return f"a {type(out).__name__} of " + ", ".join(_describe(item) for item in out)
     return type(out).__name__
-

@@ -6,9 +6,10 @@ vector env can type against these names cheaply.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class PolicyError(Exception):
@@ -63,10 +64,10 @@ class PolicyOutput:
     policy_version: int
     latency_s: float
     fallback: bool = False
-    text: Optional[str] = None
-    token_ids: Optional[tuple[int, ...]] = None
-    token_logps: Optional[tuple[float, ...]] = None
-    top_logprobs: Optional[tuple[Mapping[int, float], ...]] = None
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    token_logps: tuple[float, ...] | None = None
+    top_logprobs: tuple[Mapping[int, float], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,12 @@ class BackendResult:
 
     action: Any
     logp: float
-    text: Optional[str] = None
-    token_ids: Optional[tuple[int, ...]] = None
-    token_logps: Optional[tuple[float, ...]] = None
-    top_logprobs: Optional[tuple[Mapping[int, float], ...]] = None
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    token_logps: tuple[float, ...] | None = None
+    top_logprobs: tuple[Mapping[int, float], ...] | None = None
     rejected: bool = False
-    policy_version: Optional[int] = None
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,9 @@ class TextPrompt:
     """
 
     prompt: str
-    max_new_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     top_logprobs: int = 0
 
 
@@ -133,7 +134,7 @@ class Policy(Protocol):
         """Version of the weights currently answering."""
         ...
 
-    def submit(self, obs: Any, *, env_id: Optional[int] = None, priority: int = 0) -> Future:
+    def submit(self, obs: Any, *, env_id: int | None = None, priority: int = 0) -> Future:
         """Queue one observation; the future resolves to a `PolicyOutput`."""
         ...
 
@@ -141,8 +142,8 @@ class Policy(Protocol):
         self,
         obs_batch: Any,
         *,
-        env_ids: Optional[Sequence[int]] = None,
-        timeout: Optional[float] = None,
+        env_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
     ) -> list[PolicyOutput]:
         """Submit a batch and wait for all answers."""
         ...
@@ -159,6 +160,6 @@ class Policy(Protocol):
         """Stop threads and fail unanswered requests with `PolicyClosedError`."""
         ...
 
-    def __enter__(self) -> "Policy": ...
+    def __enter__(self) -> Policy: ...
 
     def __exit__(self, *exc_info: Any) -> None: ...

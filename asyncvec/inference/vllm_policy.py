@@ -6,7 +6,8 @@ import dataclasses
 import functools
 import gc
 import os
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 from asyncvec.inference.text import TextPolicy, group_by_sampling
 from asyncvec.inference.types import BackendResult, TextPrompt
@@ -67,13 +68,13 @@ class VLLMPolicy(TextPolicy):
 
     def __init__(
         self,
-        model: Union[str, os.PathLike],
+        model: str | os.PathLike,
         action_parser: Callable[[str], Any],
         *,
         max_new_tokens: int = 16,
         temperature: float = 1.0,
-        top_p: Optional[float] = None,
-        engine_kwargs: Optional[dict[str, Any]] = None,
+        top_p: float | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         vllm = _import_vllm()
@@ -98,7 +99,7 @@ class VLLMPolicy(TextPolicy):
         return prompt
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
-        results: list[Optional[BackendResult]] = [None] * len(prompts)
+        results: list[BackendResult | None] = [None] * len(prompts)
         for (max_new_tokens, temperature, top_p, top_k), indices in group_by_sampling(prompts).items():
             params = self._vllm.SamplingParams(
                 n=1,
@@ -108,13 +109,15 @@ class VLLMPolicy(TextPolicy):
                 logprobs=top_k,
             )
             outputs = self.llm.generate([prompts[i].prompt for i in indices], params, use_tqdm=False)
-            for index, request_output in zip(indices, outputs):
+            for index, request_output in zip(indices, outputs, strict=True):
                 completion = request_output.outputs[0]
                 token_ids = list(completion.token_ids)
                 steps = completion.logprobs or []
                 if len(steps) != len(token_ids):
-                    raise RuntimeError(f"{self._label}: vLLM returned {len(steps)} log-prob steps for {len(token_ids)} tokens")
-                token_logps = [step[token].logprob for step, token in zip(steps, token_ids)]
+                    raise RuntimeError(
+                        f"{self._label}: vLLM returned {len(steps)} log-prob steps for {len(token_ids)} tokens"
+                    )
+                token_logps = [step[token].logprob for step, token in zip(steps, token_ids, strict=True)]
                 top = [{token: entry.logprob for token, entry in step.items()} for step in steps] if top_k else None
                 results[index] = self._text_result(completion.text, token_ids, token_logps, top)
         return results  # type: ignore[return-value]

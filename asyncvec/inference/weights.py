@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Union
+from typing import Any
 
 import torch
 
-WeightsSource = Union[Mapping[str, Any], str, os.PathLike]
+WeightsSource = Mapping[str, Any] | str | os.PathLike
 
 
 def load_state_dict_source(weights: WeightsSource) -> dict[str, torch.Tensor]:
