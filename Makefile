@@ -25,13 +25,15 @@ $(VENV)/.test: setup.py $(VENV)/.torch
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base
-	$(PY) benchmarks/throughput.py --quick
+	$(PY) benchmarks/ppo_speed.py
 
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/policy_batching.py
+	$(PY) benchmarks/buffer.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

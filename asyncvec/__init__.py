@@ -30,17 +30,31 @@ _LAZY = {
     "VersionManager": "asyncvec.versioning",
     "ReplayBuffer": "asyncvec.buffers",
     "RolloutStore": "asyncvec.buffers",
+    "CompletionGroups": "asyncvec.buffers",
     "Collector": "asyncvec.collector",
     "CollectorError": "asyncvec.collector",
     "Transitions": "asyncvec.collector",
     "Policy": "asyncvec.inference",
     "PolicyOutput": "asyncvec.inference",
+    "BatchedPolicy": "asyncvec.inference",
+    "DynamicBatcher": "asyncvec.inference",
+    "TorchPolicy": "asyncvec.inference",
+    "HFTextPolicy": "asyncvec.inference",
+    "OpenAIPolicy": "asyncvec.inference",
+    "VLLMPolicy": "asyncvec.inference",
+    "LatencyModel": "asyncvec.inference",
+    "build_tiny_lm": "asyncvec.inference",
 }
+
+# submodules reachable as attributes, e.g. ``@asyncvec.rewards.register("name")``
+_SUBMODULES = ("buffers", "collector", "inference", "losses", "metrics", "rewards", "vector", "versioning")
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"asyncvec.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'asyncvec' has no attribute {name!r}")
