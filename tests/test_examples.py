@@ -1,0 +1,25 @@
+"""The runnable examples in the docstrings of the vector env, collector, metrics and agents."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "asyncvec",
+    "asyncvec.vector.async_llm_vector_env",
+    "asyncvec.vector.checker",
+    "asyncvec.collector",
+    "asyncvec.metrics",
+    "envs.slow",
+    "agents.common",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name):
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.failed == 0
+    assert result.attempted > 0, f"{name} has no runnable example"
