@@ -11,7 +11,7 @@ import pytest
 
 from agents import ppo, sac
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_ppo_async_cartpole_reaches_475_within_100k_steps(no_leftover_children):
