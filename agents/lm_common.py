@@ -83,7 +83,7 @@ class LMArgs:
     """prompts to train on (each with group_size completions)"""
     prompts_per_update: int = 16
     """prompts (groups) per learner update"""
-    group_size: int = 4
+    group_size: int = 8
     """k: completions sampled per prompt"""
     prefetch_updates: int = 1
     """async mode: updates' worth of prompts generated ahead of the learner"""
@@ -111,7 +111,7 @@ class LMArgs:
     """minibatches per pass"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
-    policy_batch_size: int = 64
+    policy_batch_size: int = 128
     """largest batch the policy's DynamicBatcher sends to the model"""
     eval_prompts: int = 200
     """completions sampled to measure the mean reward before and after training (0: skip)"""
@@ -207,7 +207,7 @@ def iter_prompts(env: gym.Env, seed: int) -> Iterator[str]:
     Example:
         >>> prompts = iter_prompts(make_prompt_env("asyncvec/SingleDigitSums-v0"), seed=0)
         >>> next(prompts), next(prompts)
-        ('8+6=', '5+4=')
+        ('8+6=', '5+2=')
     """
     obs, _ = env.reset(seed=seed)
     while True:
@@ -515,9 +515,10 @@ def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space) -> 
     except Exception as exc:
         policy.close()
         raise ValueError(
-            f"{args.base_url} is not an asyncvec server ({type(exc).__name__}: {exc}); the learner publishes a new "
-            "version after every update, which only `asyncvec serve --weights-dir` accepts over HTTP. For vLLM use "
-            "--backend vllm (in-process engine); a `vllm serve` server cannot take new weights over its OpenAI API"
+            f"--base-url {args.base_url}: cannot read its weights version (GET /version: {type(exc).__name__}: {exc}). "
+            "The learner publishes new weights after every update, which over HTTP only `asyncvec serve "
+            "--weights-dir` accepts; a `vllm serve` server cannot take new weights through its OpenAI API, so for "
+            "vLLM use --backend vllm (an in-process engine)"
         ) from exc
     return policy
 
@@ -725,7 +726,7 @@ class LMTrainer(abc.ABC):
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.learner.parameters(), args.max_grad_norm)
                 self.optimizer.step()
-                for key, value in {"loss": loss, "grad_norm": grad_norm, **loss_stats}.items():
+                for key, value in {"loss": loss.detach(), "grad_norm": grad_norm, **loss_stats}.items():
                     stats.setdefault(key, []).append(float(value))
         out = {**info, **{f"losses/{k}": float(np.mean(v)) for k, v in stats.items()},
                "is/clipped_fraction": float(is_stats["clipped_fraction"]), "is/ess": float(is_stats["ess"]),
@@ -775,7 +776,9 @@ class LMTrainer(abc.ABC):
                 batch = self.generator.pop(num, args.timeout_s) if args.mode == "async" else self.generate_groups(num)
                 prompts_done += num
                 stats = self.update(batch)
-                version = self.publish()
+                if stats["samples_used"]:  # no step, no new version (nothing to send)
+                    self.publish()
+                version = self.versions.current_version
                 curve.append(stats["reward"])
                 elapsed = time.monotonic() - start
                 row = {**stats, "charts/reward": stats["reward"], "charts/version": version, "time/wall_s": elapsed,

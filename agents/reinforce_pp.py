@@ -41,6 +41,8 @@ from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
 class Args(LMArgs):
     """REINFORCE++: token-level returns normalized over the batch, PPO-clip loss, no critic."""
 
+    update_epochs: int = 2
+    """passes over each batch (the clipped objective keeps a second pass safe)"""
     baseline: bool = False
     """REINFORCE++-baseline: subtract each prompt's mean reward before the returns"""
     clip_coef: float = 0.2

@@ -1,0 +1,347 @@
+"""RLOO and REINFORCE++ on language-model policies: learning on single-digit sums (async mode),
+advantages and losses against explicit computations, stale/flagged sample handling, weight
+publishing, bad input, an `asyncvec serve` backend, clean shutdown."""
+
+import doctest
+import math
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
+from test_serve import free_port, server  # noqa: F401  (fixture: `asyncvec serve` subprocess)
+
+import agents.lm_common as lm_common
+import agents.reinforce_pp as reinforce_pp
+import agents.rloo as rloo
+from agents.lm_common import Sample, completion_logps, load_causal_lm, sft_warm_start
+from asyncvec import rewards
+from asyncvec.buffers import CompletionGroups
+from asyncvec.inference import PolicyOutput, build_tiny_lm
+
+pytestmark = pytest.mark.timeout(240)
+
+QUIET = {"progress": False, "eval_prompts": 0, "mode": "sync"}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_lm(tmp_path_factory.mktemp("tiny"), n_layer=1, n_embd=32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def warm_dir(tmp_path_factory):
+    """The demo's setup: a char-level GPT-2 (2 layers, 64 wide) after a short supervised warm start."""
+    base = build_tiny_lm(tmp_path_factory.mktemp("base"), n_layer=2, n_embd=64, seed=0)
+    return sft_warm_start(base, tmp_path_factory.mktemp("sft"), steps=400, seed=0)
+
+
+# ------------------------------------------------------------------------------ learning
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "agent, options",
+    [
+        (rloo.RLOO, {}),
+        (reinforce_pp.ReinforcePP, {"kl_coef": 0.01}),
+    ],
+    ids=["rloo", "reinforce_pp"],
+)
+def test_agent_learns_single_digit_sums_in_async_mode(agent, options, warm_dir):
+    args_cls = rloo.Args if agent is rloo.RLOO else reinforce_pp.Args
+    args = args_cls(model=str(warm_dir), mode="async", total_prompts=6400, target_reward=0.85, eval_prompts=400,
+                    progress=False, seed=0, **options)
+    result = agent(args).train()
+    # The warm start leaves the sampled answers mostly wrong; RL brings the mean reward to >= 0.8.
+    assert result.eval_reward_before < 0.6, result.eval_reward_before
+    assert result.reached_target, f"mean reward of the last 5 updates stayed below 0.85: {result.reward_curve[-20:]}"
+    assert np.mean(result.reward_curve[-5:]) >= 0.8
+    assert result.eval_reward_after >= 0.75 and result.eval_reward_after > result.eval_reward_before + 0.2
+    assert result.final_version == result.updates  # every update trained and published
+    assert result.stale_fraction == 0.0 and 0 < result.staleness_mean <= 1.0  # async: one version behind
+    assert result.flagged_fraction == 0.0 and result.samples_per_s > 0
+
+
+# ---------------------------------------------------------------------- hand-built batches
+def output(token_ids, token_logps, version=0):
+    return PolicyOutput(action="7", behavior_logp=float(sum(token_logps)), policy_version=version, latency_s=0.0,
+                        text="7", token_ids=tuple(token_ids), token_logps=tuple(token_logps))
+
+
+def hand_built_batch(groups, prompt="3+4="):
+    """``groups``: per prompt, a list of (reward, token_ids, behavior_logps, version, flagged)."""
+    buffer = CompletionGroups(len(groups[0]))
+    for prompt_id, samples in enumerate(groups):
+        for reward, token_ids, logps, version, flagged in samples:
+            buffer.add(prompt_id, Sample(prompt, output(token_ids, logps, version), reward, flagged), reward, logps, version)
+    return buffer.pop(len(groups), timeout=0)
+
+
+def sample(reward, length, version=0, flagged=False):
+    return (reward, [10 + i for i in range(length - 1)] + [1], [-0.5] * length, version, flagged)
+
+
+GROUPS = [
+    [sample(1.0, 2), sample(0.0, 3), sample(0.0, 1, flagged=True), sample(1.0, 2)],
+    [sample(0.0, 2), sample(1.0, 1), sample(0.0, 3), sample(1.0, 2)],
+]
+
+
+def explicit_rloo(rewards_, groups, logp, ref, mask, beta):
+    penalized = [r - beta * float(((lp - rf) * m).sum()) for r, lp, rf, m in zip(rewards_, logp, ref, mask)]
+    advantages = []
+    for i, g in enumerate(groups):
+        others = [penalized[j] for j in range(len(groups)) if groups[j] == g and j != i]
+        advantages.append(penalized[i] - sum(others) / len(others))
+    return advantages
+
+
+def test_rloo_advantages_match_the_leave_one_out_formula(tiny_dir):
+    with rloo.RLOO(rloo.Args(model=str(tiny_dir), kl_coef=0.1, group_size=4, **QUIET)) as agent:
+        data, info = agent.prepare(hand_built_batch(GROUPS))
+        assert info["samples_used"] == 7  # the flagged sample is out
+        torch.manual_seed(0)
+        logp, ref = -torch.rand(data.mask.shape), -torch.rand(data.mask.shape)
+        advantages = agent.compute_advantages(data, logp * data.mask, ref * data.mask)
+    expected = explicit_rloo(data.rewards.tolist(), data.group_ids.tolist(), logp, ref, data.mask, beta=0.1)
+    for i, row_mask in enumerate(data.mask):
+        assert torch.allclose(advantages[i][row_mask], torch.full((int(row_mask.sum()),), expected[i]), atol=1e-6)
+        assert (advantages[i][~row_mask] == 0).all()
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reinforce_pp_token_advantages_match_explicit_returns(tiny_dir, baseline):
+    beta = 0.05
+    with reinforce_pp.ReinforcePP(reinforce_pp.Args(model=str(tiny_dir), kl_coef=beta, group_size=4,
+                                                    baseline=baseline, kl_estimator="k1", **QUIET)) as agent:
+        data, _ = agent.prepare(hand_built_batch(GROUPS))
+        torch.manual_seed(1)
+        logp, ref = -torch.rand(data.mask.shape), -torch.rand(data.mask.shape)
+        advantages = agent.compute_advantages(data, logp, ref)
+    rewards_, groups = data.rewards.tolist(), data.group_ids.tolist()
+    returns = {}
+    for i, row_mask in enumerate(data.mask):
+        final = rewards_[i]
+        if baseline:
+            mates = [rewards_[j] for j in range(len(groups)) if groups[j] == groups[i]]
+            final -= sum(mates) / len(mates)
+        length = int(row_mask.sum())
+        token_rewards = [(final if t == length - 1 else 0.0) - beta * float(logp[i, t] - ref[i, t]) for t in range(length)]
+        for t in range(length):
+            returns[i, t] = sum(token_rewards[t:])
+    values = list(returns.values())
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values) + 1e-8)
+    for (i, t), value in returns.items():
+        assert advantages[i, t].item() == pytest.approx((value - mean) / std, abs=1e-5)
+    assert (advantages[~data.mask] == 0).all()
+
+
+def test_rloo_loss_is_the_importance_weighted_sequence_log_likelihood(tiny_dir):
+    with rloo.RLOO(rloo.Args(model=str(tiny_dir), **QUIET)) as agent:
+        mask = torch.tensor([[True, True, False], [True, True, True]])
+        prox = -torch.rand(2, 3)
+        logp = prox.clone().requires_grad_(True)
+        advantages = torch.tensor([[0.5], [-1.5]]) * mask
+        weights = torch.tensor([[1.0, 2.0, 0.0], [0.5, 1.0, 1.0]])
+        loss, _ = agent.policy_loss(logp, prox, advantages, weights, mask)
+        loss.backward()
+    # -mean over completions of sum over tokens of w * A * pi/pi_prox, at pi = pi_prox
+    assert loss.item() == pytest.approx(-(0.5 * (1.0 + 2.0) + -1.5 * (0.5 + 1.0 + 1.0)) / 2)
+    assert torch.allclose(logp.grad, -(weights * advantages * mask) / 2)
+
+
+def test_flagged_samples_stay_out_of_advantages_and_loss(tiny_dir):
+    def with_flagged_reward(value):
+        return [[(value, *s[1:]) if s[4] else s for s in group] for group in GROUPS]
+
+    with rloo.RLOO(rloo.Args(model=str(tiny_dir), **QUIET)) as agent:
+        results = []
+        for value in (100.0, -50.0):
+            data, info = agent.prepare(hand_built_batch(with_flagged_reward(value)))
+            assert info["samples_used"] == 7 and value not in data.rewards.tolist()
+            advantages = agent.compute_advantages(data, torch.zeros(data.mask.shape), None)
+            loss, _ = agent.policy_loss(torch.zeros(data.mask.shape), torch.zeros(data.mask.shape), advantages,
+                                        data.mask.float(), data.mask)
+            results.append((advantages, loss))
+    # whatever the flagged sample's stand-in reward, nothing the learner computes changes
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
+
+
+def test_rewarder_errors_and_timeouts_are_flagged_and_not_trained_on(tiny_dir):
+    @rewards.register("test_lm_fails_on_zero")
+    def fails_on_zero(prompt, completion, **info):
+        if prompt.startswith("0+"):
+            raise RuntimeError("no score for 0+x")
+        return rewards.exact_answer(prompt, completion)
+
+    @rewards.register("test_lm_slow")
+    def slow(prompt, completion, **info):
+        time.sleep(0.3)
+        return 0.0
+
+    try:
+        args = rloo.Args(model=str(tiny_dir), reward="test_lm_fails_on_zero", total_prompts=64, group_size=2, **QUIET)
+        prompts = lm_common.iter_prompts(lm_common.make_prompt_env(args.env), args.seed)
+        zeros = sum(next(prompts).startswith("0+") for _ in range(64))
+        result = rloo.RLOO(args).train()
+        assert zeros > 0 and result.flagged_fraction == pytest.approx(zeros * 2 / result.samples)
+        used = sum(row["samples_used"] for row in result.history)
+        assert used == result.samples - 2 * zeros  # flagged out; each zero-prompt group loses both samples
+
+        timeouts = rloo.Args(model=str(tiny_dir), reward="test_lm_slow", reward_timeout_s=0.05, total_prompts=2,
+                             prompts_per_update=2, group_size=2, **QUIET)
+        result = rloo.RLOO(timeouts).train()
+        assert result.flagged_fraction == 1.0 and result.history[0]["samples_used"] == 0
+        assert result.final_version == 0  # nothing learned, nothing published
+    finally:
+        rewards.unregister("test_lm_fails_on_zero")
+        rewards.unregister("test_lm_slow")
+
+
+# ------------------------------------------------------------------------- staleness, IS
+def test_stale_groups_are_dropped_and_counted(tiny_dir):
+    with rloo.RLOO(rloo.Args(model=str(tiny_dir), max_staleness=1, group_size=2, **QUIET)) as agent:
+        for _ in range(3):
+            agent.publish()  # learner at version 3
+        batch = hand_built_batch([[sample(1.0, 2, version=1), sample(0.0, 2, version=2)],  # staleness 2: dropped
+                                  [sample(1.0, 2, version=2), sample(0.0, 2, version=2)],  # staleness 1: kept
+                                  [sample(1.0, 2, version=3), sample(0.0, 2, version=3)]])
+        data, info = agent.prepare(batch)
+        assert info["stale_groups"] == 1 and info["samples_used"] == 4 and sorted(set(data.group_ids.tolist())) == [1, 2]
+        stats = agent.versions.staleness_stats()
+        assert stats.dropped == 2 and stats.histogram[:3] == [2, 3, 1]
+
+
+def test_a_slow_weight_broadcast_makes_samples_stale(tiny_dir):
+    # The policy gets each version one update late; with max_staleness 0 only the first batch is fresh.
+    args = rloo.Args(model=str(tiny_dir), policy_lag=1, max_staleness=0, total_prompts=12, prompts_per_update=4,
+                     group_size=2, **QUIET)
+    result = rloo.RLOO(args).train()
+    assert result.updates == 3 and result.stale_fraction == pytest.approx(2 / 3) and result.final_version == 1
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_importance_weights_against_the_engine_logps_are_truncated_and_counted(tiny_dir, level):
+    with rloo.RLOO(rloo.Args(model=str(tiny_dir), is_cap=2.0, is_level=level, group_size=2, **QUIET)) as agent:
+        batch = hand_built_batch([[sample(1.0, 2), sample(0.0, 3)], [sample(1.0, 1), sample(0.0, 2)]])
+        data, _ = agent.prepare(batch)
+        with torch.no_grad():
+            learner = agent.logps(agent.learner, data)
+        # the engine reports the learner's log-probs except one token it found e^3 times less likely
+        for row, samples in enumerate(batch.completions):
+            for i, s in enumerate(samples):
+                logps = learner[2 * row + i][: len(s.output.token_ids)].tolist()
+                if (row, i) == (0, 1):
+                    logps[1] -= 3.0
+                samples[i] = Sample(s.prompt, output(s.output.token_ids, logps), s.reward, s.flagged)
+        stats = agent.update(batch)
+        entries = 4 if level == "sequence" else 8
+        assert agent.counts["is_clipped"] == 1 and agent.counts["is_entries"] == entries
+        assert stats["is/clipped_fraction"] == pytest.approx(1 / entries)
+
+
+def test_learner_logps_match_the_sampled_token_logps(tiny_dir):
+    """Fresh weights on both sides: pi_learner / mu = 1 for every sampled token."""
+    with reinforce_pp.ReinforcePP(reinforce_pp.Args(model=str(tiny_dir), max_new_tokens=5, **QUIET)) as agent:
+        data, _ = agent.prepare(agent.generate_groups(6))
+        with torch.no_grad():
+            learner = agent.logps(agent.learner, data)
+    assert data.mask.sum() > 6 and torch.allclose(learner, data.behavior_logp, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ versions
+def test_each_update_publishes_a_version_the_policy_answers_with(tiny_dir):
+    with rloo.RLOO(rloo.Args(model=str(tiny_dir), group_size=2, **QUIET)) as agent:
+        for expected in (1, 2):
+            agent.update(agent.generate_groups(4))
+            assert agent.publish() == expected
+            answer = agent.policy.submit("3+4=").result(timeout=30)
+            assert answer.policy_version == expected
+        served = agent.policy.model.state_dict()
+        for name, tensor in agent.learner.state_dict().items():
+            assert torch.equal(served[name], tensor), name
+        batch = agent.generate_groups(2)
+        assert (batch.policy_version == 2).all()
+    result = rloo.RLOO(rloo.Args(model=str(tiny_dir), total_prompts=12, prompts_per_update=4, group_size=2,
+                                 **{**QUIET, "mode": "async"})).train()
+    assert [row["charts/version"] for row in result.history] == [1, 2, 3] and result.final_version == 3
+
+
+def test_training_through_an_asyncvec_server(server):  # noqa: F811
+    args = rloo.Args(model=str(server["model_dir"]), backend="openai", base_url=server["url"],
+                     weights_dir=str(server["weights_dir"]), update_token="test-token", total_prompts=6,
+                     prompts_per_update=3, group_size=2, **{**QUIET, "mode": "async"})
+    result = rloo.RLOO(args).train()
+    assert result.updates == 2 and result.samples >= 12
+    served = httpx.get(server["url"] + "/version", timeout=10).json()["version"]
+    assert served == result.final_version and result.final_version >= 2
+    assert len(list(server["weights_dir"].glob("*__rloo__*-v*"))) == 2
+
+
+# ------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"env": "asyncvec/SingleDigitSum-v0"}, ValueError, "did you mean asyncvec/SingleDigitSums-v0"),
+        ({"env": "CartPole-v1"}, ValueError, "gymnasium.spaces.Text observation space"),
+        ({"env": "asyncvec/GuessNumber-v0"}, ValueError, "did not end after one step"),
+        ({"reward": "no_such_plugin"}, ValueError, "no reward plugin named 'no_such_plugin'"),
+        ({"model": "/nonexistent/model"}, FileNotFoundError, "--model /nonexistent/model"),
+        ({"backend": "openai", "base_url": "http://127.0.0.1:9", "weights_dir": "/tmp"}, ValueError,
+         "cannot read its weights version"),
+    ],
+)
+def test_bad_setup_fails_fast_with_a_clear_error(tiny_dir, options, error, message):
+    with pytest.raises(error, match=message):
+        rloo.RLOO(rloo.Args(**{"model": str(tiny_dir), **QUIET, **options}))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"group_size": 1}, "--group-size must be an int >= 2"),
+        ({"is_cap": 0.0}, "--is-cap must be a finite number > 0"),
+        ({"temperature": 0.0}, "--temperature must be > 0"),
+        ({"backend": "openai"}, "--backend openai needs --base-url"),
+        ({"base_url": "http://x"}, "--base-url is only used with --backend openai"),
+        ({"clip_coef": 1.5}, r"--clip-coef must be a number in \(0, 1\)"),
+    ],
+)
+def test_bad_arguments_name_the_flag(options, message):
+    with pytest.raises(ValueError, match=message):
+        reinforce_pp.Args(**options)
+
+
+def test_vllm_backend_without_vllm_says_how_to_install(tiny_dir):
+    try:
+        import vllm  # noqa: F401
+
+        pytest.skip("vllm is installed")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match=r"pip install -e \.\[vllm\]"):
+        rloo.RLOO(rloo.Args(model=str(tiny_dir), backend="vllm", **QUIET))
+
+
+def test_a_failing_run_closes_everything(tiny_dir):
+    args = rloo.Args(model=str(tiny_dir), mode="async", timeout_s=1e-3, progress=False, eval_prompts=0)
+    with pytest.raises(TimeoutError, match="complete groups"):
+        rloo.RLOO(args).train()  # no_leftover_threads checks that generator, policy, rewarder stopped
+
+
+def test_completion_logps_use_the_sampling_temperature(tiny_dir):
+    model, tokenizer = load_causal_lm(tiny_dir)
+    prompt = tokenizer("3+4=").input_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + [10]])).logits[0, len(prompt) - 1 : -1]
+        got = completion_logps(model, [prompt], [[10, 1]], length=3, temperature=0.5)
+    assert got[0, 0].item() == pytest.approx(torch.log_softmax(logits / 0.5, -1)[0, 10].item(), abs=1e-5)
+    assert got[0, 2].item() == 0.0
+
+
+@pytest.mark.parametrize("module", [lm_common, rloo, reinforce_pp])
+def test_docstring_examples_run(module):
+    failures, tried = doctest.testmod(module, verbose=False)
+    assert tried > 0 and failures == 0
