@@ -29,23 +29,27 @@ def check_env_id(env_id: str) -> None:
     raise ValueError(f"unknown env id {env_id!r}{hint}")
 
 
-def make_env_fn(env_id: str, env_latency_ms: float = 0.0, seed: int | None = None) -> Callable[[], gym.Env]:
+def make_env_fn(
+    env_id: str, env_latency_ms: float = 0.0, distribution: str = "fixed", seed: int | None = None
+) -> Callable[[], gym.Env]:
     """A picklable function building ``env_id``, slowed by a sleeping SlowEnv when asked."""
 
     def make() -> gym.Env:
         env = gym.make(env_id)
         if env_latency_ms > 0:
-            env = SlowEnv(env, latency_ms=env_latency_ms, seed=seed)
+            env = SlowEnv(env, latency_ms=env_latency_ms, distribution=distribution, seed=seed)
         return env
 
     return make
 
 
-def make_vector_env(env_id: str, num_envs: int, env_latency_ms: float = 0.0, batch_size: int | None = None) -> AsyncLLMVectorEnv:
+def make_vector_env(
+    env_id: str, num_envs: int, env_latency_ms: float = 0.0, batch_size: int | None = None, distribution: str = "fixed"
+) -> AsyncLLMVectorEnv:
     """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes."""
     check_env_id(env_id)
     return AsyncLLMVectorEnv(
-        [make_env_fn(env_id, env_latency_ms, seed=i) for i in range(num_envs)],
+        [make_env_fn(env_id, env_latency_ms, distribution, seed=i) for i in range(num_envs)],
         batch_size=batch_size,
         autoreset_mode=AutoresetMode.SAME_STEP,
     )

@@ -76,6 +76,8 @@ class Args:
     """latency of each policy call (a LatencyModel playing a remote model server)"""
     env_latency_ms: float = 0.0
     """latency of each env step (a sleeping SlowEnv playing a slow simulator)"""
+    env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
+    """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
     total_timesteps: int = 100_000
     """env steps to train for"""
     target_return: float | None = None
@@ -199,7 +201,7 @@ class PPO:
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
-        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4))
+        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4), distribution=args.env_latency_dist)
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             self.envs.close()

@@ -71,6 +71,8 @@ class Args:
     """latency of each policy call (a LatencyModel playing a remote model server)"""
     env_latency_ms: float = 0.0
     """latency of each env step (a sleeping SlowEnv)"""
+    env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
+    """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
     total_timesteps: int = 15_000
     """env steps to train for"""
     target_return: float | None = None
@@ -225,7 +227,7 @@ class SAC:
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
-        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 2))
+        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 2), distribution=args.env_latency_dist)
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(self.action_space, gym.spaces.Box):
             self.envs.close()

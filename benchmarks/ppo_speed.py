@@ -29,6 +29,8 @@ class Args:
     """latency of each policy call"""
     env_latency_ms: float = 2.0
     """latency of each env step"""
+    env_latency_dist: str = "fixed"
+    """fixed, uniform or lognormal (heavy-tailed) env latency"""
     total_timesteps: int = 100_000
     """env-step budget per mode"""
     target_return: float = 475.0
@@ -44,9 +46,9 @@ class Args:
 def run(args: Args) -> dict[str, ppo.TrainResult]:
     results = {}
     for mode in ("async", "sync"):
-        print(f"--- PPO {mode}: {args.env}, policy {args.policy_latency_ms:g} ms, env {args.env_latency_ms:g} ms", flush=True)
+        print(f"--- PPO {mode}: {args.env}, policy {args.policy_latency_ms:g} ms, env {args.env_latency_ms:g} ms ({args.env_latency_dist})", flush=True)
         results[mode] = ppo.train(ppo.Args(
-            env=args.env, mode=mode, policy_latency_ms=args.policy_latency_ms, env_latency_ms=args.env_latency_ms,
+            env=args.env, mode=mode, policy_latency_ms=args.policy_latency_ms, env_latency_ms=args.env_latency_ms, env_latency_dist=args.env_latency_dist,
             total_timesteps=args.total_timesteps, target_return=args.target_return, seed=args.seed,
             max_staleness=args.max_staleness, progress=args.progress,
         ))
