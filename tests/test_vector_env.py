@@ -119,6 +119,19 @@ def test_split_phase_state_errors():
         envs.step(np.array([0, 1]))
 
 
+def test_call_wait_timeout_keeps_the_call_pending():
+    envs = AsyncLLMVectorEnv([partial(SleepyEnv, 0.3)] * 2)
+    try:
+        envs.reset(seed=0)
+        envs.call_async("step", 1)
+        with pytest.raises(multiprocessing.TimeoutError):
+            envs.call_wait(timeout=0.01)
+        results = envs.call_wait(timeout=10)
+        assert [r[1] >= 1 for r in results] == [True, True]
+    finally:
+        envs.close()
+
+
 def test_step_wait_timeout_keeps_answers():
     envs = AsyncLLMVectorEnv([partial(SleepyEnv, 0.3)] * 2)
     try:

@@ -674,11 +674,7 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _finish_calls(self, command: str, timeout: float | None) -> tuple[Any, ...]:
         ids = list(range(self.num_envs))
-        try:
-            self._collect(ids, timeout)
-        except multiprocessing.TimeoutError:
-            self._state = _LockstepState.DEFAULT
-            raise
+        self._collect(ids, timeout)  # on timeout the call stays pending: call_wait again
         results = self._deliver(ids)
         self._state = _LockstepState.DEFAULT
         for index, result in enumerate(results):
