@@ -409,6 +409,17 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _collect(self, indices: list[int], timeout: float | None) -> None:
         """Wait until every env in ``indices`` has answered."""
+        if timeout is None and self.step_timeout is None:
+            # Nothing to time out: read each pipe in turn, as gymnasium does (no selector per call).
+            # A dead worker reads as EOF, so this never blocks on a dead env.
+            for index in indices:
+                while self._workers[index].result is _NO_RESULT:
+                    ok, payload = self._read(index)
+                    if ok:
+                        self._accept(index, payload)
+                    else:
+                        self._fail(index, payload)
+            return
         self._wait_until(
             lambda: all(self._workers[i].result is not _NO_RESULT for i in indices), timeout, "not every env answered"
         )
@@ -456,8 +467,8 @@ class AsyncLLMVectorEnv(VectorEnv):
                 f"got {len(items)} actions for {count} envs (env_ids={list(env_ids)}); "
                 f"expected one action per env from {self.single_action_space}"
             )
-        if self.validate_actions:
-            items = [self._check_action(a, i) for a, i in zip(items, env_ids)]
+        if self.validate_actions and not self._action_spaces[count].contains(actions):
+            items = [self._check_action(a, i) for a, i in zip(items, env_ids)]  # finds the bad one, casts Box dtypes
         return items
 
     # ------------------------------------------------------------------ lockstep API

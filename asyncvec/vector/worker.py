@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
@@ -18,8 +20,20 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import write_to_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
-# How often an idle worker checks that its parent is still alive.
+# How often a worker checks that its parent is still alive.
 _PARENT_CHECK_S = 1.0
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Ends the worker once its parent is gone (e.g. SIGKILLed), so no worker lingers.
+
+    A side thread rather than a poll before each command: polling the pipe costs a
+    syscall per step on the hot path.
+    """
+    while True:
+        time.sleep(_PARENT_CHECK_S)
+        if os.getppid() != parent_pid:
+            os._exit(0)
 
 
 def _error_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
@@ -53,6 +67,7 @@ def run_worker(
         pipe.close()
         return
     pipe.send((True, None))  # ready
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
 
     observation_space = env.observation_space
     autoreset = needs_reset  # NEXT_STEP: the next "step" command resets instead
@@ -65,9 +80,6 @@ def run_worker(
 
     try:
         while True:
-            while not pipe.poll(_PARENT_CHECK_S):
-                if os.getppid() != parent_pid:
-                    return
             command, data = pipe.recv()
             try:
                 if command == "step":
