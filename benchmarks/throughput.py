@@ -33,8 +33,8 @@ from envs.slow import SlowEnv  # noqa: E402
 
 @dataclass
 class Args:
-    seconds: float = 4.0
-    """wall-clock budget per contender and scenario"""
+    seconds: float = 5.0
+    """wall-clock budget per contender and scenario (split into interleaved rounds)"""
     quick: bool = False
     """short run (1.5 s per contender), for `make demo`"""
     scenarios: tuple[str, ...] = ("cartpole", "slow-heavy-tail")
@@ -49,58 +49,72 @@ def make_slow_cartpole(latency_ms: float, sigma: float) -> gym.Env:
     return SlowEnv(gym.make("CartPole-v1"), latency_ms=latency_ms, distribution="lognormal", sigma=sigma)
 
 
-def lockstep_rate(envs, seconds: float) -> float:
-    """Steps/s of ``envs.step`` with random actions."""
-    envs.reset(seed=0)
-    envs.action_space.seed(0)
-    for _ in range(5):
-        envs.step(envs.action_space.sample())
-    steps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        envs.step(envs.action_space.sample())
-        steps += envs.num_envs
-    return steps / (time.perf_counter() - start)
+class LockstepLoop:
+    """Steps ``envs.step`` with random actions; ``run(seconds)`` returns steps/s."""
+
+    def __init__(self, envs) -> None:
+        self.envs = envs
+        envs.reset(seed=0)
+        envs.action_space.seed(0)
+
+    def run(self, seconds: float) -> float:
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            self.envs.step(self.envs.action_space.sample())
+            steps += self.envs.num_envs
+        return steps / (time.perf_counter() - start)
 
 
-def partial_batch_rate(envs: AsyncLLMVectorEnv, seconds: float) -> float:
-    """Steps/s of the send/recv loop: act on whichever ``batch_size`` envs are ready."""
-    rng = np.random.default_rng(0)
-    n_actions = envs.single_action_space.n
-    envs.async_reset(seed=0)
-    steps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        _, _, _, _, info = envs.recv()
-        ids = info["env_id"]
-        envs.send(rng.integers(0, n_actions, size=len(ids)), ids)
-        steps += len(ids)
-    elapsed = time.perf_counter() - start
-    while envs.in_flight:  # drain before close
-        envs.recv()
-    return steps / elapsed
+class PartialBatchLoop:
+    """The send/recv loop: act on whichever ``batch_size`` envs are ready."""
+
+    def __init__(self, envs: AsyncLLMVectorEnv) -> None:
+        self.envs = envs
+        self.rng = np.random.default_rng(0)
+        envs.async_reset(seed=0)
+
+    def run(self, seconds: float) -> float:
+        steps, start = 0, time.perf_counter()
+        n_actions = self.envs.single_action_space.n
+        while time.perf_counter() - start < seconds:
+            _, _, _, _, info = self.envs.recv()
+            ids = info["env_id"]
+            self.envs.send(self.rng.integers(0, n_actions, size=len(ids)), ids)
+            steps += len(ids)
+        return steps / (time.perf_counter() - start)
+
+    def drain(self) -> None:
+        while self.envs.in_flight:
+            self.envs.recv()
 
 
-def run_scenario(name: str, env_fn: Callable[[], gym.Env], num_envs: int, batch_size: int, seconds: float, bound: float | None):
+def run_scenario(name: str, env_fn: Callable[[], gym.Env], num_envs: int, batch_size: int, seconds: float, bound: float | None, rounds: int = 5):
+    """Measures every contender in ``rounds`` interleaved rounds (the machine is noisy) and reports medians."""
     fns = [env_fn] * num_envs
-    contenders: list[tuple[str, Callable[[], object], Callable]] = [
-        ("gymnasium SyncVectorEnv", lambda: SyncVectorEnv(fns), lockstep_rate),
-        ("gymnasium AsyncVectorEnv", lambda: AsyncVectorEnv(fns), lockstep_rate),
-        ("AsyncLLMVectorEnv step()", lambda: AsyncLLMVectorEnv(fns), lockstep_rate),
-        (
-            f"AsyncLLMVectorEnv send/recv (batch {batch_size})",
-            lambda: AsyncLLMVectorEnv(fns, batch_size=batch_size),
-            partial_batch_rate,
-        ),
-    ]
-    rows = []
-    for label, make, measure in contenders:
-        envs = make()
-        try:
-            rows.append((label, measure(envs, seconds)))
-        finally:
-            envs.close()
+    contenders = {
+        "gymnasium SyncVectorEnv": lambda: LockstepLoop(SyncVectorEnv(fns)),
+        "gymnasium AsyncVectorEnv": lambda: LockstepLoop(AsyncVectorEnv(fns)),
+        "AsyncLLMVectorEnv step()": lambda: LockstepLoop(AsyncLLMVectorEnv(fns)),
+        f"AsyncLLMVectorEnv send/recv (batch {batch_size})": lambda: PartialBatchLoop(AsyncLLMVectorEnv(fns, batch_size=batch_size)),
+    }
+    loops = {label: make() for label, make in contenders.items()}
+    samples: dict[str, list[float]] = {label: [] for label in loops}
+    try:
+        for label, loop in loops.items():
+            loop.run(0.2)  # warm up
+        for _ in range(rounds):
+            for label, loop in loops.items():
+                samples[label].append(loop.run(seconds / rounds))
+    finally:
+        for loop in loops.values():
+            if isinstance(loop, PartialBatchLoop):
+                loop.drain()
+            loop.envs.close()
+    rows = [(label, float(np.median(values))) for label, values in samples.items()]
     reference = rows[1][1]
     print(f"\n### {name}: {num_envs} envs" + (f", physical bound {bound:,.0f} steps/s" if bound else ""))
-    print(f"| contender | env-steps/s | vs gymnasium Async |" + (" vs bound |" if bound else ""))
+    print(f"median of {rounds} interleaved rounds of {seconds / rounds:.1f} s each")
+    print("| contender | env-steps/s | vs gymnasium Async |" + (" vs bound |" if bound else ""))
     print("|---|---:|---:|" + ("---:|" if bound else ""))
     for label, rate in rows:
         line = f"| {label} | {rate:,.0f} | {rate / reference:.2f}x |"
