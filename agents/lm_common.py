@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import json
 import math
 import os
 import shutil
@@ -49,7 +50,7 @@ from asyncvec.inference import PolicyOutput, build_tiny_lm
 from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger
 
-TARGET_WINDOW = 5
+TARGET_WINDOW = 10
 """``target_reward`` is met when the mean training reward of this many updates reaches it."""
 
 
@@ -69,6 +70,8 @@ class LMArgs:
     """a reward not ready this long after its request is flagged and kept out of training"""
     backend: Literal["hf", "openai", "vllm"] = "hf"
     """hf: HFTextPolicy in this process; openai: a server at --base-url; vllm: an in-process vLLM engine (GPU)"""
+    vllm_engine: str = "{}"
+    """--backend vllm: vllm.LLM options as JSON, e.g. '{"dtype": "float32", "gpu_memory_utilization": 0.3}'"""
     base_url: str | None = None
     """server root for --backend openai, e.g. http://127.0.0.1:8000"""
     served_model: str | None = None
@@ -116,11 +119,13 @@ class LMArgs:
     eval_prompts: int = 200
     """completions sampled to measure the mean reward before and after training (0: skip)"""
     target_reward: float | None = None
-    """stop once the mean training reward of the last 5 updates reaches this"""
+    """stop once the mean training reward of the last 10 updates reaches this"""
     timeout_s: float = 120.0
     """longest wait for a batch of groups before the run fails (it never hangs)"""
     seed: int = 1
     """seed of torch, numpy and the prompt stream"""
+    device: str = "cpu"
+    """torch device of the learner, the reference model and the hf backend's model"""
     torch_threads: int = 1
     """torch CPU threads (generation and learning already run on two threads)"""
     output_dir: str | None = None
@@ -156,6 +161,16 @@ class LMArgs:
                 raise ValueError("--backend openai needs --weights-dir: the folder the server loads new weights from")
         elif self.base_url is not None:
             raise ValueError(f"--base-url is only used with --backend openai, got --backend {self.backend}")
+        try:
+            engine = json.loads(self.vllm_engine)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--vllm-engine must be a JSON object, got {self.vllm_engine!r}: {exc}") from None
+        if not isinstance(engine, dict):
+            raise ValueError(f"--vllm-engine must be a JSON object of vllm.LLM options, got {self.vllm_engine!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"--device: {exc}") from None
 
 
 def _flag(name: str) -> str:
@@ -226,14 +241,14 @@ def completion_with_answer(text: str) -> str | None:
 
 
 # ----------------------------------------------------------------------------- learner pieces
-def load_causal_lm(folder: str | os.PathLike) -> tuple[Any, Any]:
+def load_causal_lm(folder: str | os.PathLike, device: str = "cpu") -> tuple[Any, Any]:
     """``(model, tokenizer)`` from a save_pretrained folder, the model in eval mode (dropout off).
 
     Policy-gradient log-probs must match the sampler's, which has no dropout.
     """
     import transformers
 
-    return (transformers.AutoModelForCausalLM.from_pretrained(folder).eval(),
+    return (transformers.AutoModelForCausalLM.from_pretrained(folder).to(device).eval(),
             transformers.AutoTokenizer.from_pretrained(folder))
 
 
@@ -270,6 +285,8 @@ def completion_logps(
         positions[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)
         targets[i, :n] = torch.tensor(list(c[:n]))
         valid[i, :n] = True
+    device = next(model.parameters()).device
+    input_ids, attention, positions, targets, valid = (t.to(device) for t in (input_ids, attention, positions, targets, valid))
     logits = model(input_ids=input_ids, attention_mask=attention).logits
     picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float() / temperature
     logps = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -500,11 +517,12 @@ def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space) -> 
     if args.backend == "hf":
         from asyncvec.inference import HFTextPolicy
 
-        return HFTextPolicy(model_dir, None, completion_with_answer, **options)
+        return HFTextPolicy(*load_causal_lm(model_dir, args.device), completion_with_answer, **options)
     if args.backend == "vllm":
         from asyncvec.inference import VLLMPolicy
 
-        return VLLMPolicy(model_dir, completion_with_answer, engine_kwargs={"seed": args.seed}, **options)
+        engine = {"seed": args.seed, **json.loads(args.vllm_engine)}
+        return VLLMPolicy(model_dir, completion_with_answer, engine_kwargs=engine, **options)
     from asyncvec.inference import OpenAIPolicy
 
     token = args.update_token if args.update_token is not None else os.environ.get("ASYNCVEC_SERVE_TOKEN")
@@ -607,8 +625,8 @@ class LMTrainer(abc.ABC):
         if args.sft_steps:
             model_dir = sft_warm_start(model_dir, self._workdir / "sft", args.env, args.sft_steps, seed=args.seed)
         self.model_dir = model_dir
-        self.learner, self.tokenizer = load_causal_lm(model_dir)
-        self.reference = load_causal_lm(model_dir)[0].requires_grad_(False) if args.kl_coef > 0 else None
+        self.learner, self.tokenizer = load_causal_lm(model_dir, args.device)
+        self.reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
         self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
         self.reward_service = rewards.RewardService(args.reward, timeout_s=args.reward_timeout_s, num_workers=2)
         self._closers.append(self.reward_service.close)
@@ -662,13 +680,14 @@ class LMTrainer(abc.ABC):
         for i, (_, s) in enumerate(rows):
             behavior[i, : len(s.output.token_logps)] = torch.tensor(s.output.token_logps)
             mask[i, : len(s.output.token_ids)] = True
+        device = self.args.device
         data = LMBatch(
             prompt_ids=[self._encode_prompt(s.prompt) for _, s in rows],
             completion_ids=[list(s.output.token_ids) for _, s in rows],
-            rewards=torch.tensor([s.reward for _, s in rows], dtype=torch.float32),
-            group_ids=torch.tensor([g for g, _ in rows]),
-            behavior_logp=behavior,
-            mask=mask,
+            rewards=torch.tensor([s.reward for _, s in rows], dtype=torch.float32, device=device),
+            group_ids=torch.tensor([g for g, _ in rows], device=device),
+            behavior_logp=behavior.to(device),
+            mask=mask.to(device),
         )
         return data, info
 
@@ -717,7 +736,7 @@ class LMTrainer(abc.ABC):
         size = len(data.rewards)
         per_minibatch = max(1, math.ceil(size / args.num_minibatches))
         for _ in range(args.update_epochs):
-            order = torch.arange(size) if single_pass else torch.randperm(size)
+            order = torch.arange(size, device=mask.device) if single_pass else torch.randperm(size, device=mask.device)
             for start in range(0, size, per_minibatch):
                 rows = order[start : start + per_minibatch]
                 current = logp if single_pass else self.logps(self.learner, data, rows)

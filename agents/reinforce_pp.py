@@ -41,6 +41,8 @@ from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
 class Args(LMArgs):
     """REINFORCE++: token-level returns normalized over the batch, PPO-clip loss, no critic."""
 
+    learning_rate: float = 5e-4
+    """Adam learning rate (lower than RLOO's: the globally normalized advantages are larger)"""
     update_epochs: int = 2
     """passes over each batch (the clipped objective keeps a second pass safe)"""
     baseline: bool = False
