@@ -201,5 +201,8 @@ else
     tail -n 30 "$WORK/vllm_serve.log"
 fi
 
+# One RLOO iteration on vLLM: generation, a learner update, a weight push, the new version.
+if "$PY" scripts/gpu_rloo.py; then :; else fail "gpu_rloo.py: exited $?"; fi
+
 echo "gpu_check: $FAILS failure(s)"
 [ "$FAILS" = 0 ]
