@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench clean
+.PHONY: demo demo-llm test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ $(VENV)/.test: setup.py $(VENV)/.torch
 
 demo: $(VENV)/.base
 	$(PY) benchmarks/ppo_speed.py
+
+# A tiny language model learns single-digit sums with RLOO and REINFORCE++ (CPU, a few minutes).
+demo-llm: $(VENV)/.test
+	$(PY) scripts/demo_llm.py
 
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)
