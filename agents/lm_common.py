@@ -138,8 +138,15 @@ class LMArgs:
     """show a progress bar"""
 
     def __post_init__(self) -> None:
-        for name in ("total_prompts", "prompts_per_update", "update_epochs", "num_minibatches", "max_new_tokens",
-                     "policy_batch_size", "torch_threads"):
+        for name in (
+            "total_prompts",
+            "prompts_per_update",
+            "update_epochs",
+            "num_minibatches",
+            "max_new_tokens",
+            "policy_batch_size",
+            "torch_threads",
+        ):
             _check_int(name, getattr(self, name), 1)
         for name in ("sft_steps", "prefetch_updates", "max_staleness", "policy_lag", "eval_prompts"):
             _check_int(name, getattr(self, name), 0)
@@ -248,8 +255,10 @@ def load_causal_lm(folder: str | os.PathLike, device: str = "cpu") -> tuple[Any,
     """
     import transformers
 
-    return (transformers.AutoModelForCausalLM.from_pretrained(folder).to(device).eval(),
-            transformers.AutoTokenizer.from_pretrained(folder))
+    return (
+        transformers.AutoModelForCausalLM.from_pretrained(folder).to(device).eval(),
+        transformers.AutoTokenizer.from_pretrained(folder),
+    )
 
 
 def completion_logps(
@@ -286,7 +295,9 @@ def completion_logps(
         targets[i, :n] = torch.tensor(list(c[:n]))
         valid[i, :n] = True
     device = next(model.parameters()).device
-    input_ids, attention, positions, targets, valid = (t.to(device) for t in (input_ids, attention, positions, targets, valid))
+    input_ids, attention, positions, targets, valid = (
+        t.to(device) for t in (input_ids, attention, positions, targets, valid)
+    )
     logits = model(input_ids=input_ids, attention_mask=attention).logits
     picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float() / temperature
     logps = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -386,7 +397,9 @@ class GroupGenerator:
         (3, 2)
     """
 
-    def __init__(self, policy: Any, reward_service: rewards.RewardService, prompts: Iterator[str], group_size: int) -> None:
+    def __init__(
+        self, policy: Any, reward_service: rewards.RewardService, prompts: Iterator[str], group_size: int
+    ) -> None:
         self.policy = policy
         self.reward_service = reward_service
         self.prompts = prompts
@@ -415,7 +428,9 @@ class GroupGenerator:
     def start(self, total_prompts: int, ahead: int) -> GroupGenerator:
         """Async mode: a thread submits prompts while fewer than ``ahead`` are in flight or unpopped."""
         self._slots = threading.Semaphore(ahead)
-        self._thread = threading.Thread(target=self._run, args=(total_prompts,), name="asyncvec-lm-generator", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(total_prompts,), name="asyncvec-lm-generator", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -424,7 +439,7 @@ class GroupGenerator:
             while not self._stopping.is_set() and self.submitted_prompts < total_prompts:
                 if self._slots.acquire(timeout=0.1):
                     self.submit(1)
-        except BaseException as exc:  # re-raised in the learner by check()
+        except Exception as exc:  # re-raised in the learner by check()
             self._fail(exc)
 
     def pop(self, num_groups: int, timeout: float) -> GroupBatch:
@@ -475,7 +490,7 @@ class GroupGenerator:
                 )
             scored = self.reward_service.submit(prompt, output.text or "")
             scored.add_done_callback(partial(self._on_reward, prompt_id, prompt, output))
-        except BaseException as exc:
+        except Exception as exc:
             self._fail(exc)
 
     def _on_reward(self, prompt_id: int, prompt: str, output: PolicyOutput, future: Future) -> None:
@@ -487,7 +502,7 @@ class GroupGenerator:
                 self.flagged += result.flagged
                 self.fallbacks += output.fallback
             self.groups.add(prompt_id, sample, result.reward, output.token_logps, output.policy_version)
-        except BaseException as exc:
+        except Exception as exc:
             self._fail(exc)
 
 
@@ -512,8 +527,13 @@ class ServerCheckpoints:
 
 def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space) -> Any:
     """The policy sampling completions: HFTextPolicy, OpenAIPolicy or VLLMPolicy (``--backend``)."""
-    options = {"action_space": action_space, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-               "max_batch_size": args.policy_batch_size, "max_wait_ms": 5.0}
+    options = {
+        "action_space": action_space,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "max_batch_size": args.policy_batch_size,
+        "max_wait_ms": 5.0,
+    }
     if args.backend == "hf":
         from asyncvec.inference import HFTextPolicy
 
@@ -526,8 +546,14 @@ def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space) -> 
     from asyncvec.inference import OpenAIPolicy
 
     token = args.update_token if args.update_token is not None else os.environ.get("ASYNCVEC_SERVE_TOKEN")
-    policy = OpenAIPolicy(args.base_url, args.served_model or model_dir.name, completion_with_answer,
-                          update_token=token, max_attempts=3, **options)
+    policy = OpenAIPolicy(
+        args.base_url,
+        args.served_model or model_dir.name,
+        completion_with_answer,
+        update_token=token,
+        max_attempts=3,
+        **options,
+    )
     try:
         policy.server_version()
     except Exception as exc:
@@ -616,7 +642,9 @@ class LMTrainer(abc.ABC):
         try:
             rewards.score(args.reward, first_prompt, "0")
         except Exception as exc:
-            raise ValueError(f"--reward {args.reward!r} cannot score {args.env} prompts like {first_prompt!r}: {exc}") from exc
+            raise ValueError(
+                f"--reward {args.reward!r} cannot score {args.env} prompts like {first_prompt!r}: {exc}"
+            ) from exc
         self._workdir = Path(tempfile.mkdtemp(prefix="asyncvec-lm-"))
         self._closers.append(partial(shutil.rmtree, self._workdir, ignore_errors=True))
         model_dir = Path(args.model) if args.model else build_tiny_lm(self._workdir / "tiny-lm", seed=args.seed)
@@ -635,9 +663,13 @@ class LMTrainer(abc.ABC):
         initial = self.policy.server_version() if args.backend == "openai" else 0
         self.versions = VersionManager(initial_version=initial, max_lag=args.max_staleness)
         self._closers.append(self.versions.close)
-        backend = ServerCheckpoints(self.policy, args.weights_dir, self.run_name) if args.backend == "openai" else self.policy
+        backend = (
+            ServerCheckpoints(self.policy, args.weights_dir, self.run_name) if args.backend == "openai" else self.policy
+        )
         self.versions.register(LaggedWeights(backend, args.policy_lag))
-        self.generator = GroupGenerator(self.policy, self.reward_service, iter_prompts(self.env, args.seed), args.group_size)
+        self.generator = GroupGenerator(
+            self.policy, self.reward_service, iter_prompts(self.env, args.seed), args.group_size
+        )
         self._closers.append(self.generator.stop)
         self._prompt_ids: dict[str, list[int]] = {}
         self.updates = 0
@@ -649,8 +681,14 @@ class LMTrainer(abc.ABC):
         """``[N, L]`` per-token advantages (0 off the mask); ``logp`` is the learner's at update start."""
 
     @abc.abstractmethod
-    def policy_loss(self, logp: torch.Tensor, prox_logp: torch.Tensor, advantages: torch.Tensor,
-                    weights: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def policy_loss(
+        self,
+        logp: torch.Tensor,
+        prox_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss on a minibatch; ``weights`` are the truncated importance weights per token."""
 
     # ------------------------------------------------------------------ data
@@ -670,8 +708,12 @@ class LMTrainer(abc.ABC):
             if not stale_groups[g] and len(usable) >= self.min_group_samples:
                 rows.extend((g, s) for s in usable)
         scored = [s.reward for samples in batch.completions for s in samples if not s.flagged]
-        info = {"reward": float(np.mean(scored)) if scored else float("nan"), "stale_groups": float(stale_groups.sum()),
-                "samples_used": float(len(rows)), "staleness_mean": float(staleness.mean())}
+        info = {
+            "reward": float(np.mean(scored)) if scored else float("nan"),
+            "stale_groups": float(stale_groups.sum()),
+            "samples_used": float(len(rows)),
+            "staleness_mean": float(staleness.mean()),
+        }
         if not rows:
             return None, info
         length = max(len(s.output.token_ids) for _, s in rows)
@@ -699,8 +741,13 @@ class LMTrainer(abc.ABC):
     def logps(self, model: torch.nn.Module, data: LMBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Log-probs ``[n, L]`` of the batch's completions (or of ``rows``) under ``model``."""
         index = range(len(data.prompt_ids)) if rows is None else rows.tolist()
-        return completion_logps(model, [data.prompt_ids[i] for i in index], [data.completion_ids[i] for i in index],
-                                data.mask.shape[1], self.args.temperature)
+        return completion_logps(
+            model,
+            [data.prompt_ids[i] for i in index],
+            [data.completion_ids[i] for i in index],
+            data.mask.shape[1],
+            self.args.temperature,
+        )
 
     # ------------------------------------------------------------------ learning
     def update(self, batch: GroupBatch) -> dict[str, float]:
@@ -724,14 +771,18 @@ class LMTrainer(abc.ABC):
                 ref = self.logps(self.reference, data)
         advantages = self.compute_advantages(data, prox, ref)
         # Truncated IS of the learner at update start (pi_prox) against the engine's behavior log-probs.
-        weights, is_stats = truncated_importance_weights(prox, data.behavior_logp, args.is_cap, level=args.is_level, mask=mask)
+        weights, is_stats = truncated_importance_weights(
+            prox, data.behavior_logp, args.is_cap, level=args.is_level, mask=mask
+        )
         if args.is_level == "sequence":
             self.counts["is_entries"] += len(weights)
             weights = weights.unsqueeze(-1) * mask
         else:
             self.counts["is_entries"] += int(mask.sum())
-        self.counts["is_clipped"] += round(float(is_stats["clipped_fraction"]) * (
-            len(data.rewards) if args.is_level == "sequence" else int(mask.sum())))
+        self.counts["is_clipped"] += round(
+            float(is_stats["clipped_fraction"])
+            * (len(data.rewards) if args.is_level == "sequence" else int(mask.sum()))
+        )
         stats: dict[str, list[float]] = {}
         size = len(data.rewards)
         per_minibatch = max(1, math.ceil(size / args.num_minibatches))
@@ -747,10 +798,14 @@ class LMTrainer(abc.ABC):
                 self.optimizer.step()
                 for key, value in {"loss": loss.detach(), "grad_norm": grad_norm, **loss_stats}.items():
                     stats.setdefault(key, []).append(float(value))
-        out = {**info, **{f"losses/{k}": float(np.mean(v)) for k, v in stats.items()},
-               "is/clipped_fraction": float(is_stats["clipped_fraction"]), "is/ess": float(is_stats["ess"]),
-               "is/mean_weight": float(is_stats["mean_weight"]),
-               "advantage_abs_mean": float(advantages.abs()[mask].mean())}
+        out = {
+            **info,
+            **{f"losses/{k}": float(np.mean(v)) for k, v in stats.items()},
+            "is/clipped_fraction": float(is_stats["clipped_fraction"]),
+            "is/ess": float(is_stats["ess"]),
+            "is/mean_weight": float(is_stats["mean_weight"]),
+            "advantage_abs_mean": float(advantages.abs()[mask].mean()),
+        }
         if ref is not None:
             out["kl_ref"] = float(((prox - ref) * mask).sum(-1).mean())
         return out
@@ -779,8 +834,13 @@ class LMTrainer(abc.ABC):
     def train(self) -> LMTrainResult:
         """Trains for ``total_prompts`` (or until ``target_reward``) and closes everything."""
         args = self.args
-        logger = RunLogger(Path(args.log_dir) / self.run_name, track=args.track, total_steps=args.total_prompts,
-                           progress=args.progress, hparams=asdict(args))
+        logger = RunLogger(
+            Path(args.log_dir) / self.run_name,
+            track=args.track,
+            total_steps=args.total_prompts,
+            progress=args.progress,
+            hparams=asdict(args),
+        )
         history: list[dict] = []
         curve: list[float] = []
         prompts_done = 0
@@ -800,13 +860,23 @@ class LMTrainer(abc.ABC):
                 version = self.versions.current_version
                 curve.append(stats["reward"])
                 elapsed = time.monotonic() - start
-                row = {**stats, "charts/reward": stats["reward"], "charts/version": version, "time/wall_s": elapsed,
-                       "charts/samples_per_s": self.generator.samples / elapsed, "prompts": prompts_done,
-                       "charts/policy_latency_p50_ms": self.policy.stats()["latency_p50_ms"]}
+                row = {
+                    **stats,
+                    "charts/reward": stats["reward"],
+                    "charts/version": version,
+                    "time/wall_s": elapsed,
+                    "charts/samples_per_s": self.generator.samples / elapsed,
+                    "prompts": prompts_done,
+                    "charts/policy_latency_p50_ms": self.policy.stats()["latency_p50_ms"],
+                }
                 history.append(row)
                 logger.log(row, prompts_done)
                 recent = [r for r in curve[-TARGET_WINDOW:] if not math.isnan(r)]
-                if args.target_reward is not None and len(recent) == TARGET_WINDOW and np.mean(recent) >= args.target_reward:
+                if (
+                    args.target_reward is not None
+                    and len(recent) == TARGET_WINDOW
+                    and np.mean(recent) >= args.target_reward
+                ):
                     reached = True
                     break
             wall = time.monotonic() - start
@@ -821,14 +891,22 @@ class LMTrainer(abc.ABC):
         generator, counts = self.generator, self.counts
         received = max(counts["received"], 1)
         return LMTrainResult(
-            updates=self.updates, prompts=prompts_done, samples=generator.samples, wall_time_s=wall,
-            samples_per_s=generator.samples / wall, reward_curve=curve, eval_reward_before=eval_before,
-            eval_reward_after=eval_after, stale_fraction=counts["stale"] / received,
+            updates=self.updates,
+            prompts=prompts_done,
+            samples=generator.samples,
+            wall_time_s=wall,
+            samples_per_s=generator.samples / wall,
+            reward_curve=curve,
+            eval_reward_before=eval_before,
+            eval_reward_after=eval_after,
+            stale_fraction=counts["stale"] / received,
             truncated_fraction=counts["is_clipped"] / max(counts["is_entries"], 1),
             flagged_fraction=generator.flagged / max(generator.samples, 1),
             fallback_fraction=generator.fallbacks / max(generator.samples, 1),
-            staleness_mean=self.versions.staleness_stats().mean, final_version=self.versions.current_version,
-            reached_target=reached, history=history,
+            staleness_mean=self.versions.staleness_stats().mean,
+            final_version=self.versions.current_version,
+            reached_target=reached,
+            history=history,
         )
 
     def close(self) -> None:
@@ -865,7 +943,19 @@ def summary(name: str, result: LMTrainResult) -> str:
 
 
 __all__ = [
-    "LMArgs", "LMBatch", "LMTrainResult", "LMTrainer", "GroupGenerator", "Sample", "ServerCheckpoints",
-    "completion_logps", "completion_with_answer", "iter_prompts", "load_causal_lm", "make_prompt_env",
-    "make_text_policy", "sft_warm_start", "summary",
+    "GroupGenerator",
+    "LMArgs",
+    "LMBatch",
+    "LMTrainResult",
+    "LMTrainer",
+    "Sample",
+    "ServerCheckpoints",
+    "completion_logps",
+    "completion_with_answer",
+    "iter_prompts",
+    "load_causal_lm",
+    "make_prompt_env",
+    "make_text_policy",
+    "sft_warm_start",
+    "summary",
 ]

@@ -52,7 +52,11 @@ class Args(LMArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.clip_coef, bool) or not isinstance(self.clip_coef, (int, float)) or not 0 < self.clip_coef < 1:
+        if (
+            isinstance(self.clip_coef, bool)
+            or not isinstance(self.clip_coef, (int, float))
+            or not 0 < self.clip_coef < 1
+        ):
             raise ValueError(f"--clip-coef must be a number in (0, 1), got {self.clip_coef!r}")
 
 
@@ -72,8 +76,9 @@ class ReinforcePP(LMTrainer):
         """Globally normalized returns-to-go ``[N, L]`` (0 off the mask)."""
         args = self.args
         kl = approx_kl(logp, ref_logp, args.kl_estimator) if ref_logp is not None else None
-        return reinforce_pp_advantages(data.rewards, data.mask, kl, args.kl_coef, baseline=args.baseline,
-                                       group_ids=data.group_ids)
+        return reinforce_pp_advantages(
+            data.rewards, data.mask, kl, args.kl_coef, baseline=args.baseline, group_ids=data.group_ids
+        )
 
     def policy_loss(self, logp, prox_logp, advantages, weights, mask):
         """PPO-clip against ``pi_prox``, each token weighted by its truncated IS weight; mean over tokens."""

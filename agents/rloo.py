@@ -57,7 +57,9 @@ class RLOO(LMTrainer):
         """``A_i`` of each completion, broadcast to its tokens: ``[N, L]``."""
         rewards = data.rewards
         if ref_logp is not None:
-            rewards = kl_penalized_rewards(rewards, logp, ref_logp, self.args.kl_coef, data.mask, self.args.kl_estimator)
+            rewards = kl_penalized_rewards(
+                rewards, logp, ref_logp, self.args.kl_coef, data.mask, self.args.kl_estimator
+            )
         advantages = torch.zeros_like(rewards)
         # Flagged samples are out, so groups may be smaller than k: one baseline per group.
         for group in data.group_ids.unique():

@@ -67,13 +67,23 @@ def main(args: DemoArgs) -> dict[str, LMTrainResult]:
         print(f"supervised warm start: {args.sft_steps} steps in {time.monotonic() - start:.1f} s", flush=True)
         for name in args.agents:
             module, cls = (rloo, rloo.RLOO) if name == "rloo" else (reinforce_pp, reinforce_pp.ReinforcePP)
-            run_args = module.Args(model=str(warm), mode="async", total_prompts=args.max_prompts,
-                                   target_reward=args.target_reward, eval_prompts=400, progress=False, seed=args.seed)
+            run_args = module.Args(
+                model=str(warm),
+                mode="async",
+                total_prompts=args.max_prompts,
+                target_reward=args.target_reward,
+                eval_prompts=400,
+                progress=False,
+                seed=args.seed,
+            )
             result = cls(run_args).train()
             results[name] = result
             print(f"\n{summary(cls.__name__, result)}")
             print(f"  reward curve, mean per 10 updates: {curve_line(result.reward_curve)}")
-            print(f"  reward before RL: {result.eval_reward_before:.2f}   after RL: {result.eval_reward_after:.2f}", flush=True)
+            print(
+                f"  reward before RL: {result.eval_reward_before:.2f}   after RL: {result.eval_reward_after:.2f}",
+                flush=True,
+            )
     print(f"\ndemo finished in {time.monotonic() - start:.0f} s")
     return results
 

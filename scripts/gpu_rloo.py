@@ -55,8 +55,11 @@ def learner_vs_engine(agent, batch) -> float:
 def run(work: Path) -> None:
     import torch
 
-    if not report(torch.cuda.is_available(), "cuda", torch.cuda.get_device_name(0) if torch.cuda.is_available()
-                  else "torch sees no GPU"):
+    if not report(
+        torch.cuda.is_available(),
+        "cuda",
+        torch.cuda.get_device_name(0) if torch.cuda.is_available() else "torch sees no GPU",
+    ):
         return
     try:
         import vllm
@@ -70,9 +73,21 @@ def run(work: Path) -> None:
 
     folder = build_tiny_lm(work / "tiny-llama", arch="llama", n_layer=2, n_embd=128, n_head=2, seed=0)
     engine = {"dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": True}
-    args = Args(model=str(folder), backend="vllm", vllm_engine=json.dumps(engine), device="cuda", mode="sync",
-                reward="length_penalty", group_size=4, prompts_per_update=8, max_new_tokens=8, learning_rate=1e-2,
-                eval_prompts=0, progress=False, timeout_s=300)
+    args = Args(
+        model=str(folder),
+        backend="vllm",
+        vllm_engine=json.dumps(engine),
+        device="cuda",
+        mode="sync",
+        reward="length_penalty",
+        group_size=4,
+        prompts_per_update=8,
+        max_new_tokens=8,
+        learning_rate=1e-2,
+        eval_prompts=0,
+        progress=False,
+        timeout_s=300,
+    )
     try:
         agent = RLOO(args)
     except Exception as exc:
@@ -82,27 +97,41 @@ def run(work: Path) -> None:
     try:
         batch = agent.generate_groups(8)
         lengths = [len(s.output.token_ids) for group in batch.completions for s in group]
-        report(batch.rewards.shape == (8, 4) and (batch.policy_version == 0).all() and min(lengths) > 0,
-               "generate k completions per prompt", f"rewards {batch.rewards.shape}, versions {set(batch.policy_version.ravel().tolist())}, "
-               f"token counts {min(lengths)}..{max(lengths)}")
+        report(
+            batch.rewards.shape == (8, 4) and (batch.policy_version == 0).all() and min(lengths) > 0,
+            "generate k completions per prompt",
+            f"rewards {batch.rewards.shape}, versions {set(batch.policy_version.ravel().tolist())}, "
+            f"token counts {min(lengths)}..{max(lengths)}",
+        )
         gap = learner_vs_engine(agent, batch)
         report(gap <= TOL, "vLLM log-probs vs learner (version 0)", f"max |diff| = {gap:.2e} (tolerance {TOL:g})")
 
         before = {k: v.detach().clone() for k, v in agent.learner.state_dict().items()}
         stats = agent.update(batch)
         moved = max(float((agent.learner.state_dict()[k] - v).abs().max()) for k, v in before.items())
-        report(math.isfinite(stats["losses/loss"]) and moved > 0, "learner update (transformers on cuda)",
-               f"loss {stats['losses/loss']:.4f}, largest weight change {moved:.2e}")
+        report(
+            math.isfinite(stats["losses/loss"]) and moved > 0,
+            "learner update (transformers on cuda)",
+            f"loss {stats['losses/loss']:.4f}, largest weight change {moved:.2e}",
+        )
 
         version = agent.publish()
-        report(version == 1 and agent.policy.policy_version == 1, "publish -> VLLMPolicy.load_weights",
-               f"version {version}, policy reports {agent.policy.policy_version}")
+        report(
+            version == 1 and agent.policy.policy_version == 1,
+            "publish -> VLLMPolicy.load_weights",
+            f"version {version}, policy reports {agent.policy.policy_version}",
+        )
 
         after = agent.generate_groups(8)
-        report((after.policy_version == 1).all(), "next generation reports the new version",
-               f"versions {set(after.policy_version.ravel().tolist())}")
+        report(
+            (after.policy_version == 1).all(),
+            "next generation reports the new version",
+            f"versions {set(after.policy_version.ravel().tolist())}",
+        )
         gap = learner_vs_engine(agent, after)
-        report(gap <= TOL, "vLLM log-probs vs updated learner (version 1)", f"max |diff| = {gap:.2e} (tolerance {TOL:g})")
+        report(
+            gap <= TOL, "vLLM log-probs vs updated learner (version 1)", f"max |diff| = {gap:.2e} (tolerance {TOL:g})"
+        )
     except Exception as exc:
         report(False, "RLOO iteration", f"{type(exc).__name__}: {exc}")
         traceback.print_exc()

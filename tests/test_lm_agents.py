@@ -13,9 +13,7 @@ import torch
 from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
 from test_serve import free_port, server  # noqa: F401  (fixture: `asyncvec serve` subprocess)
 
-import agents.lm_common as lm_common
-import agents.reinforce_pp as reinforce_pp
-import agents.rloo as rloo
+from agents import lm_common, reinforce_pp, rloo
 from agents.lm_common import Sample, completion_logps, load_causal_lm, sft_warm_start
 from asyncvec import rewards
 from asyncvec.buffers import CompletionGroups
@@ -40,6 +38,7 @@ def warm_dir(tmp_path_factory):
 
 # ------------------------------------------------------------------------------ learning
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # about a minute each on an idle 2-core machine, with room for a loaded one
 @pytest.mark.parametrize(
     "agent, options",
     [
@@ -50,8 +49,16 @@ def warm_dir(tmp_path_factory):
 )
 def test_agent_learns_single_digit_sums_in_async_mode(agent, options, warm_dir):
     args_cls = rloo.Args if agent is rloo.RLOO else reinforce_pp.Args
-    args = args_cls(model=str(warm_dir), mode="async", total_prompts=6400, target_reward=0.85, eval_prompts=400,
-                    progress=False, seed=0, **options)
+    args = args_cls(
+        model=str(warm_dir),
+        mode="async",
+        total_prompts=6400,
+        target_reward=0.85,
+        eval_prompts=400,
+        progress=False,
+        seed=0,
+        **options,
+    )
     result = agent(args).train()
     # The warm start leaves the sampled answers mostly wrong (measured: 0.40-0.54 over seeds)...
     assert result.eval_reward_before < 0.6, result.eval_reward_before
@@ -69,8 +76,15 @@ def test_agent_learns_single_digit_sums_in_async_mode(agent, options, warm_dir):
 
 # ---------------------------------------------------------------------- hand-built batches
 def output(token_ids, token_logps, version=0):
-    return PolicyOutput(action="7", behavior_logp=float(sum(token_logps)), policy_version=version, latency_s=0.0,
-                        text="7", token_ids=tuple(token_ids), token_logps=tuple(token_logps))
+    return PolicyOutput(
+        action="7",
+        behavior_logp=float(sum(token_logps)),
+        policy_version=version,
+        latency_s=0.0,
+        text="7",
+        token_ids=tuple(token_ids),
+        token_logps=tuple(token_logps),
+    )
 
 
 def hand_built_batch(groups, prompt="3+4="):
@@ -78,7 +92,9 @@ def hand_built_batch(groups, prompt="3+4="):
     buffer = CompletionGroups(len(groups[0]))
     for prompt_id, samples in enumerate(groups):
         for reward, token_ids, logps, version, flagged in samples:
-            buffer.add(prompt_id, Sample(prompt, output(token_ids, logps, version), reward, flagged), reward, logps, version)
+            buffer.add(
+                prompt_id, Sample(prompt, output(token_ids, logps, version), reward, flagged), reward, logps, version
+            )
     return buffer.pop(len(groups), timeout=0)
 
 
@@ -117,8 +133,11 @@ def test_rloo_advantages_match_the_leave_one_out_formula(tiny_dir):
 @pytest.mark.parametrize("baseline", [False, True])
 def test_reinforce_pp_token_advantages_match_explicit_returns(tiny_dir, baseline):
     beta = 0.05
-    with reinforce_pp.ReinforcePP(reinforce_pp.Args(model=str(tiny_dir), kl_coef=beta, group_size=4,
-                                                    baseline=baseline, kl_estimator="k1", **QUIET)) as agent:
+    with reinforce_pp.ReinforcePP(
+        reinforce_pp.Args(
+            model=str(tiny_dir), kl_coef=beta, group_size=4, baseline=baseline, kl_estimator="k1", **QUIET
+        )
+    ) as agent:
         data, _ = agent.prepare(hand_built_batch(GROUPS))
         torch.manual_seed(1)
         logp, ref = -torch.rand(data.mask.shape), -torch.rand(data.mask.shape)
@@ -131,7 +150,9 @@ def test_reinforce_pp_token_advantages_match_explicit_returns(tiny_dir, baseline
             mates = [rewards_[j] for j in range(len(groups)) if groups[j] == groups[i]]
             final -= sum(mates) / len(mates)
         length = int(row_mask.sum())
-        token_rewards = [(final if t == length - 1 else 0.0) - beta * float(logp[i, t] - ref[i, t]) for t in range(length)]
+        token_rewards = [
+            (final if t == length - 1 else 0.0) - beta * float(logp[i, t] - ref[i, t]) for t in range(length)
+        ]
         for t in range(length):
             returns[i, t] = sum(token_rewards[t:])
     values = list(returns.values())
@@ -166,8 +187,9 @@ def test_flagged_samples_stay_out_of_advantages_and_loss(tiny_dir):
             data, info = agent.prepare(hand_built_batch(with_flagged_reward(value)))
             assert info["samples_used"] == 7 and value not in data.rewards.tolist()
             advantages = agent.compute_advantages(data, torch.zeros(data.mask.shape), None)
-            loss, _ = agent.policy_loss(torch.zeros(data.mask.shape), torch.zeros(data.mask.shape), advantages,
-                                        data.mask.float(), data.mask)
+            loss, _ = agent.policy_loss(
+                torch.zeros(data.mask.shape), torch.zeros(data.mask.shape), advantages, data.mask.float(), data.mask
+            )
             results.append((advantages, loss))
     # whatever the flagged sample's stand-in reward, nothing the learner computes changes
     assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1]
@@ -194,8 +216,15 @@ def test_rewarder_errors_and_timeouts_are_flagged_and_not_trained_on(tiny_dir):
         used = sum(row["samples_used"] for row in result.history)
         assert used == result.samples - 2 * zeros  # flagged out; each zero-prompt group loses both samples
 
-        timeouts = rloo.Args(model=str(tiny_dir), reward="test_lm_slow", reward_timeout_s=0.05, total_prompts=2,
-                             prompts_per_update=2, group_size=2, **QUIET)
+        timeouts = rloo.Args(
+            model=str(tiny_dir),
+            reward="test_lm_slow",
+            reward_timeout_s=0.05,
+            total_prompts=2,
+            prompts_per_update=2,
+            group_size=2,
+            **QUIET,
+        )
         result = rloo.RLOO(timeouts).train()
         assert result.flagged_fraction == 1.0 and result.history[0]["samples_used"] == 0
         assert result.final_version == 0  # nothing learned, nothing published
@@ -209,19 +238,32 @@ def test_stale_groups_are_dropped_and_counted(tiny_dir):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), max_staleness=1, group_size=2, **QUIET)) as agent:
         for _ in range(3):
             agent.publish()  # learner at version 3
-        batch = hand_built_batch([[sample(1.0, 2, version=1), sample(0.0, 2, version=2)],  # staleness 2: dropped
-                                  [sample(1.0, 2, version=2), sample(0.0, 2, version=2)],  # staleness 1: kept
-                                  [sample(1.0, 2, version=3), sample(0.0, 2, version=3)]])
+        batch = hand_built_batch(
+            [
+                [sample(1.0, 2, version=1), sample(0.0, 2, version=2)],  # staleness 2: dropped
+                [sample(1.0, 2, version=2), sample(0.0, 2, version=2)],  # staleness 1: kept
+                [sample(1.0, 2, version=3), sample(0.0, 2, version=3)],
+            ]
+        )
         data, info = agent.prepare(batch)
-        assert info["stale_groups"] == 1 and info["samples_used"] == 4 and sorted(set(data.group_ids.tolist())) == [1, 2]
+        assert (
+            info["stale_groups"] == 1 and info["samples_used"] == 4 and sorted(set(data.group_ids.tolist())) == [1, 2]
+        )
         stats = agent.versions.staleness_stats()
         assert stats.dropped == 2 and stats.histogram[:3] == [2, 3, 1]
 
 
 def test_a_slow_weight_broadcast_makes_samples_stale(tiny_dir):
     # The policy gets each version one update late; with max_staleness 0 only the first batch is fresh.
-    args = rloo.Args(model=str(tiny_dir), policy_lag=1, max_staleness=0, total_prompts=12, prompts_per_update=4,
-                     group_size=2, **QUIET)
+    args = rloo.Args(
+        model=str(tiny_dir),
+        policy_lag=1,
+        max_staleness=0,
+        total_prompts=12,
+        prompts_per_update=4,
+        group_size=2,
+        **QUIET,
+    )
     result = rloo.RLOO(args).train()
     assert result.updates == 3 and result.stale_fraction == pytest.approx(2 / 3) and result.final_version == 1
 
@@ -268,15 +310,26 @@ def test_each_update_publishes_a_version_the_policy_answers_with(tiny_dir):
             assert torch.equal(served[name], tensor), name
         batch = agent.generate_groups(2)
         assert (batch.policy_version == 2).all()
-    result = rloo.RLOO(rloo.Args(model=str(tiny_dir), total_prompts=12, prompts_per_update=4, group_size=2,
-                                 **{**QUIET, "mode": "async"})).train()
+    result = rloo.RLOO(
+        rloo.Args(
+            model=str(tiny_dir), total_prompts=12, prompts_per_update=4, group_size=2, **{**QUIET, "mode": "async"}
+        )
+    ).train()
     assert [row["charts/version"] for row in result.history] == [1, 2, 3] and result.final_version == 3
 
 
 def test_training_through_an_asyncvec_server(server):  # noqa: F811
-    args = rloo.Args(model=str(server["model_dir"]), backend="openai", base_url=server["url"],
-                     weights_dir=str(server["weights_dir"]), update_token="test-token", total_prompts=6,
-                     prompts_per_update=3, group_size=2, **{**QUIET, "mode": "async"})
+    args = rloo.Args(
+        model=str(server["model_dir"]),
+        backend="openai",
+        base_url=server["url"],
+        weights_dir=str(server["weights_dir"]),
+        update_token="test-token",
+        total_prompts=6,
+        prompts_per_update=3,
+        group_size=2,
+        **{**QUIET, "mode": "async"},
+    )
     result = rloo.RLOO(args).train()
     assert result.updates == 2 and result.samples >= 12
     served = httpx.get(server["url"] + "/version", timeout=10).json()["version"]
@@ -293,8 +346,11 @@ def test_training_through_an_asyncvec_server(server):  # noqa: F811
         ({"env": "asyncvec/GuessNumber-v0"}, ValueError, "did not end after one step"),
         ({"reward": "no_such_plugin"}, ValueError, "no reward plugin named 'no_such_plugin'"),
         ({"model": "/nonexistent/model"}, FileNotFoundError, "--model /nonexistent/model"),
-        ({"backend": "openai", "base_url": "http://127.0.0.1:9", "weights_dir": "/tmp"}, ValueError,
-         "cannot read its weights version"),
+        (
+            {"backend": "openai", "base_url": "http://127.0.0.1:9", "weights_dir": "/tmp"},
+            ValueError,
+            "cannot read its weights version",
+        ),
     ],
 )
 def test_bad_setup_fails_fast_with_a_clear_error(tiny_dir, options, error, message):
