@@ -148,7 +148,8 @@ class LMArgs:
             "torch_threads",
         ):
             _check_int(name, getattr(self, name), 1)
-        for name in ("sft_steps", "prefetch_updates", "max_staleness", "policy_lag", "eval_prompts"):
+        _check_int("prefetch_updates", self.prefetch_updates, 1)
+        for name in ("sft_steps", "max_staleness", "policy_lag", "eval_prompts"):
             _check_int(name, getattr(self, name), 0)
         _check_int("group_size", self.group_size, 2)
         for name in ("is_cap", "reward_timeout_s", "timeout_s", "learning_rate", "max_grad_norm"):
@@ -252,6 +253,12 @@ def load_causal_lm(folder: str | os.PathLike, device: str = "cpu") -> tuple[Any,
     """``(model, tokenizer)`` from a save_pretrained folder, the model in eval mode (dropout off).
 
     Policy-gradient log-probs must match the sampler's, which has no dropout.
+
+    Example:
+        >>> import tempfile
+        >>> model, tokenizer = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
+        >>> model.training, tokenizer("3+4=").input_ids
+        (False, [6, 13, 7, 17])
     """
     import transformers
 
@@ -312,11 +319,14 @@ def sft_warm_start(
     batch_size: int = 32,
     learning_rate: float = 3e-3,
     seed: int = 0,
+    torch_threads: int = 1,
 ) -> Path:
     """Supervised warm start: teaches ``prompt -> answer<eos>`` on the env's arithmetic prompts.
 
     The answers come from :func:`asyncvec.rewards.solve_arithmetic`. The model in
-    ``model_dir`` is left untouched; the trained one is saved to ``out_dir``.
+    ``model_dir`` is left untouched; the trained one is saved to ``out_dir``. Training uses
+    ``torch_threads`` CPU threads (a tiny model is no faster on two, and a second thread
+    spins against other work on a small machine); the previous setting is restored.
 
     Raises:
         ValueError: the env's prompts are not arithmetic problems ending in ``"a+b="``.
@@ -332,30 +342,37 @@ def sft_warm_start(
     model, tokenizer = load_causal_lm(model_dir)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for _ in range(steps):
-            sequences, starts = [], []
-            for prompt in itertools.islice(prompts, batch_size):
-                answer = rewards.solve_arithmetic(prompt)
-                if answer is None:
-                    raise ValueError(f"sft_warm_start: {env_id} prompt {prompt!r} is not an arithmetic problem 'a+b='")
-                prompt_ids = tokenizer(prompt).input_ids
-                sequences.append(prompt_ids + tokenizer(str(answer)).input_ids + [tokenizer.eos_token_id])
-                starts.append(len(prompt_ids))
-            width = max(map(len, sequences))
-            input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
-            labels = torch.full((len(sequences), width), -100)  # loss on the answer tokens only
-            attention = torch.zeros((len(sequences), width), dtype=torch.long)
-            for i, (sequence, start) in enumerate(zip(sequences, starts)):
-                input_ids[i, : len(sequence)] = torch.tensor(sequence)
-                labels[i, start : len(sequence)] = torch.tensor(sequence[start:])
-                attention[i, : len(sequence)] = 1
-            loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    env.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for _ in range(steps):
+                sequences, starts = [], []
+                for prompt in itertools.islice(prompts, batch_size):
+                    answer = rewards.solve_arithmetic(prompt)
+                    if answer is None:
+                        raise ValueError(
+                            f"sft_warm_start: {env_id} prompt {prompt!r} is not an arithmetic problem 'a+b='"
+                        )
+                    prompt_ids = tokenizer(prompt).input_ids
+                    sequences.append(prompt_ids + tokenizer(str(answer)).input_ids + [tokenizer.eos_token_id])
+                    starts.append(len(prompt_ids))
+                width = max(map(len, sequences))
+                input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
+                labels = torch.full((len(sequences), width), -100)  # loss on the answer tokens only
+                attention = torch.zeros((len(sequences), width), dtype=torch.long)
+                for i, (sequence, start) in enumerate(zip(sequences, starts)):
+                    input_ids[i, : len(sequence)] = torch.tensor(sequence)
+                    labels[i, start : len(sequence)] = torch.tensor(sequence[start:])
+                    attention[i, : len(sequence)] = 1
+                loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    finally:
+        env.close()
+        torch.set_num_threads(threads)
     out = Path(out_dir)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -509,7 +526,12 @@ class GroupGenerator:
 # ------------------------------------------------------------------------------------ policies
 class ServerCheckpoints:
     """Publishes weights to an asyncvec server: saves them under its ``--weights-dir``, then
-    asks it to load them (``OpenAIPolicy.load_weights``)."""
+    asks it to load them (``OpenAIPolicy.load_weights``).
+
+    Registered with the agent's VersionManager for ``--backend openai``; version N goes to
+    ``<weights_dir>/<run_name>-vN/model.safetensors`` (``test_training_through_an_asyncvec_server``
+    runs it against a real server).
+    """
 
     def __init__(self, policy: Any, weights_dir: str | os.PathLike, run_name: str) -> None:
         self.policy = policy
@@ -526,7 +548,16 @@ class ServerCheckpoints:
 
 
 def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space) -> Any:
-    """The policy sampling completions: HFTextPolicy, OpenAIPolicy or VLLMPolicy (``--backend``)."""
+    """The policy sampling completions: HFTextPolicy, OpenAIPolicy or VLLMPolicy (``--backend``).
+
+    Example:
+        >>> import tempfile
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> env = make_prompt_env("asyncvec/SingleDigitSums-v0")
+        >>> with make_text_policy(LMArgs(max_new_tokens=2), folder, env.action_space) as policy:
+        ...     len(policy.submit("3+4=").result(timeout=30).token_ids) <= 2
+        True
+    """
     options = {
         "action_space": action_space,
         "max_new_tokens": args.max_new_tokens,
