@@ -58,6 +58,7 @@ def curve_line(curve: list[float], every: int = 10) -> str:
 
 def main(args: DemoArgs) -> dict[str, LMTrainResult]:
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", module="transformers")
     results = {}
     with tempfile.TemporaryDirectory(prefix="asyncvec-demo-llm-") as work:
