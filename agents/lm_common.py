@@ -82,7 +82,7 @@ class LMArgs:
     """bearer token of the server's /update_weights (default: $ASYNCVEC_SERVE_TOKEN)"""
     mode: Literal["sync", "async"] = "async"
     """async: generation and scoring keep running in a thread while the learner trains; sync: alternate"""
-    total_prompts: int = 2048
+    total_prompts: int = 6400
     """prompts to train on (each with group_size completions)"""
     prompts_per_update: int = 16
     """prompts (groups) per learner update"""

@@ -1,7 +1,7 @@
 """RLOO (REINFORCE leave-one-out, Ahmadian et al. 2024) for language-model policies.
 
-Run:    python agents/rloo.py --env asyncvec/SingleDigitSums-v0 --total-prompts 4096 --sft-steps 150
-Import: from agents.rloo import RLOO, Args; result = RLOO(Args(sft_steps=150)).train()
+Run:    python agents/rloo.py --env asyncvec/SingleDigitSums-v0 --sft-steps 400 --target-reward 0.85
+Import: from agents.rloo import RLOO, Args; result = RLOO(Args(sft_steps=400, target_reward=0.85)).train()
 
 Each prompt gets ``k = --group-size`` completions from the policy (HFTextPolicy in process by
 default, ``--backend openai --base-url ...`` for an ``asyncvec serve`` server). The objective:

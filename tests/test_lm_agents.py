@@ -391,6 +391,26 @@ def test_a_failing_run_closes_everything(tiny_dir):
         rloo.RLOO(args).train()  # no_leftover_threads checks that generator, policy, rewarder stopped
 
 
+def test_warm_start_then_training_saves_the_trained_model(tiny_dir, tmp_path):
+    args = rloo.Args(
+        model=str(tiny_dir),
+        sft_steps=3,
+        total_prompts=4,
+        prompts_per_update=2,
+        group_size=2,
+        output_dir=str(tmp_path / "trained"),
+        **QUIET,
+    )
+    agent = rloo.RLOO(args)
+    assert agent.model_dir != tiny_dir and agent.model_dir.name == "sft"  # the input folder stays untouched
+    result = agent.train()
+    trained, _ = load_causal_lm(tmp_path / "trained")
+    original, _ = load_causal_lm(tiny_dir)
+    changed = any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), original.state_dict().values()))
+    assert result.updates == 2 and changed
+    assert not agent.model_dir.exists()  # the run's scratch folder is removed at close
+
+
 def test_completion_logps_use_the_sampling_temperature(tiny_dir):
     model, tokenizer = load_causal_lm(tiny_dir)
     prompt = tokenizer("3+4=").input_ids
