@@ -95,6 +95,14 @@ class LaggedWeights:
             self.backend.load_weights(*self._queue.popleft())
 
 
+def final_observations(next_obs: np.ndarray, done: np.ndarray, info: dict[str, Any]) -> np.ndarray:
+    """The observation each step ended in: SAME_STEP autoreset puts it in ``info["final_obs"]``."""
+    final = next_obs.copy()
+    if done.any():
+        final[done] = np.stack(info["final_obs"][done])
+    return final
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)

@@ -25,7 +25,6 @@ Samples older than ``--max-staleness`` versions are masked out of the loss (and 
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,6 +43,7 @@ from torch.distributions import Categorical, Normal
 
 from agents.common import (
     LaggedWeights,
+    final_observations,
     layer_init,
     load_checkpoint,
     make_policy,
@@ -349,9 +349,7 @@ class PPO:
             executed = np.clip(actions, self.action_space.low, self.action_space.high) if isinstance(self.action_space, gym.spaces.Box) else actions
             next_obs, rewards, terminated, truncated, info = self.envs.step(executed)
             done = terminated | truncated
-            final = next_obs.copy()
-            if done.any():
-                final[done] = np.stack(info["final_obs"][done])
+            final = final_observations(next_obs, done, info)
             self.store.add(
                 ids, obs, actions, rewards, terminated, truncated,
                 np.array([o.behavior_logp for o in outputs], dtype=np.float32),

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
-from agents.common import LaggedWeights, load_checkpoint, make_policy, make_vector_env, save_checkpoint, seed_everything
+from agents.common import LaggedWeights, final_observations, load_checkpoint, make_policy, make_vector_env, save_checkpoint, seed_everything
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec.collector import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger
@@ -427,9 +427,7 @@ class SAC:
                     actions = np.stack([o.action for o in outputs])
                     next_obs, rewards, terminated, truncated, info = self.envs.step(np.clip(actions, self.action_space.low, self.action_space.high))
                     done = terminated | truncated
-                    final = next_obs.copy()
-                    if done.any():
-                        final[done] = np.stack(info["final_obs"][done])
+                    final = final_observations(next_obs, done, info)
                     self.store(Transitions(
                         env_ids=ids, obs=obs, action=actions, reward=rewards, next_obs=final, terminated=terminated,
                         truncated=truncated, behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import time
 from collections import deque
@@ -54,7 +55,6 @@ class _Pending:
     command: str
     payload: Any
     sent_at: float
-    restarted: bool = False  # the worker was rebuilt while serving this command
 
 
 _NO_RESULT = object()  # a worker's answer can be None, so "no answer yet" needs its own marker
@@ -234,8 +234,6 @@ class AsyncLLMVectorEnv(VectorEnv):
     # ------------------------------------------------------------------ workers
 
     def _start_worker(self, index: int, needs_reset: bool) -> _Worker:
-        import os
-
         parent_pipe, child_pipe = self._ctx.Pipe()
         process = self._ctx.Process(
             target=run_worker,
@@ -376,7 +374,6 @@ class AsyncLLMVectorEnv(VectorEnv):
             self._workers[index].restarts = worker.restarts
             self._await_ready(index)
             self._send(index, "reset", pending.payload)
-            self._workers[index].pending.restarted = True
             self._workers[index].info_extra = restart_info
             return
         # An interrupted step ends its episode as truncated at the last observation seen.
