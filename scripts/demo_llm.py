@@ -9,7 +9,7 @@
 3. from that same model, each agent trains in async mode: a generator thread samples k
    completions per prompt with HFTextPolicy and scores them with the RewardService while the
    learner trains on the previous groups; new weights go to the policy after every update.
-   Each stops once the mean reward of 5 updates reaches --target-reward (or after --max-prompts);
+   Each stops once the mean reward of 10 updates reaches --target-reward (or after --max-prompts);
 4. prints the reward before and after RL and the reward curve.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -26,12 +25,12 @@ from typing import Literal
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
-import transformers
 import tyro
 
 from agents import reinforce_pp, rloo
-from agents.lm_common import LMTrainResult, sft_warm_start, summary
+from agents.lm_setup import LMTrainResult, solved_prompts, summary
 from asyncvec.inference import build_tiny_lm
+from asyncvec.lm import quiet_transformers, sft_warm_start
 
 
 @dataclass
@@ -43,7 +42,7 @@ class DemoArgs:
     sft_steps: int = 400
     """supervised steps (batches of 32 sums) before RL"""
     target_reward: float = 0.85
-    """an agent stops once the mean reward of its last 5 updates reaches this"""
+    """an agent stops once the mean reward of its last 10 updates reaches this"""
     max_prompts: int = 6400
     """prompts per agent at most (16 per update, 8 completions each)"""
     seed: int = 0
@@ -57,14 +56,13 @@ def curve_line(curve: list[float], every: int = 10) -> str:
 
 
 def main(args: DemoArgs) -> dict[str, LMTrainResult]:
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", module="transformers")
+    quiet_transformers()
     results = {}
     with tempfile.TemporaryDirectory(prefix="asyncvec-demo-llm-") as work:
         start = time.monotonic()
         base = build_tiny_lm(Path(work) / "base", arch="gpt2", n_layer=2, n_embd=64, seed=args.seed)
-        warm = sft_warm_start(base, Path(work) / "sft", steps=args.sft_steps, seed=args.seed)
+        examples = solved_prompts("asyncvec/SingleDigitSums-v0", args.seed)
+        warm = sft_warm_start(base, Path(work) / "sft", examples, args.sft_steps, seed=args.seed)
         print(f"supervised warm start: {args.sft_steps} steps in {time.monotonic() - start:.1f} s", flush=True)
         for name in args.agents:
             module, cls = (rloo, rloo.RLOO) if name == "rloo" else (reinforce_pp, reinforce_pp.ReinforcePP)

@@ -46,9 +46,9 @@ def learner_vs_engine(agent, batch) -> float:
     """Largest |learner log-prob - vLLM log-prob| over the batch's sampled tokens."""
     import torch
 
-    data, _ = agent.prepare(batch)
+    data = agent.prepare(batch)
     with torch.no_grad():
-        learner = agent.logps(agent.learner, data)
+        learner = data.logps(agent.learner, agent.args.temperature)
     return float((learner - data.behavior_logp).abs()[data.mask].max())
 
 
@@ -95,7 +95,7 @@ def run(work: Path) -> None:
         traceback.print_exc()
         return
     try:
-        batch = agent.generate_groups(8)
+        batch = agent.collector.collect(8, timeout=300)
         lengths = [len(s.output.token_ids) for group in batch.completions for s in group]
         report(
             batch.rewards.shape == (8, 4) and (batch.policy_version == 0).all() and min(lengths) > 0,
@@ -122,7 +122,7 @@ def run(work: Path) -> None:
             f"version {version}, policy reports {agent.policy.policy_version}",
         )
 
-        after = agent.generate_groups(8)
+        after = agent.collector.collect(8, timeout=300)
         report(
             (after.policy_version == 1).all(),
             "next generation reports the new version",

@@ -13,11 +13,15 @@ import torch
 from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
 from test_serve import free_port, server  # noqa: F401  (fixture: `asyncvec serve` subprocess)
 
-from agents import lm_common, reinforce_pp, rloo
-from agents.lm_common import Sample, completion_logps, load_causal_lm, sft_warm_start
+import asyncvec.group_collector
+import asyncvec.lm
+from agents import lm_setup, reinforce_pp, rloo
+from agents.lm_setup import solved_prompts
 from asyncvec import rewards
 from asyncvec.buffers import CompletionGroups
+from asyncvec.group_collector import ScoredCompletion
 from asyncvec.inference import PolicyOutput, build_tiny_lm
+from asyncvec.lm import completion_logps, load_causal_lm, sft_warm_start
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,7 +37,7 @@ def tiny_dir(tmp_path_factory):
 def warm_dir(tmp_path_factory):
     """The demo's setup: a char-level GPT-2 (2 layers, 64 wide) after a short supervised warm start."""
     base = build_tiny_lm(tmp_path_factory.mktemp("base"), n_layer=2, n_embd=64, seed=0)
-    return sft_warm_start(base, tmp_path_factory.mktemp("sft"), steps=400, seed=0)
+    return sft_warm_start(base, tmp_path_factory.mktemp("sft"), solved_prompts("asyncvec/SingleDigitSums-v0", 0), 400)
 
 
 # ------------------------------------------------------------------------------ learning
@@ -76,6 +80,8 @@ def test_agent_learns_single_digit_sums_in_async_mode(agent, options, warm_dir):
 
 # ---------------------------------------------------------------------- hand-built batches
 def output(token_ids, token_logps, version=0):
+    if token_ids is None:  # the policy's deadline passed: the fallback action, nothing sampled
+        return PolicyOutput(action="", behavior_logp=0.0, policy_version=version, latency_s=1.0, fallback=True)
     return PolicyOutput(
         action="7",
         behavior_logp=float(sum(token_logps)),
@@ -92,14 +98,18 @@ def hand_built_batch(groups, prompt="3+4="):
     buffer = CompletionGroups(len(groups[0]))
     for prompt_id, samples in enumerate(groups):
         for reward, token_ids, logps, version, flagged in samples:
-            buffer.add(
-                prompt_id, Sample(prompt, output(token_ids, logps, version), reward, flagged), reward, logps, version
-            )
+            completion = ScoredCompletion(prompt, output(token_ids, logps, version), reward, flagged)
+            buffer.add(prompt_id, completion, reward, logps, version)
     return buffer.pop(len(groups), timeout=0)
 
 
 def sample(reward, length, version=0, flagged=False):
     return (reward, [10 + i for i in range(length - 1)] + [1], [-0.5] * length, version, flagged)
+
+
+def missed(version=0):
+    """A request answered by the deadline fallback."""
+    return (0.0, None, [], version, False)
 
 
 GROUPS = [
@@ -119,8 +129,8 @@ def explicit_rloo(rewards_, groups, logp, ref, mask, beta):
 
 def test_rloo_advantages_match_the_leave_one_out_formula(tiny_dir):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), kl_coef=0.1, group_size=4, **QUIET)) as agent:
-        data, info = agent.prepare(hand_built_batch(GROUPS))
-        assert info["samples_used"] == 7  # the flagged sample is out
+        data = agent.prepare(hand_built_batch(GROUPS))
+        assert data.info["samples_used"] == 7  # the flagged sample is out
         torch.manual_seed(0)
         logp, ref = -torch.rand(data.mask.shape), -torch.rand(data.mask.shape)
         advantages = agent.compute_advantages(data, logp * data.mask, ref * data.mask)
@@ -138,7 +148,7 @@ def test_reinforce_pp_token_advantages_match_explicit_returns(tiny_dir, baseline
             model=str(tiny_dir), kl_coef=beta, group_size=4, baseline=baseline, kl_estimator="k1", **QUIET
         )
     ) as agent:
-        data, _ = agent.prepare(hand_built_batch(GROUPS))
+        data = agent.prepare(hand_built_batch(GROUPS))
         torch.manual_seed(1)
         logp, ref = -torch.rand(data.mask.shape), -torch.rand(data.mask.shape)
         advantages = agent.compute_advantages(data, logp, ref)
@@ -184,8 +194,8 @@ def test_flagged_samples_stay_out_of_advantages_and_loss(tiny_dir):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), **QUIET)) as agent:
         results = []
         for value in (100.0, -50.0):
-            data, info = agent.prepare(hand_built_batch(with_flagged_reward(value)))
-            assert info["samples_used"] == 7 and value not in data.rewards.tolist()
+            data = agent.prepare(hand_built_batch(with_flagged_reward(value)))
+            assert data.info["samples_used"] == 7 and value not in data.rewards.tolist()
             advantages = agent.compute_advantages(data, torch.zeros(data.mask.shape), None)
             loss, _ = agent.policy_loss(
                 torch.zeros(data.mask.shape), torch.zeros(data.mask.shape), advantages, data.mask.float(), data.mask
@@ -209,7 +219,7 @@ def test_rewarder_errors_and_timeouts_are_flagged_and_not_trained_on(tiny_dir):
 
     try:
         args = rloo.Args(model=str(tiny_dir), reward="test_lm_fails_on_zero", total_prompts=64, group_size=2, **QUIET)
-        prompts = lm_common.iter_prompts(lm_common.make_prompt_env(args.env), args.seed)
+        prompts = lm_setup.iter_prompts(lm_setup.make_prompt_env(args.env), args.seed)
         zeros = sum(next(prompts).startswith("0+") for _ in range(64))
         result = rloo.RLOO(args).train()
         assert zeros > 0 and result.flagged_fraction == pytest.approx(zeros * 2 / result.samples)
@@ -233,6 +243,35 @@ def test_rewarder_errors_and_timeouts_are_flagged_and_not_trained_on(tiny_dir):
         rewards.unregister("test_lm_slow")
 
 
+def test_deadline_misses_are_never_trained_on(tiny_dir):
+    """A request answered by the policy's deadline fallback has nothing sampled: it stays out of the
+    rows, the baselines, the loss and the batch's mean reward; its group keeps the others."""
+    groups = [
+        [sample(1.0, 2), missed(), sample(0.0, 3), sample(1.0, 2)],
+        [missed(), sample(1.0, 1), missed(), missed()],  # one trainable completion left
+    ]
+    with rloo.RLOO(rloo.Args(model=str(tiny_dir), group_size=4, **QUIET)) as agent:
+        data = agent.prepare(hand_built_batch(groups))
+        # RLOO: the second group has no leave-one-out baseline left and is skipped whole
+        assert data.info["missed_deadlines"] == 4 and data.info["samples_used"] == 3
+        assert data.group_ids.tolist() == [0, 0, 0] and data.info["reward"] == pytest.approx(0.75)
+        got = agent.compute_advantages(data, torch.zeros(data.mask.shape), None)
+        alone = agent.prepare(hand_built_batch([[sample(1.0, 2), sample(0.0, 3), sample(1.0, 2)]]))
+        assert torch.equal(got, agent.compute_advantages(alone, torch.zeros(alone.mask.shape), None))
+    with reinforce_pp.ReinforcePP(reinforce_pp.Args(model=str(tiny_dir), group_size=4, **QUIET)) as agent:
+        data = agent.prepare(hand_built_batch(groups))
+        assert data.info["samples_used"] == 4 and data.group_ids.tolist() == [0, 0, 0, 1]
+        assert data.mask.sum(-1).tolist() == [2, 3, 2, 1]  # no row of a missed request
+
+
+def test_a_run_whose_requests_all_miss_the_deadline_trains_on_nothing(tiny_dir):
+    # 1 ms is below the batcher's 5 ms wait: every request gets the fallback, none is sampled or scored.
+    args = rloo.Args(model=str(tiny_dir), deadline_ms=1.0, total_prompts=4, prompts_per_update=2, group_size=2, **QUIET)
+    result = rloo.RLOO(args).train()
+    assert result.missed_deadline_fraction == 1.0 and result.samples == 8
+    assert [row["samples_used"] for row in result.history] == [0, 0] and result.final_version == 0
+
+
 # ------------------------------------------------------------------------- staleness, IS
 def test_stale_groups_are_dropped_and_counted(tiny_dir):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), max_staleness=1, group_size=2, **QUIET)) as agent:
@@ -245,10 +284,9 @@ def test_stale_groups_are_dropped_and_counted(tiny_dir):
                 [sample(1.0, 2, version=3), sample(0.0, 2, version=3)],
             ]
         )
-        data, info = agent.prepare(batch)
-        assert (
-            info["stale_groups"] == 1 and info["samples_used"] == 4 and sorted(set(data.group_ids.tolist())) == [1, 2]
-        )
+        data = agent.prepare(batch)
+        assert data.info["stale_groups"] == 1 and data.info["samples_used"] == 4
+        assert sorted(set(data.group_ids.tolist())) == [1, 2]
         stats = agent.versions.staleness_stats()
         assert stats.dropped == 2 and stats.histogram[:3] == [2, 3, 1]
 
@@ -272,28 +310,28 @@ def test_a_slow_weight_broadcast_makes_samples_stale(tiny_dir):
 def test_importance_weights_against_the_engine_logps_are_truncated_and_counted(tiny_dir, level):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), is_cap=2.0, is_level=level, group_size=2, **QUIET)) as agent:
         batch = hand_built_batch([[sample(1.0, 2), sample(0.0, 3)], [sample(1.0, 1), sample(0.0, 2)]])
-        data, _ = agent.prepare(batch)
+        data = agent.prepare(batch)
         with torch.no_grad():
-            learner = agent.logps(agent.learner, data)
+            learner = data.logps(agent.learner, agent.args.temperature)
         # the engine reports the learner's log-probs except one token it found e^3 times less likely
         for row, samples in enumerate(batch.completions):
             for i, s in enumerate(samples):
                 logps = learner[2 * row + i][: len(s.output.token_ids)].tolist()
                 if (row, i) == (0, 1):
                     logps[1] -= 3.0
-                samples[i] = Sample(s.prompt, output(s.output.token_ids, logps), s.reward, s.flagged)
+                samples[i] = ScoredCompletion(s.prompt, output(s.output.token_ids, logps), s.reward, s.flagged)
         stats = agent.update(batch)
         entries = 4 if level == "sequence" else 8
-        assert agent.counts["is_clipped"] == 1 and agent.counts["is_entries"] == entries
+        assert stats["is/clipped"] == 1 and stats["is/entries"] == entries
         assert stats["is/clipped_fraction"] == pytest.approx(1 / entries)
 
 
 def test_learner_logps_match_the_sampled_token_logps(tiny_dir):
     """Fresh weights on both sides: pi_learner / mu = 1 for every sampled token."""
     with reinforce_pp.ReinforcePP(reinforce_pp.Args(model=str(tiny_dir), max_new_tokens=5, **QUIET)) as agent:
-        data, _ = agent.prepare(agent.generate_groups(6))
+        data = agent.prepare(agent.collector.collect(6, timeout=60))
         with torch.no_grad():
-            learner = agent.logps(agent.learner, data)
+            learner = data.logps(agent.learner, agent.args.temperature)
     assert data.mask.sum() > 6 and torch.allclose(learner, data.behavior_logp, atol=1e-4)
 
 
@@ -301,14 +339,14 @@ def test_learner_logps_match_the_sampled_token_logps(tiny_dir):
 def test_each_update_publishes_a_version_the_policy_answers_with(tiny_dir):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), group_size=2, **QUIET)) as agent:
         for expected in (1, 2):
-            agent.update(agent.generate_groups(4))
+            agent.update(agent.collector.collect(4, timeout=60))
             assert agent.publish() == expected
             answer = agent.policy.submit("3+4=").result(timeout=30)
             assert answer.policy_version == expected
         served = agent.policy.model.state_dict()
         for name, tensor in agent.learner.state_dict().items():
             assert torch.equal(served[name], tensor), name
-        batch = agent.generate_groups(2)
+        batch = agent.collector.collect(2, timeout=60)
         assert (batch.policy_version == 2).all()
     result = rloo.RLOO(
         rloo.Args(
@@ -374,17 +412,6 @@ def test_bad_arguments_name_the_flag(options, message):
         reinforce_pp.Args(**options)
 
 
-def test_vllm_backend_without_vllm_says_how_to_install(tiny_dir):
-    try:
-        import vllm  # noqa: F401
-
-        pytest.skip("vllm is installed")
-    except ImportError:
-        pass
-    with pytest.raises(ImportError, match=r"pip install -e \.\[vllm\]"):
-        rloo.RLOO(rloo.Args(model=str(tiny_dir), backend="vllm", **QUIET))
-
-
 def test_a_failing_run_closes_everything(tiny_dir):
     args = rloo.Args(model=str(tiny_dir), mode="async", timeout_s=1e-3, progress=False, eval_prompts=0)
     with pytest.raises(TimeoutError, match="complete groups"):
@@ -421,7 +448,7 @@ def test_completion_logps_use_the_sampling_temperature(tiny_dir):
     assert got[0, 2].item() == 0.0
 
 
-@pytest.mark.parametrize("module", [lm_common, rloo, reinforce_pp])
+@pytest.mark.parametrize("module", [lm_setup, rloo, reinforce_pp, asyncvec.lm, asyncvec.group_collector])
 def test_docstring_examples_run(module):
     failures, tried = doctest.testmod(module, verbose=False)
     assert tried > 0 and failures == 0

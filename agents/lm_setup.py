@@ -1,0 +1,433 @@
+"""What the language-model agents (``agents/rloo.py``, ``agents/reinforce_pp.py``) build from
+their options: ``LMArgs``, the prompt env, the model folder, the text policy, and the result
+record. The loops live in the agent files; the machinery they drive lives in the library
+(``asyncvec.group_collector``, ``asyncvec.lm``, ``asyncvec.inference``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from agents.common import check_env_id
+from asyncvec import rewards
+from asyncvec.inference import build_tiny_lm
+from asyncvec.lm import load_causal_lm, sft_warm_start
+
+TARGET_WINDOW = 10
+"""``target_reward`` is met when the mean training reward of this many updates reaches it."""
+
+
+@dataclass
+class LMArgs:
+    """Options shared by the language-model agents (each agent's ``Args`` adds its own)."""
+
+    env: str = "asyncvec/SingleDigitSums-v0"
+    """one-step text env id: its reset() observations are the prompts"""
+    model: str | None = None
+    """save_pretrained folder of the model (default: a fresh tiny GPT-2 from build_tiny_lm)"""
+    sft_steps: int = 0
+    """supervised warm start on the env's prompts and solved answers before RL (arithmetic envs)"""
+    reward: str = "exact_answer"
+    """reward plugin name (asyncvec.rewards.register) scoring (prompt, completion)"""
+    reward_timeout_s: float = 10.0
+    """a reward not ready this long after its request is flagged and kept out of training"""
+    backend: Literal["hf", "openai", "vllm"] = "hf"
+    """hf: HFTextPolicy in this process; vllm: an in-process vLLM engine; openai: a server at --base-url"""
+    vllm_engine: str = "{}"
+    """--backend vllm: vllm.LLM options as JSON, e.g. '{"dtype": "float32", "max_model_len": 128}'"""
+    base_url: str | None = None
+    """server root for --backend openai, e.g. http://127.0.0.1:8000"""
+    server_kind: Literal["asyncvec", "vllm", "sglang"] = "asyncvec"
+    """--backend openai: which server it is (how new weights reach it, see docs/lm_agents.md)"""
+    served_model: str | None = None
+    """model name the server expects (default: the --model folder as given)"""
+    weights_dir: str | None = None
+    """--backend openai: a folder the server can read; version N is saved to <weights-dir>/<run>-vN"""
+    update_token: str | None = None
+    """bearer token of an asyncvec server's /update_weights (default: $ASYNCVEC_SERVE_TOKEN)"""
+    mode: Literal["sync", "async"] = "async"
+    """async: generation and scoring keep running in a thread while the learner trains; sync: alternate"""
+    total_prompts: int = 6400
+    """prompts to train on (each with group_size completions)"""
+    prompts_per_update: int = 16
+    """prompts (groups) per learner update"""
+    group_size: int = 8
+    """k: completions sampled per prompt"""
+    prefetch_updates: int = 1
+    """async mode: updates' worth of prompts generated ahead of the learner"""
+    max_staleness: int = 2
+    """groups with a completion more than this many versions older than the learner are dropped"""
+    policy_lag: int = 0
+    """the policy receives each new version this many updates late (a slow weight broadcast)"""
+    is_cap: float = 2.0
+    """truncation C of the importance weights min(pi/mu, C)"""
+    is_level: Literal["token", "sequence"] = "token"
+    """importance weights per token, or one per completion (product of the token ratios)"""
+    kl_coef: float = 0.0
+    """beta: weight of the KL penalty against the frozen initial model (0: no reference model)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """per-token KL estimator (asyncvec.losses.approx_kl)"""
+    max_new_tokens: int = 4
+    """completion length limit in tokens (eos included)"""
+    temperature: float = 1.0
+    """sampling temperature (the learner's log-probs use the same one)"""
+    learning_rate: float = 1e-3
+    """Adam learning rate"""
+    update_epochs: int = 1
+    """passes over each batch"""
+    num_minibatches: int = 1
+    """minibatches per pass"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    policy_batch_size: int = 128
+    """largest batch the policy's DynamicBatcher sends to the model"""
+    deadline_ms: float | None = None
+    """a completion not ready this long after its request gets the fallback and is never trained on"""
+    eval_prompts: int = 200
+    """completions sampled to measure the mean reward before and after training (0: skip)"""
+    target_reward: float | None = None
+    """stop once the mean training reward of the last 10 updates reaches this"""
+    timeout_s: float = 120.0
+    """longest wait for a batch of groups before the run fails (it never hangs)"""
+    seed: int = 1
+    """seed of torch, numpy and the prompt stream"""
+    device: str = "cpu"
+    """torch device of the learner, the reference model and the hf backend's model"""
+    torch_threads: int = 1
+    """torch CPU threads (generation and learning already run on two threads)"""
+    output_dir: str | None = None
+    """save the trained model (save_pretrained) here"""
+    track: bool = False
+    """write TensorBoard logs to runs/"""
+    log_dir: str = "runs"
+    """TensorBoard log root"""
+    progress: bool = True
+    """show a progress bar"""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "total_prompts",
+            "prompts_per_update",
+            "update_epochs",
+            "num_minibatches",
+            "max_new_tokens",
+            "policy_batch_size",
+            "torch_threads",
+            "prefetch_updates",
+        ):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("sft_steps", "max_staleness", "policy_lag", "eval_prompts"):
+            _check_int(name, getattr(self, name), 0)
+        _check_int("group_size", self.group_size, 2)
+        for name in ("is_cap", "reward_timeout_s", "timeout_s", "learning_rate", "max_grad_norm"):
+            _check_number(name, getattr(self, name), positive=True)
+        for name in ("kl_coef", "temperature"):
+            _check_number(name, getattr(self, name), positive=False)
+        if self.deadline_ms is not None:
+            _check_number("deadline_ms", self.deadline_ms, positive=True)
+        if self.temperature == 0:
+            raise ValueError("--temperature must be > 0: policy-gradient learning needs sampled completions")
+        if self.backend == "openai":
+            if not self.base_url:
+                raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
+            if not self.weights_dir:
+                raise ValueError("--backend openai needs --weights-dir: a folder the server loads new weights from")
+        elif self.base_url is not None:
+            raise ValueError(f"--base-url is only used with --backend openai, got --backend {self.backend}")
+        try:
+            engine = json.loads(self.vllm_engine)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--vllm-engine must be a JSON object, got {self.vllm_engine!r}: {exc}") from None
+        if not isinstance(engine, dict):
+            raise ValueError(f"--vllm-engine must be a JSON object of vllm.LLM options, got {self.vllm_engine!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"--device: {exc}") from None
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"--{_flag(name)} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, positive: bool) -> None:
+    in_range = isinstance(value, (int, float)) and (value > 0 if positive else value >= 0) and value < math.inf
+    if isinstance(value, bool) or not in_range:
+        raise ValueError(f"--{_flag(name)} must be a finite number {'>' if positive else '>='} 0, got {value!r}")
+
+
+# ------------------------------------------------------------------------------------ prompts
+def make_prompt_env(env_id: str) -> gym.Env:
+    """Makes ``env_id`` after checking it is a one-step text task (a prompt in, a completion out).
+
+    Raises:
+        ValueError: unknown id (close matches named), observation or action space not
+            ``gymnasium.spaces.Text``, or an episode that does not end after one step.
+
+    Example:
+        >>> make_prompt_env("asyncvec/SingleDigitSums-v0").reset(seed=0)[0]
+        '8+6='
+    """
+    check_env_id(env_id)
+    env = gym.make(env_id)
+    try:
+        for role, space in (("observation", env.observation_space), ("action", env.action_space)):
+            if not isinstance(space, gym.spaces.Text):
+                raise ValueError(
+                    f"{env_id}: the LM agents need a gymnasium.spaces.Text {role} space (prompts in, "
+                    f"completions out), got {space}"
+                )
+        env.reset(seed=0)
+        _, _, terminated, truncated, _ = env.step("0")
+        if not (terminated or truncated):
+            raise ValueError(
+                f"{env_id}: the LM agents train on one-step tasks (prompt -> completion -> reward), "
+                "but its episode did not end after one step"
+            )
+    except BaseException:
+        env.close()
+        raise
+    return env
+
+
+def iter_prompts(env: gym.Env, seed: int) -> Iterator[str]:
+    """Endless prompts: the env's reset observations, the first one seeded.
+
+    Example:
+        >>> prompts = iter_prompts(make_prompt_env("asyncvec/SingleDigitSums-v0"), seed=0)
+        >>> next(prompts), next(prompts)
+        ('8+6=', '5+2=')
+    """
+    obs, _ = env.reset(seed=seed)
+    while True:
+        yield obs
+        obs, _ = env.reset()
+
+
+def check_reward(reward: str, env_id: str, prompt: str) -> None:
+    """Scores one completion of ``prompt`` so a plugin that cannot score the env fails at start."""
+    try:
+        rewards.score(reward, prompt, "0")
+    except Exception as exc:
+        raise ValueError(f"--reward {reward!r} cannot score {env_id} prompts like {prompt!r}: {exc}") from exc
+
+
+def completion_with_answer(text: str) -> str | None:
+    """The policy's action parser: the completion if it starts with an integer, else None (rejected).
+
+    Example:
+        >>> completion_with_answer(" 7"), completion_with_answer("x")
+        (' 7', None)
+    """
+    return text if rewards.parse_leading_int(text) is not None else None
+
+
+# ------------------------------------------------------------------------------ model, policy
+def prepare_model(args: LMArgs, workdir: Path) -> Path:
+    """The model folder to train: ``--model`` (or a fresh tiny GPT-2 in ``workdir``), after a
+    supervised warm start of ``--sft-steps`` on the env's solved prompts (saved in ``workdir/sft``).
+
+    Example:
+        >>> import tempfile
+        >>> prepare_model(LMArgs(sft_steps=2), Path(tempfile.mkdtemp())).name
+        'sft'
+    """
+    model_dir = Path(args.model) if args.model else build_tiny_lm(workdir / "tiny-lm", seed=args.seed)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)")
+    if not args.sft_steps:
+        return model_dir
+    examples = solved_prompts(args.env, args.seed)
+    return sft_warm_start(model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed)
+
+
+def solved_prompts(env_id: str, seed: int) -> Iterator[tuple[str, str]]:
+    """Endless ``(prompt, answer)`` pairs of an arithmetic env, for :func:`asyncvec.lm.sft_warm_start`.
+
+    Example:
+        >>> next(solved_prompts("asyncvec/SingleDigitSums-v0", seed=0))
+        ('8+6=', '14')
+    """
+    with make_prompt_env(env_id) as env:
+        for prompt in iter_prompts(env, seed):
+            answer = rewards.solve_arithmetic(prompt)
+            if answer is None:
+                raise ValueError(f"--sft-steps: {env_id} prompt {prompt!r} is not an arithmetic problem 'a+b='")
+            yield prompt, str(answer)
+
+
+def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space) -> Any:
+    """The policy sampling completions: HFTextPolicy, VLLMPolicy or OpenAIPolicy (``--backend``).
+
+    Example:
+        >>> import tempfile
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> env = make_prompt_env("asyncvec/SingleDigitSums-v0")
+        >>> with make_text_policy(LMArgs(max_new_tokens=2), folder, env.action_space) as policy:
+        ...     len(policy.submit("3+4=").result(timeout=30).token_ids) <= 2
+        True
+    """
+    options = {
+        "action_space": action_space,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "max_batch_size": args.policy_batch_size,
+        "max_wait_ms": 5.0,
+        "deadline_ms": args.deadline_ms,
+    }
+    if args.backend == "hf":
+        from asyncvec.inference import HFTextPolicy
+
+        return HFTextPolicy(*load_causal_lm(model_dir, args.device), completion_with_answer, **options)
+    if args.backend == "vllm":
+        from asyncvec.inference import VLLMPolicy
+
+        engine = {"seed": args.seed, **json.loads(args.vllm_engine)}
+        return VLLMPolicy(model_dir, completion_with_answer, engine_kwargs=engine, **options)
+    from asyncvec.inference import OpenAIPolicy
+
+    token = args.update_token if args.update_token is not None else os.environ.get("ASYNCVEC_SERVE_TOKEN")
+    policy = OpenAIPolicy(
+        args.base_url,
+        args.served_model or model_dir.name,
+        completion_with_answer,
+        update_token=token,
+        max_attempts=3,
+        **options,
+    )
+    try:
+        policy.server_version()
+    except Exception as exc:
+        policy.close()
+        raise ValueError(
+            f"--base-url {args.base_url}: cannot read its weights version (GET /version: {type(exc).__name__}: {exc})"
+        ) from exc
+    return policy
+
+
+class ServerCheckpoints:
+    """Where ``--backend openai`` publishes: saves the weights under ``--weights-dir`` (a folder the
+    server reads), then asks the server to load them (``OpenAIPolicy.load_weights(path, version)``).
+
+    Version N goes to ``<weights_dir>/<run_name>-vN/model.safetensors``.
+    """
+
+    def __init__(self, policy: Any, weights_dir: str | os.PathLike, run_name: str) -> None:
+        self.policy = policy
+        self.weights_dir = Path(weights_dir)
+        self.run_name = run_name
+
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        from safetensors.torch import save_file
+
+        name = f"{self.run_name}-v{version}"
+        (self.weights_dir / name).mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(self.weights_dir / name / "model.safetensors"))
+        self.policy.load_weights(name, version)
+
+
+def weights_receiver(args: LMArgs, policy: Any, run_name: str) -> Any:
+    """What the learner's VersionManager publishes to: the policy, or its server's checkpoint folder."""
+    return ServerCheckpoints(policy, args.weights_dir, run_name) if args.backend == "openai" else policy
+
+
+# ------------------------------------------------------------------------------------ results
+@dataclass
+class LMTrainResult:
+    """What an LM agent's ``train`` returns: the reward curve, speed and sample accounting.
+
+    Fractions are over all completions received: ``stale_fraction`` dropped for staleness,
+    ``flagged_fraction`` with a flagged reward, ``fallback_fraction`` rejected by the action
+    parser (unparsable, still trained on), ``missed_deadline_fraction`` answered by the
+    deadline fallback (never trained on); ``truncated_fraction`` is the share of importance
+    weights (tokens or sequences, per ``is_level``) clipped at ``is_cap``.
+    """
+
+    updates: int
+    prompts: int
+    samples: int
+    wall_time_s: float
+    samples_per_s: float
+    reward_curve: list[float]
+    eval_reward_before: float
+    eval_reward_after: float
+    stale_fraction: float
+    truncated_fraction: float
+    flagged_fraction: float
+    fallback_fraction: float
+    missed_deadline_fraction: float
+    staleness_mean: float
+    final_version: int
+    reached_target: bool
+    history: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def from_run(
+        cls,
+        history: list[dict],
+        collector_stats: dict[str, float],
+        wall_time_s: float,
+        evals: tuple[float, float],
+        staleness_mean: float,
+        final_version: int,
+        reached_target: bool,
+    ) -> LMTrainResult:
+        """Totals of a run from its per-update rows (``history``) and the collector's counters."""
+        samples = int(collector_stats["samples"])
+        received = max(sum(row["samples_received"] for row in history), 1)
+        is_entries = max(sum(row["is/entries"] for row in history if "is/entries" in row), 1)
+        return cls(
+            updates=len(history),
+            prompts=int(sum(row["groups"] for row in history)),
+            samples=samples,
+            wall_time_s=wall_time_s,
+            samples_per_s=samples / wall_time_s,
+            reward_curve=[row["reward"] for row in history],
+            eval_reward_before=evals[0],
+            eval_reward_after=evals[1],
+            stale_fraction=sum(row["stale_samples"] for row in history) / received,
+            truncated_fraction=sum(row.get("is/clipped", 0) for row in history) / is_entries,
+            flagged_fraction=collector_stats["flagged"] / max(samples, 1),
+            fallback_fraction=collector_stats["rejected"] / max(samples, 1),
+            missed_deadline_fraction=collector_stats["missed_deadlines"] / max(samples, 1),
+            staleness_mean=staleness_mean,
+            final_version=final_version,
+            reached_target=reached_target,
+            history=history,
+        )
+
+
+def target_reached(reward_curve: list[float], target: float | None) -> bool:
+    """Whether the mean training reward of the last ``TARGET_WINDOW`` updates reaches ``target``."""
+    recent = [r for r in reward_curve[-TARGET_WINDOW:] if not math.isnan(r)]
+    return target is not None and len(recent) == TARGET_WINDOW and float(np.mean(recent)) >= target
+
+
+def summary(name: str, result: LMTrainResult) -> str:
+    """A one-paragraph report of a run, printed by the agents' CLIs and the demo."""
+    curve = ", ".join(f"{r:.2f}" for r in result.reward_curve)
+    return (
+        f"{name}: {result.updates} updates, {result.samples} completions in {result.wall_time_s:.1f} s "
+        f"({result.samples_per_s:.0f} completions/s)\n"
+        f"  reward curve (per update): [{curve}]\n"
+        f"  eval reward before RL {result.eval_reward_before:.3f} -> after RL {result.eval_reward_after:.3f}\n"
+        f"  stale {result.stale_fraction:.1%}, IS-truncated {result.truncated_fraction:.1%}, "
+        f"flagged {result.flagged_fraction:.1%}, unparsable {result.fallback_fraction:.1%}, "
+        f"missed deadlines {result.missed_deadline_fraction:.1%}, "
+        f"mean staleness {result.staleness_mean:.2f}, final version {result.final_version}"
+    )

@@ -1,0 +1,274 @@
+"""Learner-side helpers for causal language models: loading, a supervised warm start, and
+:class:`LMBatch`, the usable completions of a :class:`~asyncvec.buffers.GroupBatch` as tensors
+with their teacher-forced log-probs.
+
+The acting side (policies, engines, servers) lives in :mod:`asyncvec.inference`; the groups
+come from :class:`asyncvec.group_collector.GroupCollector`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncvec.buffers import GroupBatch
+
+__all__ = ["LMBatch", "completion_logps", "load_causal_lm", "quiet_transformers", "sft_warm_start"]
+
+
+def quiet_transformers() -> None:
+    """Silences transformers' progress bars and advisory warnings (errors still show).
+
+    Training runs load and save models many times; their bars and notices (e.g. the pad
+    token chosen for ``generate``) would bury the run's own output.
+    """
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_causal_lm(folder: str | os.PathLike, device: str = "cpu") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a save_pretrained folder, the model in eval mode (dropout off).
+
+    Policy-gradient log-probs must match the sampler's, which has no dropout.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> model, tokenizer = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
+        >>> model.training, tokenizer("3+4=").input_ids
+        (False, [6, 13, 7, 17])
+    """
+    import transformers
+
+    return (
+        transformers.AutoModelForCausalLM.from_pretrained(folder).to(device).eval(),
+        transformers.AutoTokenizer.from_pretrained(folder),
+    )
+
+
+def completion_logps(
+    model: torch.nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    length: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Teacher-forced log-probs ``[N, length]`` of each completion token after its prompt.
+
+    Sequences are right-padded, so positions count from 0 as in left-padded generation;
+    entries past a completion's end are 0. The logits are divided by ``temperature``: the
+    distribution the policy sampled from.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> model, tok = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
+        >>> completion_logps(model, [tok("3+4=").input_ids], [[10, 1]], length=3).shape
+        torch.Size([1, 3])
+    """
+    rows = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    width = max(len(row) for row in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), length, dtype=torch.long)  # logits index predicting each token
+    targets = torch.zeros(len(rows), length, dtype=torch.long)
+    valid = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, : len(rows[i])] = torch.tensor(rows[i])
+        attention[i, : len(rows[i])] = 1
+        n = min(len(c), length)
+        positions[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)
+        targets[i, :n] = torch.tensor(list(c[:n]))
+        valid[i, :n] = True
+    device = next(model.parameters()).device
+    input_ids, attention, positions, targets, valid = (
+        t.to(device) for t in (input_ids, attention, positions, targets, valid)
+    )
+    logits = model(input_ids=input_ids, attention_mask=attention).logits
+    picked = logits.gather(1, positions.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float() / temperature
+    logps = torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, logps, torch.zeros_like(logps))
+
+
+def sft_warm_start(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    examples: Iterable[tuple[str, str]],
+    steps: int = 150,
+    batch_size: int = 32,
+    learning_rate: float = 3e-3,
+    seed: int = 0,
+    torch_threads: int = 1,
+) -> Path:
+    """Supervised warm start: teaches ``prompt -> answer<eos>`` on ``(prompt, answer)`` pairs.
+
+    The model in ``model_dir`` is left untouched; the trained one is saved to ``out_dir``.
+    The loss covers the answer tokens only. Training uses ``torch_threads`` CPU threads (a
+    tiny model is no faster on two, and a second thread spins against other work on a small
+    machine); the previous setting is restored.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> base = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> pairs = itertools.cycle([("3+4=", "7"), ("1+1=", "2")])
+        >>> sft_warm_start(base, tempfile.mkdtemp(), pairs, steps=2, batch_size=4).joinpath("config.json").exists()
+        True
+    """
+    examples = iter(examples)
+    model, tokenizer = load_causal_lm(model_dir)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(torch_threads)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for step in range(steps):
+                sequences, starts = [], []
+                for prompt, answer in itertools.islice(examples, batch_size):
+                    prompt_ids = tokenizer(prompt).input_ids
+                    sequences.append(prompt_ids + tokenizer(answer).input_ids + [tokenizer.eos_token_id])
+                    starts.append(len(prompt_ids))
+                if not sequences:
+                    raise ValueError(f"sft_warm_start: the examples ran out after {step} of {steps} steps")
+                width = max(map(len, sequences))
+                input_ids = torch.full((len(sequences), width), tokenizer.pad_token_id)
+                labels = torch.full((len(sequences), width), -100)  # loss on the answer tokens only
+                attention = torch.zeros((len(sequences), width), dtype=torch.long)
+                for i, (sequence, start) in enumerate(zip(sequences, starts)):
+                    input_ids[i, : len(sequence)] = torch.tensor(sequence)
+                    labels[i, start : len(sequence)] = torch.tensor(sequence[start:])
+                    attention[i, : len(sequence)] = 1
+                loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@dataclass
+class LMBatch:
+    """The trainable completions of a :class:`GroupBatch` as learner tensors (``N`` rows, ``L`` tokens).
+
+    Built by :meth:`from_groups`, which decides what is trained on:
+
+    * a group with a completion more than ``max_staleness`` versions older than the learner
+      is dropped whole (counted in ``stale_groups`` / ``stale_samples``);
+    * a completion with a flagged reward (unknown) or one that missed the policy's deadline
+      (nothing was sampled) is left out of the rows, so it enters neither the loss nor any
+      baseline; the rest of its group stays;
+    * a group left with fewer than ``min_group_samples`` trainable completions is skipped
+      (a leave-one-out baseline needs 2).
+
+    Attributes:
+        prompt_ids: ``N`` tokenized prompts.
+        completion_ids: ``N`` sampled token-id sequences.
+        rewards: ``[N]`` rewards.
+        group_ids: ``[N]`` index of each row's group in the GroupBatch.
+        behavior_logp: ``[N, L]`` log-probs the engine reported for the sampled tokens.
+        mask: ``[N, L]`` True on completion tokens.
+        info: per-batch counts: ``reward`` (mean known reward of the batch, before any drop),
+            ``stale_groups``, ``stale_samples``, ``flagged``, ``missed_deadlines``,
+            ``samples_used``, ``staleness_mean``.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    behavior_logp: torch.Tensor
+    mask: torch.Tensor
+    info: dict[str, float]
+
+    @classmethod
+    def from_groups(
+        cls,
+        batch: GroupBatch,
+        tokenizer: Any,
+        current_version: int,
+        max_staleness: int,
+        min_group_samples: int = 1,
+        device: str | torch.device = "cpu",
+    ) -> LMBatch:
+        """Selects the trainable completions of ``batch`` (see the class docstring) as tensors.
+
+        ``batch.completions`` holds :class:`~asyncvec.group_collector.ScoredCompletion`\\ s.
+        The result may have no rows (``len(batch) == 0``): then there is nothing to train on.
+
+        Example:
+            >>> import tempfile
+            >>> from asyncvec.buffers import CompletionGroups
+            >>> from asyncvec.group_collector import ScoredCompletion
+            >>> from asyncvec.inference import PolicyOutput, build_tiny_lm
+            >>> _, tokenizer = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
+            >>> groups = CompletionGroups(group_size=2)
+            >>> for reward, flagged in [(1.0, False), (0.0, True)]:
+            ...     out = PolicyOutput("7", -0.5, 1, 0.0, text="7", token_ids=(13, 1), token_logps=(-0.3, -0.2))
+            ...     _ = groups.add(0, ScoredCompletion("3+4=", out, reward, flagged), reward, [-0.3, -0.2], 1)
+            >>> data = LMBatch.from_groups(groups.pop(timeout=0), tokenizer, current_version=1, max_staleness=0)
+            >>> len(data), data.rewards.tolist(), data.info["flagged"]
+            (1, [1.0], 1.0)
+        """
+        staleness = batch.staleness(current_version)
+        stale_groups = staleness.max(axis=1) > max_staleness
+        samples = [s for group in batch.completions for s in group]
+        rows: list[tuple[int, Any]] = []
+        for g, group in enumerate(batch.completions):
+            usable = [s for s in group if s.trainable]
+            if not stale_groups[g] and len(usable) >= min_group_samples:
+                rows.extend((g, s) for s in usable)
+        known = [s.reward for s in samples if s.trainable]
+        info = {
+            "reward": float(np.mean(known)) if known else float("nan"),
+            "stale_groups": float(stale_groups.sum()),
+            "stale_samples": float(stale_groups.sum() * batch.rewards.shape[1]),
+            "flagged": float(sum(s.flagged for s in samples)),
+            "missed_deadlines": float(sum(s.missed_deadline for s in samples)),
+            "samples_used": float(len(rows)),
+            "staleness_mean": float(staleness.mean()),
+        }
+        length = max((len(s.output.token_ids) for _, s in rows), default=0)
+        behavior = torch.zeros(len(rows), length)
+        mask = torch.zeros(len(rows), length, dtype=torch.bool)
+        for i, (_, s) in enumerate(rows):
+            behavior[i, : len(s.output.token_logps)] = torch.tensor(s.output.token_logps)
+            mask[i, : len(s.output.token_ids)] = True
+        encoded = {prompt: tokenizer(prompt).input_ids for prompt in {s.prompt for _, s in rows}}
+        return cls(
+            prompt_ids=[encoded[s.prompt] for _, s in rows],
+            completion_ids=[list(s.output.token_ids) for _, s in rows],
+            rewards=torch.tensor([s.reward for _, s in rows], dtype=torch.float32, device=device),
+            group_ids=torch.tensor([g for g, _ in rows], dtype=torch.long, device=device),
+            behavior_logp=behavior.to(device),
+            mask=mask.to(device),
+            info=info,
+        )
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def logps(self, model: torch.nn.Module, temperature: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced log-probs ``[n, L]`` of the completions (all, or ``rows``) under ``model``."""
+        index = range(len(self)) if rows is None else rows.tolist()
+        return completion_logps(
+            model,
+            [self.prompt_ids[i] for i in index],
+            [self.completion_ids[i] for i in index],
+            self.mask.shape[1],
+            temperature,
+        )
