@@ -1,7 +1,9 @@
 """The ``asyncvec`` console script.
 
 Example:
-    $ asyncvec serve --model ./tiny-lm --port 8000 --weights-dir ./checkpoints --token s3cret
+    $ asyncvec serve --model ./tiny-lm --port 8000 --weights-dir ./checkpoints &
+    $ asyncvec wait-ready http://127.0.0.1:8000 --timeout 120
+    $ asyncvec free-port      # prints a free TCP port
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ def _port(value: str) -> int:
         port = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"port must be an int, got {value!r}") from None
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {port}")
+    if not 0 <= port < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0: any free port), got {port}")
     return port
 
 
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible /v1/completions server (with log-probs and weight updates) for a model folder.",
     )
     serve.add_argument("--model", required=True, type=_existing_dir, help="save_pretrained folder (model + tokenizer)")
-    serve.add_argument("--port", required=True, type=_port, help="TCP port")
+    serve.add_argument("--port", required=True, type=_port, help="TCP port (0: any free one, printed at start)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     serve.add_argument(
         "--weights-dir",
@@ -82,25 +84,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens-limit", type=_positive_int, default=256, help="largest max_tokens a request may ask for"
     )
     serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    wait = commands.add_parser(
+        "wait-ready",
+        help="wait until a server's health route answers 200 (exit 0), or fail after --timeout (exit 1)",
+        description="Poll URL/health until it answers 200: for scripts that start a server in the background.",
+    )
+    wait.add_argument("url", help="server root, e.g. http://127.0.0.1:8000")
+    wait.add_argument("--timeout", type=_non_negative_float, default=300.0, help="seconds to wait (default 300)")
+    wait.add_argument("--health-path", default="/health", help="route to poll (default /health)")
+    commands.add_parser("free-port", help="print a TCP port that is free on 127.0.0.1")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncvec`` console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "free-port":
+        from asyncvec.inference.server_process import free_port
+
+        print(free_port())
+        return 0
+    if args.command == "wait-ready":
+        from asyncvec.inference.server_process import ServerStartError, wait_until_ready
+
+        try:
+            waited = wait_until_ready(args.url, timeout_s=args.timeout, health_path=args.health_path)
+        except ServerStartError as exc:
+            print(f"asyncvec wait-ready: {exc}", file=sys.stderr)
+            return 1
+        print(f"asyncvec wait-ready: {args.url} is ready after {waited:.1f} s", file=sys.stderr)
+        return 0
     if args.command == "serve":
-        from asyncvec.inference.server import serve
+        from asyncvec.inference.server import bind_socket, serve
 
         token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"asyncvec serve: binding {args.host}: the server is reachable from the network", file=sys.stderr)
             if token is None and args.weights_dir is not None:
                 print("asyncvec serve: /update_weights has no token; pass --token or set " + TOKEN_ENV, file=sys.stderr)
-        print(f"asyncvec serve: {args.model} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        try:  # bind before loading the model: a port in use is reported at once
+            sock = bind_socket(args.host, args.port)
+        except OSError as exc:
+            print(f"asyncvec serve: {exc}", file=sys.stderr)
+            return 1
+        port = sock.getsockname()[1]
+        print(f"asyncvec serve: {args.model} on http://{args.host}:{port} (loading the model)", file=sys.stderr, flush=True)
         serve(
             args.model,
             host=args.host,
-            port=args.port,
+            port=port,
             weights_dir=args.weights_dir,
             token=token,
             model_name=args.model_name,
@@ -108,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_wait_ms=args.max_wait_ms,
             max_tokens_limit=args.max_tokens_limit,
             log_level=args.log_level,
+            sock=sock,
         )
     return 0
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from asyncvec.inference.text import TextPolicy, group_by_sampling
+from asyncvec.inference.text import TextPolicy, group_by_sampling, truncate_at_stop
 from asyncvec.inference.types import BackendResult, TextPrompt
 from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
 
@@ -88,10 +88,21 @@ class HFTextPolicy(TextPolicy):
         self._tokenizer_lock = threading.Lock()
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
 
-    def count_tokens(self, text: str) -> int:
-        """Number of tokens ``text`` encodes to (as a prompt)."""
+    def count_tokens(self, text: str | tuple[int, ...]) -> int:
+        """Number of tokens ``text`` encodes to (as a prompt); a token-id prompt is its length."""
+        return len(self.encode(text))
+
+    def encode(self, text: str | tuple[int, ...]) -> list[int]:
+        """Token ids of a prompt (a token-id prompt is returned as a list)."""
+        if not isinstance(text, str):
+            return list(text)
         with self._tokenizer_lock:
-            return len(self.tokenizer(text).input_ids)
+            return list(self.tokenizer(text).input_ids)
+
+    def decode(self, token_ids: list[int] | tuple[int, ...]) -> str:
+        """Text of ``token_ids`` (special tokens dropped)."""
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def token_texts(self, token_ids: list[int] | tuple[int, ...]) -> list[str]:
         """Each token's text on its own (special tokens decode to "")."""
@@ -99,31 +110,51 @@ class HFTextPolicy(TextPolicy):
             return [self.tokenizer.decode([token], skip_special_tokens=True) for token in token_ids]
 
     def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
+        if not isinstance(prompt.prompt, str):
+            vocab = self.model.config.vocab_size
+            bad = [token for token in prompt.prompt if not 0 <= token < vocab]
+            if bad:
+                raise ValueError(f"{self._label}: {where}token ids must be in [0, {vocab}), got {bad[:5]}")
         length = self.count_tokens(prompt.prompt)
         if length == 0:
             raise ValueError(f"{self._label}: {where}the prompt tokenizes to no tokens")
         if self.max_positions is not None and length + prompt.max_new_tokens > self.max_positions:
             raise ValueError(
                 f"{self._label}: {where}prompt of {length} tokens + max_new_tokens {prompt.max_new_tokens} "
-                f"exceeds the model's {self.max_positions} positions"
+                f"exceeds the model's context of {self.max_positions} tokens"
             )
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         results: list[BackendResult | None] = [None] * len(prompts)
-        for (max_new_tokens, temperature, top_p, top_k), indices in group_by_sampling(prompts).items():
-            texts = [prompts[i].prompt for i in indices]
-            generated = self._generate(texts, max_new_tokens, temperature, top_p, top_k)
+        for (max_new_tokens, temperature, top_p, top_k, stop, seed), indices in group_by_sampling(prompts).items():
+            encoded = [self.encode(prompts[i].prompt) for i in indices]
+            if seed is None:
+                generated = self._generate(encoded, max_new_tokens, temperature, top_p, top_k, stop)
+            else:  # reproducible for the same prompts in the same group (e.g. one server request)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed)
+                    generated = self._generate(encoded, max_new_tokens, temperature, top_p, top_k, stop)
             for index, result in zip(indices, generated, strict=True):
                 results[index] = result
         return results  # type: ignore[return-value]
 
     def _generate(
-        self, texts: list[str], max_new_tokens: int, temperature: float, top_p: float | None, top_k: int
+        self,
+        encoded: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float | None,
+        top_k: int,
+        stop: tuple[str, ...] = (),
     ) -> list[BackendResult]:
         import transformers
 
-        with self._tokenizer_lock:
-            encoded = self.tokenizer(texts, return_tensors="pt", padding=True).to(self.model.device)
+        pad = self.tokenizer.pad_token_id
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=self.model.device)
+        attention_mask = torch.tensor(
+            [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.model.device
+        )
         eos = self.tokenizer.eos_token_id
         sampling = (
             {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
@@ -132,15 +163,15 @@ class HFTextPolicy(TextPolicy):
         )
         config = transformers.GenerationConfig(
             max_new_tokens=max_new_tokens,
-            pad_token_id=self.tokenizer.pad_token_id,
+            pad_token_id=pad,
             eos_token_id=eos,
             return_dict_in_generate=True,
             output_scores=True,
             **sampling,
         )
         with torch.no_grad():
-            out = self.model.generate(**encoded, generation_config=config)
-        generated = out.sequences[:, encoded["input_ids"].shape[1] :]
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        generated = out.sequences[:, width:]
         # scores are the processed logits the sampler drew from: log-softmax gives the sampled distribution
         logps_all = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)
         token_logps = logps_all.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
@@ -149,9 +180,8 @@ class HFTextPolicy(TextPolicy):
         for row in range(generated.shape[0]):
             ids = generated[row].tolist()
             length = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
+            length, text, _ = truncate_at_stop(ids[:length], self.decode, stop)
             ids = ids[:length]
-            with self._tokenizer_lock:
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
             top_rows = None
             if top is not None:
                 top_rows = [

@@ -1,15 +1,21 @@
-"""`OpenAIPolicy`: completions with log-probs from an OpenAI-compatible HTTP server."""
+"""`OpenAIPolicy`: completions with log-probs from an OpenAI-compatible server (vLLM, SGLang,
+``asyncvec serve``), batched requests, and weight sync through each server's own routes."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import math
 import os
+import re
+import shutil
 import threading
 from collections.abc import Callable
+from functools import reduce
+from pathlib import Path
 from typing import Any
 
-from asyncvec.inference.text import TextPolicy
+from asyncvec.inference.text import TextPolicy, group_by_sampling, group_identical
 from asyncvec.inference.types import (
     BackendError,
     BackendRejectedError,
@@ -17,38 +23,86 @@ from asyncvec.inference.types import (
     TextPrompt,
     TransientBackendError,
 )
+from asyncvec.inference.weights import ParameterSpec, checkpoint_shapes, write_checkpoint
 
 TOKEN_ID_PREFIX = "token_id:"
+SERVER_KINDS = ("asyncvec", "vllm", "sglang")
 
 
 class OpenAIPolicy(TextPolicy):
-    """A text policy served by ``/v1/completions`` (vLLM, SGLang, TGI, ``asyncvec serve``).
+    """A text policy served over ``/v1/completions`` by vLLM, SGLang or ``asyncvec serve``.
 
-    Requests run on an ``httpx.AsyncClient`` with pooled connections on a private event
-    loop thread; each prompt of a batch is one concurrent request (the server batches them
-    again). Every request asks for ``logprobs`` and, with ``return_token_ids`` (vLLM and
-    ``asyncvec serve``), for token ids (``return_tokens_as_token_ids``).
+    **Requests.** Each batch is one HTTP request per group of equal sampling settings (one
+    request in the usual case): ``prompt`` is the list of the batch's prompts (text or token
+    ids) and ``k`` copies of a prompt (`submit_group`) are asked for once with ``n = k``.
+    ``batch_requests=False`` sends one request per completion instead (the slow path, kept
+    for comparison). Requests run on a pooled ``httpx.AsyncClient`` on a private event-loop
+    thread, ask for ``logprobs`` and, with ``return_token_ids``, for the token ids.
 
-    Errors: unreachable server, timeouts, 429 and 5xx are retried (`TransientBackendError`);
-    other 4xx are not (`BackendRejectedError`); after ``max_attempts`` the futures get a
-    `BackendError`. The sampled tokens' log-probs are whatever the server reports: an
-    asyncvec server reports the sampled distribution; start ``vllm serve`` with
-    ``--logprobs-mode processed_logprobs`` when sampling with temperature != 1 or top_p.
+    **Errors.** An unreachable server, timeouts, 429 and 5xx are retried (`BatchedPolicy`'s
+    ``max_attempts`` with back-off); other 4xx are not (`BackendRejectedError`, with the
+    server's message). Then the futures fail with `BackendError`, or get the fallback action
+    at their ``deadline_ms``. A server that comes back (restarted on the same address) is used
+    again by the next batch.
 
-    Versions: an asyncvec server reports the version of the weights that answered, and that
-    is what the outputs carry. `load_weights(path, version)` asks an asyncvec server to load
-    a checkpoint folder (``POST /update_weights``; ``path`` is read on the server, under its
-    ``--weights-dir``); other servers update their weights with their own tools.
+    **Versions.** Every answer carries the version of the weights that produced it:
+
+    * ``asyncvec``: each choice reports ``policy_version``.
+    * ``sglang``: the response reports ``metadata.weight_version``.
+    * ``vllm``: completions carry no version, so the policy reads ``GET /weight_info`` before
+      and after each request; if the two differ (the weights changed meanwhile, by this or
+      another client) the answers are discarded and the batch retried. Weight updates pause
+      the server, so a request finishes under the version read before it or is retried.
+      A server without a numeric version (vLLM's ``"default"``, e.g. after a restart from
+      the model folder) serves the policy's initial ``version``, and answers say so.
+
+    **Weights** (`load_weights(weights, version)`): ``weights`` is a checkpoint folder as the
+    server sees it, or a state dict / ``torch.nn.Module`` that the policy writes atomically to
+    ``checkpoint_dir/<model>-v<version>`` (a folder the server can read; the last
+    ``keep_checkpoints`` are kept). Then, through the server's own routes:
+
+    * ``vllm`` (started with ``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=wait`` (in-flight
+      requests finish), ``POST /collective_rpc`` ``reload_weights`` from the folder,
+      ``POST /update_weight_version``, ``POST /resume``; the version is read back from
+      ``GET /weight_info``. A failed reload ends vLLM's engine (and its server), so the folder
+      is checked here first: it must be readable on this machine at the same path, hold
+      ``*.safetensors``, and, with ``model_dir`` (or a ``config.json`` in the folder), fit the
+      model's parameter names and shapes, tied ones included (vLLM reloads every parameter
+      from its own name: a ``save_pretrained`` folder lacks GPT-2's ``lm_head.weight``; use
+      `write_checkpoint`).
+    * ``sglang``: ``POST /pause_generation``, ``POST /update_weights_from_disk``
+      (``model_path``, ``weight_version``), ``POST /continue_generation``; the version is read
+      back from ``GET /model_info`` (older releases: ``/get_model_info``,
+      ``/get_weight_version``). Written to SGLang's documented API; untested here (SGLang
+      does not run on these CPU machines).
+    * ``asyncvec``: ``POST /update_weights`` (``path``, ``version``), which swaps weights and
+      version in one step (its own batcher keeps batches from mixing versions, so it needs no
+      pause); read back from ``GET /weight_info``.
+
+    A version that is not newer than the server's, a server of another kind, or a folder that
+    cannot be read raise a clear error, and the server keeps serving its current weights.
 
     Args:
         base_url: server root, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted).
         model: the served model name.
         action_parser: ``text -> action`` (see `TextPolicy`).
-        api_key: sent as a bearer token with completions.
-        update_token: bearer token for ``/update_weights`` (default: ``api_key``).
-        request_timeout_s: timeout of one HTTP request.
+        server_kind: ``"asyncvec"``, ``"vllm"`` or ``"sglang"``: how versions are read and
+            weights pushed.
+        api_key: bearer token sent with every request.
+        update_token: bearer token for weight updates (default: ``api_key``).
+        checkpoint_dir: where state dicts given to `load_weights` are written.
+        keep_checkpoints: how many written checkpoints to keep (older ones are deleted).
+        model_dir: the served model's folder (``config.json`` and tokenizer): checkpoints are
+            checked against it, its config is copied into the checkpoints the policy writes,
+            and prompts are checked against the context length when they are submitted (a
+            prompt the server would refuse would otherwise fail its whole batch).
+        max_model_len: context length for that check (default: the config's positions).
+        batch_requests: one request per batch (True) or per completion (False).
+        request_timeout_s: timeout of one completion request.
+        update_timeout_s: timeout of a weight reload.
         max_connections: connection pool size.
-        return_token_ids: ask for token ids (vLLM/asyncvec extension).
+        return_token_ids: ask for token ids (``return_tokens_as_token_ids``: vLLM and asyncvec;
+            default True except for SGLang).
         **kwargs: `TextPolicy`/`BatchedPolicy` options (default ``max_inflight_batches=4``).
 
     Example:
@@ -66,11 +120,18 @@ class OpenAIPolicy(TextPolicy):
         model: str,
         action_parser: Callable[[str], Any],
         *,
+        server_kind: str = "asyncvec",
         api_key: str | None = None,
         update_token: str | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        keep_checkpoints: int = 2,
+        model_dir: str | os.PathLike | None = None,
+        max_model_len: int | None = None,
+        batch_requests: bool = True,
         request_timeout_s: float = 30.0,
+        update_timeout_s: float = 300.0,
         max_connections: int = 32,
-        return_token_ids: bool = True,
+        return_token_ids: bool | None = None,
         **kwargs: Any,
     ) -> None:
         import httpx
@@ -79,17 +140,47 @@ class OpenAIPolicy(TextPolicy):
             raise ValueError(f"OpenAIPolicy: base_url must start with http:// or https://, got {base_url!r}")
         if not isinstance(model, str) or not model:
             raise ValueError(f"OpenAIPolicy: model must be a non-empty str, got {model!r}")
-        if not isinstance(request_timeout_s, (int, float)) or not request_timeout_s > 0:
-            raise ValueError(f"OpenAIPolicy: request_timeout_s must be > 0, got {request_timeout_s!r}")
+        if server_kind not in SERVER_KINDS:
+            raise ValueError(f"OpenAIPolicy: server_kind must be one of {SERVER_KINDS}, got {server_kind!r}")
+        for field, value in (("request_timeout_s", request_timeout_s), ("update_timeout_s", update_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"OpenAIPolicy: {field} must be > 0, got {value!r}")
+        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
+            raise ValueError(f"OpenAIPolicy: keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
+        if model_dir is not None and not (Path(model_dir) / "config.json").is_file():
+            raise FileNotFoundError(f"OpenAIPolicy: model_dir {str(model_dir)!r} has no config.json")
         kwargs.setdefault("max_inflight_batches", 4)
         super().__init__(action_parser, **kwargs)
         base_url = base_url.rstrip("/")
         self.base_url = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
         self.model = model
-        self.return_token_ids = bool(return_token_ids)
+        self.server_kind = server_kind
+        self.return_token_ids = server_kind != "sglang" if return_token_ids is None else bool(return_token_ids)
+        self.batch_requests = bool(batch_requests)
         self.request_timeout_s = float(request_timeout_s)
+        self.update_timeout_s = float(update_timeout_s)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.keep_checkpoints = keep_checkpoints
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self._parameters = ParameterSpec.from_model_dir(self.model_dir) if self.model_dir is not None else None
+        self._tokenizer = None
+        self.max_model_len = max_model_len
+        if self.model_dir is not None:
+            import transformers
+
+            self._tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+            config = transformers.AutoConfig.from_pretrained(self.model_dir)
+            if self.max_model_len is None:
+                self.max_model_len = getattr(config, "max_position_embeddings", None)
+            self._vocab_size = int(config.vocab_size)
+        self._tokenizer_lock = threading.Lock()
+        self._initial_version = self.policy_version
+        self._http_requests = 0
+        self._written: list[Path] = []
         self._api_key = api_key
         self._update_token = update_token if update_token is not None else api_key
+        self._routes = _ROUTES[server_kind](self)
+        self._identified = False
         self._httpx = httpx
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
@@ -100,22 +191,34 @@ class OpenAIPolicy(TextPolicy):
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s), limits=limits)
 
     # -------------------------------------------------------------------------- plumbing
-    def _run_on_loop(self, coroutine: Any) -> Any:
+    def _run_on_loop(self, coroutine: Any, timeout_s: float | None = None) -> Any:
         """Run a coroutine on the private loop and wait for it (bounded)."""
+        limit = (self.request_timeout_s if timeout_s is None else timeout_s) + 5.0
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
-            return future.result(timeout=self.request_timeout_s + 5.0)
+            return future.result(timeout=limit)
         except concurrent.futures.TimeoutError as exc:
             future.cancel()
-            raise TransientBackendError(f"{self.base_url}: no answer within {self.request_timeout_s + 5.0} s") from exc
+            raise TransientBackendError(f"{self.base_url}: no answer within {limit} s") from exc
 
-    async def _request(self, method: str, route: str, *, json: Any = None, token: str | None = None) -> Any:
+    async def _request(
+        self,
+        method: str,
+        route: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        token: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         url = self.base_url + route
+        token = self._api_key if token is None else token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        timeout = self._httpx.Timeout(timeout_s) if timeout_s is not None else self._httpx.USE_CLIENT_DEFAULT
         try:
-            response = await self._client.request(method, url, json=json, headers=headers)
+            response = await self._client.request(method, url, json=json, params=params, headers=headers, timeout=timeout)
         except self._httpx.TimeoutException as exc:
-            raise TransientBackendError(f"{url}: timed out after {self.request_timeout_s} s") from exc
+            raise TransientBackendError(f"{url}: timed out after {timeout_s or self.request_timeout_s} s") from exc
         except self._httpx.TransportError as exc:
             raise TransientBackendError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
         if response.status_code == 429 or response.status_code >= 500:
@@ -124,6 +227,8 @@ class OpenAIPolicy(TextPolicy):
             raise PermissionError(f"{url} refused the request ({response.status_code}): {_detail(response)}")
         if response.status_code >= 400:
             raise BackendRejectedError(f"{url} answered {response.status_code}: {_detail(response)}")
+        if not response.content:
+            return None
         try:
             return response.json()
         except ValueError as exc:
@@ -131,32 +236,94 @@ class OpenAIPolicy(TextPolicy):
                 f"{url} answered {response.status_code} with a body that is not JSON: {response.text[:200]!r}"
             ) from exc
 
+    def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
+        if self._tokenizer is None:
+            return
+        if isinstance(prompt.prompt, str):
+            with self._tokenizer_lock:
+                length = len(self._tokenizer(prompt.prompt).input_ids)
+        else:
+            bad = [token for token in prompt.prompt if not 0 <= token < self._vocab_size]
+            if bad:
+                raise ValueError(f"{self._label}: {where}token ids must be in [0, {self._vocab_size}), got {bad[:5]}")
+            length = len(prompt.prompt)
+        if self.max_model_len is not None and length + prompt.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"{self._label}: {where}prompt of {length} tokens + max_new_tokens {prompt.max_new_tokens} "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+
+    def stats(self) -> dict[str, float]:
+        """`BatchedPolicy.stats` plus ``http_requests`` (completion requests sent, retries included)."""
+        return {**super().stats(), "http_requests": self._http_requests}
+
     # --------------------------------------------------------------------------- forward
     def _is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, (TransientBackendError, OSError)) and not isinstance(exc, PermissionError)
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
-        async def complete_all() -> list[BackendResult]:
-            return list(await asyncio.gather(*(self._complete_prompt(prompt) for prompt in prompts)))
+        return self._run_on_loop(self._complete_batch(prompts))
 
-        return self._run_on_loop(complete_all())
+    async def _complete_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
+        if self.batch_requests:
+            groups = list(group_by_sampling(prompts).values())
+        else:
+            groups = [[index] for index in range(len(prompts))]
+        before = await self._routes.batch_version()
+        parts = await asyncio.gather(*(self._complete_group(prompts, indices) for indices in groups))
+        after = await self._routes.batch_version()
+        if before != after:
+            raise TransientBackendError(
+                f"{self.base_url}: the weights changed during the batch (version {before} -> {after}); "
+                "its answers are discarded and the batch retried"
+            )
+        results: list[BackendResult | None] = [None] * len(prompts)
+        for part in parts:
+            for index, result in part:
+                results[index] = result if result.policy_version is not None or before is None else _tag(result, before)
+        return results  # type: ignore[return-value]
 
-    async def _complete_prompt(self, prompt: TextPrompt) -> BackendResult:
+    async def _complete_group(self, prompts: list[TextPrompt], indices: list[int]) -> list[tuple[int, BackendResult]]:
+        copies = list(group_identical(prompts, indices).values())
+        n = reduce(math.gcd, (len(group) for group in copies))
+        entries = [group[start : start + n] for group in copies for start in range(0, len(group), n)]
+        first = prompts[entries[0][0]]
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": prompt.prompt,
-            "max_tokens": prompt.max_new_tokens,
-            "temperature": prompt.temperature,
-            "logprobs": prompt.top_logprobs,
-            "n": 1,
+            "prompt": [_wire_prompt(prompts[entry[0]].prompt) for entry in entries],
+            "n": n,
+            "max_tokens": first.max_new_tokens,
+            "temperature": first.temperature,
+            "logprobs": first.top_logprobs,
         }
-        if prompt.top_p is not None:
-            body["top_p"] = prompt.top_p
+        if first.top_p is not None:
+            body["top_p"] = first.top_p
+        if first.stop:
+            body["stop"] = list(first.stop)
+        if first.seed is not None:
+            body["seed"] = first.seed
         if self.return_token_ids:
             body["return_tokens_as_token_ids"] = True
-        data = await self._request("POST", "/v1/completions", json=body, token=self._api_key)
+        self._http_requests += 1  # one event-loop thread: no lock needed
+        data = await self._request("POST", "/v1/completions", json=body)
         try:
-            choice = data["choices"][0]
+            choices = sorted(data["choices"], key=lambda choice: choice["index"])
+        except (KeyError, TypeError) as exc:
+            raise BackendRejectedError(f"{self.base_url}/v1/completions: answer has no choices ({exc!r})") from exc
+        expected = len(entries) * n
+        if len(choices) != expected:
+            raise BackendRejectedError(
+                f"{self.base_url}/v1/completions returned {len(choices)} choices for {len(entries)} prompts x n={n}"
+            )
+        response_version = self._routes.response_version(data)
+        out = []
+        for position, choice in enumerate(choices):
+            index = entries[position // n][position % n]
+            out.append((index, self._choice_result(choice, prompts[index].top_logprobs, response_version)))
+        return out
+
+    def _choice_result(self, choice: dict[str, Any], top_k: int, response_version: int | None) -> BackendResult:
+        try:
             text = choice["text"]
             logprobs = choice["logprobs"]
             token_logps = logprobs["token_logprobs"]
@@ -164,46 +331,76 @@ class OpenAIPolicy(TextPolicy):
             top = logprobs.get("top_logprobs")
         except (KeyError, IndexError, TypeError) as exc:
             raise BackendRejectedError(
-                f"{self.base_url}/v1/completions: answer lacks choices[0].text/logprobs.token_logprobs ({exc!r}); "
+                f"{self.base_url}/v1/completions: a choice lacks text/logprobs.token_logprobs ({exc!r}); "
                 "does the server support logprobs?"
             ) from exc
         token_ids = [_token_id(token) for token in tokens] if self.return_token_ids and tokens is not None else None
         top_rows = None
-        if prompt.top_logprobs and top is not None:
+        if top_k and top is not None:
             top_rows = [
                 {_token_id(key) if self.return_token_ids else key: value for key, value in row.items()} for row in top
             ]
-        version = choice.get("policy_version", data.get("policy_version"))
+        version = choice.get("policy_version", response_version)
         return self._text_result(text, token_ids, token_logps, top_rows, policy_version=version)
 
     # --------------------------------------------------------------------------- weights
-    def _apply_weights(self, weights: str | os.PathLike, version: int) -> None:
-        if not isinstance(weights, (str, os.PathLike)):
-            raise TypeError(
-                "OpenAIPolicy.load_weights takes a checkpoint folder path as the server sees it "
-                f"(under its --weights-dir), got {type(weights).__name__}"
-            )
-        info = self._run_on_loop(self._request("GET", "/version"))
-        if not isinstance(info, dict) or info.get("server") != "asyncvec":
-            raise BackendError(
-                f"{self.base_url} is not an asyncvec server (GET /version -> {info!r}); "
-                "update the weights of a vLLM/SGLang/TGI server with its own tools"
-            )
-        answer = self._run_on_loop(
-            self._request(
-                "POST",
-                "/update_weights",
-                json={"path": os.fspath(weights), "version": version},
-                token=self._update_token,
-            )
-        )
-        if not isinstance(answer, dict) or answer.get("version") != version:
-            raise BackendError(f"{self.base_url}/update_weights answered {answer!r}, expected version {version}")
+    def check_server(self) -> dict[str, Any]:
+        """Ask the server what it is; raise `BackendRejectedError` if it is not ``server_kind``.
 
-    def server_version(self) -> int:
-        """The version the server reports now (``GET /version``, asyncvec servers)."""
-        info = self._run_on_loop(self._request("GET", "/version"))
-        return int(info["version"])
+        Returns what the server said (e.g. vLLM's ``{"version": "0.32.0"}``).
+        """
+        info = self._run_on_loop(self._routes.identify())
+        self._identified = True
+        return info
+
+    def server_version(self) -> int | None:
+        """The weight version the server reports now (None: it has none yet, e.g. vLLM's "default")."""
+        return self._run_on_loop(self._routes.read_version())
+
+    def _apply_weights(self, weights: Any, version: int) -> None:
+        if not self._identified:
+            self.check_server()
+        path = self._checkpoint_path(weights, version)
+        self._run_on_loop(self._routes.publish(path, version), timeout_s=self.update_timeout_s + 30.0)
+        self._prune_checkpoints()
+
+    def _checkpoint_path(self, weights: Any, version: int) -> str:
+        if isinstance(weights, (str, os.PathLike)):
+            path = os.fspath(weights)
+            if self.server_kind != "asyncvec":  # the asyncvec server checks paths itself and survives bad ones
+                self._check_checkpoint(Path(path))
+            return path
+        if self.checkpoint_dir is None:
+            raise TypeError(
+                f"{self._label}.load_weights got a {type(weights).__name__}: pass a checkpoint folder the server "
+                "can read, or create the policy with checkpoint_dir=<a folder the server can read> to write one"
+            )
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model)
+        folder = write_checkpoint(weights, self.checkpoint_dir / f"{name}-v{version}", config_from=self.model_dir)
+        self._written.append(folder)
+        self._check_checkpoint(folder)
+        return str(folder.resolve())
+
+    def _check_checkpoint(self, folder: Path) -> None:
+        shapes = checkpoint_shapes(folder)
+        spec = self._parameters
+        if spec is None and (folder / "config.json").is_file():
+            spec = ParameterSpec.from_model_dir(folder)
+        if spec is None:
+            return
+        where = f"{self._label}: checkpoint {str(folder)!r}"
+        spec.check(shapes, where=where)
+        if self.server_kind == "vllm":
+            missing = {name: source for name, source in spec.tied.items() if name not in shapes}
+            if missing:
+                raise ValueError(
+                    f"{where} lacks tied tensors {missing} (name: tied to): vLLM reloads each parameter from its "
+                    "own name and would keep the old ones; write the folder with asyncvec.inference.write_checkpoint"
+                )
+
+    def _prune_checkpoints(self) -> None:
+        while len(self._written) > self.keep_checkpoints:
+            shutil.rmtree(self._written.pop(0), ignore_errors=True)
 
     def _close_backend(self) -> None:
         try:
@@ -212,6 +409,196 @@ class OpenAIPolicy(TextPolicy):
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(5.0)
             self._loop.close()
+
+
+# ------------------------------------------------------------------------- server kinds
+class _Routes:
+    """How one kind of server reports versions and takes new weights."""
+
+    kind = ""
+
+    def __init__(self, policy: OpenAIPolicy) -> None:
+        self.policy = policy
+
+    async def identify(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def read_version(self) -> int | None:
+        raise NotImplementedError
+
+    async def batch_version(self) -> int | None:
+        """Version read around each batch (None: the server reports versions in its answers)."""
+        return None
+
+    def response_version(self, data: dict[str, Any]) -> int | None:
+        return None
+
+    async def publish(self, path: str, version: int) -> None:
+        raise NotImplementedError
+
+    async def _check_newer(self, version: int) -> None:
+        current = await self.read_version()
+        if current is not None and version <= current:
+            raise ValueError(
+                f"{self.policy._label}: version must be newer than the server's current weight version {current}, "
+                f"got {version}; the server keeps its weights"
+            )
+
+    async def _confirm(self, version: int) -> None:
+        got = await self.read_version()
+        if got != version:
+            raise BackendError(f"{self.policy.base_url} reports weight version {got} after the update to {version}")
+
+    def _not_this_kind(self, route: str, answer: Any) -> BackendRejectedError:
+        return BackendRejectedError(
+            f"{self.policy.base_url} is not a server of kind {self.kind!r} (GET {route} answered {answer!r}); "
+            f"create the policy with the server_kind of that server (one of {SERVER_KINDS})"
+        )
+
+
+class _AsyncvecRoutes(_Routes):
+    kind = "asyncvec"
+
+    async def identify(self) -> dict[str, Any]:
+        try:
+            info = await self.policy._request("GET", "/version")
+        except BackendRejectedError as exc:
+            raise self._not_this_kind("/version", str(exc)) from None
+        if not isinstance(info, dict) or info.get("server") != "asyncvec":
+            raise self._not_this_kind("/version", info)
+        return info
+
+    async def read_version(self) -> int | None:
+        info = await self.policy._request("GET", "/weight_info")
+        return _parse_version(info.get("weight_version") if isinstance(info, dict) else None)
+
+    def response_version(self, data: dict[str, Any]) -> int | None:
+        return _parse_version((data.get("metadata") or {}).get("weight_version"))
+
+    async def publish(self, path: str, version: int) -> None:
+        await self._check_newer(version)
+        body = {"path": path, "version": version}
+        answer = await self.policy._request(
+            "POST", "/update_weights", json=body, token=self.policy._update_token, timeout_s=self.policy.update_timeout_s
+        )
+        if not isinstance(answer, dict) or answer.get("version") != version:
+            raise BackendError(f"{self.policy.base_url}/update_weights answered {answer!r}, expected version {version}")
+        await self._confirm(version)
+
+
+class _VLLMRoutes(_Routes):
+    kind = "vllm"
+
+    async def identify(self) -> dict[str, Any]:
+        try:
+            info = await self.policy._request("GET", "/version")
+        except BackendRejectedError as exc:
+            raise self._not_this_kind("/version", str(exc)) from None
+        if not isinstance(info, dict) or set(info) != {"version"}:
+            raise self._not_this_kind("/version", info)
+        try:
+            await self.policy._request("GET", "/weight_info")
+        except BackendRejectedError as exc:
+            raise BackendRejectedError(
+                f"{self.policy.base_url} is vLLM {info['version']} without its weight routes (GET /weight_info: {exc}); "
+                "start it with VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
+            ) from None
+        return info
+
+    async def read_version(self) -> int | None:
+        info = await self.policy._request("GET", "/weight_info")
+        return _parse_version(info.get("weight_version") if isinstance(info, dict) else None)
+
+    async def batch_version(self) -> int | None:
+        version = await self.read_version()
+        return self.policy._initial_version if version is None else version
+
+    async def publish(self, path: str, version: int) -> None:
+        policy = self.policy
+        await self._check_newer(version)
+        token = policy._update_token
+        await policy._request("POST", "/pause", params={"mode": "wait"}, token=token)
+        try:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}}
+            try:
+                await policy._request("POST", "/collective_rpc", json=rpc, token=token, timeout_s=policy.update_timeout_s)
+            except (TransientBackendError, BackendRejectedError) as exc:
+                raise BackendError(
+                    f"vLLM at {policy.base_url} failed to reload weights from {path!r}: {exc} "
+                    "(a failed reload stops vLLM's engine: check its /health)"
+                ) from exc
+            await policy._request("POST", "/update_weight_version", json={"new_version": str(version)}, token=token)
+        finally:
+            try:
+                await policy._request("POST", "/resume", token=token)
+            except (TransientBackendError, BackendRejectedError):
+                pass  # the error that stopped the update is the one to report
+        await self._confirm(version)
+
+
+class _SGLangRoutes(_Routes):
+    kind = "sglang"
+    _info_routes = ("/model_info", "/get_model_info", "/get_weight_version")
+
+    async def identify(self) -> dict[str, Any]:
+        for route in self._info_routes:
+            try:
+                info = await self.policy._request("GET", route)
+            except BackendRejectedError:
+                continue
+            if isinstance(info, dict) and "weight_version" in info:
+                return info
+        raise self._not_this_kind(" or ".join(self._info_routes), "no weight_version")
+
+    async def read_version(self) -> int | None:
+        info = await self.identify()
+        return _parse_version(info.get("weight_version"))
+
+    def response_version(self, data: dict[str, Any]) -> int | None:
+        version = _parse_version((data.get("metadata") or {}).get("weight_version"))
+        return self.policy._initial_version if version is None else version
+
+    async def publish(self, path: str, version: int) -> None:
+        policy = self.policy
+        await self._check_newer(version)
+        token = policy._update_token
+        await policy._request("POST", "/pause_generation", token=token)
+        try:
+            body = {"model_path": path, "weight_version": str(version)}
+            answer = await policy._request(
+                "POST", "/update_weights_from_disk", json=body, token=token, timeout_s=policy.update_timeout_s
+            )
+            if not isinstance(answer, dict) or not answer.get("success", False):
+                raise BackendError(f"SGLang at {policy.base_url} did not load {path!r}: {answer!r}")
+        finally:
+            try:
+                await policy._request("POST", "/continue_generation", token=token)
+            except (TransientBackendError, BackendRejectedError):
+                pass
+        await self._confirm(version)
+
+
+_ROUTES: dict[str, type[_Routes]] = {"asyncvec": _AsyncvecRoutes, "vllm": _VLLMRoutes, "sglang": _SGLangRoutes}
+
+
+def _parse_version(value: Any) -> int | None:
+    """A server's weight version as an int (None for vLLM's "default" or SGLang's initial label)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _tag(result: BackendResult, version: int) -> BackendResult:
+    import dataclasses
+
+    return dataclasses.replace(result, policy_version=version)
+
+
+def _wire_prompt(prompt: str | tuple[int, ...]) -> str | list[int]:
+    return prompt if isinstance(prompt, str) else list(prompt)
 
 
 def _token_id(token: Any) -> int:
@@ -226,7 +613,7 @@ def _detail(response: Any) -> str:
     except ValueError:
         return response.text[:300]
     if isinstance(body, dict):
-        detail = body.get("detail", body.get("error", body))
+        detail = body.get("error", body.get("detail", body))
         if isinstance(detail, dict) and "message" in detail:
             return str(detail["message"])
         return str(detail)

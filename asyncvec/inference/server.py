@@ -1,9 +1,11 @@
 """The ``asyncvec serve`` app: an OpenAI-compatible completions server around `HFTextPolicy`.
 
-Routes: ``POST /v1/completions`` (with log-probs), ``GET /v1/models``, ``POST
-/update_weights`` (json ``{"path", "version"}``), ``GET /version``, ``GET /health``,
-``GET /metrics`` (Prometheus text). Every body is validated; bad input gets a 4xx with a
-readable ``detail`` and never reaches the model.
+Routes: ``POST /v1/completions`` (text or token-id prompts, ``n``, ``stop``, ``seed``,
+log-probs), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /update_weights`` (json
+``{"path", "version"}``), ``GET /weight_info`` (vLLM's route: ``{"weight_version": "N"}``),
+``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every body is
+validated; bad input gets a 4xx with OpenAI's error body ``{"error": {"message", "type",
+"param", "code"}}`` (which the ``openai`` client shows) and never reaches the model.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,11 +25,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncvec.inference.hf_policy import HFTextPolicy
+from asyncvec.inference.text import MAX_STOP_STRINGS
 from asyncvec.inference.types import PolicyError, PolicyOutput, TextPrompt
 
 MAX_PROMPTS_PER_REQUEST = 256
+MAX_N = 64
+
+PromptField = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(BaseModel):
@@ -35,12 +43,14 @@ class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     model: str
-    prompt: str | list[str]
+    prompt: PromptField
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
     stream: bool = Field(False, description="streaming is not supported")
     echo: bool = Field(False, description="echo is not supported")
     return_tokens_as_token_ids: bool = False
@@ -48,14 +58,22 @@ class CompletionRequest(BaseModel):
 
     @field_validator("prompt")
     @classmethod
-    def _prompts_non_empty(cls, value: str | list[str]) -> str | list[str]:
-        prompts = [value] if isinstance(value, str) else value
+    def _prompts_non_empty(cls, value: PromptField) -> PromptField:
+        prompts = prompt_list(value)
         if not prompts:
             raise ValueError("needs at least one prompt")
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
             raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request")
-        if any(not prompt for prompt in prompts):
-            raise ValueError("prompts must be non-empty strings")
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("prompts must be non-empty strings or non-empty lists of token ids")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        items = [value] if isinstance(value, str) else (value or [])
+        if len(items) > MAX_STOP_STRINGS or any(not item for item in items):
+            raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty stop strings")
         return value
 
     @field_validator("stream", "echo")
@@ -64,6 +82,20 @@ class CompletionRequest(BaseModel):
         if value:
             raise ValueError("not supported by asyncvec serve")
         return value
+
+
+def prompt_list(prompt: PromptField) -> list[str | tuple[int, ...]]:
+    """The prompts of a request: a str, a list of str, one token-id list, or a list of them.
+
+    Example:
+        >>> prompt_list("a"), prompt_list([1, 2]), prompt_list([[1], [2, 3]])
+        (['a'], [(1, 2)], [(1,), (2, 3)])
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(item, int) for item in prompt):
+        return [tuple(prompt)]  # type: ignore[arg-type]
+    return [item if isinstance(item, str) else tuple(item) for item in prompt]  # type: ignore[union-attr]
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -75,8 +107,22 @@ class UpdateWeightsRequest(BaseModel):
     version: int = Field(ge=0)
 
 
-def _error(status: int, detail: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"detail": detail})
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    503: "service_unavailable",
+}
+
+
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": code}}
+    )
 
 
 def create_app(
@@ -114,19 +160,27 @@ def create_app(
         await asyncio.to_thread(policy.close)
 
     app = FastAPI(title="asyncvec serve", lifespan=lifespan)
+    started = int(time.time())
 
     @app.exception_handler(RequestValidationError)
     async def _readable_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
+        parts, params = [], []
         for error in exc.errors():
             if error.get("type") == "json_invalid":
                 position = error.get("loc", ("body", "?"))[-1]
                 reason = error.get("ctx", {}).get("error", "malformed")
                 parts.append(f"the body is not valid JSON (character {position}): {reason}")
                 continue
-            where = ".".join(str(item) for item in error.get("loc", ()) if item != "body") or "body"
+            location = [str(item) for item in error.get("loc", ()) if item != "body"]
+            where = ".".join(location) or "body"
+            if location:
+                params.append(location[0])
             parts.append(f"{where}: {error.get('msg', 'invalid')}")
-        return _error(422, "; ".join(parts))
+        return _error(400, "; ".join(parts), param=params[0] if params else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -136,9 +190,23 @@ def create_app(
     async def version() -> dict[str, Any]:
         return {"server": "asyncvec", "model": model_name, "version": policy.policy_version}
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": started, "owned_by": "asyncvec"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "asyncvec"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Any:
+        if model_id != model_name:
+            return _error(404, f"model {model_id!r} is not served here; available: [{model_name!r}]",
+                          param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/weight_info")
+    async def weight_info() -> dict[str, Any]:
+        return {"weight_version": str(policy.policy_version)}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -152,33 +220,41 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
         if body.model != model_name:
-            return _error(404, f"model {body.model!r} is not served here; available: [{model_name!r}]")
+            return _error(404, f"model {body.model!r} is not served here; available: [{model_name!r}]",
+                          param="model", code="model_not_found")
         if body.max_tokens > max_tokens_limit:
-            return _error(400, f"max_tokens must be <= {max_tokens_limit}, got {body.max_tokens}")
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        requests = [
-            TextPrompt(
+            return _error(400, f"max_tokens must be <= {max_tokens_limit}, got {body.max_tokens}", param="max_tokens")
+        prompts = prompt_list(body.prompt)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        requests = []
+        for index, prompt in enumerate(prompts):
+            request = TextPrompt(
                 prompt,
                 max_new_tokens=body.max_tokens,
                 temperature=body.temperature,
                 top_p=None if body.top_p >= 1.0 else body.top_p,
                 top_logprobs=body.logprobs or 0,
+                stop=stop,
+                seed=body.seed,
             )
-            for prompt in prompts
-        ]
+            try:
+                policy.check_observation(request)
+            except (ValueError, TypeError) as exc:
+                where = f"prompt {index}: " if len(prompts) > 1 else ""
+                return _error(400, where + str(exc), param="prompt")
+            requests.append(request)
         try:
-            futures = [policy.submit(request) for request in requests]
-        except (ValueError, TypeError) as exc:
-            return _error(400, str(exc))
+            futures = [future for request in requests for future in policy.submit_group(request, body.n)]
         except PolicyError as exc:
             return _error(503, str(exc))
         try:
             outputs: list[PolicyOutput] = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
         except PolicyError as exc:
             return _error(503, f"the model failed: {exc}")
-        choices = [_choice(policy, index, output, body) for index, output in enumerate(outputs)]
+        choices = [_choice(policy, index, output, body, stop) for index, output in enumerate(outputs)]
         prompt_tokens = sum(policy.count_tokens(prompt) for prompt in prompts)
         completion_tokens = sum(len(output.token_ids or ()) for output in outputs)
+        versions = {output.policy_version for output in outputs}
         return {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -190,6 +266,7 @@ def create_app(
                 "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
             },
+            "metadata": {"weight_version": str(versions.pop()) if len(versions) == 1 else None},
         }
 
     @app.post("/update_weights")
@@ -197,33 +274,37 @@ def create_app(
         if token is not None:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return _error(401, "missing or wrong bearer token for /update_weights")
+                return _error(401, "missing or wrong bearer token for /update_weights", code="invalid_api_key")
         if allowed_root is None:
             return _error(403, "weight updates are disabled; start the server with --weights-dir")
         target = (allowed_root / body.path).resolve()
         if not target.is_relative_to(allowed_root):
             return _error(403, f"path {body.path!r} is outside --weights-dir {str(allowed_root)!r}")
         if not target.exists():
-            return _error(404, f"no checkpoint at {body.path!r} under --weights-dir")
+            return _error(404, f"no checkpoint at {body.path!r} under --weights-dir", param="path")
         if body.version <= policy.policy_version:
             return _error(
-                409, f"version must be greater than the current version {policy.policy_version}, got {body.version}"
+                409,
+                f"version must be greater than the current version {policy.policy_version}, got {body.version}",
+                param="version",
             )
         try:
             await asyncio.to_thread(policy.load_weights, target, body.version)
         except TimeoutError as exc:
             return _error(503, str(exc))
         except Exception as exc:  # a checkpoint that does not load is bad input, not a server fault
-            return _error(400, f"cannot load weights from {body.path!r}: {type(exc).__name__}: {exc}")
+            return _error(400, f"cannot load weights from {body.path!r}: {type(exc).__name__}: {exc}", param="path")
         return {"version": policy.policy_version, "path": str(target)}
 
     return app
 
 
-def _choice(policy: HFTextPolicy, index: int, output: PolicyOutput, body: CompletionRequest) -> dict[str, Any]:
+def _choice(
+    policy: HFTextPolicy, index: int, output: PolicyOutput, body: CompletionRequest, stop: tuple[str, ...]
+) -> dict[str, Any]:
     token_ids = list(output.token_ids or ())
     eos = policy.tokenizer.eos_token_id
-    finish = "stop" if token_ids and token_ids[-1] == eos else "length"
+    stopped = bool(token_ids) and (token_ids[-1] == eos or any(item in policy.decode(token_ids) for item in stop))
     logprobs = None
     if body.logprobs is not None:
         pieces = policy.token_texts(token_ids)
@@ -251,9 +332,34 @@ def _choice(policy: HFTextPolicy, index: int, output: PolicyOutput, body: Comple
         "index": index,
         "text": output.text or "",
         "logprobs": logprobs,
-        "finish_reason": finish,
+        "finish_reason": "stop" if stopped else "length",
         "policy_version": output.policy_version,
     }
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port).
+
+    Raises:
+        OSError: the port is in use or the address cannot be bound, with that in the message.
+
+    Example:
+        >>> sock = bind_socket("127.0.0.1", 0)
+        >>> sock.getsockname()[1] > 0
+        True
+        >>> sock.close()
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve(
@@ -268,10 +374,16 @@ def serve(
     max_wait_ms: float = 5.0,
     max_tokens_limit: int = 256,
     log_level: str = "warning",
+    sock: socket.socket | None = None,
 ) -> None:
-    """Load ``model_dir`` into an `HFTextPolicy` and serve it with uvicorn until stopped."""
+    """Load ``model_dir`` into an `HFTextPolicy` and serve it with uvicorn until stopped.
+
+    The port is bound before the model loads (pass ``sock`` from `bind_socket`, or it is
+    bound here), so a port in use is reported at once.
+    """
     import uvicorn
 
+    sock = sock if sock is not None else bind_socket(host, port)
     policy = HFTextPolicy(
         model_dir,
         None,
@@ -282,4 +394,5 @@ def serve(
     )
     name = model_name or Path(model_dir).resolve().name
     app = create_app(policy, model_name=name, weights_dir=weights_dir, token=token, max_tokens_limit=max_tokens_limit)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)).run()
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False))
+    server.run(sockets=[sock])

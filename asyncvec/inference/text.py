@@ -10,26 +10,80 @@ token ids and log-probs are kept, and ``behavior_logp`` is the completion's log-
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import Any
+
+import numpy as np
 
 from asyncvec.inference.base import BatchedPolicy
 from asyncvec.inference.types import BackendResult, TextPrompt
 
 REJECTING_ERRORS = (ValueError, TypeError, KeyError, IndexError)
+MAX_STOP_STRINGS = 4
+
+
+def sampling_key(prompt: TextPrompt) -> tuple[Any, ...]:
+    """The settings that must be equal for prompts to share one engine call.
+
+    Example:
+        >>> sampling_key(TextPrompt("a", 4, 1.0, stop=("\n",)))
+        (4, 1.0, None, 0, ('\n',), None)
+    """
+    return (prompt.max_new_tokens, prompt.temperature, prompt.top_p, prompt.top_logprobs, prompt.stop, prompt.seed)
 
 
 def group_by_sampling(prompts: Sequence[TextPrompt]) -> dict[tuple[Any, ...], list[int]]:
     """Indices of prompts that share sampling settings (one backend call per group).
 
     Example:
-        >>> group_by_sampling([TextPrompt("a", 4, 1.0), TextPrompt("b", 4, 1.0), TextPrompt("c", 2, 1.0)])
-        {(4, 1.0, None, 0): [0, 1], (2, 1.0, None, 0): [2]}
+        >>> groups = group_by_sampling([TextPrompt("a", 4, 1.0), TextPrompt("b", 4, 1.0), TextPrompt("c", 2, 1.0)])
+        >>> list(groups.values())
+        [[0, 1], [2]]
     """
     groups: dict[tuple[Any, ...], list[int]] = {}
     for index, prompt in enumerate(prompts):
-        key = (prompt.max_new_tokens, prompt.temperature, prompt.top_p, prompt.top_logprobs)
-        groups.setdefault(key, []).append(index)
+        groups.setdefault(sampling_key(prompt), []).append(index)
     return groups
+
+
+def group_identical(prompts: Sequence[TextPrompt], indices: Iterable[int]) -> dict[TextPrompt, list[int]]:
+    """Indices (from ``indices``) of equal prompts (same text, same settings), in first-seen
+    order: ``k`` copies of one prompt become one engine request with ``n = k`` completions.
+
+    Example:
+        >>> groups = group_identical([TextPrompt("a"), TextPrompt("b"), TextPrompt("a")], [0, 1, 2])
+        >>> list(groups.values())
+        [[0, 2], [1]]
+    """
+    copies: dict[TextPrompt, list[int]] = {}
+    for index in indices:
+        copies.setdefault(prompts[index], []).append(index)
+    return copies
+
+
+def truncate_at_stop(
+    token_ids: Sequence[int], decode: Callable[[Sequence[int]], str], stop: Sequence[str]
+) -> tuple[int, str, bool]:
+    """Where a completion ends with stop strings: ``(tokens_kept, text, stopped)``.
+
+    The completion ends at the first token after which the decoded text contains a stop
+    string; the text ends before that string (as in OpenAI's API), the tokens and their
+    log-probs run up to and including that token.
+
+    Example:
+        >>> decode = lambda ids: "".join("ab\ncd"[i] for i in ids)
+        >>> truncate_at_stop([0, 1, 2, 3, 4], decode, ["\n"])
+        (3, 'ab', True)
+        >>> truncate_at_stop([0, 1], decode, ["\n"])
+        (2, 'ab', False)
+    """
+    if stop:
+        for kept in range(1, len(token_ids) + 1):
+            text = decode(token_ids[:kept])
+            positions = [text.find(item) for item in stop if item in text]
+            if positions:
+                return kept, text[: min(positions)], True
+    return len(token_ids), decode(token_ids), False
 
 
 class TextPolicy(BatchedPolicy):
@@ -87,34 +141,78 @@ class TextPolicy(BatchedPolicy):
             raise ValueError(
                 f"{self._label}: {where}top_logprobs must be an int in [0, 20], got {prompt.top_logprobs!r}"
             )
+        stop = prompt.stop
+        if (
+            not isinstance(stop, tuple)
+            or len(stop) > MAX_STOP_STRINGS
+            or not all(isinstance(item, str) and item for item in stop)
+        ):
+            raise ValueError(
+                f"{self._label}: {where}stop must be a tuple of at most {MAX_STOP_STRINGS} non-empty str, got {stop!r}"
+            )
+        if prompt.seed is not None and (isinstance(prompt.seed, bool) or not isinstance(prompt.seed, int)):
+            raise ValueError(f"{self._label}: {where}seed must be an int or None, got {prompt.seed!r}")
         return prompt
 
     def _check_obs(self, obs: Any, env_id: int | None) -> TextPrompt:
         where = f"env_id={env_id}: " if env_id is not None else ""
-        if isinstance(obs, str):
+        if isinstance(obs, (str, list, tuple)):
             prompt = TextPrompt(obs)
         elif isinstance(obs, TextPrompt):
             prompt = obs
         else:
-            raise ValueError(f"{self._label}: {where}expected a str prompt or a TextPrompt, got {type(obs).__name__}")
-        if not isinstance(prompt.prompt, str) or not prompt.prompt:
-            raise ValueError(f"{self._label}: {where}the prompt must be a non-empty str, got {prompt.prompt!r}")
+            raise ValueError(
+                f"{self._label}: {where}expected a str prompt, a list of token ids or a TextPrompt, "
+                f"got {type(obs).__name__}"
+            )
+        text = prompt.prompt
+        if isinstance(text, (list, tuple)):
+            if not text or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in text):
+                raise ValueError(f"{self._label}: {where}a token-id prompt must be a non-empty list of int")
+            text = tuple(int(t) for t in text)
+        elif not isinstance(text, str) or not text:
+            raise ValueError(f"{self._label}: {where}the prompt must be a non-empty str, got {text!r}")
         defaults = self.defaults
-        prompt = TextPrompt(
-            prompt.prompt,
-            defaults.max_new_tokens if prompt.max_new_tokens is None else prompt.max_new_tokens,
-            defaults.temperature if prompt.temperature is None else float(prompt.temperature),
-            defaults.top_p if prompt.top_p is None else prompt.top_p,
-            prompt.top_logprobs,
+        stop = prompt.stop if not isinstance(prompt.stop, (list, str)) else (
+            (prompt.stop,) if isinstance(prompt.stop, str) else tuple(prompt.stop)
         )
-        if prompt.temperature == 0:
-            prompt = TextPrompt(prompt.prompt, prompt.max_new_tokens, 0.0, None, prompt.top_logprobs)
+        temperature = defaults.temperature if prompt.temperature is None else float(prompt.temperature)
+        prompt = TextPrompt(
+            text,
+            defaults.max_new_tokens if prompt.max_new_tokens is None else prompt.max_new_tokens,
+            temperature,
+            None if temperature == 0 else (defaults.top_p if prompt.top_p is None else prompt.top_p),
+            prompt.top_logprobs,
+            stop,
+            prompt.seed,
+        )
         self._check_sampling(prompt, where)
         self._check_prompt(prompt, where)
         return prompt
 
     def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
         """Backend-specific prompt checks (e.g. length against the context window)."""
+
+    def submit_group(
+        self, prompt: str | Sequence[int] | TextPrompt, n: int, *, env_id: int | None = None, priority: int = 0
+    ) -> list[Future]:
+        """Queue ``n`` completions of one prompt (e.g. an RLOO group); one future each.
+
+        The copies enter the batcher together, so they normally reach the engine in one batch,
+        where the vLLM and OpenAI backends send them as one request with ``n`` completions.
+
+        Example:
+            >>> import tempfile, gymnasium as gym
+            >>> from asyncvec.inference import HFTextPolicy, build_tiny_lm
+            >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+            >>> with HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(8), max_new_tokens=2) as policy:
+            ...     answers = [f.result(timeout=30) for f in policy.submit_group("3+4=", 4)]
+            >>> len(answers)
+            4
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{self._label}: n must be an int >= 1, got {n!r}")
+        return [self.submit(prompt, env_id=env_id, priority=priority) for _ in range(n)]
 
     def parse(self, text: str) -> tuple[Any, bool]:
         """Run the action parser: ``(action, False)``, or ``(None, True)`` when rejected."""

@@ -102,16 +102,28 @@ class TextPrompt:
     ``TextPrompt`` overrides them for one request (``None`` keeps the default). The
     OpenAI-compatible server uses it to honour each request's settings.
 
+    Attributes:
+        prompt: the text, or the prompt's token ids (a tuple of ints: token-in, token-out).
+        max_new_tokens, temperature, top_p: sampling settings (None: the policy's default).
+        top_logprobs: how many of the most likely tokens to report per step (0-20).
+        stop: strings that end the completion; the text stops before the first one found, the
+            token ids and log-probs run up to the token that completed it.
+        seed: seed of this request's sampling (None: the engine's random stream).
+
     Example:
         >>> TextPrompt("3+4=", max_new_tokens=2, temperature=0.0).prompt
         '3+4='
+        >>> TextPrompt((6, 13, 7, 17), stop=("\n",), seed=7).seed
+        7
     """
 
-    prompt: str
+    prompt: str | tuple[int, ...]
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_logprobs: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
 
 
 @runtime_checkable

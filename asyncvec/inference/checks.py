@@ -1,0 +1,332 @@
+"""Equivalence checks of text backends against transformers, shared by the test suite (CPU)
+and ``scripts/gpu_check.sh`` (CUDA).
+
+* `teacher_forced_logps`: the log-probs transformers gives the tokens a backend sampled
+  (one unpadded forward pass, the same temperature and top-p).
+* `VersionedReference`: transformers models by policy version; `max_logp_error` compares
+  every answer with the model of the version it claims, so an answer computed with other
+  weights than it claims shows up as a large error.
+* `weight_sync_check`: envs keep submitting from threads while versions are published;
+  every answer must match the weights of its claimed version, and versions never go back
+  for answers submitted later.
+
+Command line (what ``scripts/gpu_check.sh`` runs on a GPU machine)::
+
+    python -m asyncvec.inference.checks vllm-policy --work DIR [--device cuda]
+    python -m asyncvec.inference.checks vllm-server --work DIR
+
+Each prints ``PASS``/``FAIL`` lines and exits 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+#: prompts of different lengths (different left padding in batched backends)
+PROMPTS = ("3+4=", "12+30=", "1+1=", "Hello, world! 7+2=")
+#: default bound on |log-prob difference| for float32 engines vs transformers (measured: ~1e-6 on a CPU)
+LOGP_TOLERANCE = 1e-4
+
+
+def teacher_forced_logps(
+    model: Any,
+    tokenizer: Any,
+    prompt: str | Sequence[int],
+    token_ids: Sequence[int],
+    temperature: float = 1.0,
+    top_p: float | None = None,
+) -> list[float]:
+    """Log-probs of ``token_ids`` after ``prompt`` under ``model``, from one unpadded forward pass,
+    for the distribution a backend samples from (logits / temperature, then top-p renormalised).
+
+    Example:
+        >>> import tempfile, transformers
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        >>> tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+        >>> len(teacher_forced_logps(model, tokenizer, "3+4=", [9, 1]))
+        2
+    """
+    import transformers
+
+    prompt_ids = list(tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
+    ids = torch.tensor([prompt_ids + list(token_ids)], device=model.device)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None:
+        logits = transformers.TopPLogitsWarper(top_p)(ids, logits)
+    index = torch.tensor(list(token_ids), device=logits.device)[:, None]
+    return torch.log_softmax(logits, -1).gather(-1, index)[:, 0].tolist()
+
+
+def random_weights(model_dir: str | os.PathLike, seed: int) -> dict[str, torch.Tensor]:
+    """A fresh random initialisation of the model in ``model_dir`` (same architecture), as a state dict.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> a, b = random_weights(folder, 1), random_weights(folder, 1)
+        >>> all(torch.equal(a[k], b[k]) for k in a)
+        True
+    """
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return dict(model.state_dict())
+
+
+@dataclass
+class VersionedReference:
+    """Transformers copies of a model, one per policy version, to check answers against.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> reference = VersionedReference(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
+        >>> reference.add(1, random_weights(reference.model_dir, seed=1))
+        >>> sorted(reference.models)
+        [0, 1]
+    """
+
+    model_dir: Path | str
+    device: str = "cpu"
+    models: dict[int, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        import transformers
+
+        self.model_dir = Path(self.model_dir)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.model_dir)
+        base = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.models.setdefault(0, base.to(self.device).eval())
+        self._lock = threading.Lock()
+
+    def add(self, version: int, weights: Mapping[str, torch.Tensor] | str | os.PathLike) -> None:
+        """Register the weights of ``version`` (a state dict or a folder)."""
+        import transformers
+
+        if isinstance(weights, (str, os.PathLike)):
+            model = transformers.AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32)
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            model.load_state_dict(dict(weights), strict=False)
+            model.tie_weights()
+        self.models[int(version)] = model.to(self.device).eval()
+
+    def error(self, prompt: str | Sequence[int], output: Any, temperature: float = 1.0, top_p: float | None = None) -> float:
+        """Largest |log-prob difference| of one answer against the model of its claimed version."""
+        if not output.token_ids:
+            return 0.0
+        model = self.models[output.policy_version]
+        with self._lock:
+            expected = teacher_forced_logps(model, self.tokenizer, prompt, output.token_ids, temperature, top_p)
+        return max(abs(a - b) for a, b in zip(output.token_logps, expected, strict=True))
+
+    def max_logp_error(self, prompts: Sequence[Any], outputs: Sequence[Any], **sampling: Any) -> float:
+        """`error` over answers (``prompts[i]`` produced ``outputs[i]``)."""
+        return max((self.error(p, o, **sampling) for p, o in zip(prompts, outputs, strict=True)), default=0.0)
+
+
+@dataclass
+class SyncReport:
+    """What `weight_sync_check` saw."""
+
+    answers: int
+    max_logp_error: float
+    versions_seen: list[int]
+    went_back: int
+    publish_s: dict[int, float]
+    first_answer_s: dict[int, float]
+
+    def ok(self, tolerance: float = LOGP_TOLERANCE) -> bool:
+        """Every answer matched its claimed version and no later answer claimed an older one."""
+        return self.max_logp_error <= tolerance and self.went_back == 0
+
+
+def weight_sync_check(
+    policy: Any,
+    reference: VersionedReference,
+    publish: Mapping[int, Any],
+    *,
+    prompts: Sequence[str] = PROMPTS,
+    submitters: int = 4,
+    answers_between: int = 8,
+    timeout_s: float = 300.0,
+    load: Callable[[Any, int], None] | None = None,
+) -> SyncReport:
+    """Publish each ``version -> weights`` of ``publish`` while ``submitters`` threads keep asking.
+
+    Each submitter submits, waits for the answer, and submits again (an env). Between two
+    publishes at least ``answers_between`` answers arrive. Every answer is compared with
+    ``reference``'s model of its claimed version; an answer submitted after a publish
+    returned must claim that version or a newer one (counted in ``went_back`` otherwise).
+    ``load(weights, version)`` publishes (default ``policy.load_weights``); its duration and
+    the time from its start to the first answer claiming the new version are reported.
+    """
+    load = load or policy.load_weights
+    lock = threading.Lock()
+    records: list[tuple[str, Any, int]] = []  # prompt, output, version published when submitted
+    published = {"version": policy.policy_version}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def submitter(index: int) -> None:
+        count = 0
+        while not stop.is_set():
+            prompt = prompts[(index + count) % len(prompts)]
+            count += 1
+            with lock:
+                floor = published["version"]
+            try:
+                output = policy.submit(prompt, env_id=index).result(timeout=timeout_s)
+            except BaseException as exc:  # reported by the caller
+                errors.append(exc)
+                return
+            with lock:
+                records.append((prompt, output, floor))
+
+    def wait_for_answers(count: int) -> None:
+        deadline = time.monotonic() + timeout_s
+        with lock:
+            target = len(records) + count
+        while len(records) < target and not errors:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {count} answers within {timeout_s} s")
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=submitter, args=(i,), daemon=True) for i in range(submitters)]
+    for thread in threads:
+        thread.start()
+    publish_s, first_answer_s = {}, {}
+    try:
+        wait_for_answers(answers_between)
+        for version, weights in publish.items():
+            started = time.monotonic()
+            load(weights, version)
+            publish_s[version] = time.monotonic() - started
+            with lock:
+                published["version"] = version
+            while not errors:
+                with lock:
+                    seen = any(out.policy_version >= version for _, out, _ in records)
+                if seen:
+                    break
+                if time.monotonic() - started > timeout_s:
+                    raise TimeoutError(f"no answer with version {version} within {timeout_s} s")
+                time.sleep(0.005)
+            first_answer_s[version] = time.monotonic() - started
+            wait_for_answers(answers_between)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout_s)
+    if errors:
+        raise errors[0]
+    went_back = sum(1 for _, output, floor in records if output.policy_version < floor)
+    worst = max((reference.error(prompt, output) for prompt, output, _ in records), default=0.0)
+    versions = sorted({output.policy_version for _, output, _ in records})
+    return SyncReport(len(records), worst, versions, went_back, publish_s, first_answer_s)
+
+
+# ------------------------------------------------------------------------ command line
+def _report(ok: bool, name: str, detail: str, failures: list[str]) -> None:
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def check_vllm_policy(work: Path, device: str, tolerance: float, failures: list[str]) -> None:
+    """VLLMPolicy: sampling with n, log-probs vs transformers, a weight update under load."""
+    import gymnasium as gym
+
+    from asyncvec.inference import VLLMPolicy, build_tiny_lm
+
+    for arch in ("gpt2", "llama"):
+        # head size 64 suits vLLM's GPU attention kernels
+        folder = build_tiny_lm(work / f"{arch}-policy", arch=arch, n_layer=2, n_embd=128, n_head=2, seed=0)
+        engine = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "seed": 0}
+        if device == "cuda":
+            engine["gpu_memory_utilization"] = 0.3
+        reference = VersionedReference(folder, device=device)
+        with VLLMPolicy(folder, str, action_space=gym.spaces.Text(64), max_new_tokens=8, engine_kwargs=engine,
+                        max_batch_size=64, max_wait_ms=20) as policy:
+            futures = [(p, f) for p in PROMPTS for f in policy.submit_group(p, 4)]
+            outputs = [f.result(timeout=600) for _, f in futures]
+            error = reference.max_logp_error([p for p, _ in futures], outputs)
+            _report(error <= tolerance, f"VLLMPolicy[{arch}] log-probs vs transformers",
+                    f"max |diff| {error:.2e} over {len(outputs)} completions (tolerance {tolerance:g})", failures)
+            weights = random_weights(folder, seed=1)
+            reference.add(1, weights)
+            report = weight_sync_check(policy, reference, {1: weights})
+            _report(report.ok(tolerance), f"VLLMPolicy[{arch}] weight update under load",
+                    f"{report.answers} answers, versions {report.versions_seen}, max |diff| "
+                    f"{report.max_logp_error:.2e}, older-version answers {report.went_back}, "
+                    f"publish {report.publish_s[1]:.2f} s", failures)
+
+
+def check_vllm_server(work: Path, tolerance: float, failures: list[str]) -> None:
+    """OpenAIPolicy against a vLLM server: batched requests with n, log-probs, weight sync."""
+    import gymnasium as gym
+
+    from asyncvec.inference import OpenAIPolicy, VLLMServer, build_tiny_lm
+
+    folder = build_tiny_lm(work / "gpt2-server", arch="gpt2", n_layer=2, n_embd=128, n_head=2, seed=0)
+    extra = ["--gpu-memory-utilization", "0.3"] if torch.cuda.is_available() else []
+    reference = VersionedReference(folder)
+    with VLLMServer(folder, served_model_name="tiny", max_model_len=128, extra_args=extra) as server:
+        _report(True, "vLLM server", f"ready on {server.url} after {server.startup_s:.0f} s", failures)
+        with OpenAIPolicy(server.url, "tiny", str, server_kind="vllm", action_space=gym.spaces.Text(64),
+                          max_new_tokens=8, checkpoint_dir=work / "checkpoints", model_dir=folder,
+                          max_batch_size=64, max_wait_ms=20) as policy:
+            futures = [(p, f) for p in PROMPTS for f in policy.submit_group(p, 4)]
+            outputs = [f.result(timeout=600) for _, f in futures]
+            error = reference.max_logp_error([p for p, _ in futures], outputs)
+            _report(error <= tolerance, "OpenAIPolicy->vLLM log-probs vs transformers",
+                    f"max |diff| {error:.2e}; {policy.stats()['http_requests']} HTTP request(s) for "
+                    f"{len(outputs)} completions", failures)
+            weights = random_weights(folder, seed=1)
+            reference.add(1, weights)
+            report = weight_sync_check(policy, reference, {1: weights})
+            _report(report.ok(tolerance) and policy.server_version() == 1, "OpenAIPolicy->vLLM weight sync",
+                    f"{report.answers} answers, versions {report.versions_seen}, max |diff| "
+                    f"{report.max_logp_error:.2e}, publish {report.publish_s[1]:.2f} s", failures)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m asyncvec.inference.checks", description=__doc__.split("\n")[0])
+    parser.add_argument("check", choices=["vllm-policy", "vllm-server"])
+    parser.add_argument("--work", type=Path, required=True, help="folder for models and checkpoints")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tolerance", type=float, default=float(os.environ.get("LOGP_TOL", LOGP_TOLERANCE)))
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    failures: list[str] = []
+    try:
+        if args.check == "vllm-policy":
+            check_vllm_policy(args.work, args.device, args.tolerance, failures)
+        else:
+            check_vllm_server(args.work, args.tolerance, failures)
+    except Exception as exc:  # a crash is a failure with its reason, not a traceback-only exit
+        _report(False, args.check, f"{type(exc).__name__}: {exc}", failures)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
