@@ -52,7 +52,7 @@ class LMArgs:
     served_model: str | None = None
     """model name the server expects (default: the --model folder as given)"""
     weights_dir: str | None = None
-    """--backend openai: a folder the server can read; version N is saved to <weights-dir>/<run>-vN"""
+    """--backend openai: where published versions are written for the server to load (default: a scratch folder)"""
     update_token: str | None = None
     """bearer token of an asyncvec server's /update_weights (default: $ASYNCVEC_SERVE_TOKEN)"""
     mode: Literal["sync", "async"] = "async"
@@ -140,8 +140,6 @@ class LMArgs:
         if self.backend == "openai":
             if not self.base_url:
                 raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
-            if not self.weights_dir:
-                raise ValueError("--backend openai needs --weights-dir: a folder the server loads new weights from")
         elif self.base_url is not None:
             raise ValueError(f"--base-url is only used with --backend openai, got --backend {self.backend}")
         try:
@@ -271,8 +269,11 @@ def solved_prompts(env_id: str, seed: int) -> Iterator[tuple[str, str]]:
             yield prompt, str(answer)
 
 
-def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space) -> Any:
+def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space, weights_dir: Path | None = None) -> Any:
     """The policy sampling completions: HFTextPolicy, VLLMPolicy or OpenAIPolicy (``--backend``).
+
+    ``--backend openai`` writes each published version to ``weights_dir`` (``--weights-dir``
+    if given), a folder the server must be able to read, and has the server load it.
 
     Example:
         >>> import tempfile
@@ -306,44 +307,26 @@ def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space) -> 
         args.base_url,
         args.served_model or model_dir.name,
         completion_with_answer,
+        server_kind=args.server_kind,
         update_token=token,
+        checkpoint_dir=args.weights_dir or weights_dir,
+        model_dir=model_dir,
         max_attempts=3,
         **options,
     )
     try:
-        policy.server_version()
+        policy.check_server()
     except Exception as exc:
         policy.close()
-        raise ValueError(
-            f"--base-url {args.base_url}: cannot read its weights version (GET /version: {type(exc).__name__}: {exc})"
-        ) from exc
+        raise ValueError(f"--base-url {args.base_url} (--server-kind {args.server_kind}): {exc}") from exc
     return policy
 
 
-class ServerCheckpoints:
-    """Where ``--backend openai`` publishes: saves the weights under ``--weights-dir`` (a folder the
-    server reads), then asks the server to load them (``OpenAIPolicy.load_weights(path, version)``).
-
-    Version N goes to ``<weights_dir>/<run_name>-vN/model.safetensors``.
-    """
-
-    def __init__(self, policy: Any, weights_dir: str | os.PathLike, run_name: str) -> None:
-        self.policy = policy
-        self.weights_dir = Path(weights_dir)
-        self.run_name = run_name
-
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        from safetensors.torch import save_file
-
-        name = f"{self.run_name}-v{version}"
-        (self.weights_dir / name).mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(self.weights_dir / name / "model.safetensors"))
-        self.policy.load_weights(name, version)
-
-
-def weights_receiver(args: LMArgs, policy: Any, run_name: str) -> Any:
-    """What the learner's VersionManager publishes to: the policy, or its server's checkpoint folder."""
-    return ServerCheckpoints(policy, args.weights_dir, run_name) if args.backend == "openai" else policy
+def starting_version(policy: Any) -> int:
+    """The newest version the policy or its server holds: the learner publishes its starting
+    weights as the next one when it sends them, so versions keep increasing across runs."""
+    server_version = policy.server_version() if hasattr(policy, "server_version") else None
+    return max(policy.policy_version, server_version or 0)
 
 
 # ------------------------------------------------------------------------------------ results
@@ -355,7 +338,9 @@ class LMTrainResult:
     ``flagged_fraction`` with a flagged reward, ``fallback_fraction`` rejected by the action
     parser (unparsable, still trained on), ``missed_deadline_fraction`` answered by the
     deadline fallback (never trained on); ``truncated_fraction`` is the share of importance
-    weights (tokens or sequences, per ``is_level``) clipped at ``is_cap``.
+    weights (tokens or sequences, per ``is_level``) clipped at ``is_cap``. ``start_version`` is
+    the version of the learner's starting weights on the policy (0 for a policy built from the
+    model; a server's version + 1 after they were sent to it), ``final_version`` the last one.
     """
 
     updates: int
@@ -372,6 +357,7 @@ class LMTrainResult:
     fallback_fraction: float
     missed_deadline_fraction: float
     staleness_mean: float
+    start_version: int
     final_version: int
     reached_target: bool
     history: list[dict] = field(default_factory=list)
@@ -384,7 +370,7 @@ class LMTrainResult:
         wall_time_s: float,
         evals: tuple[float, float],
         staleness_mean: float,
-        final_version: int,
+        versions: tuple[int, int],
         reached_target: bool,
     ) -> LMTrainResult:
         """Totals of a run from its per-update rows (``history``) and the collector's counters."""
@@ -406,7 +392,8 @@ class LMTrainResult:
             fallback_fraction=collector_stats["rejected"] / max(samples, 1),
             missed_deadline_fraction=collector_stats["missed_deadlines"] / max(samples, 1),
             staleness_mean=staleness_mean,
-            final_version=final_version,
+            start_version=versions[0],
+            final_version=versions[1],
             reached_target=reached_target,
             history=history,
         )

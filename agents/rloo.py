@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,14 +51,14 @@ from agents.lm_setup import (
     make_prompt_env,
     make_text_policy,
     prepare_model,
+    starting_version,
     summary,
     target_reached,
-    weights_receiver,
 )
 from asyncvec import VersionManager
 from asyncvec.buffers import GroupBatch
 from asyncvec.group_collector import GroupCollector, score_completions
-from asyncvec.lm import LMBatch, load_causal_lm, quiet_transformers
+from asyncvec.lm import LMBatch, load_causal_lm, quiet_model_libraries
 from asyncvec.losses import kl_penalized_rewards, masked_mean, rloo_advantages, truncated_importance_weights
 from asyncvec.metrics import RunLogger
 from asyncvec.rewards import RewardService
@@ -79,11 +80,14 @@ class RLOO:
         (2, 2)
     """
 
-    def __init__(self, args: Args) -> None:
+    def __init__(self, args: Args, policy: Any | None = None) -> None:
+        """``policy``: a text policy to sample from instead of one built from ``--backend`` (it
+        stays open after the run); the learner's starting weights are published to it first."""
         self.args = args
         seed_everything(args.seed)
-        torch.set_num_threads(args.torch_threads)
-        quiet_transformers()
+        if args.backend != "vllm":  # an in-process vLLM engine on the CPU binds the torch threads itself
+            torch.set_num_threads(args.torch_threads)
+        quiet_model_libraries()
         self.run_name = f"{args.env.replace('/', '_')}__rloo__{args.mode}__{args.seed}__{int(time.time())}"
         self.resources = contextlib.ExitStack()  # closed in reverse order by close()
         with self.resources as stack:  # on an error, close what was built so far
@@ -100,11 +104,20 @@ class RLOO:
             self.rewarder = stack.enter_context(
                 RewardService(args.reward, timeout_s=args.reward_timeout_s, num_workers=2)
             )
-            self.policy = stack.enter_context(make_text_policy(args, self.model_dir, env.action_space))
+            # A server, or a policy given by the caller, may hold other weights than the learner's: send them first.
+            sync = policy is not None or args.backend == "openai"
+            if policy is None:
+                policy = stack.enter_context(
+                    make_text_policy(args, self.model_dir, env.action_space, workdir / "weights")
+                )
+            self.policy = policy
             self.versions = stack.enter_context(
-                VersionManager(initial_version=self.policy.policy_version, max_lag=args.max_staleness)
+                VersionManager(initial_version=starting_version(self.policy) + sync, max_lag=args.max_staleness)
             )
-            self.versions.register(LaggedWeights(weights_receiver(args, self.policy, self.run_name), args.policy_lag))
+            if sync:
+                self.policy.load_weights(self.learner_weights(), self.versions.current_version)
+            self.start_version = self.versions.current_version
+            self.versions.register(LaggedWeights(self.policy, args.policy_lag))
             self.collector = stack.enter_context(
                 GroupCollector(self.policy, self.rewarder, iter_prompts(env, args.seed), args.group_size)
             )
@@ -191,9 +204,12 @@ class RLOO:
             stats["kl_ref"] = float(((prox - ref) * data.mask).sum(-1).mean())
         return stats
 
+    def learner_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.learner.state_dict().items()}
+
     def publish(self) -> int:
         """Sends the learner's weights to the policy (``policy.load_weights``); returns the new version."""
-        return self.versions.publish({k: v.detach().clone() for k, v in self.learner.state_dict().items()})
+        return self.versions.publish(self.learner_weights())
 
     def evaluate(self, num_prompts: int) -> float:
         """Mean reward of one sampled completion for each of ``num_prompts`` fresh prompts."""
@@ -266,7 +282,7 @@ class RLOO:
             wall,
             (eval_before, eval_after),
             self.versions.staleness_stats().mean,
-            self.versions.current_version,
+            (self.start_version, self.versions.current_version),
             reached,
         )
 

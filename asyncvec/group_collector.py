@@ -86,7 +86,8 @@ class GroupCollector:
 
     Args:
         policy: a text policy (``HFTextPolicy``, ``VLLMPolicy``, ``OpenAIPolicy``) whose
-            answers carry ``token_ids`` and ``token_logps``.
+            answers carry ``token_ids`` and ``token_logps``; each prompt's ``k`` completions are
+            requested together with ``submit_group`` (one engine request with ``n = k``).
         reward_service: scores ``(prompt, completion text)``.
         prompts: the prompts, in order (an endless iterator is fine).
         group_size: ``k``, completions per prompt.
@@ -130,8 +131,8 @@ class GroupCollector:
         """Requests ``group_size`` completions for each of the next ``num_prompts`` prompts."""
         for prompt in itertools.islice(self.prompts, num_prompts):
             prompt_id = next(self._ids)
-            for _ in range(self.group_size):
-                self.policy.submit(prompt).add_done_callback(partial(self._on_completion, prompt_id, prompt))
+            for future in self.policy.submit_group(prompt, self.group_size):  # one engine request with n = k
+                future.add_done_callback(partial(self._on_completion, prompt_id, prompt))
             with self._lock:
                 self.submitted_prompts += 1
 

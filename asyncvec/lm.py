@@ -20,19 +20,22 @@ import torch
 
 from asyncvec.buffers import GroupBatch
 
-__all__ = ["LMBatch", "completion_logps", "load_causal_lm", "quiet_transformers", "sft_warm_start"]
+__all__ = ["LMBatch", "completion_logps", "load_causal_lm", "quiet_model_libraries", "sft_warm_start"]
 
 
-def quiet_transformers() -> None:
-    """Silences transformers' progress bars and advisory warnings (errors still show).
+def quiet_model_libraries() -> None:
+    """Silences transformers' progress bars and advisory warnings, and vLLM's info log (errors
+    and, for vLLM, warnings still show; ``VLLM_LOGGING_LEVEL`` set by the user wins).
 
     Training runs load and save models many times; their bars and notices (e.g. the pad
-    token chosen for ``generate``) would bury the run's own output.
+    token chosen for ``generate``) would bury the run's own output. vLLM reads its level when
+    it is first imported, so call this before.
     """
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def load_causal_lm(folder: str | os.PathLike, device: str = "cpu") -> tuple[Any, Any]:

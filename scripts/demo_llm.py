@@ -30,7 +30,7 @@ import tyro
 from agents import reinforce_pp, rloo
 from agents.lm_setup import LMTrainResult, solved_prompts, summary
 from asyncvec.inference import build_tiny_lm
-from asyncvec.lm import quiet_transformers, sft_warm_start
+from asyncvec.lm import quiet_model_libraries, sft_warm_start
 
 
 @dataclass
@@ -56,7 +56,7 @@ def curve_line(curve: list[float], every: int = 10) -> str:
 
 
 def main(args: DemoArgs) -> dict[str, LMTrainResult]:
-    quiet_transformers()
+    quiet_model_libraries()
     results = {}
     with tempfile.TemporaryDirectory(prefix="asyncvec-demo-llm-") as work:
         start = time.monotonic()

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
-from test_serve import free_port, server  # noqa: F401  (fixture: `asyncvec serve` subprocess)
 
 import asyncvec.group_collector
 import asyncvec.lm
@@ -20,7 +19,7 @@ from agents.lm_setup import solved_prompts
 from asyncvec import rewards
 from asyncvec.buffers import CompletionGroups
 from asyncvec.group_collector import ScoredCompletion
-from asyncvec.inference import PolicyOutput, build_tiny_lm
+from asyncvec.inference import AsyncvecServer, PolicyOutput, build_tiny_lm
 from asyncvec.lm import completion_logps, load_causal_lm, sft_warm_start
 
 pytestmark = pytest.mark.timeout(240)
@@ -356,7 +355,18 @@ def test_each_update_publishes_a_version_the_policy_answers_with(tiny_dir):
     assert [row["charts/version"] for row in result.history] == [1, 2, 3] and result.final_version == 3
 
 
-def test_training_through_an_asyncvec_server(server):  # noqa: F811
+@pytest.fixture(scope="module")
+def asyncvec_server(tmp_path_factory):
+    """`asyncvec serve` in a subprocess, loading new weights from its --weights-dir."""
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = build_tiny_lm(root / "tiny", n_layer=1, n_embd=32, seed=0)
+    (root / "weights").mkdir()
+    with AsyncvecServer(model_dir, weights_dir=root / "weights", token="test-token") as server:
+        yield {"url": server.url, "model_dir": model_dir, "weights_dir": root / "weights"}
+
+
+def test_training_through_an_asyncvec_server(asyncvec_server, tmp_path):
+    server = asyncvec_server
     args = rloo.Args(
         model=str(server["model_dir"]),
         backend="openai",
@@ -366,13 +376,18 @@ def test_training_through_an_asyncvec_server(server):  # noqa: F811
         total_prompts=6,
         prompts_per_update=3,
         group_size=2,
+        output_dir=str(tmp_path / "trained"),
         **{**QUIET, "mode": "async"},
     )
-    result = rloo.RLOO(args).train()
-    assert result.updates == 2 and result.samples >= 12
-    served = httpx.get(server["url"] + "/version", timeout=10).json()["version"]
-    assert served == result.final_version and result.final_version >= 2
-    assert len(list(server["weights_dir"].glob("*__rloo__*-v*"))) == 2
+    first = rloo.RLOO(args).train()
+    # version 1: the learner's starting weights, sent before training; then one version per update
+    assert first.updates == 2 and first.samples >= 12 and (first.start_version, first.final_version) == (1, 3)
+    assert httpx.get(server["url"] + "/weight_info", timeout=10).json()["weight_version"] == "3"
+    # A second run against the same server first replaces the trained weights with its own starting ones.
+    second = rloo.RLOO(args).train()
+    assert (second.start_version, second.final_version) == (4, 6)
+    policy_versions = {row["charts/version"] for row in second.history}
+    assert policy_versions == {5, 6}
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -384,11 +399,7 @@ def test_training_through_an_asyncvec_server(server):  # noqa: F811
         ({"env": "asyncvec/GuessNumber-v0"}, ValueError, "did not end after one step"),
         ({"reward": "no_such_plugin"}, ValueError, "no reward plugin named 'no_such_plugin'"),
         ({"model": "/nonexistent/model"}, FileNotFoundError, "--model /nonexistent/model"),
-        (
-            {"backend": "openai", "base_url": "http://127.0.0.1:9", "weights_dir": "/tmp"},
-            ValueError,
-            "cannot read its weights version",
-        ),
+        ({"backend": "openai", "base_url": "http://127.0.0.1:9"}, ValueError, "--base-url http://127.0.0.1:9"),
     ],
 )
 def test_bad_setup_fails_fast_with_a_clear_error(tiny_dir, options, error, message):
