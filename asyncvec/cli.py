@@ -128,7 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"asyncvec serve: {exc}", file=sys.stderr)
             return 1
         port = sock.getsockname()[1]
-        print(f"asyncvec serve: {args.model} on http://{args.host}:{port} (loading the model)", file=sys.stderr, flush=True)
+        print(
+            f"asyncvec serve: {args.model} on http://{args.host}:{port} (loading the model)",
+            file=sys.stderr,
+            flush=True,
+        )
         serve(
             args.model,
             host=args.host,

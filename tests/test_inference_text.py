@@ -16,6 +16,7 @@ from asyncvec.inference import (
     TextPrompt,
     build_tiny_lm,
 )
+from asyncvec.inference.checks import teacher_forced_logps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,19 +35,6 @@ def llama_dir(tmp_path_factory):
 
 def digit(text):
     return int(text.strip()[0])
-
-
-def teacher_forced_logps(model, tokenizer, prompt, token_ids, temperature=1.0, top_p=None):
-    """Log-probs of `token_ids` after `prompt`, from one unpadded forward pass."""
-    prompt_ids = tokenizer(prompt).input_ids
-    ids = torch.tensor([prompt_ids + list(token_ids)])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    if top_p is not None:
-        logits = transformers.TopPLogitsWarper(top_p)(ids, logits)
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0].tolist()
 
 
 def test_tiny_lm_folders_load_with_transformers(gpt2_dir, llama_dir):
@@ -160,7 +148,9 @@ def test_load_weights_from_folder_and_state_dict(gpt2_dir, tmp_path):
 
 def test_bad_prompts_and_settings_give_clear_errors(gpt2_dir):
     with HFTextPolicy(gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), max_new_tokens=4) as policy:
-        with pytest.raises(ValueError, match="env_id=2: expected a str prompt, a list of token ids or a TextPrompt, got int"):
+        with pytest.raises(
+            ValueError, match="env_id=2: expected a str prompt, a list of token ids or a TextPrompt, got int"
+        ):
             policy.submit(5, env_id=2)
         with pytest.raises(ValueError, match="the prompt must be a non-empty str"):
             policy.submit("")

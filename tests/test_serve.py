@@ -52,8 +52,9 @@ def digit(text):
 def make_policy(server, **kwargs):
     kwargs.setdefault("action_space", gym.spaces.Discrete(10))
     kwargs.setdefault("max_new_tokens", 4)
-    return OpenAIPolicy(server["url"], MODEL, digit, server_kind="asyncvec", update_token=TOKEN, request_timeout_s=30,
-                        **kwargs)
+    return OpenAIPolicy(
+        server["url"], MODEL, digit, server_kind="asyncvec", update_token=TOKEN, request_timeout_s=30, **kwargs
+    )
 
 
 def test_completions_with_logprobs_and_a_weight_update(server):
@@ -215,7 +216,9 @@ def test_a_port_in_use_is_reported_before_the_model_loads(server):
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "asyncvec.cli", "serve", "--model", str(server["model_dir"]), "--port", str(port)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 1, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "loading the model" not in result.stderr
@@ -233,7 +236,10 @@ def test_weight_sync_uses_the_same_client_path_as_vllm(server, tmp_path):
         assert httpx.get(server["url"] + "/weight_info", timeout=10).json() == {"weight_version": str(version)}
         out = policy.submit("3+4=").result(timeout=30)
         assert out.policy_version == version
-        with make_policy(server) as stale, pytest.raises(ValueError, match=f"server's current weight version {version}"):
+        with (
+            make_policy(server) as stale,
+            pytest.raises(ValueError, match=f"server's current weight version {version}"),
+        ):
             stale.load_weights("v1", 1)
     with OpenAIPolicy(server["url"], MODEL, digit, server_kind="vllm", action_space=gym.spaces.Discrete(10)) as wrong:
         with pytest.raises(BackendRejectedError, match="is not a server of kind 'vllm'"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from asyncvec.inference import LatencyModel, PolicyClosedError, TextPrompt, VLLMPolicy, build_tiny_lm
-from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, VersionedReference, random_weights, weight_sync_check
+from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, VersionedReference, weight_sync_check
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -64,13 +64,6 @@ def _cmdline(process):
         return []
 
 
-def weights_of(reference, version):
-    """Random weights for `version` (registered with the reference models)."""
-    if version not in reference.models:
-        reference.add(version, random_weights(reference.model_dir, seed=version))
-    return {name: tensor.clone() for name, tensor in reference.models[version].state_dict().items()}
-
-
 def test_the_engine_runs_in_this_process(policy):
     assert policy.submit("1+1=").result(timeout=300).token_ids
     assert not [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(_cmdline(p)).lower()]
@@ -104,7 +97,9 @@ def test_groups_go_to_vllm_as_one_request_with_n_and_logprobs_match_transformers
 
 def test_tempered_and_nucleus_logprobs_are_those_of_the_sampled_distribution(policy, reference):
     prompts = list(PROMPTS)
-    outputs = [f.result(timeout=300) for f in [policy.submit(TextPrompt(p, temperature=0.7, top_p=0.9)) for p in prompts]]
+    outputs = [
+        f.result(timeout=300) for f in [policy.submit(TextPrompt(p, temperature=0.7, top_p=0.9)) for p in prompts]
+    ]
     assert reference.max_logp_error(prompts, outputs, temperature=0.7, top_p=0.9) <= LOGP_TOLERANCE
 
 
@@ -123,11 +118,11 @@ def test_token_id_prompts_stop_strings_and_seeds(policy):
 
 def test_weight_updates_under_load_every_answer_matches_its_version(policy, reference, tmp_path):
     start = policy.policy_version
-    state = weights_of(reference, start + 1)
+    state = reference.weights(start + 1)
     # a save_pretrained folder leaves GPT-2's tied lm_head.weight out: the policy fills it in
     folder = tmp_path / "next"
     model = reference.models[0].__class__.from_pretrained(reference.model_dir)
-    model.load_state_dict(weights_of(reference, start + 2), strict=False)
+    model.load_state_dict(reference.weights(start + 2), strict=False)
     model.save_pretrained(folder)
     report = weight_sync_check(policy, reference, {start + 1: state, start + 2: folder}, answers_between=12)
     print(f"weight sync: {report}")
@@ -137,7 +132,7 @@ def test_weight_updates_under_load_every_answer_matches_its_version(policy, refe
 
 def test_bad_weights_and_versions_leave_the_engine_serving_its_weights(policy, reference):
     version = policy.policy_version
-    good = weights_of(reference, version)
+    good = reference.weights(version)
     with pytest.raises(ValueError, match=r"shape mismatch 1 \(e\.g\. \['transformer.wte.weight: got \(3, 3\)"):
         policy.load_weights({**good, "transformer.wte.weight": torch.zeros(3, 3)}, version + 1)
     with pytest.raises(ValueError, match="unexpected 1"):
@@ -153,7 +148,9 @@ def test_bad_weights_and_versions_leave_the_engine_serving_its_weights(policy, r
 
 
 def test_bad_prompts_get_clear_errors(policy):
-    with pytest.raises(ValueError, match=r"env_id=3: prompt of 140 tokens \+ max_new_tokens 6 exceeds the model's context of 128"):
+    with pytest.raises(
+        ValueError, match=r"env_id=3: prompt of 140 tokens \+ max_new_tokens 6 exceeds the model's context of 128"
+    ):
         policy.submit("1+" * 70, env_id=3)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 92\)"):
         policy.submit([5, 1000])
@@ -164,8 +161,9 @@ def test_bad_prompts_get_clear_errors(policy):
 
 def test_deadlines_give_fallbacks_over_the_engine(policy):
     # a slow link in front of the engine: the shared BatchedPolicy machinery answers at the deadline
-    with LatencyModel(policy, a_ms=500, b_ms=0, close_inner=False, deadline_ms=50, fallback="zero",
-                      action_space=gym.spaces.Text(8)) as slow:
+    with LatencyModel(
+        policy, a_ms=500, b_ms=0, close_inner=False, deadline_ms=50, fallback="zero", action_space=gym.spaces.Text(8)
+    ) as slow:
         out = slow.submit("1+1=", env_id=0).result(timeout=60)
     assert out.fallback and out.action == "" and out.behavior_logp == 0.0
 
@@ -175,4 +173,3 @@ def test_bad_constructor_arguments_fail_before_an_engine_starts(model_dir):
         VLLMPolicy(model_dir, text_action, action_space=gym.spaces.Text(8), max_inflight_batches=2)
     with pytest.raises(FileNotFoundError, match="no model folder"):
         VLLMPolicy(model_dir / "missing", text_action, action_space=gym.spaces.Text(8))
-

@@ -19,7 +19,7 @@ from asyncvec.inference import (
     build_tiny_lm,
     write_checkpoint,
 )
-from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, VersionedReference, random_weights, weight_sync_check
+from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, VersionedReference, weight_sync_check
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -62,12 +62,6 @@ def make_policy(server, model_dir, tmp_path, **kwargs):
     return OpenAIPolicy(server.url, MODEL, text_action, **options)
 
 
-def weights_of(reference, version):
-    if version not in reference.models:
-        reference.add(version, random_weights(reference.model_dir, seed=version))
-    return {name: tensor.clone() for name, tensor in reference.models[version].state_dict().items()}
-
-
 def test_one_http_request_per_batch_with_n_and_logprobs_match_transformers(server, model_dir, reference, tmp_path):
     with make_policy(server, model_dir, tmp_path) as policy:
         futures = [(prompt, future) for prompt in PROMPTS for future in policy.submit_group(prompt, 4)]
@@ -85,7 +79,7 @@ def test_one_http_request_per_batch_with_n_and_logprobs_match_transformers(serve
 def test_weight_sync_under_load_every_answer_matches_its_version(server, model_dir, reference, tmp_path):
     with make_policy(server, model_dir, tmp_path, keep_checkpoints=1) as policy:
         start = max(policy.server_version() or 0, policy.policy_version)
-        publish = {start + 1: weights_of(reference, start + 1), start + 2: weights_of(reference, start + 2)}
+        publish = {start + 1: reference.weights(start + 1), start + 2: reference.weights(start + 2)}
         report = weight_sync_check(policy, reference, publish, answers_between=12)
         print(f"weight sync over HTTP: {report}")
         assert report.ok(), report
@@ -97,14 +91,16 @@ def test_weight_sync_under_load_every_answer_matches_its_version(server, model_d
 def test_bad_input_gets_clear_errors_and_the_server_keeps_its_weights(server, model_dir, reference, tmp_path):
     with make_policy(server, model_dir, tmp_path) as policy:
         version = max(policy.server_version() or 0, policy.policy_version) + 1
-        policy.load_weights(weights_of(reference, version), version)
+        policy.load_weights(reference.weights(version), version)
         with pytest.raises(FileNotFoundError, match="does not exist or is not a folder"):
             policy.load_weights(str(tmp_path / "missing"), version + 1)
         pretrained = tmp_path / "pretrained"
         reference.models[version].save_pretrained(pretrained)  # leaves out the tied lm_head.weight
         with pytest.raises(ValueError, match=r"lacks tied tensors \{'lm_head.weight': 'transformer.wte.weight'\}"):
             policy.load_weights(str(pretrained), version + 1)
-        wrong = write_checkpoint({"transformer.wte.weight": torch.zeros(3, 3)}, tmp_path / "wrong", config_from=model_dir)
+        wrong = write_checkpoint(
+            {"transformer.wte.weight": torch.zeros(3, 3)}, tmp_path / "wrong", config_from=model_dir
+        )
         with pytest.raises(ValueError, match="do not fit the model: missing"):
             policy.load_weights(str(wrong), version + 1)
         with pytest.raises(ValueError, match="exceeds the model's context of 128 tokens"):
@@ -115,11 +111,11 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_its_weights(server, mo
         assert reference.max_logp_error(PROMPTS, outputs) <= LOGP_TOLERANCE
     with make_policy(server, model_dir, tmp_path) as stale:  # a second client that is behind the server
         with pytest.raises(ValueError, match=f"newer than the server's current weight version {version}, got 1"):
-            stale.load_weights(weights_of(reference, version), 1)
+            stale.load_weights(reference.weights(version), 1)
     for kind in ("asyncvec", "sglang"):
         with make_policy(server, model_dir, tmp_path, server_kind=kind) as wrong_kind:
             with pytest.raises(BackendRejectedError, match=f"is not a server of kind '{kind}'"):
-                wrong_kind.load_weights(weights_of(reference, version), version + 1)
+                wrong_kind.load_weights(reference.weights(version), version + 1)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
@@ -129,16 +125,18 @@ def test_a_dead_server_is_retried_then_fails_and_answers_resume_after_a_restart(
         server.kill()
         error = policy.submit("1+1=").exception(timeout=120)
         assert isinstance(error, BackendError) and "cannot reach" in str(error) and "after 2 attempt(s)" in str(error)
-        with make_policy(server, model_dir, tmp_path, deadline_ms=500, fallback="zero",
-                         action_space=gym.spaces.Text(8)) as with_deadline:
-            out = with_deadline.submit("1+1=", env_id=0).result(timeout=60)
-            assert out.fallback and out.action == ""
+        assert policy.stats()["retries"] >= 1
+        with make_policy(
+            server, model_dir, tmp_path, fallback_on_error=True, fallback="zero", action_space=gym.spaces.Text(8)
+        ) as falls_back:
+            out = falls_back.submit("1+1=", env_id=0).result(timeout=120)
+            assert out.fallback and out.action == "" and falls_back.stats()["error_fallbacks"] == 1
         server.restart()  # same port, weights from the model folder again
         outputs = policy.act(list(PROMPTS), timeout=300)
         assert all(out.policy_version == 0 for out in outputs)  # vLLM reports "default": the initial weights
         assert reference.max_logp_error(PROMPTS, outputs) <= LOGP_TOLERANCE
         version = policy.policy_version + 1
-        policy.load_weights(weights_of(reference, version), version)
+        policy.load_weights(reference.weights(version), version)
         after = policy.act(list(PROMPTS), timeout=300)
         assert all(out.policy_version == version for out in after)
         assert reference.max_logp_error(PROMPTS, after) <= LOGP_TOLERANCE

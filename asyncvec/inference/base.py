@@ -249,7 +249,9 @@ class BatchedPolicy(abc.ABC):
     * **Retries**: backend errors are retried ``max_attempts`` times in total with
       exponential back-off (``retry_backoff_ms``, doubling, capped at 2 s), except
       ``ValueError``/``TypeError`` which a retry cannot fix. Then a `BackendError` is set on
-      the batch's futures.
+      the batch's futures, or, with ``fallback_on_error=True``, they get the fallback action
+      (``fallback=True``, ``behavior_logp=0.0``, counted in ``error_fallbacks``): a dead
+      server then slows the envs down instead of stopping them.
     * **Cache** (``cache_size > 0``): LRU of answers keyed by (observation hash, policy
       version). A stochastic policy then repeats its sampled action for a repeated
       observation until the next weight update.
@@ -278,6 +280,7 @@ class BatchedPolicy(abc.ABC):
         cache_size: int = 0,
         max_attempts: int = 3,
         retry_backoff_ms: float = 20.0,
+        fallback_on_error: bool = False,
         version: int = 0,
         name: str | None = None,
     ) -> None:
@@ -298,6 +301,9 @@ class BatchedPolicy(abc.ABC):
         self._zero_action = self._resolve_zero_action(fallback, action_space, deadline_ms)
         self._deadline_s = None if deadline_ms is None else float(deadline_ms) / 1000.0
         self.max_attempts = max_attempts
+        self.fallback_on_error = bool(fallback_on_error)
+        if self.fallback_on_error:
+            self._zero_action = self._resolve_zero_action(fallback, action_space, 1.0)  # needs a fallback too
         self._retry_backoff_s = float(retry_backoff_ms) / 1000.0
         self._cache = _LRUCache(cache_size) if cache_size else None
         self._version = int(version)
@@ -312,7 +318,18 @@ class BatchedPolicy(abc.ABC):
         self._last_action: dict[int, Any] = {}
         self._latencies: deque[float] = deque(maxlen=10_000)
         self._counts = dict.fromkeys(
-            ("requests", "answered", "errors", "timeouts", "parse_failures", "late_dropped", "retries", "cache_hits"), 0
+            (
+                "requests",
+                "answered",
+                "errors",
+                "timeouts",
+                "error_fallbacks",
+                "parse_failures",
+                "late_dropped",
+                "retries",
+                "cache_hits",
+            ),
+            0,
         )
         self._batcher: DynamicBatcher[_Request] = DynamicBatcher(
             self._run_batch,
@@ -494,7 +511,8 @@ class BatchedPolicy(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Counters and latencies.
 
-        Keys: requests, answered, errors, timeouts (deadline fallbacks), parse_failures,
+        Keys: requests, answered, errors, timeouts (deadline fallbacks), error_fallbacks (backend
+        failures answered with the fallback, ``fallback_on_error``), parse_failures,
         fallbacks (both), late_dropped, retries, cache_hits, cache_misses, batches,
         mean_batch_size, queue_depth, inflight_batches, latency_p50_ms, latency_p99_ms,
         policy_version, and the batcher's batch_threshold / arrival_rate_hz / fit_a_ms /
@@ -507,7 +525,7 @@ class BatchedPolicy(abc.ABC):
         p50, p99 = (np.percentile(latencies, [50, 99]) * 1000.0) if latencies.size else (float("nan"), float("nan"))
         return {
             **counts,
-            "fallbacks": counts["timeouts"] + counts["parse_failures"],
+            "fallbacks": counts["timeouts"] + counts["error_fallbacks"] + counts["parse_failures"],
             "cache_misses": counts["requests"] - counts["cache_hits"] if self._cache is not None else 0,
             "batches": batcher["batches"],
             "mean_batch_size": batcher["mean_batch_size"],
@@ -608,7 +626,11 @@ class BatchedPolicy(abc.ABC):
             )
             failure.__cause__ = error
             for request in live:
-                self._complete(request, error=failure)
+                if self.fallback_on_error and not self._closing.is_set():
+                    logger.warning("%s: answering with the fallback action: %s", self._label, failure)
+                    self._deliver_fallback(request, error=True)
+                else:
+                    self._complete(request, error=failure)
         return None
 
     def _deliver_batch(self, requests: list[_Request], results: list[BackendResult], version: int) -> None:
@@ -657,6 +679,7 @@ class BatchedPolicy(abc.ABC):
         *,
         error: BaseException | None = None,
         timeout: bool = False,
+        backend_error: bool = False,
         parse_failure: bool = False,
         cache_hit: bool = False,
     ) -> bool:
@@ -672,6 +695,7 @@ class BatchedPolicy(abc.ABC):
             else:
                 self._counts["answered"] += 1
                 self._counts["timeouts"] += timeout
+                self._counts["error_fallbacks"] += backend_error
                 self._counts["parse_failures"] += parse_failure
                 self._counts["cache_hits"] += cache_hit
                 self._latencies.append(output.latency_s)
@@ -722,7 +746,7 @@ class BatchedPolicy(abc.ABC):
                 if not request.completed:
                     self._deliver_fallback(request)
 
-    def _deliver_fallback(self, request: _Request) -> None:
+    def _deliver_fallback(self, request: _Request, error: bool = False) -> None:
         try:
             action = self._fallback_action(request)
         except Exception as exc:
@@ -736,4 +760,4 @@ class BatchedPolicy(abc.ABC):
                 latency_s=time.monotonic() - request.submitted,
                 fallback=True,
             )
-            self._complete(request, output, timeout=True)
+            self._complete(request, output, timeout=not error, backend_error=error)

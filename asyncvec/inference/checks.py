@@ -130,7 +130,9 @@ class VersionedReference:
             model.tie_weights()
         self.models[int(version)] = model.to(self.device).eval()
 
-    def error(self, prompt: str | Sequence[int], output: Any, temperature: float = 1.0, top_p: float | None = None) -> float:
+    def error(
+        self, prompt: str | Sequence[int], output: Any, temperature: float = 1.0, top_p: float | None = None
+    ) -> float:
         """Largest |log-prob difference| of one answer against the model of its claimed version."""
         if not output.token_ids:
             return 0.0
@@ -252,61 +254,76 @@ def _report(ok: bool, name: str, detail: str, failures: list[str]) -> None:
         failures.append(name)
 
 
-def check_vllm_policy(work: Path, device: str, tolerance: float, failures: list[str]) -> None:
-    """VLLMPolicy: sampling with n, log-probs vs transformers, a weight update under load."""
-    import gymnasium as gym
+def check_backend(
+    label: str, policy: Any, reference: VersionedReference, tolerance: float, failures: list[str]
+) -> None:
+    """Groups of 4 completions per prompt against transformers, then a weight update under load."""
+    futures = [(prompt, future) for prompt in PROMPTS for future in policy.submit_group(prompt, 4)]
+    outputs = [future.result(timeout=600) for _, future in futures]
+    error = reference.max_logp_error([prompt for prompt, _ in futures], outputs)
+    requests = policy.stats().get("http_requests")
+    sent = f"; {requests} HTTP request(s)" if requests is not None else ""
+    _report(
+        error <= tolerance,
+        f"{label} log-probs vs transformers",
+        f"max |diff| {error:.2e} over {len(outputs)} completions{sent} (tolerance {tolerance:g})",
+        failures,
+    )
+    version = policy.policy_version + 1
+    report = weight_sync_check(policy, reference, {version: reference.weights(version)})
+    _report(
+        report.ok(tolerance),
+        f"{label} weight update under load",
+        f"{report.answers} answers, versions {report.versions_seen}, max |diff| {report.max_logp_error:.2e}, "
+        f"older-version answers {report.went_back}, publish {report.publish_s[version]:.2f} s",
+        failures,
+    )
 
-    from asyncvec.inference import VLLMPolicy, build_tiny_lm
+
+def _tiny_model(folder: Path, arch: str) -> Path:
+    from asyncvec.inference import build_tiny_lm
+
+    return build_tiny_lm(folder, arch=arch, n_layer=2, n_embd=128, n_head=2, seed=0)  # head size 64: GPU kernels
+
+
+def check_vllm_policy(work: Path, device: str, tolerance: float, failures: list[str]) -> None:
+    """VLLMPolicy on tiny GPT-2 and Llama models."""
+    from asyncvec.inference import VLLMPolicy
 
     for arch in ("gpt2", "llama"):
-        # head size 64 suits vLLM's GPU attention kernels
-        folder = build_tiny_lm(work / f"{arch}-policy", arch=arch, n_layer=2, n_embd=128, n_head=2, seed=0)
+        folder = _tiny_model(work / f"{arch}-policy", arch)
         engine = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "seed": 0}
         if device == "cuda":
             engine["gpu_memory_utilization"] = 0.3
-        reference = VersionedReference(folder, device=device)
-        with VLLMPolicy(folder, str, action_space=gym.spaces.Text(64), max_new_tokens=8, engine_kwargs=engine,
-                        max_batch_size=64, max_wait_ms=20) as policy:
-            futures = [(p, f) for p in PROMPTS for f in policy.submit_group(p, 4)]
-            outputs = [f.result(timeout=600) for _, f in futures]
-            error = reference.max_logp_error([p for p, _ in futures], outputs)
-            _report(error <= tolerance, f"VLLMPolicy[{arch}] log-probs vs transformers",
-                    f"max |diff| {error:.2e} over {len(outputs)} completions (tolerance {tolerance:g})", failures)
-            weights = random_weights(folder, seed=1)
-            reference.add(1, weights)
-            report = weight_sync_check(policy, reference, {1: weights})
-            _report(report.ok(tolerance), f"VLLMPolicy[{arch}] weight update under load",
-                    f"{report.answers} answers, versions {report.versions_seen}, max |diff| "
-                    f"{report.max_logp_error:.2e}, older-version answers {report.went_back}, "
-                    f"publish {report.publish_s[1]:.2f} s", failures)
+        options = {"max_new_tokens": 8, "max_batch_size": 64, "max_wait_ms": 20}
+        with VLLMPolicy(folder, str, fallback=_no_action, engine_kwargs=engine, **options) as policy:
+            check_backend(f"VLLMPolicy[{arch}]", policy, VersionedReference(folder, device=device), tolerance, failures)
 
 
 def check_vllm_server(work: Path, tolerance: float, failures: list[str]) -> None:
-    """OpenAIPolicy against a vLLM server: batched requests with n, log-probs, weight sync."""
-    import gymnasium as gym
+    """OpenAIPolicy against a vLLM server (`VLLMServer`), weights through vLLM's routes."""
+    from asyncvec.inference import OpenAIPolicy, VLLMServer
 
-    from asyncvec.inference import OpenAIPolicy, VLLMServer, build_tiny_lm
-
-    folder = build_tiny_lm(work / "gpt2-server", arch="gpt2", n_layer=2, n_embd=128, n_head=2, seed=0)
+    folder = _tiny_model(work / "gpt2-server", "gpt2")
     extra = ["--gpu-memory-utilization", "0.3"] if torch.cuda.is_available() else []
-    reference = VersionedReference(folder)
     with VLLMServer(folder, served_model_name="tiny", max_model_len=128, extra_args=extra) as server:
         _report(True, "vLLM server", f"ready on {server.url} after {server.startup_s:.0f} s", failures)
-        with OpenAIPolicy(server.url, "tiny", str, server_kind="vllm", action_space=gym.spaces.Text(64),
-                          max_new_tokens=8, checkpoint_dir=work / "checkpoints", model_dir=folder,
-                          max_batch_size=64, max_wait_ms=20) as policy:
-            futures = [(p, f) for p in PROMPTS for f in policy.submit_group(p, 4)]
-            outputs = [f.result(timeout=600) for _, f in futures]
-            error = reference.max_logp_error([p for p, _ in futures], outputs)
-            _report(error <= tolerance, "OpenAIPolicy->vLLM log-probs vs transformers",
-                    f"max |diff| {error:.2e}; {policy.stats()['http_requests']} HTTP request(s) for "
-                    f"{len(outputs)} completions", failures)
-            weights = random_weights(folder, seed=1)
-            reference.add(1, weights)
-            report = weight_sync_check(policy, reference, {1: weights})
-            _report(report.ok(tolerance) and policy.server_version() == 1, "OpenAIPolicy->vLLM weight sync",
-                    f"{report.answers} answers, versions {report.versions_seen}, max |diff| "
-                    f"{report.max_logp_error:.2e}, publish {report.publish_s[1]:.2f} s", failures)
+        options = {"max_new_tokens": 8, "max_batch_size": 64, "max_wait_ms": 20}
+        with OpenAIPolicy(
+            server.url,
+            "tiny",
+            str,
+            server_kind="vllm",
+            fallback=_no_action,
+            checkpoint_dir=work / "checkpoints",
+            model_dir=folder,
+            **options,
+        ) as policy:
+            check_backend("OpenAIPolicy->vLLM server", policy, VersionedReference(folder), tolerance, failures)
+
+
+def _no_action(obs: Any, env_id: int | None) -> str:
+    return ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

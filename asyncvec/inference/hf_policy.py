@@ -110,19 +110,8 @@ class HFTextPolicy(TextPolicy):
             return [self.tokenizer.decode([token], skip_special_tokens=True) for token in token_ids]
 
     def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
-        if not isinstance(prompt.prompt, str):
-            vocab = self.model.config.vocab_size
-            bad = [token for token in prompt.prompt if not 0 <= token < vocab]
-            if bad:
-                raise ValueError(f"{self._label}: {where}token ids must be in [0, {vocab}), got {bad[:5]}")
-        length = self.count_tokens(prompt.prompt)
-        if length == 0:
-            raise ValueError(f"{self._label}: {where}the prompt tokenizes to no tokens")
-        if self.max_positions is not None and length + prompt.max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"{self._label}: {where}prompt of {length} tokens + max_new_tokens {prompt.max_new_tokens} "
-                f"exceeds the model's context of {self.max_positions} tokens"
-            )
+        context = {"count_tokens": self.count_tokens, "vocab_size": self.model.config.vocab_size}
+        self._check_fits_context(prompt, where, context=self.max_positions, **context)
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         results: list[BackendResult | None] = [None] * len(prompts)

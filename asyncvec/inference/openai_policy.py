@@ -216,7 +216,9 @@ class OpenAIPolicy(TextPolicy):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         timeout = self._httpx.Timeout(timeout_s) if timeout_s is not None else self._httpx.USE_CLIENT_DEFAULT
         try:
-            response = await self._client.request(method, url, json=json, params=params, headers=headers, timeout=timeout)
+            response = await self._client.request(
+                method, url, json=json, params=params, headers=headers, timeout=timeout
+            )
         except self._httpx.TimeoutException as exc:
             raise TransientBackendError(f"{url}: timed out after {timeout_s or self.request_timeout_s} s") from exc
         except self._httpx.TransportError as exc:
@@ -237,21 +239,14 @@ class OpenAIPolicy(TextPolicy):
             ) from exc
 
     def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
-        if self._tokenizer is None:
-            return
-        if isinstance(prompt.prompt, str):
-            with self._tokenizer_lock:
-                length = len(self._tokenizer(prompt.prompt).input_ids)
-        else:
-            bad = [token for token in prompt.prompt if not 0 <= token < self._vocab_size]
-            if bad:
-                raise ValueError(f"{self._label}: {where}token ids must be in [0, {self._vocab_size}), got {bad[:5]}")
-            length = len(prompt.prompt)
-        if self.max_model_len is not None and length + prompt.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"{self._label}: {where}prompt of {length} tokens + max_new_tokens {prompt.max_new_tokens} "
-                f"exceeds the model's context of {self.max_model_len} tokens"
+        if self._tokenizer is not None:
+            self._check_fits_context(
+                prompt, where, count_tokens=self._count_tokens, vocab_size=self._vocab_size, context=self.max_model_len
             )
+
+    def _count_tokens(self, text: str) -> int:
+        with self._tokenizer_lock:
+            return len(self._tokenizer(text).input_ids)
 
     def stats(self) -> dict[str, float]:
         """`BatchedPolicy.stats` plus ``http_requests`` (completion requests sent, retries included)."""
@@ -479,7 +474,11 @@ class _AsyncvecRoutes(_Routes):
         await self._check_newer(version)
         body = {"path": path, "version": version}
         answer = await self.policy._request(
-            "POST", "/update_weights", json=body, token=self.policy._update_token, timeout_s=self.policy.update_timeout_s
+            "POST",
+            "/update_weights",
+            json=body,
+            token=self.policy._update_token,
+            timeout_s=self.policy.update_timeout_s,
         )
         if not isinstance(answer, dict) or answer.get("version") != version:
             raise BackendError(f"{self.policy.base_url}/update_weights answered {answer!r}, expected version {version}")
@@ -500,8 +499,8 @@ class _VLLMRoutes(_Routes):
             await self.policy._request("GET", "/weight_info")
         except BackendRejectedError as exc:
             raise BackendRejectedError(
-                f"{self.policy.base_url} is vLLM {info['version']} without its weight routes (GET /weight_info: {exc}); "
-                "start it with VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
+                f"{self.policy.base_url} is vLLM {info['version']} without its weight routes "
+                f"(GET /weight_info: {exc}); start it with VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
             ) from None
         return info
 
@@ -521,7 +520,9 @@ class _VLLMRoutes(_Routes):
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}}
             try:
-                await policy._request("POST", "/collective_rpc", json=rpc, token=token, timeout_s=policy.update_timeout_s)
+                await policy._request(
+                    "POST", "/collective_rpc", json=rpc, token=token, timeout_s=policy.update_timeout_s
+                )
             except (TransientBackendError, BackendRejectedError) as exc:
                 raise BackendError(
                     f"vLLM at {policy.base_url} failed to reload weights from {path!r}: {exc} "

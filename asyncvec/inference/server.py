@@ -200,8 +200,12 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Any:
         if model_id != model_name:
-            return _error(404, f"model {model_id!r} is not served here; available: [{model_name!r}]",
-                          param="model", code="model_not_found")
+            return _error(
+                404,
+                f"model {model_id!r} is not served here; available: [{model_name!r}]",
+                param="model",
+                code="model_not_found",
+            )
         return model_card()
 
     @app.get("/weight_info")
@@ -220,8 +224,12 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
         if body.model != model_name:
-            return _error(404, f"model {body.model!r} is not served here; available: [{model_name!r}]",
-                          param="model", code="model_not_found")
+            return _error(
+                404,
+                f"model {body.model!r} is not served here; available: [{model_name!r}]",
+                param="model",
+                code="model_not_found",
+            )
         if body.max_tokens > max_tokens_limit:
             return _error(400, f"max_tokens must be <= {max_tokens_limit}, got {body.max_tokens}", param="max_tokens")
         prompts = prompt_list(body.prompt)

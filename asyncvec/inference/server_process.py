@@ -66,6 +66,8 @@ def port_in_use(host: str, port: int) -> bool:
         True
     """
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # as servers bind: a port whose old connections linger in TIME_WAIT after a restart is free
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -87,10 +89,11 @@ def wait_until_ready(
         ServerStartError: ``process`` exited first, or ``timeout_s`` passed.
 
     Example:
-        >>> wait_until_ready("http://127.0.0.1:9", timeout_s=0.5)  # nothing listens on port 9
-        Traceback (most recent call last):
-        ...
-        asyncvec.inference.server_process.ServerStartError: http://127.0.0.1:9/health did not answer 200 within 0.5 s (last error: ConnectError)
+        >>> try:
+        ...     wait_until_ready("http://127.0.0.1:9", timeout_s=0.5)  # nothing listens on port 9
+        ... except ServerStartError as exc:
+        ...     print(exc)
+        http://127.0.0.1:9/health did not answer 200 within 0.5 s (last error: ConnectError)
     """
     import httpx
 
@@ -224,7 +227,9 @@ class ServerProcess:
         except ServerStartError as exc:
             tail = self.log_tail()
             self._terminate()
-            raise ServerStartError(f"{self.name} ({' '.join(self.command[:4])} ...): {exc}\n--- log tail ---\n{tail}") from None
+            raise ServerStartError(
+                f"{self.name} ({' '.join(self.command[:4])} ...): {exc}\n--- log tail ---\n{tail}"
+            ) from None
         self.startup_s = waited
         return waited
 
@@ -394,7 +399,7 @@ class AsyncvecServer(ServerProcess):
         >>> import tempfile
         >>> from asyncvec.inference import build_tiny_lm
         >>> with AsyncvecServer(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32), model_name="tiny") as server:
-        ...     import httpx; httpx.get(server.url + "/v1/models/tiny").json()["id"]
+        ...     import httpx; httpx.get(server.url + "/v1/models/tiny").json()["id"]  # doctest: +SKIP
         'tiny'
     """
 

@@ -26,8 +26,8 @@ def sampling_key(prompt: TextPrompt) -> tuple[Any, ...]:
     """The settings that must be equal for prompts to share one engine call.
 
     Example:
-        >>> sampling_key(TextPrompt("a", 4, 1.0, stop=("\n",)))
-        (4, 1.0, None, 0, ('\n',), None)
+        >>> sampling_key(TextPrompt("a", 4, 1.0, stop=("\\n",)))
+        (4, 1.0, None, 0, ('\\n',), None)
     """
     return (prompt.max_new_tokens, prompt.temperature, prompt.top_p, prompt.top_logprobs, prompt.stop, prompt.seed)
 
@@ -71,10 +71,10 @@ def truncate_at_stop(
     log-probs run up to and including that token.
 
     Example:
-        >>> decode = lambda ids: "".join("ab\ncd"[i] for i in ids)
-        >>> truncate_at_stop([0, 1, 2, 3, 4], decode, ["\n"])
+        >>> decode = lambda ids: "".join("ab\\ncd"[i] for i in ids)
+        >>> truncate_at_stop([0, 1, 2, 3, 4], decode, ["\\n"])
         (3, 'ab', True)
-        >>> truncate_at_stop([0, 1], decode, ["\n"])
+        >>> truncate_at_stop([0, 1], decode, ["\\n"])
         (2, 'ab', False)
     """
     if stop:
@@ -173,8 +173,10 @@ class TextPolicy(BatchedPolicy):
         elif not isinstance(text, str) or not text:
             raise ValueError(f"{self._label}: {where}the prompt must be a non-empty str, got {text!r}")
         defaults = self.defaults
-        stop = prompt.stop if not isinstance(prompt.stop, (list, str)) else (
-            (prompt.stop,) if isinstance(prompt.stop, str) else tuple(prompt.stop)
+        stop = (
+            prompt.stop
+            if not isinstance(prompt.stop, (list, str))
+            else ((prompt.stop,) if isinstance(prompt.stop, str) else tuple(prompt.stop))
         )
         temperature = defaults.temperature if prompt.temperature is None else float(prompt.temperature)
         prompt = TextPrompt(
@@ -192,6 +194,31 @@ class TextPolicy(BatchedPolicy):
 
     def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
         """Backend-specific prompt checks (e.g. length against the context window)."""
+
+    def _check_fits_context(
+        self,
+        prompt: TextPrompt,
+        where: str,
+        *,
+        count_tokens: Callable[[str], int],
+        vocab_size: int | None,
+        context: int | None,
+    ) -> None:
+        """Token ids inside the vocabulary, and prompt + ``max_new_tokens`` inside the context."""
+        if isinstance(prompt.prompt, str):
+            length = count_tokens(prompt.prompt)
+        else:
+            bad = [token for token in prompt.prompt if vocab_size is not None and not 0 <= token < vocab_size]
+            if bad:
+                raise ValueError(f"{self._label}: {where}token ids must be in [0, {vocab_size}), got {bad[:5]}")
+            length = len(prompt.prompt)
+        if length == 0:
+            raise ValueError(f"{self._label}: {where}the prompt tokenizes to no tokens")
+        if context is not None and length + prompt.max_new_tokens > context:
+            raise ValueError(
+                f"{self._label}: {where}prompt of {length} tokens + max_new_tokens {prompt.max_new_tokens} "
+                f"exceeds the model's context of {context} tokens"
+            )
 
     def submit_group(
         self, prompt: str | Sequence[int] | TextPrompt, n: int, *, env_id: int | None = None, priority: int = 0

@@ -113,7 +113,7 @@ class TextPrompt:
     Example:
         >>> TextPrompt("3+4=", max_new_tokens=2, temperature=0.0).prompt
         '3+4='
-        >>> TextPrompt((6, 13, 7, 17), stop=("\n",), seed=7).seed
+        >>> TextPrompt((6, 13, 7, 17), stop=("\\n",), seed=7).seed
         7
     """
 

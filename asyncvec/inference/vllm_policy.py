@@ -112,8 +112,10 @@ class VLLMPolicy(TextPolicy):
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
         options = dict(engine_kwargs or {})
         options.setdefault("logprobs_mode", "processed_logprobs")
-        if not _cuda_available() and "kv_cache_memory_bytes" not in options and not os.environ.get(
-            "VLLM_CPU_KVCACHE_SPACE"
+        if (
+            not _cuda_available()
+            and "kv_cache_memory_bytes" not in options
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
         ):
             options["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         with _in_process_engine():
@@ -127,19 +129,13 @@ class VLLMPolicy(TextPolicy):
 
     # ------------------------------------------------------------------------- checks
     def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
-        if isinstance(prompt.prompt, str):
-            with self._tokenizer_lock:
-                length = len(self.tokenizer(prompt.prompt).input_ids)
-        else:
-            bad = [token for token in prompt.prompt if not 0 <= token < self.vocab_size]
-            if bad:
-                raise ValueError(f"{self._label}: {where}token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-            length = len(prompt.prompt)
-        if length + prompt.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"{self._label}: {where}prompt of {length} tokens + max_new_tokens {prompt.max_new_tokens} "
-                f"exceeds the model's context of {self.max_model_len} tokens (max_model_len)"
-            )
+        self._check_fits_context(
+            prompt, where, count_tokens=self._count_tokens, vocab_size=self.vocab_size, context=self.max_model_len
+        )
+
+    def _count_tokens(self, text: str) -> int:
+        with self._tokenizer_lock:
+            return len(self.tokenizer(text).input_ids)
 
     # ------------------------------------------------------------------------ forward
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:

@@ -85,18 +85,22 @@ def apply_state_dict(module: torch.nn.Module, state: Mapping[str, torch.Tensor])
         for name in state
         if name in own and tuple(state[name].shape) != tuple(own[name].shape)
     ]
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} (e.g. {missing[:3]})")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} (e.g. {unexpected[:3]})")
-        if mismatched:
-            parts.append(f"shape mismatch {len(mismatched)} (e.g. {mismatched[:3]})")
-        raise ValueError(f"weights do not fit {type(module).__name__}: " + "; ".join(parts))
+    _raise_if_unfit(f"weights do not fit {type(module).__name__}", missing, unexpected, mismatched)
     with torch.no_grad():
         for name, tensor in state.items():
             own[name].copy_(tensor)
+
+
+def _raise_if_unfit(what: str, missing: list[str], unexpected: list[str], mismatched: list[str]) -> None:
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)} (e.g. {missing[:3]})")
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)} (e.g. {unexpected[:3]})")
+    if mismatched:
+        parts.append(f"shape mismatch {len(mismatched)} (e.g. {mismatched[:3]})")
+    if parts:
+        raise ValueError(f"{what}: " + "; ".join(parts))
 
 
 def state_dict_of(weights: Any) -> dict[str, torch.Tensor]:
@@ -154,15 +158,7 @@ class ParameterSpec:
             for name in shapes
             if name in self.shapes and tuple(shapes[name]) != self.shapes[name]
         ]
-        problems = []
-        if missing:
-            problems.append(f"missing {len(missing)} (e.g. {missing[:3]})")
-        if unexpected:
-            problems.append(f"unexpected {len(unexpected)} (e.g. {unexpected[:3]})")
-        if mismatched:
-            problems.append(f"shape mismatch {len(mismatched)} (e.g. {mismatched[:3]})")
-        if problems:
-            raise ValueError(f"{where} do not fit the model: " + "; ".join(problems))
+        _raise_if_unfit(f"{where} do not fit the model", missing, unexpected, mismatched)
 
     def complete(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` with every tied name present (copied from the name it is tied to).
