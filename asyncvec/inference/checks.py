@@ -130,6 +130,12 @@ class VersionedReference:
             model.tie_weights()
         self.models[int(version)] = model.to(self.device).eval()
 
+    def weights(self, version: int) -> dict[str, torch.Tensor]:
+        """The weights of ``version``: registered ones, else a fresh random initialisation seeded by it."""
+        if int(version) not in self.models:
+            self.add(version, random_weights(self.model_dir, seed=int(version)))
+        return {name: tensor.detach().clone() for name, tensor in self.models[int(version)].state_dict().items()}
+
     def error(
         self, prompt: str | Sequence[int], output: Any, temperature: float = 1.0, top_p: float | None = None
     ) -> float:
