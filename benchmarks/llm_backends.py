@@ -60,7 +60,7 @@ class Args:
     max_wait_ms: float = 5.0
     """longest wait for a batch to fill"""
     rloo: bool = True
-    """add RLOO sync vs async completions/s per backend (the LM agents' RLOO on each backend)"""
+    """add RLOO sync vs async completions/s per backend (agents.rloo.RLOO sampling from each backend's policy)"""
     rloo_prompts: int = 64
     """prompts per RLOO run (8 completions each)"""
     out_dir: str | None = None
@@ -115,17 +115,9 @@ def drive(policy: Any, num_envs: int, seconds: float, warmup_s: float) -> dict[s
     }
 
 
-class _Backends(dict):
-    """name -> policy, plus the servers behind the HTTP ones."""
-
-    def __init__(self, policies: dict[str, Any], servers: dict[str, Any]) -> None:
-        super().__init__(policies)
-        self.servers = servers
-
-
 @contextlib.contextmanager
-def backends(args: Args, model_dir: Path, work: Path) -> Iterator[_Backends]:
-    """Every backend, started once: name -> policy (and the servers)."""
+def backends(args: Args, model_dir: Path, work: Path) -> Iterator[dict[str, Any]]:
+    """Every backend, started once: name -> policy."""
     options = {
         "fallback": lambda obs, env_id: "",
         "max_new_tokens": args.max_new_tokens,
@@ -169,7 +161,7 @@ def backends(args: Args, model_dir: Path, work: Path) -> Iterator[_Backends]:
                 )
         for policy in policies.values():  # first calls warm the engines up
             policy.act(list(PROMPTS), timeout=600)
-        yield _Backends(policies, {"vllm": vllm_server, "asyncvec": asyncvec_server})
+        yield policies
 
 
 def measure_weight_sync(policies: dict[str, Any], reference: VersionedReference, rounds: int) -> dict[str, list[float]]:
@@ -190,52 +182,34 @@ def measure_weight_sync(policies: dict[str, Any], reference: VersionedReference,
     return results
 
 
-def rloo_rows(args: Args, model_dir: Path, work: Path, servers: dict[str, Any]) -> list[list[Any]]:
-    """RLOO sync vs async completions/s per backend, through the LM agents' importable API
-    (``agents.rloo.RLOO(Args(...)).train().samples_per_s``); a backend the agents cannot drive
-    gets its error in the table instead of numbers."""
-    import json
+def rloo_rows(args: Args, model_dir: Path, policies: dict[str, Any]) -> list[list[Any]]:
+    """RLOO sync vs async completions/s on each backend, through the LM agents' importable API:
+    ``agents.rloo.RLOO(Args(...), policy=<the backend's policy>).train().samples_per_s`` (the
+    learner's weights are published to the backend after every update)."""
+    import torch
 
     from agents.rloo import RLOO
     from agents.rloo import Args as RLOOArgs
 
-    engine = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True}
-    backends_to_run = {
-        "HFTextPolicy": {"backend": "hf"},
-        "VLLMPolicy": {"backend": "vllm", "vllm_engine": json.dumps(engine)},
-        "OpenAIPolicy -> vLLM server": {
-            "backend": "openai",
-            "base_url": servers["vllm"].url,
-            "server_kind": "vllm",
-            "served_model": "tiny",
-            "weights_dir": str(work / "rloo-vllm"),
-        },
-        "OpenAIPolicy -> asyncvec serve": {
-            "backend": "openai",
-            "base_url": servers["asyncvec"].url,
-            "server_kind": "asyncvec",
-            "served_model": "tiny",
-            "weights_dir": str(work),
-        },
-    }
     rows = []
-    for name, backend in backends_to_run.items():
+    for name in ("HFTextPolicy", "VLLMPolicy", "OpenAIPolicy -> vLLM server", "OpenAIPolicy -> asyncvec serve"):
         rates = []
         try:
             for mode in ("sync", "async"):
-                options = dict(
-                    model=str(model_dir),
-                    mode=mode,
-                    total_prompts=args.rloo_prompts,
-                    prompts_per_update=16,
-                    group_size=8,
-                    eval_prompts=0,
-                    progress=False,
-                    **backend,
-                )
-                rates.append(RLOO(RLOOArgs(**options)).train().samples_per_s)
+                options = {
+                    "model": str(model_dir),
+                    "mode": mode,
+                    "total_prompts": args.rloo_prompts,
+                    "prompts_per_update": 16,
+                    "group_size": 8,
+                    "eval_prompts": 0,
+                    "progress": False,
+                    "backend": "vllm" if name == "VLLMPolicy" else "hf",  # vLLM binds torch's threads itself
+                    "torch_threads": torch.get_num_threads(),
+                }
+                rates.append(RLOO(RLOOArgs(**options), policy=policies[name]).train().samples_per_s)
             rows.append([name, rates[0], rates[1], rates[1] / rates[0]])
-        except Exception as exc:  # reported in the table: the row says which backend the agents cannot drive
+        except Exception as exc:  # reported in the table: which backend the agents could not drive, and why
             rows.append([name, f"failed: {type(exc).__name__}: {str(exc)[:80]}", "", ""])
         print(f"RLOO {name}: {rows[-1]}", flush=True)
     return rows
@@ -256,7 +230,7 @@ def main(args: Args) -> None:
                         cells.setdefault((name, num_envs), []).append(result)
                         print(f"round {round_index + 1} {name} envs={num_envs}: {result}", flush=True)
             sync_times = measure_weight_sync(policies, reference, args.rounds)
-            rloo = rloo_rows(args, model_dir, work, policies.servers) if args.rloo else None
+            rloo = rloo_rows(args, model_dir, policies) if args.rloo else None
     write_report(args, cells, sync_times, rloo)
 
 

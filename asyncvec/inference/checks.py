@@ -63,7 +63,8 @@ def teacher_forced_logps(
     prompt_ids = list(tokenizer(prompt).input_ids) if isinstance(prompt, str) else list(prompt)
     ids = torch.tensor([prompt_ids + list(token_ids)], device=model.device)
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+        # every position is real (a sampled <pad> token too): an explicit all-ones mask
+        logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt_ids) - 1 : -1].float()
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None:
