@@ -509,7 +509,13 @@ class _VLLMRoutes(_Routes):
         return _parse_version(info.get("weight_version") if isinstance(info, dict) else None)
 
     async def batch_version(self) -> int | None:
-        version = await self.read_version()
+        try:
+            version = await self.read_version()
+        except BackendRejectedError as exc:  # no weight routes: say how to get them
+            raise BackendRejectedError(
+                f"{exc}; answers of a vLLM server are tagged with GET /weight_info: start it with "
+                "VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
+            ) from None
         return self.policy._initial_version if version is None else version
 
     async def publish(self, path: str, version: int) -> None:
