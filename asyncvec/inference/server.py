@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from asyncvec.inference.hf_policy import HFTextPolicy
 from asyncvec.inference.text import MAX_STOP_STRINGS
-from asyncvec.inference.types import PolicyError, PolicyOutput, TextPrompt
+from asyncvec.inference.types import BackendResult, PolicyError, PolicyOutput, TextPrompt
 
 MAX_PROMPTS_PER_REQUEST = 256
 MAX_N = 64
@@ -246,19 +246,27 @@ def create_app(
                 seed=body.seed,
             )
             try:
-                policy.check_observation(request)
+                requests.append(policy.check_observation(request))
             except (ValueError, TypeError) as exc:
                 where = f"prompt {index}: " if len(prompts) > 1 else ""
                 return _error(400, where + str(exc), param="prompt")
-            requests.append(request)
-        try:
-            futures = [future for request in requests for future in policy.submit_group(request, body.n)]
-        except PolicyError as exc:
-            return _error(503, str(exc))
-        try:
-            outputs: list[PolicyOutput] = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
-        except PolicyError as exc:
-            return _error(503, f"the model failed: {exc}")
+        if body.seed is not None:
+            # a seeded request is one backend call of its own: the same request gives the same completions
+            # whatever else the server is doing (in the shared batcher, other requests would change its batch)
+            copies = [request for request in requests for _ in range(body.n)]
+            try:
+                outputs: list[Any] = await asyncio.to_thread(policy.forward_batch, copies)
+            except Exception as exc:  # noqa: BLE001 - the model failed: a 503 with the reason
+                return _error(503, f"the model failed: {type(exc).__name__}: {exc}")
+        else:
+            try:
+                futures = [future for request in requests for future in policy.submit_group(request, body.n)]
+            except PolicyError as exc:
+                return _error(503, str(exc))
+            try:
+                outputs = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+            except PolicyError as exc:
+                return _error(503, f"the model failed: {exc}")
         choices = [_choice(policy, index, output, body, stop) for index, output in enumerate(outputs)]
         prompt_tokens = sum(policy.count_tokens(prompt) for prompt in prompts)
         completion_tokens = sum(len(output.token_ids or ()) for output in outputs)
@@ -308,7 +316,11 @@ def create_app(
 
 
 def _choice(
-    policy: HFTextPolicy, index: int, output: PolicyOutput, body: CompletionRequest, stop: tuple[str, ...]
+    policy: HFTextPolicy,
+    index: int,
+    output: PolicyOutput | BackendResult,
+    body: CompletionRequest,
+    stop: tuple[str, ...],
 ) -> dict[str, Any]:
     token_ids = list(output.token_ids or ())
     eos = policy.tokenizer.eos_token_id
