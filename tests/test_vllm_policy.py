@@ -4,6 +4,8 @@ the version it claims, bad input, deadlines, and no process left behind.
 
 One engine for the whole module (starting one takes about a minute on a loaded 2-core machine)."""
 
+# ruff: noqa: F811  (module-scoped fixtures imported from vllm_fixtures are redefined as arguments)
+
 import gc
 import threading
 
@@ -11,27 +13,14 @@ import gymnasium as gym
 import psutil
 import pytest
 import torch
+from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
 
-from asyncvec.inference import LatencyModel, PolicyClosedError, TextPrompt, VLLMPolicy, build_tiny_lm
-from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, VersionedReference, weight_sync_check
+from asyncvec.inference import LatencyModel, PolicyClosedError, TextPrompt, VLLMPolicy
+from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, weight_sync_check
 
 pytestmark = pytest.mark.timeout(600)
 
 ENGINE = {"dtype": "float32", "max_model_len": 128, "enforce_eager": True, "seed": 0}
-
-
-def text_action(text):
-    return text
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_lm(tmp_path_factory.mktemp("vllm") / "tiny", arch="gpt2", seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return VersionedReference(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -6,38 +6,26 @@ comes back on the same port.
 
 One server for the whole module (it takes one to three minutes to start on a loaded 2-core machine)."""
 
+# ruff: noqa: F811  (module-scoped fixtures imported from vllm_fixtures are redefined as arguments)
+
 import gymnasium as gym
 import httpx
 import pytest
 import torch
+from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
 
 from asyncvec.inference import (
     BackendError,
     BackendRejectedError,
     OpenAIPolicy,
     VLLMServer,
-    build_tiny_lm,
     write_checkpoint,
 )
-from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, VersionedReference, weight_sync_check
+from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, weight_sync_check
 
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = "tiny"
-
-
-def text_action(text):
-    return text
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_lm(tmp_path_factory.mktemp("vllm-server") / "tiny", arch="gpt2", seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return VersionedReference(model_dir)
 
 
 @pytest.fixture(scope="module")

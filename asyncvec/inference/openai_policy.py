@@ -419,7 +419,18 @@ class _Routes:
         raise NotImplementedError
 
     async def read_version(self) -> int | None:
-        raise NotImplementedError
+        """``GET /weight_info`` (vLLM's route; asyncvec serves it too)."""
+        info = await self.policy._request("GET", "/weight_info")
+        return _parse_version(info.get("weight_version") if isinstance(info, dict) else None)
+
+    async def _version_route(self, is_this_kind: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        try:
+            info = await self.policy._request("GET", "/version")
+        except BackendRejectedError as exc:
+            raise self._not_this_kind("/version", str(exc)) from None
+        if not isinstance(info, dict) or not is_this_kind(info):
+            raise self._not_this_kind("/version", info)
+        return info
 
     async def batch_version(self) -> int | None:
         """Version read around each batch (None: the server reports versions in its answers)."""
@@ -455,17 +466,7 @@ class _AsyncvecRoutes(_Routes):
     kind = "asyncvec"
 
     async def identify(self) -> dict[str, Any]:
-        try:
-            info = await self.policy._request("GET", "/version")
-        except BackendRejectedError as exc:
-            raise self._not_this_kind("/version", str(exc)) from None
-        if not isinstance(info, dict) or info.get("server") != "asyncvec":
-            raise self._not_this_kind("/version", info)
-        return info
-
-    async def read_version(self) -> int | None:
-        info = await self.policy._request("GET", "/weight_info")
-        return _parse_version(info.get("weight_version") if isinstance(info, dict) else None)
+        return await self._version_route(lambda info: info.get("server") == "asyncvec")
 
     def response_version(self, data: dict[str, Any]) -> int | None:
         return _parse_version((data.get("metadata") or {}).get("weight_version"))
@@ -489,12 +490,7 @@ class _VLLMRoutes(_Routes):
     kind = "vllm"
 
     async def identify(self) -> dict[str, Any]:
-        try:
-            info = await self.policy._request("GET", "/version")
-        except BackendRejectedError as exc:
-            raise self._not_this_kind("/version", str(exc)) from None
-        if not isinstance(info, dict) or set(info) != {"version"}:
-            raise self._not_this_kind("/version", info)
+        info = await self._version_route(lambda info: set(info) == {"version"})  # vLLM: {"version": "0.32.0"}
         try:
             await self.policy._request("GET", "/weight_info")
         except BackendRejectedError as exc:
@@ -503,10 +499,6 @@ class _VLLMRoutes(_Routes):
                 f"(GET /weight_info: {exc}); start it with VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
             ) from None
         return info
-
-    async def read_version(self) -> int | None:
-        info = await self.policy._request("GET", "/weight_info")
-        return _parse_version(info.get("weight_version") if isinstance(info, dict) else None)
 
     async def batch_version(self) -> int | None:
         try:
