@@ -6,9 +6,12 @@ record. The loops live in the agent files; the machinery they drive lives in the
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +21,12 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from agents.common import check_env_id
-from asyncvec import rewards
+from agents.common import LaggedWeights, check_env_id
+from asyncvec import VersionManager, rewards
+from asyncvec.group_collector import GroupCollector, score_completions
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import load_causal_lm, sft_warm_start
+from asyncvec.rewards import RewardService
 
 TARGET_WINDOW = 10
 """``target_reward`` is met when the mean training reward of this many updates reaches it."""
@@ -91,6 +96,8 @@ class LMArgs:
     """gradient clipping"""
     policy_batch_size: int = 128
     """largest batch the policy's DynamicBatcher sends to the model"""
+    policy_wait_ms: float = 20.0
+    """longest the policy's batcher waits to fill a batch (over HTTP each batch is one request)"""
     deadline_ms: float | None = None
     """a completion not ready this long after its request gets the fallback and is never trained on"""
     eval_prompts: int = 200
@@ -131,7 +138,7 @@ class LMArgs:
         _check_int("group_size", self.group_size, 2)
         for name in ("is_cap", "reward_timeout_s", "timeout_s", "learning_rate", "max_grad_norm"):
             _check_number(name, getattr(self, name), positive=True)
-        for name in ("kl_coef", "temperature"):
+        for name in ("kl_coef", "temperature", "policy_wait_ms"):
             _check_number(name, getattr(self, name), positive=False)
         if self.deadline_ms is not None:
             _check_number("deadline_ms", self.deadline_ms, positive=True)
@@ -288,7 +295,7 @@ def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space, wei
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "max_batch_size": args.policy_batch_size,
-        "max_wait_ms": 5.0,
+        "max_wait_ms": args.policy_wait_ms,
         "deadline_ms": args.deadline_ms,
     }
     if args.backend == "hf":
@@ -327,6 +334,83 @@ def starting_version(policy: Any) -> int:
     weights as the next one when it sends them, so versions keep increasing across runs."""
     server_version = policy.server_version() if hasattr(policy, "server_version") else None
     return max(policy.policy_version, server_version or 0)
+
+
+@dataclass
+class LMParts:
+    """What an LM agent trains with, built by :func:`build_parts`; ``resources.close()`` closes it all."""
+
+    model_dir: Path
+    """the model folder the learner started from (``--model``, or the scratch folder's after a warm start)"""
+    learner: Any
+    tokenizer: Any
+    reference: Any | None
+    """the frozen starting model, for the KL penalty (None when ``--kl-coef`` is 0)"""
+    rewarder: RewardService
+    policy: Any
+    versions: VersionManager
+    start_version: int
+    """the version of the learner's starting weights on the policy"""
+    collector: GroupCollector
+    eval_env: gym.Env
+    resources: contextlib.ExitStack
+    """closes the collector, the version manager, the policy (when built here), the reward
+    service, the scratch folder and the envs, in that order"""
+
+
+def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
+    """Prompts (``--env``), the model (``--model``, ``--sft-steps``), the learner and its reference,
+    the reward service, the policy (``--backend``, unless ``policy`` is given), the version
+    manager and the group collector. What fails on the way closes what was built before it.
+
+    A server (``--backend openai``) or a given policy may hold other weights than the learner's
+    (another run's, or the model before the warm start), so the learner's starting weights are
+    sent to it first, as its newest version + 1.
+    """
+    with contextlib.ExitStack() as stack:
+        env = stack.enter_context(make_prompt_env(args.env))
+        eval_env = stack.enter_context(make_prompt_env(args.env))
+        check_reward(args.reward, args.env, env.reset(seed=args.seed)[0])
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"asyncvec-{run_name}-")))
+        model_dir = prepare_model(args, workdir)
+        learner, tokenizer = load_causal_lm(model_dir, args.device)
+        reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
+        rewarder = stack.enter_context(RewardService(args.reward, timeout_s=args.reward_timeout_s, num_workers=2))
+        sync = policy is not None or args.backend == "openai"
+        if policy is None:
+            policy = stack.enter_context(make_text_policy(args, model_dir, env.action_space, workdir / "weights"))
+        versions = stack.enter_context(
+            VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)
+        )
+        if sync:
+            policy.load_weights(
+                {k: v.detach().clone() for k, v in learner.state_dict().items()}, versions.current_version
+            )
+        versions.register(LaggedWeights(policy, args.policy_lag))
+        collector = stack.enter_context(GroupCollector(policy, rewarder, iter_prompts(env, args.seed), args.group_size))
+        return LMParts(
+            model_dir,
+            learner,
+            tokenizer,
+            reference,
+            rewarder,
+            policy,
+            versions,
+            versions.current_version,
+            collector,
+            eval_env,
+            stack.pop_all(),
+        )
+
+
+def mean_reward(parts: LMParts, num_prompts: int, seed: int, timeout_s: float) -> float:
+    """Mean reward of one sampled completion for each of ``num_prompts`` prompts of ``eval_env``
+    (the same prompts for a given ``seed``); nan when ``num_prompts`` is 0."""
+    if num_prompts == 0:
+        return float("nan")
+    prompts = list(itertools.islice(iter_prompts(parts.eval_env, seed), num_prompts))
+    scored = score_completions(parts.policy, parts.rewarder, prompts, timeout_s)
+    return float(np.mean(scored)) if scored else float("nan")
 
 
 # ------------------------------------------------------------------------------------ results

@@ -28,10 +28,7 @@ never sampled them). After each update that trained on something the weights are
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,30 +37,15 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 import torch
 import tyro
 
-from agents.common import LaggedWeights, seed_everything
-from agents.lm_setup import (
-    LMArgs,
-    LMTrainResult,
-    check_reward,
-    iter_prompts,
-    make_prompt_env,
-    make_text_policy,
-    prepare_model,
-    starting_version,
-    summary,
-    target_reached,
-)
-from asyncvec import VersionManager
+from agents.common import seed_everything
+from agents.lm_setup import LMArgs, LMTrainResult, build_parts, mean_reward, summary, target_reached
 from asyncvec.buffers import GroupBatch
-from asyncvec.group_collector import GroupCollector, score_completions
-from asyncvec.lm import LMBatch, load_causal_lm, quiet_model_libraries
+from asyncvec.lm import LMBatch, minibatch_updates, quiet_model_libraries
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages, truncated_importance_weights
 from asyncvec.metrics import RunLogger
-from asyncvec.rewards import RewardService
 
 
 @dataclass
@@ -109,39 +91,12 @@ class ReinforcePP:
             torch.set_num_threads(args.torch_threads)
         quiet_model_libraries()
         self.run_name = f"{args.env.replace('/', '_')}__reinforce_pp__{args.mode}__{args.seed}__{int(time.time())}"
-        self.resources = contextlib.ExitStack()  # closed in reverse order by close()
-        with self.resources as stack:  # on an error, close what was built so far
-            env = stack.enter_context(make_prompt_env(args.env))
-            self.eval_env = stack.enter_context(make_prompt_env(args.env))
-            check_reward(args.reward, args.env, env.reset(seed=args.seed)[0])
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncvec-reinforce-pp-")))
-            self.model_dir = prepare_model(args, workdir)
-            self.learner, self.tokenizer = load_causal_lm(self.model_dir, args.device)
-            self.reference = None  # the frozen initial model, for the KL penalty
-            if args.kl_coef > 0:
-                self.reference = load_causal_lm(self.model_dir, args.device)[0].requires_grad_(False)
-            self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
-            self.rewarder = stack.enter_context(
-                RewardService(args.reward, timeout_s=args.reward_timeout_s, num_workers=2)
-            )
-            # A server, or a policy given by the caller, may hold other weights than the learner's: send them first.
-            sync = policy is not None or args.backend == "openai"
-            if policy is None:
-                policy = stack.enter_context(
-                    make_text_policy(args, self.model_dir, env.action_space, workdir / "weights")
-                )
-            self.policy = policy
-            self.versions = stack.enter_context(
-                VersionManager(initial_version=starting_version(self.policy) + sync, max_lag=args.max_staleness)
-            )
-            if sync:
-                self.policy.load_weights(self.learner_weights(), self.versions.current_version)
-            self.start_version = self.versions.current_version
-            self.versions.register(LaggedWeights(self.policy, args.policy_lag))
-            self.collector = stack.enter_context(
-                GroupCollector(self.policy, self.rewarder, iter_prompts(env, args.seed), args.group_size)
-            )
-            self.resources = stack.pop_all()
+        # the prompts, the (warm-started) model, the learner and its frozen reference, the reward
+        # service, the policy, the version manager and the group collector (see agents/lm_setup.py)
+        self.parts = build_parts(args, self.run_name, policy)
+        self.learner, self.tokenizer, self.reference = self.parts.learner, self.parts.tokenizer, self.parts.reference
+        self.policy, self.versions, self.collector = self.parts.policy, self.parts.versions, self.parts.collector
+        self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
 
     # ------------------------------------------------------------------ the objective
     def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
@@ -164,8 +119,7 @@ class ReinforcePP:
         data = LMBatch.from_groups(
             groups, self.tokenizer, current, self.args.max_staleness, min_group_samples=1, device=self.args.device
         )
-        if data.info["stale_samples"]:
-            self.versions.record_dropped(int(data.info["stale_samples"]))
+        self.versions.record_dropped(int(data.info["stale_samples"]))
         return data
 
     def update(self, groups: GroupBatch) -> dict[str, float]:
@@ -191,24 +145,21 @@ class ReinforcePP:
         )
         if args.is_level == "sequence":
             weights = weights.unsqueeze(-1) * data.mask
+        losses = minibatch_updates(
+            data,
+            self.learner,
+            self.optimizer,
+            lambda logp_rows, rows: self.policy_loss(
+                logp_rows, prox[rows], advantages[rows], weights[rows], data.mask[rows]
+            ),
+            epochs=args.update_epochs,
+            minibatches=args.num_minibatches,
+            max_grad_norm=args.max_grad_norm,
+            temperature=args.temperature,
+            logp=logp if single_pass else None,
+        )
         entries = len(data) if args.is_level == "sequence" else int(data.mask.sum())
-        losses: dict[str, list[float]] = {}
-        per_minibatch = -(-len(data) // args.num_minibatches)
-        for _ in range(args.update_epochs):
-            order = torch.arange(len(data)) if single_pass else torch.randperm(len(data))
-            for start in range(0, len(data), per_minibatch):
-                rows = order[start : start + per_minibatch].to(data.mask.device)
-                current_logp = logp if single_pass else data.logps(self.learner, args.temperature, rows)
-                loss, loss_stats = self.policy_loss(
-                    current_logp, prox[rows], advantages[rows], weights[rows], data.mask[rows]
-                )
-                self.optimizer.zero_grad()
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.learner.parameters(), args.max_grad_norm)
-                self.optimizer.step()
-                for key, value in {"loss": loss.detach(), "grad_norm": grad_norm, **loss_stats}.items():
-                    losses.setdefault(key, []).append(float(value))
-        stats.update({f"losses/{k}": float(np.mean(v)) for k, v in losses.items()})
+        stats.update({f"losses/{k}": v for k, v in losses.items()})
         stats.update({f"is/{k}": float(v) for k, v in is_stats.items()})
         stats.update({"is/entries": entries, "is/clipped": round(float(is_stats["clipped_fraction"]) * entries)})
         stats["advantage_abs_mean"] = float(advantages.abs()[data.mask].mean())
@@ -224,12 +175,8 @@ class ReinforcePP:
         return self.versions.publish(self.learner_weights())
 
     def evaluate(self, num_prompts: int) -> float:
-        """Mean reward of one sampled completion for each of ``num_prompts`` fresh prompts."""
-        if num_prompts == 0:
-            return float("nan")
-        prompts = list(itertools.islice(iter_prompts(self.eval_env, self.args.seed + 1), num_prompts))
-        scored = score_completions(self.policy, self.rewarder, prompts, self.args.timeout_s)
-        return float(np.mean(scored)) if scored else float("nan")
+        """Mean reward of one sampled completion for each of ``num_prompts`` held-out prompts."""
+        return mean_reward(self.parts, num_prompts, self.args.seed + 1, self.args.timeout_s)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> LMTrainResult:
@@ -294,13 +241,13 @@ class ReinforcePP:
             wall,
             (eval_before, eval_after),
             self.versions.staleness_stats().mean,
-            (self.start_version, self.versions.current_version),
+            (self.parts.start_version, self.versions.current_version),
             reached,
         )
 
     def close(self) -> None:
         """Stops generation; closes the policy, the reward service and the envs (reverse order)."""
-        self.resources.close()
+        self.parts.resources.close()
 
     def __enter__(self) -> ReinforcePP:
         return self

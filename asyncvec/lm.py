@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,14 @@ import torch
 
 from asyncvec.buffers import GroupBatch
 
-__all__ = ["LMBatch", "completion_logps", "load_causal_lm", "quiet_model_libraries", "sft_warm_start"]
+__all__ = [
+    "LMBatch",
+    "completion_logps",
+    "load_causal_lm",
+    "minibatch_updates",
+    "quiet_model_libraries",
+    "sft_warm_start",
+]
 
 
 def quiet_model_libraries() -> None:
@@ -275,3 +282,58 @@ class LMBatch:
             self.mask.shape[1],
             temperature,
         )
+
+
+def minibatch_updates(
+    data: LMBatch,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
+    *,
+    epochs: int = 1,
+    minibatches: int = 1,
+    max_grad_norm: float = 1.0,
+    temperature: float = 1.0,
+    logp: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """``epochs`` passes over ``data`` in ``minibatches`` shuffled minibatches, one clipped gradient step each.
+
+    The loss of a minibatch is ``loss_fn(logp_rows, rows)``: the model's log-probs of those rows
+    ``[n, L]`` (with gradients) and their indices, so the caller can pick its advantages and
+    weights. ``logp``: the whole batch's log-probs, already computed with gradients, used as they
+    are for a single pass over a single minibatch (no second forward pass). Returns the mean over
+    steps of ``loss``, ``grad_norm`` and each stat ``loss_fn`` reports.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncvec.buffers import CompletionGroups
+        >>> from asyncvec.group_collector import ScoredCompletion
+        >>> from asyncvec.inference import PolicyOutput, build_tiny_lm
+        >>> model, tokenizer = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
+        >>> groups = CompletionGroups(group_size=2)
+        >>> for reward in (1.0, 0.0):
+        ...     out = PolicyOutput("7", -0.5, 0, 0.0, text="7", token_ids=(13, 1), token_logps=(-0.3, -0.2))
+        ...     _ = groups.add(0, ScoredCompletion("3+4=", out, reward, False), reward, [-0.3, -0.2], 0)
+        >>> data = LMBatch.from_groups(groups.pop(timeout=0), tokenizer, current_version=0, max_staleness=0)
+        >>> def loss_fn(logp_rows, rows):  # REINFORCE with the reward as the advantage
+        ...     return -(data.rewards[rows].unsqueeze(-1) * logp_rows * data.mask[rows]).sum(-1).mean(), {}
+        >>> stats = minibatch_updates(data, model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, epochs=2)
+        >>> sorted(stats)
+        ['grad_norm', 'loss']
+    """
+    single_pass = epochs == 1 and minibatches == 1 and logp is not None
+    per_minibatch = -(-len(data) // minibatches)
+    stats: dict[str, list[float]] = {}
+    for _ in range(epochs):
+        order = torch.arange(len(data)) if single_pass else torch.randperm(len(data))
+        for start in range(0, len(data), per_minibatch):
+            rows = order[start : start + per_minibatch].to(data.mask.device)
+            logp_rows = logp if single_pass else data.logps(model, temperature, rows)
+            loss, loss_stats = loss_fn(logp_rows, rows)
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()
+            for key, value in {"loss": loss.detach(), "grad_norm": grad_norm, **loss_stats}.items():
+                stats.setdefault(key, []).append(float(value))
+    return {key: float(np.mean(values)) for key, values in stats.items()}

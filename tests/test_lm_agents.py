@@ -264,8 +264,17 @@ def test_deadline_misses_are_never_trained_on(tiny_dir):
 
 
 def test_a_run_whose_requests_all_miss_the_deadline_trains_on_nothing(tiny_dir):
-    # 1 ms is below the batcher's 5 ms wait: every request gets the fallback, none is sampled or scored.
-    args = rloo.Args(model=str(tiny_dir), deadline_ms=1.0, total_prompts=4, prompts_per_update=2, group_size=2, **QUIET)
+    # The batcher waits 5 s to fill a batch, the deadline is 1 ms: every request gets the fallback, none is
+    # sampled or scored (the batcher drops requests that were answered while they waited).
+    args = rloo.Args(
+        model=str(tiny_dir),
+        deadline_ms=1.0,
+        policy_wait_ms=5000.0,
+        total_prompts=4,
+        prompts_per_update=2,
+        group_size=2,
+        **QUIET,
+    )
     result = rloo.RLOO(args).train()
     assert result.missed_deadline_fraction == 1.0 and result.samples == 8
     assert [row["samples_used"] for row in result.history] == [0, 0] and result.final_version == 0
@@ -440,13 +449,13 @@ def test_warm_start_then_training_saves_the_trained_model(tiny_dir, tmp_path):
         **QUIET,
     )
     agent = rloo.RLOO(args)
-    assert agent.model_dir != tiny_dir and agent.model_dir.name == "sft"  # the input folder stays untouched
+    assert agent.parts.model_dir != tiny_dir and agent.parts.model_dir.name == "sft"  # the input folder stays untouched
     result = agent.train()
     trained, _ = load_causal_lm(tmp_path / "trained")
     original, _ = load_causal_lm(tiny_dir)
     changed = any(not torch.equal(a, b) for a, b in zip(trained.state_dict().values(), original.state_dict().values()))
     assert result.updates == 2 and changed
-    assert not agent.model_dir.exists()  # the run's scratch folder is removed at close
+    assert not agent.parts.model_dir.exists()  # the run's scratch folder is removed at close
 
 
 def test_completion_logps_use_the_sampling_temperature(tiny_dir):
