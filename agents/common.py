@@ -30,12 +30,19 @@ def check_env_id(env_id: str) -> None:
 
 
 def make_env_fn(
-    env_id: str, env_latency_ms: float = 0.0, distribution: str = "fixed", seed: int | None = None
+    env_id: str,
+    env_latency_ms: float = 0.0,
+    distribution: str = "fixed",
+    seed: int | None = None,
+    normalize_obs: bool = False,
 ) -> Callable[[], gym.Env]:
-    """A picklable function building ``env_id``, slowed by a sleeping SlowEnv when asked."""
+    """A picklable function building ``env_id``, slowed by a sleeping SlowEnv when asked, its
+    observations normalized by running statistics (gymnasium's NormalizeObservation) when asked."""
 
     def make() -> gym.Env:
         env = gym.make(env_id)
+        if normalize_obs:
+            env = gym.wrappers.NormalizeObservation(env)
         if env_latency_ms > 0:
             env = SlowEnv(env, latency_ms=env_latency_ms, distribution=distribution, seed=seed)
         return env
@@ -44,12 +51,17 @@ def make_env_fn(
 
 
 def make_vector_env(
-    env_id: str, num_envs: int, env_latency_ms: float = 0.0, batch_size: int | None = None, distribution: str = "fixed"
+    env_id: str,
+    num_envs: int,
+    env_latency_ms: float = 0.0,
+    batch_size: int | None = None,
+    distribution: str = "fixed",
+    normalize_obs: bool = False,
 ) -> AsyncLLMVectorEnv:
     """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes."""
     check_env_id(env_id)
     return AsyncLLMVectorEnv(
-        [make_env_fn(env_id, env_latency_ms, distribution, seed=i) for i in range(num_envs)],
+        [make_env_fn(env_id, env_latency_ms, distribution, seed=i, normalize_obs=normalize_obs) for i in range(num_envs)],
         batch_size=batch_size,
         autoreset_mode=AutoresetMode.SAME_STEP,
     )

@@ -8,7 +8,12 @@ Import: from agents.sac import SAC, Args; result = SAC(Args()).train()
 takes gradient steps; the two are paced to the same update-to-data ratio (``--utd``).
 
 Every sample carries the version of the actor that chose its action and that action's
-log-prob. ``--max-staleness`` drops older samples at sampling time. With ``--n-step n > 1``
+log-prob. The learner publishes a new version every ``--publish-every`` gradient steps, by
+default ``num_envs * utd`` of them: the gradient steps that go with one step of every env. So
+a version is one vector step, and a staleness of ``s`` versions means the action was chosen
+about ``s`` steps (per env) ago. ``--max-staleness`` drops older samples at sampling time;
+while fewer than a batch of samples are recent enough, gradient steps wait for fresh data
+(learning slows down, it never stops: see docs/agents.md). With ``--n-step n > 1``
 the critic targets are Retrace-style n-step returns whose traces are cut by truncated
 importance weights ``c_k = lambda * min(1, pi(a_k|s_k) / mu(a_k|s_k))`` (Munos et al. 2016),
 so stale intermediate actions stop contributing instead of biasing the target:
@@ -21,9 +26,11 @@ with the soft value ``V(s) = min_j Q'_j(s, a') - alpha log pi(a'|s)``, ``a' ~ pi
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -56,7 +63,8 @@ class Args:
     mode: Literal["sync", "async"] = "async"
     """sync: act, store, learn, in turn; async: a collector thread acts while the learner trains"""
     max_staleness: int | None = None
-    """drop samples more than this many versions older than the learner (None: keep all)"""
+    """drop samples more than this many versions older than the learner (None: keep all); a version is
+    --publish-every gradient steps, by default one step of every env"""
     n_step: int = 1
     """n-step Retrace targets with truncated traces (1: the usual one-step target)"""
     trace_lambda: float = 1.0
@@ -65,8 +73,9 @@ class Args:
     """truncation of the trace importance weights"""
     policy_lag: int = 0
     """actors receive each new version this many publications late"""
-    publish_every: int = 1
-    """publish the actor's weights every this many gradient steps"""
+    publish_every: int | None = None
+    """publish the actor's weights (a new version) every this many gradient steps (None: num_envs * utd,
+    so that one version is one step of every env)"""
     policy_latency_ms: float = 0.0
     """latency of each policy call (a LatencyModel playing a remote model server)"""
     env_latency_ms: float = 0.0
@@ -120,6 +129,8 @@ class Args:
     """torch CPU threads for the learner (small nets run faster on one)"""
 
     def __post_init__(self) -> None:
+        if self.publish_every is None:
+            self.publish_every = max(1, round(self.num_envs * self.utd))
         for name in ("num_envs", "total_timesteps", "batch_size", "n_step", "publish_every", "buffer_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -182,6 +193,8 @@ class TrainResult:
     staleness_mean: float
     dropped_samples: int
     history: list[dict] = field(default_factory=list)
+    starved_gradient_steps: int = 0
+    """gradient steps that waited because fewer than a batch of samples were within --max-staleness"""
 
 
 class NStepIndex:
@@ -254,6 +267,8 @@ class SAC:
         self.index = NStepIndex(args.buffer_size, args.num_envs)
         self.global_step = 0
         self.gradient_steps = 0
+        self.starved_gradient_steps = 0
+        self._starved = False  # the last gradient step found too few eligible samples
         self._stopping = threading.Event()
         self._progress = threading.Condition()
         self.run_name = f"{args.env.replace('/', '_')}__sac__{args.mode}__{args.seed}__{int(time.time())}"
@@ -281,6 +296,7 @@ class SAC:
         with self._progress:
             while (
                 not self._stopping.is_set()
+                and not self._starved
                 and self.global_step >= args.learning_starts
                 and self.global_step > self.gradient_steps / args.utd + slack
             ):
@@ -331,9 +347,15 @@ class SAC:
             target = target + args.gamma * not_done * trace
         return target, {"trace/mean_c": float(c[valid].mean()) if valid.any() else float("nan")}
 
-    def gradient_step(self) -> dict[str, float]:
+    def gradient_step(self) -> dict[str, float] | None:
+        """One critic (and every ``policy_frequency``-th an actor) update; None if it must wait for data."""
         args = self.args
-        batch = self.buffer.sample(args.batch_size, current_version=self.versions.current_version, max_staleness=args.max_staleness)
+        try:
+            batch = self.buffer.sample(args.batch_size, current_version=self.versions.current_version, max_staleness=args.max_staleness)
+        except ValueError as exc:  # (Args are checked, so this is: fewer than batch_size eligible samples)
+            self._wait_for_eligible(exc)
+            return None
+        self._starved = False
         alpha = self.log_alpha.exp().detach()
         target, stats = self.critic_targets(batch, alpha)
         obs = torch.as_tensor(batch.obs, dtype=torch.float32)
@@ -367,6 +389,23 @@ class SAC:
         if self.gradient_steps % args.publish_every == 0:
             self.versions.publish({k: v.detach().clone() for k, v in self.actor.state_dict().items()})
         return stats
+
+    def _wait_for_eligible(self, exc: ValueError) -> None:
+        """Counts a postponed gradient step, lets the collector run past the pacing, warns once."""
+        if not self.starved_gradient_steps and self.global_step >= self.args.learning_starts:
+            args = self.args
+            per_version = args.publish_every / args.utd  # env steps between two versions
+            warnings.warn(
+                f"SAC: gradient steps wait for fresh samples ({exc}). --max-staleness {args.max_staleness} keeps the "
+                f"samples of the last {args.max_staleness + 1} versions, about {(args.max_staleness + 1) * per_version:.0f} "
+                f"env steps, fewer than --batch-size {args.batch_size}: learning slows down. A full batch stays eligible "
+                f"with --max-staleness >= {max(0, math.ceil(args.batch_size / per_version) - 1)}.",
+                RuntimeWarning, stacklevel=3,
+            )
+        self.starved_gradient_steps += 1
+        with self._progress:
+            self._starved = True
+            self._progress.notify_all()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -445,7 +484,13 @@ class SAC:
                     collector.check()
                     steps_due = 1 if self.global_step >= args.learning_starts and self.gradient_steps < args.utd * self.global_step else 0
                 for _ in range(max(steps_due, 0)):
-                    stats = self.gradient_step()
+                    step_stats = self.gradient_step()
+                    if step_stats is None:  # too few eligible samples: act more first
+                        if collector is not None:
+                            with self._progress:
+                                self._progress.wait(0.05)
+                        break
+                    stats = step_stats
                 with self._progress:
                     self._progress.notify_all()
                 if self.global_step >= next_log:
@@ -485,6 +530,7 @@ class SAC:
             env_steps_per_s=self.global_step / wall, episodic_returns=returns,
             final_return=float(np.mean(returns[-10:])) if returns else float("nan"), reached_target_s=reached_at,
             staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
+            starved_gradient_steps=self.starved_gradient_steps,
         )
 
 
