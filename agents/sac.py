@@ -108,7 +108,7 @@ class Args:
     learning_starts: int = 1000
     """env steps before the first gradient step"""
     utd: float = 1.0
-    """gradient steps per env step"""
+    """gradient steps per env step, counted from learning_starts"""
     gamma: float = 0.99
     """discount"""
     tau: float = 0.005
@@ -289,6 +289,13 @@ class SAC:
             self.global_step += len(slots)
             self._progress.notify_all()
 
+    def _gradient_steps_due(self) -> int:
+        """Gradient steps owed: ``utd`` per env step after ``learning_starts`` (as CleanRL: no catch-up burst
+        on the warm-up data), minus those taken."""
+        if self.global_step < self.args.learning_starts:
+            return 0
+        return int(self.args.utd * (self.global_step - self.args.learning_starts)) - self.gradient_steps
+
     def _pace(self, written: int) -> None:
         """Holds the collector back while it is too far ahead of the learner's update-to-data ratio."""
         args = self.args
@@ -298,7 +305,7 @@ class SAC:
                 not self._stopping.is_set()
                 and not self._starved
                 and self.global_step >= args.learning_starts
-                and self.global_step > self.gradient_steps / args.utd + slack
+                and self.global_step > args.learning_starts + self.gradient_steps / args.utd + slack
             ):
                 self._progress.wait(0.1)
 
@@ -395,11 +402,17 @@ class SAC:
         if not self.starved_gradient_steps and self.global_step >= self.args.learning_starts:
             args = self.args
             per_version = args.publish_every / args.utd  # env steps between two versions
+            if args.max_staleness is None:
+                message = f"SAC: gradient steps wait until --batch-size {args.batch_size} samples are stored ({exc})"
+            else:
+                message = (
+                    f"SAC: gradient steps wait for fresh samples ({exc}). --max-staleness {args.max_staleness} keeps the "
+                    f"samples of the last {args.max_staleness + 1} versions, about {(args.max_staleness + 1) * per_version:.0f} "
+                    f"env steps, fewer than --batch-size {args.batch_size}: learning slows down. A full batch stays "
+                    f"eligible with --max-staleness >= {max(0, math.ceil(args.batch_size / per_version) - 1)}."
+                )
             warnings.warn(
-                f"SAC: gradient steps wait for fresh samples ({exc}). --max-staleness {args.max_staleness} keeps the "
-                f"samples of the last {args.max_staleness + 1} versions, about {(args.max_staleness + 1) * per_version:.0f} "
-                f"env steps, fewer than --batch-size {args.batch_size}: learning slows down. A full batch stays eligible "
-                f"with --max-staleness >= {max(0, math.ceil(args.batch_size / per_version) - 1)}.",
+                message,
                 RuntimeWarning, stacklevel=3,
             )
         self.starved_gradient_steps += 1
@@ -476,13 +489,13 @@ class SAC:
                     episodes.update(ids, rewards, done)
                     episode_ids[done] = episode_ids.max() + 1 + np.arange(done.sum())
                     obs = next_obs
-                    steps_due = int(args.utd * self.global_step) - self.gradient_steps if self.global_step >= args.learning_starts else 0
+                    steps_due = self._gradient_steps_due()
                 else:
                     with self._progress:
-                        if self.global_step < args.learning_starts or self.gradient_steps >= args.utd * self.global_step:
+                        if self._gradient_steps_due() <= 0:
                             self._progress.wait(0.05)
                     collector.check()
-                    steps_due = 1 if self.global_step >= args.learning_starts and self.gradient_steps < args.utd * self.global_step else 0
+                    steps_due = min(self._gradient_steps_due(), 1)
                 for _ in range(max(steps_due, 0)):
                     step_stats = self.gradient_step()
                     if step_stats is None:  # too few eligible samples: act more first

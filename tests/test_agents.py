@@ -181,3 +181,18 @@ def test_adaptive_staleness_halves_on_degenerate_weights_and_recovers(learner):
     stats = agent.update(segment)
     assert stats["staleness/behavior_ess"] > 0.99
     assert agent.max_staleness == 5 and stats["staleness/max_staleness"] == 5
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sac_small_max_staleness_waits_for_fresh_samples_instead_of_crashing(mode, no_leftover_children):
+    # A version is one step of every env (publish_every = num_envs * utd gradient steps), so max_staleness=4
+    # keeps about 10 samples: fewer than a batch. Gradient steps wait for fresh data; training goes on.
+    agent = sac.SAC(sac.Args(env="Pendulum-v1", mode=mode, total_timesteps=600, learning_starts=200, batch_size=32,
+                             hidden=32, max_staleness=4, progress=False))
+    assert agent.args.publish_every == 2
+    with pytest.warns(RuntimeWarning, match=r"--max-staleness 4 keeps the samples of the last 5 versions, about 10 env steps"):
+        result = agent.train()
+    assert result.global_step >= 600 and result.gradient_steps > 0
+    assert result.starved_gradient_steps > 0
+    assert agent.versions.current_version == result.gradient_steps // 2
+    assert result.staleness_mean <= 4, "every sample trained on was within max_staleness"
