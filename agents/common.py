@@ -61,7 +61,7 @@ def make_vector_env(
     """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes."""
     check_env_id(env_id)
     return AsyncLLMVectorEnv(
-        [make_env_fn(env_id, env_latency_ms, distribution, seed=i, normalize_obs=normalize_obs) for i in range(num_envs)],
+        [make_env_fn(env_id, env_latency_ms, distribution, i, normalize_obs) for i in range(num_envs)],
         batch_size=batch_size,
         autoreset_mode=AutoresetMode.SAME_STEP,
     )

@@ -280,7 +280,9 @@ class PPO:
 
     # ------------------------------------------------------------------ learning
 
-    def advantages_and_returns(self, segment, values: torch.Tensor, prox_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def advantages_and_returns(
+        self, segment, values: torch.Tensor, prox_logp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """GAE (or V-trace) advantages and value targets of a ``[T, N]`` segment, detached.
 
         An episode that ended by ``terminated`` has no future value; one cut off by a time limit
@@ -312,7 +314,8 @@ class PPO:
         actions = torch.as_tensor(segment.actions)
         behavior_logp = torch.as_tensor(segment.behavior_logp)
         staleness = torch.as_tensor(segment.staleness(self.versions.current_version))
-        fallback = torch.as_tensor(segment.fallback) if segment.fallback is not None else torch.zeros_like(staleness, dtype=torch.bool)
+        no_fallbacks = segment.fallback is None
+        fallback = torch.zeros_like(staleness, dtype=torch.bool) if no_fallbacks else torch.as_tensor(segment.fallback)
         fresh = staleness <= self.max_staleness
         # Deadline fallbacks were not sampled from the policy: no loss term learns from them.
         valid = fresh & ~fallback
@@ -370,8 +373,11 @@ class PPO:
         out["staleness/behavior_clipped_fraction"] = float(offpolicy["clipped_fraction"])
         if args.adaptive_staleness and valid.any():
             self.max_staleness = adapt_max_staleness(
-                self.max_staleness, ess=out["staleness/behavior_ess"], clipped_fraction=out["staleness/behavior_clipped_fraction"],
-                floor=min(args.policy_lag + 1, args.max_staleness), ceiling=args.max_staleness,
+                self.max_staleness,
+                ess=out["staleness/behavior_ess"],
+                clipped_fraction=out["staleness/behavior_clipped_fraction"],
+                floor=min(args.policy_lag + 1, args.max_staleness),
+                ceiling=args.max_staleness,
             )
             self.versions.max_lag = self.max_staleness
         out["staleness/max_staleness"] = float(self.max_staleness)

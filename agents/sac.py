@@ -358,7 +358,9 @@ class SAC:
         """One critic (and every ``policy_frequency``-th an actor) update; None if it must wait for data."""
         args = self.args
         try:
-            batch = self.buffer.sample(args.batch_size, current_version=self.versions.current_version, max_staleness=args.max_staleness)
+            batch = self.buffer.sample(
+                args.batch_size, current_version=self.versions.current_version, max_staleness=args.max_staleness
+            )
         except ValueError as exc:  # (Args are checked, so this is: fewer than batch_size eligible samples)
             self._wait_for_eligible(exc)
             return None
@@ -405,11 +407,12 @@ class SAC:
             if args.max_staleness is None:
                 message = f"SAC: gradient steps wait until --batch-size {args.batch_size} samples are stored ({exc})"
             else:
+                kept, needed = args.max_staleness + 1, max(0, math.ceil(args.batch_size / per_version) - 1)
                 message = (
-                    f"SAC: gradient steps wait for fresh samples ({exc}). --max-staleness {args.max_staleness} keeps the "
-                    f"samples of the last {args.max_staleness + 1} versions, about {(args.max_staleness + 1) * per_version:.0f} "
-                    f"env steps, fewer than --batch-size {args.batch_size}: learning slows down. A full batch stays "
-                    f"eligible with --max-staleness >= {max(0, math.ceil(args.batch_size / per_version) - 1)}."
+                    f"SAC: gradient steps wait for fresh samples ({exc}). --max-staleness {args.max_staleness} keeps "
+                    f"the samples of the last {kept} versions, about {kept * per_version:.0f} env steps, fewer than "
+                    f"--batch-size {args.batch_size}: learning slows down. A full batch stays eligible with "
+                    f"--max-staleness >= {needed}."
                 )
             warnings.warn(
                 message,

@@ -87,9 +87,16 @@ def run_one(job: dict) -> dict:
     result = ppo.train(args)
     steps = [row["global_step"] for row in result.history]
     curve = [row["charts/episodic_return"] for row in result.history]
-    return {**{k: job[k] for k in ("variant", "task", "mode", "seed")}, "steps": result.global_step, "wall_s": result.wall_time_s,
-            "steps_per_s": result.env_steps_per_s, "final": result.final_return, "curve_steps": steps, "curve": curve,
-            "staleness": result.staleness_mean}
+    return {
+        **{k: job[k] for k in ("variant", "task", "mode", "seed")},
+        "steps": result.global_step,
+        "wall_s": result.wall_time_s,
+        "steps_per_s": result.env_steps_per_s,
+        "final": result.final_return,
+        "curve_steps": steps,
+        "curve": curve,
+        "staleness": result.staleness_mean,
+    }
 
 
 def first_step(steps: list[int], curve: list[float], above: float) -> int | None:
@@ -108,12 +115,38 @@ def summarize(results: list[dict]) -> tuple[str, list[list]]:
         best = max(values) if values else float("nan")
         left = first_step(r["curve_steps"], r["curve"], task.floor)
         solved = first_step(r["curve_steps"], r["curve"], task.target - 1e-9)
-        rows.append([r["variant"], r["task"], r["mode"], r["seed"], f"{r['steps']:,}", r["wall_s"], r["steps_per_s"],
-                     r["staleness"], values[0] if values else float("nan"), r["final"], best,
-                     f"{left:,}" if left is not None else "never", f"{solved:,}" if solved is not None else "-"])
-    headers = ["variant", "task", "mode", "seed", "env steps", "wall-clock (s)", "env-steps/s", "mean staleness",
-               "first mean return", "final return (20 ep.)", "best 20-ep. mean", "left the floor at step",
-               "reached the target at step"]
+        rows.append(
+            [
+                r["variant"],
+                r["task"],
+                r["mode"],
+                r["seed"],
+                f"{r['steps']:,}",
+                r["wall_s"],
+                r["steps_per_s"],
+                r["staleness"],
+                values[0] if values else float("nan"),
+                r["final"],
+                best,
+                f"{left:,}" if left is not None else "never",
+                f"{solved:,}" if solved is not None else "-",
+            ]
+        )
+    headers = [
+        "variant",
+        "task",
+        "mode",
+        "seed",
+        "env steps",
+        "wall-clock (s)",
+        "env-steps/s",
+        "mean staleness",
+        "first mean return",
+        "final return (20 ep.)",
+        "best 20-ep. mean",
+        "left the floor at step",
+        "reached the target at step",
+    ]
     return markdown_table(headers, rows), rows
 
 
@@ -121,8 +154,24 @@ def plot(results: list[dict]):
     """One panel per task: the 20-episode mean return of each (variant, mode), mean and min-max over seeds."""
     tasks = sorted({r["task"] for r in results}, key=list(TASKS).index)
     groups = sorted({(r["variant"], r["mode"]) for r in results})
-    colors = dict(zip(groups, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-                               "tab:gray", "tab:olive", "tab:cyan"] * 3))
+    colors = dict(
+        zip(
+            groups,
+            [
+                "tab:blue",
+                "tab:orange",
+                "tab:green",
+                "tab:red",
+                "tab:purple",
+                "tab:brown",
+                "tab:pink",
+                "tab:gray",
+                "tab:olive",
+                "tab:cyan",
+            ]
+            * 3,
+        )
+    )
     fig, axes = new_figure(ncols=len(tasks), width=5.0, height=3.6)
     for ax, task in zip(np.ravel(axes), tasks):
         for variant, mode in groups:
@@ -131,7 +180,9 @@ def plot(results: list[dict]):
                 continue
             grid = np.linspace(0, max(r["steps"] for r in runs), 100)
             # Before the first episode ends there is no return yet: draw the floor.
-            curves = np.array([np.interp(grid, r["curve_steps"], np.nan_to_num(r["curve"], nan=TASKS[task].floor)) for r in runs])
+            curves = np.array(
+                [np.interp(grid, r["curve_steps"], np.nan_to_num(r["curve"], nan=TASKS[task].floor)) for r in runs]
+            )
             label = f"{mode}" if len({g[0] for g in groups}) == 1 else f"{variant} {mode}"
             ax.plot(grid, curves.mean(0), color=colors[(variant, mode)], label=f"{label} ({len(runs)} seeds)")
             ax.fill_between(grid, curves.min(0), curves.max(0), color=colors[(variant, mode)], alpha=0.2)
@@ -150,11 +201,16 @@ def report(results: list[dict], args: Args, variants: dict, measured_on: str = "
     print(f"\n{table}\n")
     command = "python benchmarks/ppo_defaults.py " + " ".join(sys.argv[1:])
     tasks = sorted({r["task"] for r in results}, key=list(TASKS).index)
-    notes = f"Variants (Args fields that differ from the defaults): {json.dumps(variants)}. Floors and targets: " + ", ".join(
-        f"{t} floor {TASKS[t].floor:g}, target {TASKS[t].target:g}" for t in tasks) + "."
+    notes = (
+        f"Variants (Args fields that differ from the defaults): {json.dumps(variants)}. Floors and targets: "
+        + ", ".join(f"{t} floor {TASKS[t].floor:g}, target {TASKS[t].target:g}" for t in tasks)
+        + "."
+    )
     if measured_on:
         notes += f"\n\nMeasured on: {measured_on} (rendered from the saved results with --from-json)."
-    for path in save_report(args.name, table, plot(results), out_dir=args.out_dir, command=command.strip(), notes=notes):
+    for path in save_report(
+        args.name, table, plot(results), out_dir=args.out_dir, command=command.strip(), notes=notes
+    ):
         print(f"wrote {path}")
 
 
@@ -172,8 +228,13 @@ def main(args: Args) -> list[dict]:
     if unknown:
         raise SystemExit(f"unknown task {unknown}; known: {list(TASKS)}")
     # Queued interleaved (variant, task, seed, mode), so a noisy spell of the machine hits both modes alike.
-    jobs = [{"variant": v, "task": t, "mode": m, "seed": s, "budget": max(1, int(TASKS[t].budget * scale)), "overrides": o}
-            for v, o in variants.items() for t in tasks for s in seeds for m in modes]
+    jobs = [
+        {"variant": v, "task": t, "mode": m, "seed": s, "budget": max(1, int(TASKS[t].budget * scale)), "overrides": o}
+        for v, o in variants.items()
+        for t in tasks
+        for s in seeds
+        for m in modes
+    ]
     jobs.sort(key=lambda job: -job["overrides"].get("total_timesteps", job["budget"]))  # longest first: better packing
     print(f"{len(jobs)} runs, {args.processes} at once; {machine_line()}", flush=True)
     start = time.monotonic()
@@ -186,8 +247,11 @@ def main(args: Args) -> list[dict]:
             r = future.result()
             results.append(r)
             raw.write_text(json.dumps({"variants": variants, "machine": machine_line(), "results": results}))
-            print(f"{r['variant']} {r['task']} {r['mode']} seed {r['seed']}: final {r['final']:.1f}, {r['steps']:,} steps "
-                  f"in {r['wall_s']:.0f} s", flush=True)
+            print(
+                f"{r['variant']} {r['task']} {r['mode']} seed {r['seed']}: final {r['final']:.1f}, {r['steps']:,} steps "
+                f"in {r['wall_s']:.0f} s",
+                flush=True,
+            )
     print(f"{len(jobs)} runs in {time.monotonic() - start:.0f} s; {machine_line()}")
     report(results, args, variants)
     return results

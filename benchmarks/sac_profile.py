@@ -78,8 +78,18 @@ class TimedSAC(sac.SAC):
 
 
 def sac_args(args: Args, mode: str, env_latency_ms: float, total: int) -> sac.Args:
-    return sac.Args(env=args.env, mode=mode, num_envs=args.num_envs, utd=args.utd, hidden=args.hidden, total_timesteps=total,
-                    learning_starts=args.learning_starts, env_latency_ms=env_latency_ms, progress=False, seed=1)
+    return sac.Args(
+        env=args.env,
+        mode=mode,
+        num_envs=args.num_envs,
+        utd=args.utd,
+        hidden=args.hidden,
+        total_timesteps=total,
+        learning_starts=args.learning_starts,
+        env_latency_ms=env_latency_ms,
+        progress=False,
+        seed=1,
+    )
 
 
 def stage_times(args: Args, env_latency_ms: float) -> dict[str, float]:
@@ -96,14 +106,26 @@ def stage_times(args: Args, env_latency_ms: float) -> dict[str, float]:
             policy_s.append(time.perf_counter() - start)
             actions = np.stack([o.action for o in outputs])
             start = time.perf_counter()
-            next_obs, rewards, terminated, truncated, info = agent.envs.step(np.clip(actions, agent.action_space.low, agent.action_space.high))
+            next_obs, rewards, terminated, truncated, info = agent.envs.step(
+                np.clip(actions, agent.action_space.low, agent.action_space.high)
+            )
             env_s.append(time.perf_counter() - start)
             done = terminated | truncated
-            agent.store(Transitions(
-                env_ids=ids, obs=obs, action=actions, reward=rewards, next_obs=final_observations(next_obs, done, info),
-                terminated=terminated, truncated=truncated, behavior_logp=np.array([o.behavior_logp for o in outputs], np.float32),
-                policy_version=np.array([o.policy_version for o in outputs]), fallback=np.zeros(args.num_envs, bool),
-                episode_id=episode_ids.copy()))
+            agent.store(
+                Transitions(
+                    env_ids=ids,
+                    obs=obs,
+                    action=actions,
+                    reward=rewards,
+                    next_obs=final_observations(next_obs, done, info),
+                    terminated=terminated,
+                    truncated=truncated,
+                    behavior_logp=np.array([o.behavior_logp for o in outputs], np.float32),
+                    policy_version=np.array([o.policy_version for o in outputs]),
+                    fallback=np.zeros(args.num_envs, bool),
+                    episode_id=episode_ids.copy(),
+                )
+            )
             episode_ids[done] = episode_ids.max() + 1 + np.arange(done.sum())
             obs = next_obs
         for _ in range(200):
@@ -119,44 +141,79 @@ def stage_times(args: Args, env_latency_ms: float) -> dict[str, float]:
         agent.policy.close()
         agent.envs.close()
         agent.versions.close()
-    return {"policy": float(np.median(policy_s)), "env": float(np.median(env_s)), "grad": float(np.median(grad_s)),
-            "publish": float(np.median(publish_s))}
+    return {
+        "policy": float(np.median(policy_s)),
+        "env": float(np.median(env_s)),
+        "grad": float(np.median(grad_s)),
+        "publish": float(np.median(publish_s)),
+    }
 
 
 def run(args: Args, mode: str, env_latency_ms: float) -> dict[str, float]:
     agent = TimedSAC(sac_args(args, mode, env_latency_ms, args.total_timesteps))
     result = agent.train()
-    after = [(row["global_step"], row["time/wall_s"]) for row in result.history if row["global_step"] >= args.learning_starts]
+    after = [
+        (row["global_step"], row["time/wall_s"]) for row in result.history if row["global_step"] >= args.learning_starts
+    ]
     (s0, t0), (s1, t1) = after[0], after[-1]
     return {"steps_per_s": (s1 - s0) / (t1 - t0), "grad_ms": 1000 * agent.grad_time / max(agent.grad_count, 1)}
 
 
 def main(args: Args) -> list[list]:
-    print(f"SAC on {args.env}: {args.num_envs} envs, utd {args.utd}, hidden {args.hidden}; {machine_line()}", flush=True)
+    print(
+        f"SAC on {args.env}: {args.num_envs} envs, utd {args.utd}, hidden {args.hidden}; {machine_line()}", flush=True
+    )
     rows, plot_rows = [], []
     for regime, latency in (("env as is", 0.0), (f"env +{args.slow_env_ms:g} ms", args.slow_env_ms)):
         t = stage_times(args, latency)
         n, grad_per_vector_step = args.num_envs, args.num_envs * args.utd * t["grad"]
         sync_model = n / (t["policy"] + t["env"] + grad_per_vector_step)
         bound = n / max(t["policy"] + t["env"], grad_per_vector_step)
-        print(f"{regime}: env step {1000 * t['env']:.2f} ms, policy call {1000 * t['policy']:.2f} ms, gradient step "
-              f"{1000 * t['grad']:.2f} ms, publish {1000 * t['publish']:.3f} ms -> sync model {sync_model:.0f}, "
-              f"async bound {bound:.0f} env-steps/s", flush=True)
+        print(
+            f"{regime}: env step {1000 * t['env']:.2f} ms, policy call {1000 * t['policy']:.2f} ms, gradient step "
+            f"{1000 * t['grad']:.2f} ms, publish {1000 * t['publish']:.3f} ms -> sync model {sync_model:.0f}, "
+            f"async bound {bound:.0f} env-steps/s",
+            flush=True,
+        )
         measured: dict[str, list[dict]] = {"sync": [], "async": []}
         for _ in range(args.rounds):
             for mode in ("sync", "async"):
                 measured[mode].append(run(args, mode, latency))
-                print(f"  {mode}: {measured[mode][-1]['steps_per_s']:.1f} env-steps/s, gradient step "
-                      f"{measured[mode][-1]['grad_ms']:.2f} ms in the run", flush=True)
+                print(
+                    f"  {mode}: {measured[mode][-1]['steps_per_s']:.1f} env-steps/s, gradient step "
+                    f"{measured[mode][-1]['grad_ms']:.2f} ms in the run",
+                    flush=True,
+                )
         medians = {mode: {k: float(np.median([m[k] for m in ms])) for k in ms[0]} for mode, ms in measured.items()}
         for mode in ("sync", "async"):
             m = medians[mode]
-            rows.append([regime, mode, 1000 * t["env"], 1000 * t["policy"], 1000 * t["grad"], m["grad_ms"], m["steps_per_s"],
-                         sync_model if mode == "sync" else bound, m["steps_per_s"] / (sync_model if mode == "sync" else bound),
-                         m["steps_per_s"] / medians["sync"]["steps_per_s"]])
+            rows.append(
+                [
+                    regime,
+                    mode,
+                    1000 * t["env"],
+                    1000 * t["policy"],
+                    1000 * t["grad"],
+                    m["grad_ms"],
+                    m["steps_per_s"],
+                    sync_model if mode == "sync" else bound,
+                    m["steps_per_s"] / (sync_model if mode == "sync" else bound),
+                    m["steps_per_s"] / medians["sync"]["steps_per_s"],
+                ]
+            )
         plot_rows.append((regime, medians["sync"]["steps_per_s"], medians["async"]["steps_per_s"], sync_model, bound))
-    headers = ["regime", "mode", "env step (ms)", "policy call (ms)", "gradient step alone (ms)", "gradient step in run (ms)",
-               "env-steps/s", "model / bound", "ratio to it", "vs sync"]
+    headers = [
+        "regime",
+        "mode",
+        "env step (ms)",
+        "policy call (ms)",
+        "gradient step alone (ms)",
+        "gradient step in run (ms)",
+        "env-steps/s",
+        "model / bound",
+        "ratio to it",
+        "vs sync",
+    ]
     table = markdown_table(headers, rows)
     print(f"\n{table}\n\n{machine_line()}")
     fig, ax = new_figure()

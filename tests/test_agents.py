@@ -142,14 +142,18 @@ def test_ppo_never_trains_on_fallback_samples(learner):
     rng = np.random.default_rng(0)
     T, N = 4, 2
     fallback = np.array([[False, True], [False, False], [True, False], [False, False]])
-    common = dict(rewards=rng.normal(size=(T, N)), terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
-                  first_obs=rng.normal(size=(T, N)), next_first_obs=rng.normal(size=(T, N)), last_first_obs=rng.normal(size=N),
-                  fallback=fallback)
+    common = dict(
+        rewards=rng.normal(size=(T, N)), terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
+        first_obs=rng.normal(size=(T, N)), next_first_obs=rng.normal(size=(T, N)), last_first_obs=rng.normal(size=N),
+        fallback=fallback,
+    )
     actions = rng.integers(0, 2, size=(T, N))
     other_actions = np.where(fallback, 1 - actions, actions)  # only the fallback rows differ
     segments = {
         "fallbacks": cartpole_segment(actions=actions, **common),
-        "other fallback actions": cartpole_segment(actions=other_actions, behavior_logp=np.where(fallback, 0.0, -0.7).astype(np.float32), **common),
+        "other fallback actions": cartpole_segment(
+            actions=other_actions, behavior_logp=np.where(fallback, 0.0, -0.7).astype(np.float32), **common
+        ),
         "unflagged": cartpole_segment(actions=other_actions, **{**common, "fallback": np.zeros((T, N), bool)}),
     }
     trained = {}
@@ -165,12 +169,14 @@ def test_ppo_never_trains_on_fallback_samples(learner):
 def test_adaptive_staleness_halves_on_degenerate_weights_and_recovers(learner):
     T, N = 4, 2
     agent = learner(update_epochs=1, max_staleness=8, adaptive_staleness=True)
-    segment = cartpole_segment(rewards=np.ones((T, N)), terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
-                               first_obs=np.zeros((T, N)), next_first_obs=np.zeros((T, N)), last_first_obs=np.zeros(N))
+    never = np.zeros((T, N), bool)
+    segment = cartpole_segment(rewards=np.ones((T, N)), terminated=never, truncated=never, first_obs=np.zeros((T, N)),
+                               next_first_obs=np.zeros((T, N)), last_first_obs=np.zeros(N))
 
     def learner_logp():
         with torch.no_grad():
-            return agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.actions))[0].numpy()
+            logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.actions))
+            return logp.numpy()
 
     # The actors chose these actions with a far smaller probability than the learner: pi/mu = e^3 > the cap.
     segment.behavior_logp = learner_logp() - 3.0
@@ -188,9 +194,9 @@ def test_sac_small_max_staleness_waits_for_fresh_samples_instead_of_crashing(mod
     # A version is one step of every env (publish_every = num_envs * utd gradient steps), so max_staleness=4
     # keeps about 10 samples: fewer than a batch. Gradient steps wait for fresh data; training goes on.
     agent = sac.SAC(sac.Args(env="Pendulum-v1", mode=mode, total_timesteps=600, learning_starts=200, batch_size=32,
-                             hidden=32, max_staleness=4, progress=False))
+                             hidden=32, buffer_size=1_000, max_staleness=4, progress=False))
     assert agent.args.publish_every == 2
-    with pytest.warns(RuntimeWarning, match=r"--max-staleness 4 keeps the samples of the last 5 versions, about 10 env steps"):
+    with pytest.warns(RuntimeWarning, match=r"max-staleness 4 keeps the samples of the last 5 versions, about 10 env steps"):
         result = agent.train()
     assert result.global_step >= 600 and result.gradient_steps > 0
     assert result.starved_gradient_steps > 0
