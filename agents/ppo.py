@@ -20,7 +20,9 @@ Off-policy corrections (``--correction``), with ``mu`` the behavior policy that 
 * ``decoupled``: GAE advantages, Hilton et al.'s decoupled PPO loss, clipped against
   ``pi_prox`` and weighted by ``min(pi_prox/mu, C)``.
 
-Samples older than ``--max-staleness`` versions are masked out of the loss (and counted).
+Samples older than ``--max-staleness`` versions are masked out of the loss (and counted), and so
+are deadline fallbacks. Time-limit truncations bootstrap from the final observation. Settings
+left at None come from ``PRESETS`` by env id (docs/agents.md has the measurement behind them).
 """
 
 from __future__ import annotations
