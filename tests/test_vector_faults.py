@@ -256,3 +256,81 @@ def test_worker_exits_when_parent_dies(tmp_path):
         assert not any(os.path.exists(f"/proc/{p}") for p in pids), "workers outlived their parent"
     finally:
         parent.kill()
+
+
+# ---------------------------------------------------------------- several envs per worker
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_in_a_shared_worker_names_the_env(tmp_path, fault, no_leftover_children):
+    """Env 1 shares its worker with env 0: the error names env 1 (the one that failed), not the worker."""
+    envs = make_envs(tmp_path, fault, num_envs=4, envs_per_worker=2)
+    envs.reset(seed=0)
+    expected = {"raise": "ZeroDivisionError", "kill": "WorkerDied", "hang": "StepTimeout"}[fault]
+    with pytest.raises(WorkerError, match=f"env 1 failed in step\\(\\): {expected}") as err:
+        for _ in range(5):
+            envs.step(np.ones(4, dtype=np.int64))
+    assert err.value.env_index == 1
+    if fault != "raise":
+        assert "also hosted envs [0]" in str(err.value)
+    assert envs.closed
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_restart_in_a_shared_worker(tmp_path, fault, mode, no_leftover_children):
+    """A raising env is rebuilt alone; a dead or hung worker takes its co-hosted env 0 with it."""
+    envs = make_envs(tmp_path, fault, num_envs=4, envs_per_worker=2, max_restarts=1, autoreset_mode=mode)
+    try:
+        obs, _ = envs.reset(seed=0)
+        last = obs.copy()
+        rebuilt = [1] if fault == "raise" else [0, 1]
+        for t in range(1, 6):
+            obs, rewards, term, trunc, info = envs.step(np.ones(4, dtype=np.int64))
+            if t == 3:
+                assert np.flatnonzero(info["_env_restarted"]).tolist() == rebuilt
+                assert np.flatnonzero(trunc).tolist() == rebuilt and not term.any()
+                for i in rebuilt:
+                    if mode == AutoresetMode.NEXT_STEP:
+                        np.testing.assert_array_equal(obs[i], last[i])
+                    else:
+                        np.testing.assert_array_equal(info["final_obs"][i], last[i])
+                        assert obs[i][0] == 0.0
+                np.testing.assert_array_equal(obs[[2, 3], 0], [3.0, 3.0])
+            last = obs.copy()
+        assert envs.restarts == [1 if i in rebuilt else 0 for i in range(4)]
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_idle_env_of_a_dead_worker_comes_back_truncated(tmp_path, fault, no_leftover_children):
+    """Env 0 waits (idle, episode running) while env 1, on the same worker, kills or hangs it."""
+    envs = make_envs(tmp_path, fault, num_envs=2, envs_per_worker=2, batch_size=1, max_restarts=1, step_timeout=1.0)
+    try:
+        envs.async_reset(seed=0)
+        envs.recv(timeout=10)
+        envs.recv(timeout=10)
+        envs.send(np.array([1]), [0])
+        obs0, *_ = envs.recv(timeout=10)  # env 0: t=1, then it waits
+        for t in range(1, 4):
+            envs.send(np.array([1]), [1])
+            _, _, _, trunc, info = envs.recv(timeout=20)
+            assert info["env_id"].tolist() == [1]
+        assert trunc[0] and info["env_restarted"][0], "env 1's third step was lost with its worker"
+        envs.send(np.array([1]), [0])
+        obs, rewards, term, trunc, info = envs.recv(timeout=10)
+        assert info["env_id"].tolist() == [0] and trunc[0] and not term[0] and rewards[0] == 0.0
+        assert info["env_restarted"][0] and fault_name(fault) in info["restart_reason"][0]
+        np.testing.assert_array_equal(obs[0], obs0[0])  # ends at the last observation it had
+        envs.send(np.array([1]), [0])
+        obs, rewards, _, trunc, info = envs.recv(timeout=10)
+        assert obs[0][0] == 0.0 and rewards[0] == 0.0 and not trunc[0], "then NEXT_STEP resets it"
+        assert "env_restarted" not in info
+        assert envs.restarts == [1, 1]
+    finally:
+        envs.close()
+
+
+def fault_name(fault: str) -> str:
+    return {"kill": "WorkerDied", "hang": "StepTimeout"}[fault]
