@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +26,24 @@ __all__ = ["NODE_UNITS", "LocalCluster", "local_cluster"]
 
 #: Units of ``node_<i>`` each node carries: up to this many actors can be pinned to one node.
 NODE_UNITS = 1000
+
+
+def _forget_as_default(address: str) -> None:
+    """Keeps a bare ``ray.init()`` elsewhere on this machine from joining this cluster.
+
+    ``Cluster`` records its address as the machine's "current cluster", which every later
+    ``ray.init()`` without an address joins: other test modules (or pytest-xdist workers)
+    would share this cluster by accident.
+    """
+    from ray._private.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    try:
+        with open(path) as f:
+            if f.read().strip() == address:
+                os.remove(path)
+    except OSError:
+        pass
 
 
 class LocalCluster:
@@ -68,10 +87,13 @@ class LocalCluster:
         self._object_store_memory = object_store_memory
         self._nodes: dict[int, Any] = {}
         head_args = self._node_args(0)
-        head_args["include_dashboard"] = False
+        # Lighter head: no dashboard modules, no autoscaler monitor, no log monitor (the driver
+        # connects with log_to_driver=False).
+        head_args.update(include_dashboard=False, no_monitor=True, include_log_monitor=False)
         if system_config:
             head_args["_system_config"] = dict(system_config)
         self._cluster = Cluster(initialize_head=True, connect=False, head_node_args=head_args)
+        _forget_as_default(self._cluster.address)
         self._nodes[0] = self._cluster.head_node
         self._next_index = 1
         try:
