@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import copy
 import difflib
+import functools
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -144,3 +146,44 @@ def layer_init(layer: torch.nn.Linear, std: float = np.sqrt(2), bias_const: floa
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
+
+
+def make_ray_collectors(
+    env_id: str,
+    num_envs: int,
+    env_latency_ms: float = 0.0,
+    distribution: str = "fixed",
+    *,
+    address: str | None = None,
+    num_collectors: int = 2,
+) -> Any:
+    """``--backend ray``: collector actors on a Ray cluster hosting the envs (SAME_STEP autoreset)."""
+    from asyncvec.distributed import RayCollectors
+
+    check_env_id(env_id)
+    env_fns = [make_env_fn(env_id, env_latency_ms, distribution, seed=i) for i in range(num_envs)]
+    return RayCollectors(env_fns, num_collectors=num_collectors, address=address, autoreset_mode=AutoresetMode.SAME_STEP)
+
+
+def make_ray_collector(
+    envs: Any,
+    actor: torch.nn.Module,
+    sink: Any,
+    versions: Any,
+    *,
+    policy_latency_ms: float = 0.0,
+    policy_lag: int = 0,
+    seed: int | None = None,
+    pace: Callable[[int], None] | None = None,
+) -> Any:
+    """A DistributedCollector whose actors each act with a copy of ``actor`` (as `make_policy`
+    builds it), registered with ``versions`` so that every publication reaches them."""
+    from asyncvec.distributed import DistributedCollector
+
+    largest = max(stop - start for start, stop in envs.slices)
+    policy_fn = functools.partial(make_policy, copy.deepcopy(actor), envs.single_action_space, largest, policy_latency_ms)
+    collector = DistributedCollector(envs, policy_fn, sink, version_manager=versions, seed=seed, pace=pace)
+    versions.register(LaggedWeights(collector, policy_lag))
+    if versions.current_version > 0:  # resumed from a checkpoint: act with its weights and version
+        collector.load_weights({k: v.detach().clone() for k, v in actor.state_dict().items()}, versions.current_version)
+    return collector

@@ -20,6 +20,8 @@ _LAZY = {
     "EndpointStats": "asyncvec.distributed.router",
     "RayPolicy": "asyncvec.distributed.ray_policy",
     "connect": "asyncvec.distributed.runtime",
+    "RayCollectors": "asyncvec.distributed.collection",
+    "DistributedCollector": "asyncvec.distributed.collection",
 }
 
 __all__ = sorted(_LAZY)

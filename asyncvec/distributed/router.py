@@ -113,6 +113,7 @@ class _Routed:
     env_id: int | None
     priority: int
     future: Future
+    expected: int = 0  # the version the replica was known to have when the request was sent
     tried: list[_Endpoint] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
 
@@ -143,7 +144,8 @@ class RoutedPolicy:
     Versions: `load_weights` loads the weights into every healthy replica in parallel; a
     replica that fails to load them is ejected, and a replica is readmitted only after it has
     the latest weights. Answers are passed on unchanged: each carries the version its replica
-    computed it with. ``policy_version`` is the oldest version among the healthy replicas,
+    computed it with. A replica that answers with an older version than it had loaded (it
+    restarted with its initial weights) is ejected too, and caught up when probed. ``policy_version`` is the oldest version among the healthy replicas,
     which is what the max-lag gate must assume.
 
     Example:
@@ -312,7 +314,8 @@ class RoutedPolicy:
                     refused.append(f"{endpoint.name}: {type(exc).__name__}: {exc}")
                 else:
                     failed.append((endpoint, exc))
-            self._latest = (weights, version)
+            if not refused:  # weights that replicas refuse as invalid are never handed out again
+                self._latest = (weights, version)
             with self._lock:
                 for endpoint in loaded:
                     endpoint.version = version
@@ -399,6 +402,7 @@ class RoutedPolicy:
                     break
                 endpoint.outstanding += 1
                 endpoint.counts["requests"] += 1
+                request.expected = endpoint.version
             request.tried.append(endpoint)
             started = time.monotonic()
             try:
@@ -433,12 +437,21 @@ class RoutedPolicy:
                 endpoint.outstanding -= 1
                 endpoint.counts["answered"] += 1
                 endpoint.counts["fallbacks"] += bool(output.fallback)
-                endpoint.failures_in_row = 0
-                endpoint.version = int(output.policy_version)
                 endpoint.latencies.append(time.monotonic() - started)
-                if not self._fixed_probe_obs and not output.fallback:
-                    self._probe_obs = request.obs
-            request.future.set_result(output)
+                if output.policy_version < request.expected:
+                    # Honest but older than what it had loaded: it lost its weights (a restart).
+                    endpoint.version = int(output.policy_version)
+                    self._eject_locked(
+                        endpoint,
+                        f"answered with version {output.policy_version} after loading {request.expected} "
+                        "(restarted without its weights?)",
+                    )
+                else:
+                    endpoint.failures_in_row = 0
+                    endpoint.version = max(endpoint.version, int(output.policy_version))
+                    if not self._fixed_probe_obs and not output.fallback:
+                        self._probe_obs = request.obs
+            request.future.set_result(output)  # the answer is honest: it carries its own version
             return
         if _is_request_fault(exc):
             with self._lock:
