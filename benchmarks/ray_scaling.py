@@ -41,6 +41,7 @@ from asyncvec import AsyncLLMVectorEnv  # noqa: E402
 from asyncvec.distributed.cluster import LocalCluster  # noqa: E402
 from asyncvec.distributed.ray_env import RayBackend  # noqa: E402
 from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402
+from benchmarks.throughput import LockstepLoop, PartialBatchLoop, make_cartpole  # noqa: E402
 from envs.slow import SlowEnv  # noqa: E402
 
 RAYLETS = 4
@@ -74,10 +75,6 @@ def make_sleepy(latency_ms: float) -> gym.Env:
     return Stamped(SlowEnv(gym.make("CartPole-v1"), latency_ms=latency_ms, distribution="fixed"))
 
 
-def make_cartpole() -> gym.Env:
-    return gym.make("CartPole-v1")
-
-
 def spread(cluster: LocalCluster, raylets: int) -> RayBackend:
     """Actor ``w`` on node ``w % raylets``; soft, so a lost node's actors may move."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -89,20 +86,18 @@ def spread(cluster: LocalCluster, raylets: int) -> RayBackend:
     )
 
 
-class PartialBatchLoop:
-    """send/recv with random actions; records delivery latency and recv blocking time."""
+class StampedLoop(PartialBatchLoop):
+    """The send/recv loop, recording how long after its step each env reached the caller."""
 
     def __init__(self, envs: AsyncLLMVectorEnv) -> None:
-        self.envs = envs
-        self.rng = np.random.default_rng(0)
         self.delivery_ms: list[float] = []
         self.blocked_ms: list[float] = []
         self.since = time.time()
-        envs.async_reset(seed=0)
+        super().__init__(envs)
 
-    def step_once(self) -> np.ndarray:
+    def step_once(self) -> dict:
         start = time.perf_counter()
-        _, _, _, _, info = self.envs.recv(timeout=120)
+        info = super().step_once()
         now_wall = time.time()
         self.blocked_ms.append((time.perf_counter() - start) * 1000)
         if "finished_at" in info:
@@ -110,38 +105,11 @@ class PartialBatchLoop:
             # count that loop's time: only steps finished during this run are measured.
             finished = info["finished_at"][info["_finished_at"]]
             self.delivery_ms += ((now_wall - finished[finished >= self.since]) * 1000).tolist()
-        ids = info["env_id"]
-        self.envs.send(self.rng.integers(0, 2, size=len(ids)), ids)
         return info
 
     def run(self, seconds: float) -> float:
-        steps, start, self.since = 0, time.perf_counter(), time.time()
-        while time.perf_counter() - start < seconds:
-            steps += len(self.step_once()["env_id"])
-        return steps / (time.perf_counter() - start)
-
-    def close(self) -> None:
-        while self.envs.in_flight:
-            self.envs.recv(timeout=120)
-        self.envs.close()
-
-
-class LockstepLoop:
-    def __init__(self, envs: AsyncLLMVectorEnv) -> None:
-        self.envs = envs
-        envs.reset(seed=0)
-        envs.action_space.seed(0)
-
-    def run(self, seconds: float) -> float:
-        """Milliseconds per vector step."""
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            self.envs.step(self.envs.action_space.sample())
-            count += 1
-        return (time.perf_counter() - start) * 1000 / count
-
-    def close(self) -> None:
-        self.envs.close()
+        self.since = time.time()
+        return super().run(seconds)
 
 
 def interleaved(loops: dict[str, Any], seconds: float, rounds: int) -> dict[str, float]:
@@ -186,10 +154,11 @@ def overhead(cluster: LocalCluster, args: Args, seconds: float) -> list[list]:
         "Ray actor (envs_per_worker=4)": LockstepLoop(AsyncLLMVectorEnv(fns, envs_per_worker=4, backend=spread(cluster, 1))),
     }
     try:
-        ms = interleaved(loops, seconds, args.rounds)
+        rates = interleaved(loops, seconds, args.rounds)
     finally:
         for loop in loops.values():
             loop.close()
+    ms = {label: len(fns) * 1000 / rate for label, rate in rates.items()}
     local = ms["local worker processes (1 env each)"]
     return [[label, value, value * 1000 / 4, f"{value / local:.1f}x"] for label, value in ms.items()]
 
@@ -197,8 +166,8 @@ def overhead(cluster: LocalCluster, args: Args, seconds: float) -> list[list]:
 def latency(cluster: LocalCluster, args: Args, seconds: float) -> list[list]:
     env_fn = partial(make_sleepy, args.latency_ms)
     loops = {
-        "local worker processes": PartialBatchLoop(AsyncLLMVectorEnv([env_fn] * 8, batch_size=4)),
-        "Ray actors (4 raylets)": PartialBatchLoop(AsyncLLMVectorEnv([env_fn] * 8, batch_size=4, backend=spread(cluster, RAYLETS))),
+        "local worker processes": StampedLoop(AsyncLLMVectorEnv([env_fn] * 8, batch_size=4)),
+        "Ray actors (4 raylets)": StampedLoop(AsyncLLMVectorEnv([env_fn] * 8, batch_size=4, backend=spread(cluster, RAYLETS))),
     }
     try:
         interleaved(loops, seconds, args.rounds)
@@ -226,7 +195,7 @@ def recovery(cluster: LocalCluster, args: Args, graceful: bool) -> list:
         actor_options=lambda w: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[w % 4], soft=True)},
     )
     envs = AsyncLLMVectorEnv([partial(make_sleepy, args.latency_ms)] * 8, batch_size=4, backend=backend, max_restarts=2)
-    loop = PartialBatchLoop(envs)
+    loop = StampedLoop(envs)
     try:
         loop.run(1.0)
         removed_at = time.perf_counter()

@@ -82,26 +82,29 @@ class LockstepLoop:
 
 
 class PartialBatchLoop:
-    """The send/recv loop: act on whichever ``batch_size`` envs are ready."""
+    """The send/recv loop: act on whichever ``batch_size`` envs are ready (Discrete actions)."""
 
     def __init__(self, envs: AsyncLLMVectorEnv) -> None:
         self.envs = envs
         self.rng = np.random.default_rng(0)
         envs.async_reset(seed=0)
 
+    def step_once(self) -> dict:
+        """One ``recv`` and the ``send`` that answers it; returns the batch's info."""
+        _, _, _, _, info = self.envs.recv(timeout=120)
+        ids = info["env_id"]
+        self.envs.send(self.rng.integers(0, self.envs.single_action_space.n, size=len(ids)), ids)
+        return info
+
     def run(self, seconds: float) -> float:
         steps, start = 0, time.perf_counter()
-        n_actions = self.envs.single_action_space.n
         while time.perf_counter() - start < seconds:
-            _, _, _, _, info = self.envs.recv()
-            ids = info["env_id"]
-            self.envs.send(self.rng.integers(0, n_actions, size=len(ids)), ids)
-            steps += len(ids)
+            steps += len(self.step_once()["env_id"])
         return steps / (time.perf_counter() - start)
 
     def close(self) -> None:
         while self.envs.in_flight:
-            self.envs.recv()
+            self.envs.recv(timeout=120)
         self.envs.close()
 
 

@@ -49,31 +49,36 @@ def test_fault_without_restarts_raises_and_leaves_no_child(tmp_path, fault, no_l
         envs.step(np.ones(3, dtype=np.int64))
 
 
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value)
 @pytest.mark.parametrize("fault", FAULTS)
-def test_restart_in_place_lockstep(tmp_path, fault, mode, no_leftover_children):
-    envs = make_envs(tmp_path, fault, max_restarts=1, autoreset_mode=mode)
+def test_restart_in_place_lockstep(tmp_path, fault, mode, envs_per_worker, no_leftover_children):
+    """Env 1 faults at step 3. With 2 envs per worker, a raising env is rebuilt alone inside its
+    worker, while a dead or hung worker takes env 0, its neighbour, with it."""
+    envs = make_envs(tmp_path, fault, num_envs=4, envs_per_worker=envs_per_worker, max_restarts=1, autoreset_mode=mode)
+    rebuilt = [0, 1] if envs_per_worker == 2 and fault != "raise" else [1]
     try:
         obs, _ = envs.reset(seed=0)
         last = obs.copy()
         for t in range(1, 6):
-            obs, rewards, term, trunc, info = envs.step(np.ones(3, dtype=np.int64))
+            obs, rewards, term, trunc, info = envs.step(np.ones(4, dtype=np.int64))
             if t == 3:
-                assert info["env_restarted"][1] and info["_env_restarted"].tolist() == [False, True, False]
-                assert trunc.tolist() == [False, True, False] and not term.any()
-                assert rewards[1] == 0.0
-                if mode == AutoresetMode.NEXT_STEP:
-                    # the episode ends at the last observation seen before the fault
-                    np.testing.assert_array_equal(obs[1], last[1])
-                else:
-                    np.testing.assert_array_equal(info["final_obs"][1], last[1])
-                    assert obs[1][0] == 0.0, "a fresh episode starts in the same step"
+                assert np.flatnonzero(info["_env_restarted"]).tolist() == rebuilt
+                assert np.flatnonzero(trunc).tolist() == rebuilt and not term.any()
+                assert (rewards[rebuilt] == 0.0).all()
+                for i in rebuilt:
+                    if mode == AutoresetMode.NEXT_STEP:
+                        # the episode ends at the last observation seen before the fault
+                        np.testing.assert_array_equal(obs[i], last[i])
+                    else:
+                        np.testing.assert_array_equal(info["final_obs"][i], last[i])
+                        assert obs[i][0] == 0.0, "a fresh episode starts in the same step"
                 # the other envs' transitions are intact
-                np.testing.assert_array_equal(obs[[0, 2], 0], [3.0, 3.0])
+                np.testing.assert_array_equal(obs[[2, 3], 0], [3.0, 3.0])
             if t == 4 and mode == AutoresetMode.NEXT_STEP:
-                assert obs[1][0] == 0.0 and rewards[1] == 0.0, "next step resets the restarted env"
+                assert (obs[rebuilt, 0] == 0.0).all() and (rewards[rebuilt] == 0.0).all(), "next step resets"
             last = obs.copy()
-        assert envs.restarts == [0, 1, 0]
+        assert envs.restarts == [1 if i in rebuilt else 0 for i in range(4)]
     finally:
         envs.close()
 
@@ -274,33 +279,6 @@ def test_fault_in_a_shared_worker_names_the_env(tmp_path, fault, no_leftover_chi
     if fault != "raise":
         assert "also hosted envs [0]" in str(err.value)
     assert envs.closed
-
-
-@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value)
-@pytest.mark.parametrize("fault", FAULTS)
-def test_restart_in_a_shared_worker(tmp_path, fault, mode, no_leftover_children):
-    """A raising env is rebuilt alone; a dead or hung worker takes its co-hosted env 0 with it."""
-    envs = make_envs(tmp_path, fault, num_envs=4, envs_per_worker=2, max_restarts=1, autoreset_mode=mode)
-    try:
-        obs, _ = envs.reset(seed=0)
-        last = obs.copy()
-        rebuilt = [1] if fault == "raise" else [0, 1]
-        for t in range(1, 6):
-            obs, rewards, term, trunc, info = envs.step(np.ones(4, dtype=np.int64))
-            if t == 3:
-                assert np.flatnonzero(info["_env_restarted"]).tolist() == rebuilt
-                assert np.flatnonzero(trunc).tolist() == rebuilt and not term.any()
-                for i in rebuilt:
-                    if mode == AutoresetMode.NEXT_STEP:
-                        np.testing.assert_array_equal(obs[i], last[i])
-                    else:
-                        np.testing.assert_array_equal(info["final_obs"][i], last[i])
-                        assert obs[i][0] == 0.0
-                np.testing.assert_array_equal(obs[[2, 3], 0], [3.0, 3.0])
-            last = obs.copy()
-        assert envs.restarts == [1 if i in rebuilt else 0 for i in range(4)]
-    finally:
-        envs.close()
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
