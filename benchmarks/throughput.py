@@ -17,6 +17,7 @@ Writes ``benchmarks/results/throughput.md`` and ``throughput.png``.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -62,20 +63,67 @@ def make_slow_cartpole(latency_ms: float, sigma: float) -> gym.Env:
     return SlowEnv(gym.make("CartPole-v1"), latency_ms=latency_ms, distribution="lognormal", sigma=sigma)
 
 
+def tree_cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process and all its live descendants (Linux ``/proc``).
+
+    Wall-clock rates on a shared, loaded machine depend on how many processes a contender
+    runs (the scheduler shares cores per process); CPU seconds per env-step do not.
+    """
+    pid = os.getpid() if pid is None else pid
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+        children: set[int] = set()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children.update(int(c) for c in f.read().split())
+    except OSError:  # the process ended
+        return total
+    return total + sum(tree_cpu_seconds(child) for child in children)
+
+
+class CpuMeter:
+    """Accumulates env-steps and the CPU seconds of this process tree spent on them."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.cpu = 0.0
+
+    def measure(self, run: Callable[[], int]) -> int:
+        start = tree_cpu_seconds()
+        steps = run()
+        self.cpu += tree_cpu_seconds() - start
+        self.steps += steps
+        return steps
+
+    @property
+    def cpu_us_per_step(self) -> float:
+        return self.cpu / max(self.steps, 1) * 1e6
+
+
 class LockstepLoop:
     """Steps ``envs.step`` with random actions; ``run(seconds)`` returns steps/s."""
 
     def __init__(self, envs) -> None:
         self.envs = envs
+        self.meter = CpuMeter()
         envs.reset(seed=0)
         envs.action_space.seed(0)
 
     def run(self, seconds: float) -> float:
-        steps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            self.envs.step(self.envs.action_space.sample())
-            steps += self.envs.num_envs
-        return steps / (time.perf_counter() - start)
+        start = time.perf_counter()
+
+        def loop() -> int:
+            steps = 0
+            while time.perf_counter() - start < seconds:
+                self.envs.step(self.envs.action_space.sample())
+                steps += self.envs.num_envs
+            return steps
+
+        return self.meter.measure(loop) / (time.perf_counter() - start)
 
     def close(self) -> None:
         self.envs.close()
@@ -87,6 +135,7 @@ class PartialBatchLoop:
     def __init__(self, envs: AsyncLLMVectorEnv) -> None:
         self.envs = envs
         self.rng = np.random.default_rng(0)
+        self.meter = CpuMeter()
         envs.async_reset(seed=0)
 
     def step_once(self) -> dict:
@@ -97,10 +146,15 @@ class PartialBatchLoop:
         return info
 
     def run(self, seconds: float) -> float:
-        steps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            steps += len(self.step_once()["env_id"])
-        return steps / (time.perf_counter() - start)
+        start = time.perf_counter()
+
+        def loop() -> int:
+            steps = 0
+            while time.perf_counter() - start < seconds:
+                steps += len(self.step_once()["env_id"])
+            return steps
+
+        return self.meter.measure(loop) / (time.perf_counter() - start)
 
     def close(self) -> None:
         while self.envs.in_flight:
@@ -131,8 +185,8 @@ def run_scenario(
     batch_size: int,
     args: Args,
     bound: float | None,
-) -> list[tuple[str, float]]:
-    """Measures every contender in interleaved rounds and returns ``(label, median steps/s)``."""
+) -> list[tuple[str, float, float]]:
+    """Measures every contender in interleaved rounds: ``(label, median steps/s, CPU us per env-step)``."""
     seconds = 1.5 if args.quick else args.seconds
     rounds = 3 if args.quick else args.rounds
     loops = {label: make() for label, make in contenders([env_fn] * num_envs, batch_size, args.envs_per_worker).items()}
@@ -140,19 +194,21 @@ def run_scenario(
     try:
         for loop in loops.values():
             loop.run(0.2)  # warm up
+            loop.meter = CpuMeter()
         for _ in range(rounds):
             for label, loop in loops.items():
                 samples[label].append(loop.run(seconds / rounds))
     finally:
         for loop in loops.values():
             loop.close()
-    rows = [(label, float(np.median(values))) for label, values in samples.items()]
+    rows = [(label, float(np.median(values)), loops[label].meter.cpu_us_per_step) for label, values in samples.items()]
     print(f"\n### {name}: {num_envs} envs" + (f", physical bound {bound:,.0f} steps/s" if bound else ""))
     print(f"median of {rounds} interleaved rounds of {seconds / rounds:.2f} s each; {machine_line()}")
     return rows
 
 
-def main(args: Args) -> dict[str, list[tuple[str, float]]]:
+def main(args: Args) -> dict[str, list[tuple[str, float, float]]]:
+    short_names = {"cartpole": "raw CartPole-v1", "slow-heavy-tail": "lognormal 10 ms sleeps"}
     scenarios = {
         "cartpole": ("raw CartPole-v1", make_cartpole, 8, 4, None),
         "slow-heavy-tail": (
@@ -163,25 +219,34 @@ def main(args: Args) -> dict[str, list[tuple[str, float]]]:
             16 / 0.010,
         ),
     }
-    results: dict[str, list[tuple[str, float]]] = {}
+    results: dict[str, list[tuple[str, float, float]]] = {}
+    headers = ["scenario", "contender", "env-steps/s", "vs gymnasium Async", "vs bound", "CPU us / env-step", "CPU vs gymnasium Async"]
     table_rows = []
     for key in args.scenarios:
         name, env_fn, num_envs, batch_size, bound = scenarios[key]
         rows = run_scenario(name, env_fn, num_envs, batch_size, args, bound)
         results[key] = rows
-        reference = dict(rows)[REFERENCE]
+        _, reference, reference_cpu = next(row for row in rows if row[0] == REFERENCE)
         scenario_rows = [
-            [f"{name} x{num_envs}", label, rate, f"{rate / reference:.2f}x", f"{rate / bound:.0%}" if bound else "-"]
-            for label, rate in rows
+            [
+                f"{short_names[key]} x{num_envs}",
+                label,
+                rate,
+                f"{rate / reference:.2f}x",
+                f"{rate / bound:.0%}" if bound else "-",
+                cpu,
+                f"{cpu / reference_cpu:.2f}x",
+            ]
+            for label, rate, cpu in rows
         ]
-        print(markdown_table(["scenario", "contender", "env-steps/s", "vs gymnasium Async", "vs bound"], scenario_rows))
+        print(markdown_table(headers, scenario_rows))
         table_rows += scenario_rows
-    table = markdown_table(["scenario", "contender", "env-steps/s", "vs gymnasium Async", "vs bound"], table_rows)
+    table = markdown_table(headers, table_rows)
     figure, axes = new_figure(ncols=len(results), width=6.5, height=4.5)
     for ax, (key, rows) in zip(np.ravel(axes), results.items()):
-        reference = dict(rows)[REFERENCE]
-        labels = [label.replace("AsyncLLMVectorEnv ", "ours ").replace("gymnasium ", "gym ") for label, _ in rows]
-        ax.barh(labels[::-1], [rate / reference for _, rate in rows][::-1], color="tab:blue")
+        reference = next(rate for label, rate, _ in rows if label == REFERENCE)
+        labels = [label.replace("AsyncLLMVectorEnv ", "ours ").replace("gymnasium ", "gym ") for label, _, _ in rows]
+        ax.barh(labels[::-1], [rate / reference for _, rate, _ in rows][::-1], color="tab:blue")
         ax.axvline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel("env-steps/s relative to gymnasium AsyncVectorEnv")
         ax.set_title(scenarios[key][0] + f" x{scenarios[key][2]}", fontsize=9)

@@ -312,3 +312,16 @@ def test_idle_env_of_a_dead_worker_comes_back_truncated(tmp_path, fault, no_left
 
 def fault_name(fault: str) -> str:
     return {"kill": "WorkerDied", "hang": "StepTimeout"}[fault]
+
+
+def test_observation_of_the_wrong_shape_names_the_env():
+    class ShortObs(CounterEnv):
+        def step(self, action):
+            obs, *rest = super().step(action)
+            return obs[:2], *rest
+
+    envs = AsyncLLMVectorEnv([CounterEnv, ShortObs], envs_per_worker=2)
+    envs.reset(seed=0)
+    with pytest.raises(WorkerError, match=r"env 1 failed in step\(\): ValueError: observation of env 1 has shape \(2,\), expected \(3,\)"):
+        envs.step(np.ones(2, dtype=np.int64))
+    assert envs.closed

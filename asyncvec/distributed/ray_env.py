@@ -138,17 +138,19 @@ class RayTransport(Transport):
         self._owns_ray = connect(address) or _local_ray_users > 0
         if self._owns_ray:
             _local_ray_users += 1
-        self._options = [backend.options(w) for w in range(len(spec.groups))]
-        actor_class = ray.remote(_EnvWorker)
-        self._actors = [
-            actor_class.options(**self._options[w]).remote(
-                [spec.env_fns[i] for i in group], list(group), spec.autoreset_mode
-            )
-            for w, group in enumerate(spec.groups)
-        ]
+        self._actors: list[Any] = []
         self._refs: list[deque[Any]] = [deque() for _ in spec.groups]
         self._info: list[dict[str, Any]] = [{} for _ in spec.groups]
         self._closed = False
+        try:
+            self._options = [backend.options(w) for w in range(len(spec.groups))]
+            actor_class = ray.remote(_EnvWorker)
+            for w, group in enumerate(spec.groups):
+                options = actor_class.options(**self._options[w])
+                self._actors.append(options.remote([spec.env_fns[i] for i in group], list(group), spec.autoreset_mode))
+        except BaseException:
+            self.close(timeout=0, terminate=True)
+            raise
 
     def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
         import time
@@ -230,6 +232,8 @@ class RayTransport(Transport):
         import ray
 
         if not ray.is_initialized():
+            if self._owns_ray:
+                _local_ray_users -= 1
             return
         if not terminate:  # let envs close (a simulator may hold resources), then kill
             closing = [actor.close.remote() for actor in self._actors]

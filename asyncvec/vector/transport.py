@@ -48,6 +48,10 @@ class WorkerSpec:
     autoreset_mode: AutoresetMode
     shared_memory: Any = None
 
+    @property
+    def num_envs(self) -> int:
+        return len(self.env_fns)
+
 
 class Transport(ABC):
     """Moves messages between the vector env and its workers (see the module docstring).
@@ -161,7 +165,7 @@ class ProcessTransport(Transport):
                 indices,
                 child_pipe,
                 parent_pipe,
-                self.spec.shared_memory,
+                None if self.spec.shared_memory is None else (self.spec.shared_memory, self.spec.num_envs),
                 self.spec.autoreset_mode,
                 (self._marker, worker),
                 os.getpid(),

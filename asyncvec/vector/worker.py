@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from gymnasium import Env
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
-from gymnasium.vector.utils import write_to_shared_memory
+from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
 # How often a worker process checks that its parent is still alive.
@@ -107,7 +107,8 @@ class EnvGroup:
         env_fns: the functions that build this worker's envs.
         indices: each env's index in the vector env (names the env in shared memory).
         autoreset_mode: the vector env's autoreset mode.
-        shared_memory: gymnasium shared memory for fixed-shape observations, or ``None``.
+        shared_memory: gymnasium shared memory for fixed-shape observations, or ``None``;
+            ``(buffer, num_envs)``, the buffer as made by ``create_shared_memory``.
         marker: optional ``(array, slot)``: ``array[slot]`` holds the index of the env being
             worked on (``IDLE`` between messages), so the parent can name the env that hung or
             killed the worker.
@@ -128,6 +129,7 @@ class EnvGroup:
         self.indices = list(indices)
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.shared_memory = shared_memory
+        self._rows = None  # numpy views of the shared observation rows, made once
         self.marker, self.slot = marker if marker is not None else (None, 0)
         self.envs: list[Env] = []
         for position, fn in enumerate(self.env_fns):
@@ -160,11 +162,17 @@ class EnvGroup:
             results.append(result)
         self._mark(None)
         if published:
-            space = self.envs[0].observation_space
+            if self._rows is None:
+                buffer, num_envs = self.shared_memory
+                self._rows = read_from_shared_memory(self.envs[0].observation_space, buffer, n=num_envs)
             for slot, position in published:
                 result = results[slot]
-                write_to_shared_memory(space, self.indices[position], result[0], self.shared_memory)
-                results[slot] = (None, *result[1:])
+                try:
+                    _write_row(self._rows, self.indices[position], result[0])
+                except Exception as exc:
+                    results[slot] = EnvFailure(error_payload(exc))
+                else:
+                    results[slot] = (None, *result[1:])
         return results
 
     def _run(self, position: int, command: str, payload: Any) -> Any:
@@ -246,6 +254,25 @@ class BuildFailureError(Exception):
     def __init__(self, failure: BuildFailure) -> None:
         self.failure = failure
         super().__init__(f"env at position {failure.position} failed to build: {failure.payload[0]}: {failure.payload[1]}")
+
+
+def _write_row(rows: Any, index: int, value: Any) -> None:
+    """Writes one observation into row ``index`` of the shared views (nested dicts / tuples of arrays).
+
+    Unlike numpy assignment it never broadcasts: an observation of the wrong shape is an error.
+    """
+    if isinstance(rows, dict):
+        for key, sub_rows in rows.items():
+            _write_row(sub_rows, index, value[key])
+        return
+    if isinstance(rows, tuple):
+        for sub_rows, sub_value in zip(rows, value):
+            _write_row(sub_rows, index, sub_value)
+        return
+    value = np.asarray(value)
+    if value.shape != rows.shape[1:]:
+        raise ValueError(f"observation of env {index} has shape {value.shape}, expected {rows.shape[1:]}")
+    rows[index] = value
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
