@@ -243,27 +243,28 @@ def test_sac_with_the_ray_backend_trains_from_remote_replay(cluster):
     from agents.sac import SAC, Args
 
     args = Args(
-        env="Pendulum-v1", backend="ray", ray_collectors=2, num_envs=2, total_timesteps=600, learning_starts=200,
-        batch_size=64, hidden=32, publish_every=10, progress=False, seed=0,
+        env="Pendulum-v1", backend="ray", ray_collectors=1, num_envs=2, total_timesteps=500, learning_starts=100,
+        batch_size=32, hidden=32, publish_every=10, progress=False, seed=0,
     )
     sac = SAC(args)
     result = sac.train()
-    assert result.global_step >= 600 and result.gradient_steps >= 300
-    assert sorted(set(sac.buffer.gather(np.arange(len(sac.buffer)), 0).env_id.tolist())) == [0, 1]
+    assert result.global_step >= 500 and result.gradient_steps >= 300  # paced to one gradient step per env step
+    rows = sac.buffer.gather(np.arange(len(sac.buffer)), sac.versions.current_version)
+    assert sorted(set(rows.env_id.tolist())) == [0, 1] and rows.policy_version.max() >= 20
     assert len(result.episodic_returns) >= 2  # Pendulum episodes are 200 steps
 
 
 def test_router_over_ray_policy_replicas_ejects_a_killed_one_and_probes_it_back(cluster):
     replicas = [
         RayPolicy(policy_fn(), name=f"replica{i}", actor_options=cluster.pin(index))
-        for i, index in enumerate(cluster.node_indices[1:4])
+        for i, index in enumerate(cluster.node_indices[1:3])
     ]
     router = RoutedPolicy(replicas, probe_interval_s=0.3, probe_timeout_s=30)
     obs = np.zeros((6, 4), np.float32)
     try:
         assert [a.policy_version for a in router.act(obs, timeout=60)] == [0] * 6
         router.load_weights(version_weights(1), 1)
-        assert [r.describe()["policy_version"] for r in replicas] == [1, 1, 1]
+        assert [r.describe()["policy_version"] for r in replicas] == [1, 1]
         ray.kill(replicas[1].actor, no_restart=False)  # the process dies; Ray rebuilds it with version 0
         answers = []
         while router.endpoints()[1].readmissions == 0:  # requests keep coming while it is out

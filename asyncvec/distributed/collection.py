@@ -113,7 +113,7 @@ class _CollectorActor:
                 return
             if weights is not None and version > self.policy.policy_version:
                 self.policy.load_weights(weights, version)
-            if self.versions is not None:
+            if self.versions is not None and not self.versions.closed:
                 while self.versions.current_version < learner:
                     self.versions.publish(None)  # no backends here: only the counter moves
 
@@ -369,10 +369,9 @@ class DistributedCollector:
         self._next_episode_base = n
         self._restarts = [0] * n
         self._steps = [0] * n
-        # RolloutStore: batches received but not staged yet (per collector, in order), and each
-        # env's latest transition, held back until the env's next one shows it was not the last
-        self._pending: list[deque[Any]] = [deque() for _ in range(n)]
-        self._held: dict[int, tuple[Transitions, int]] = {}
+        # RolloutStore: each env's received transitions, in order, as (batch, row); the first is
+        # held back until the env's next one shows that it was not the last before a fault
+        self._queues: list[deque[Any]] = [deque() for _ in range(collectors.num_envs)]
         self._latest: tuple[Any, int] | None = None  # (weights ObjectRef, version)
         self._learner_sent = -1
         self._returns: deque[float] = deque(maxlen=episode_window)
@@ -525,10 +524,10 @@ class DistributedCollector:
         try:
             while not self._stop.is_set():
                 self._send_learner_version()
-                self._stage_pending()
+                self._stage_rollout()
                 busy = set(pulls.values())
                 for index, actor in enumerate(self.collectors.actors):
-                    if index not in busy and not self._pending[index]:
+                    if index not in busy and not self._all_envs_full(index):
                         pulls[actor.take.remote(0.2)] = index
                 if not pulls:
                     self._stop.wait(0.01)
@@ -574,7 +573,8 @@ class DistributedCollector:
             batch.episode_id = batch.episode_id + base
             if isinstance(self.sink, RolloutStore):
                 batch.truncated = batch.truncated.copy()  # writable: a fault may end its episodes
-                self._pending[index].append(batch)
+                for row, env in enumerate(batch.env_ids.tolist()):
+                    self._queues[env].append((batch, row))
             elif isinstance(self.sink, ReplayBuffer):
                 self.sink.add(
                     batch.obs, batch.action, batch.reward, batch.next_obs, batch.terminated, batch.truncated,
@@ -585,36 +585,43 @@ class DistributedCollector:
             else:
                 self.sink(batch)
                 self._count(index, len(batch.env_ids))
-        self._stage_pending()
+        self._stage_rollout()
 
-    def _stage_pending(self) -> None:
-        """RolloutStore: for each received batch, in order, commit the held transition of each of
-        its envs (while the store has room for them) and hold the batch's own transitions."""
+    def _all_envs_full(self, index: int) -> bool:
+        """RolloutStore: whether no env of collector ``index`` can take a transition now (then it
+        is not pulled, and its envs stop once its outbox is full)."""
+        if not isinstance(self.sink, RolloutStore):
+            return False
+        start, stop = self.collectors.slices[index]
+        steps, limit = self.sink.steps_per_env, self.sink.num_steps + self.sink.max_steps_ahead
+        return all(steps[env] >= limit and len(self._queues[env]) > 1 for env in range(start, stop))
+
+    def _stage_rollout(self) -> None:
+        """RolloutStore: commit each env's transitions in order while the store has room for
+        them, always keeping the env's latest one back (see ``sink``). Each round adds at most
+        one transition per env, so every env's order survives the grouping by batch."""
         if not isinstance(self.sink, RolloutStore):
             return
-        store = self.sink
-        limit = store.num_steps + store.max_steps_ahead
-        for index, pending in enumerate(self._pending):
-            while pending:
-                item = pending[0]
-                if item is _TRUNCATE:  # the collector died: its envs' last transitions end their episodes
-                    start, stop = self.collectors.slices[index]
-                    for env in range(start, stop):
-                        if env in self._held:
-                            batch, row = self._held[env]
-                            batch.truncated[row] = not batch.terminated[row]
-                    pending.popleft()
-                    continue
-                envs = [env for env in item.env_ids.tolist() if env in self._held]
-                steps = store.steps_per_env
-                if any(steps[env] >= limit for env in envs):
-                    break  # the learner has not taken its segment yet; this collector waits
-                self._add_rows([self._held.pop(env) for env in envs])
-                for row, env in enumerate(item.env_ids.tolist()):
-                    self._held[env] = (item, row)
-                pending.popleft()
-                if envs:
-                    self._count(index, len(envs))
+        limit = self.sink.num_steps + self.sink.max_steps_ahead
+        while True:
+            steps = self.sink.steps_per_env
+            ready = []
+            for env, queue in enumerate(self._queues):
+                while queue and queue[0] is _TRUNCATE:  # nothing of the lost incarnation was held
+                    queue.popleft()
+                if len(queue) > 1 and steps[env] < limit:
+                    batch, row = queue.popleft()
+                    if queue[0] is _TRUNCATE:  # its collector died after this transition
+                        batch.truncated[row] = not batch.terminated[row]
+                        queue.popleft()
+                    ready.append((batch, row))
+            if not ready:
+                return
+            self._add_rows(ready)
+            for index, (start, stop) in enumerate(self.collectors.slices):
+                count = sum(start <= int(batch.env_ids[row]) < stop for batch, row in ready)
+                if count:
+                    self._count(index, count)
 
     def _add_rows(self, rows: list[tuple[Transitions, int]]) -> None:
         """Add held transitions to the RolloutStore, one ``add`` per batch they came from."""
@@ -684,12 +691,14 @@ class DistributedCollector:
             self._episode_base[index] = self._next_episode_base
             self._next_episode_base += 1
         if isinstance(self.sink, RolloutStore):
-            self._pending[index].append(_TRUNCATE)
+            start, stop = self.collectors.slices[index]
+            for env in range(start, stop):
+                self._queues[env].append(_TRUNCATE)
         self._start_actor(index)
         logger.warning("collector %d is back on node %s", index, info["node_id"])
 
 
-_TRUNCATE = object()  # marks, in a collector's pending batches, where its old incarnation ended
+_TRUNCATE = object()  # marks, in an env's queue, where the incarnation of its collector ended
 
 
 def _take(batch: Any, index: np.ndarray) -> Any:

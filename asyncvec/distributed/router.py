@@ -133,6 +133,8 @@ class RoutedPolicy:
         probe_timeout_s: how long a probe answer may take.
         probe_obs: the observation probes send (default: the last observation answered).
         publish_timeout_s: how long `load_weights` waits for each replica.
+        close_replicas: whether `close` closes the replicas (False: the caller owns them;
+            replicas rebuilt from a function are always closed).
 
     Failures: a request whose replica fails (the replica gave up after its own retries, or it
     is closed or unreachable) is sent to the next healthy replica it has not tried; when none
@@ -170,6 +172,7 @@ class RoutedPolicy:
         probe_timeout_s: float = 10.0,
         probe_obs: Any = None,
         publish_timeout_s: float = 60.0,
+        close_replicas: bool = True,
     ) -> None:
         if isinstance(replicas, (str, bytes)) or not isinstance(replicas, Sequence) or not replicas:
             raise ValueError(f"RoutedPolicy: replicas must be a non-empty sequence, got {replicas!r}")
@@ -188,6 +191,7 @@ class RoutedPolicy:
         self.probe_interval_s = float(probe_interval_s)
         self.probe_timeout_s = float(probe_timeout_s)
         self.publish_timeout_s = float(publish_timeout_s)
+        self.close_replicas = bool(close_replicas)
         self._probe_obs = probe_obs
         self._fixed_probe_obs = probe_obs is not None
         self._lock = threading.Lock()
@@ -535,7 +539,8 @@ class RoutedPolicy:
 
     def _close_replicas(self) -> None:
         for endpoint in self._endpoints:
-            _close_quietly(endpoint.policy)
+            if self.close_replicas or endpoint.factory is not None:
+                _close_quietly(endpoint.policy)
 
 
 def _is_policy(obj: Any) -> bool:

@@ -10,11 +10,12 @@ __all__ = ["connect", "feasible_nodes", "required_resources"]
 
 
 def connect(address: str | None = None) -> bool:
-    """Join the Ray cluster at ``address`` (or ``$RAY_ADDRESS``), or start a local Ray.
+    """Join the Ray cluster at ``address`` (``"auto"``, ``"host:6379"``, ``"ray://host:10001"``),
+    else at ``$RAY_ADDRESS``, else start a new local Ray (never a cluster that merely happens
+    to run on this machine).
 
     Returns whether this call started Ray, so the caller that started it also shuts it down.
-    If Ray is already initialized in this process it is used as it is (``address`` must then
-    be None or match).
+    If Ray is already initialized in this process it is used as it is.
 
     Example:
         >>> started = connect()  # doctest: +SKIP
@@ -23,7 +24,7 @@ def connect(address: str | None = None) -> bool:
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS") or None
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
     ray.init(address=address, log_to_driver=False, configure_logging=False)
     return True
 
