@@ -271,7 +271,7 @@ def main(args: Args) -> dict[str, list]:
             "Recovery after a node is removed:\n\n" + recovery_table,
         ]
     )
-    command = "python benchmarks/ray_scaling.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python benchmarks/ray_scaling.py", *sys.argv[1:]])
     save_report("ray_scaling", table, figure, out_dir=args.out_dir, command=command, notes="All raylets share one host: relative figures only.")
     return results
 

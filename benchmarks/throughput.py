@@ -249,9 +249,9 @@ def main(args: Args) -> dict[str, list[tuple[str, float, float]]]:
         ax.barh(labels[::-1], [rate / reference for _, rate, _ in rows][::-1], color="tab:blue")
         ax.axvline(1.0, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel("env-steps/s relative to gymnasium AsyncVectorEnv")
-        ax.set_title(scenarios[key][0] + f" x{scenarios[key][2]}", fontsize=9)
+        ax.set_title(f"{short_names[key]} x{scenarios[key][2]}", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
-    command = "python benchmarks/throughput.py" + (" --quick" if args.quick else "")
+    command = " ".join(["python benchmarks/throughput.py", *sys.argv[1:]])
     save_report("throughput", table, figure, out_dir=args.out_dir, command=command)
     return results
 

@@ -212,6 +212,20 @@ class RayTransport(Transport):
             cause = exc.cause if exc.cause is not None else exc
             return False, (type(cause).__name__, str(cause), str(exc), None)
 
+    def read_many(self, workers: Sequence[int]) -> list[tuple[bool, Any]]:
+        import ray
+
+        if len(workers) < 2:
+            return [self.read(worker) for worker in workers]
+        refs = [self._refs[w][0] for w in workers]
+        try:
+            replies = ray.get(refs)  # one call for the whole batch
+        except Exception:
+            return [self.read(worker) for worker in workers]  # find out which one failed, and how
+        for worker in workers:
+            self._refs[worker].popleft()
+        return [(True, reply) for reply in replies]
+
     def kill(self, worker: int) -> None:
         import ray
 

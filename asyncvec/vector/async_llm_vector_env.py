@@ -336,9 +336,13 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     # ------------------------------------------------------------------ core loop
 
-    def _receive(self, worker: int) -> None:
-        """Reads the worker's next reply and files its results (or handles its death)."""
-        ok, payload = self._transport.read(worker)
+    def _receive(self, workers: list[int]) -> None:
+        """Reads the next reply of each worker (blocking) and files their results."""
+        for worker, reply in zip(workers, self._transport.read_many(workers)):
+            self._file(worker, *reply)
+
+    def _file(self, worker: int, ok: bool, payload: Any) -> None:
+        """Files a worker's reply to its oldest message: results per env, or the worker's death."""
         queue = self._queues[worker]
         message = queue.popleft()
         if queue:
@@ -364,9 +368,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             hang_at = min(self._hang_deadline(w) for w in busy)
             wait_until = hang_at if wait_until is None else min(wait_until, hang_at)
         timeout = None if wait_until is None else max(0.0, wait_until - time.monotonic())
-        for worker in self._transport.wait(busy, timeout):
-            if self._queues[worker]:  # a failure handled earlier in this loop may have reset it
-                self._receive(worker)
+        self._receive(self._transport.wait(busy, timeout))
         if self.step_timeout is not None:
             now = time.monotonic()
             for worker, queue in enumerate(self._queues):
@@ -492,8 +494,7 @@ class AsyncLLMVectorEnv(VectorEnv):
                 busy = [w for w in dict.fromkeys(slots[i].worker for i in waiting) if self._queues[w]]
                 if not busy:
                     raise RuntimeError(f"envs {waiting} wait for an answer but nothing was sent to them")
-                for worker in busy:
-                    self._receive(worker)
+                self._receive(busy)
         self._wait_until(lambda: all(slots[i].result is not _NO_RESULT for i in indices), timeout, "not every env answered")
 
     def _deliver(self, indices: Sequence[int]) -> list[Any]:

@@ -76,6 +76,10 @@ class Transport(ABC):
     def read(self, worker: int) -> tuple[bool, Any]:
         """The worker's next reply, blocking; a dead worker reads as ``(False, payload)``, never as a hang."""
 
+    def read_many(self, workers: Sequence[int]) -> list[tuple[bool, Any]]:
+        """:meth:`read` for several workers (a transport may fetch them in one call)."""
+        return [self.read(worker) for worker in workers]
+
     @abstractmethod
     def kill(self, worker: int) -> None:
         """Stops a hung worker at once; its outstanding messages are lost."""
