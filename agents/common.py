@@ -162,7 +162,9 @@ def make_ray_collectors(
 
     check_env_id(env_id)
     env_fns = [make_env_fn(env_id, env_latency_ms, distribution, seed=i) for i in range(num_envs)]
-    return RayCollectors(env_fns, num_collectors=num_collectors, address=address, autoreset_mode=AutoresetMode.SAME_STEP)
+    return RayCollectors(
+        env_fns, num_collectors=num_collectors, address=address, autoreset_mode=AutoresetMode.SAME_STEP
+    )
 
 
 def make_ray_collector(
@@ -181,7 +183,9 @@ def make_ray_collector(
     from asyncvec.distributed import DistributedCollector
 
     largest = max(stop - start for start, stop in envs.slices)
-    policy_fn = functools.partial(make_policy, copy.deepcopy(actor), envs.single_action_space, largest, policy_latency_ms)
+    policy_fn = functools.partial(
+        make_policy, copy.deepcopy(actor), envs.single_action_space, largest, policy_latency_ms
+    )
     collector = DistributedCollector(envs, policy_fn, sink, version_manager=versions, seed=seed, pace=pace)
     versions.register(LaggedWeights(collector, policy_lag))
     if versions.current_version > 0:  # resumed from a checkpoint: act with its weights and version

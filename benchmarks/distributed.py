@@ -14,7 +14,7 @@ machine: every figure is relative, the raylets share one host):
   interleaved: env steps per second and the return reached.
 
 Run:
-    python benchmarks/distributed.py                    # both (about 10 minutes)
+    python benchmarks/distributed.py                    # both (15-30 minutes on 2 busy cores)
     python benchmarks/distributed.py --part router --rounds 3
     python benchmarks/distributed.py --quick            # a few seconds per part: a smoke run
 """
@@ -60,7 +60,7 @@ class Args:
     rounds: int = 3
     """interleaved rounds (medians are reported)"""
     # ppo
-    total_timesteps: int = 40_000
+    total_timesteps: int = 20_000
     """env steps per PPO run"""
     ppo_envs: int = 6
     """envs of each PPO run (split over 3 collectors with --backend ray)"""
@@ -110,7 +110,10 @@ def router_part(args: Args, cluster) -> tuple[str, object]:
 
     fn = functools.partial(make_replica, args.a_ms, args.replica_batch)
     nodes = cluster.node_indices
-    pool = [RayPolicy(fn, name=f"replica{i}", actor_options=cluster.pin(nodes[i % len(nodes)])) for i in range(max(args.replicas))]
+    pool = [
+        RayPolicy(fn, name=f"replica{i}", actor_options=cluster.pin(nodes[i % len(nodes)]))
+        for i in range(max(args.replicas))
+    ]
     # Warm every replica up (imports, first batch) before measuring.
     for replica in pool:
         replica.act(np.zeros((2, 4), np.float32), timeout=120)
@@ -125,7 +128,10 @@ def router_part(args: Args, cluster) -> tuple[str, object]:
             rates[(kind, n)].append(drive(router, args.num_envs, args.seconds))
             shares = [row.answered for row in router.endpoints()]
             router.close()
-            print(f"round {round_index}: router over {n}: {rates[(kind, n)][-1]:.0f}/s, answers per replica {shares}")
+            print(
+                f"round {round_index}: router over {n}: {rates[(kind, n)][-1]:.0f}/s, answers per replica {shares}",
+                flush=True,
+            )
     for replica in pool:
         replica.close()
     bound = 1000.0 * args.replica_batch / args.a_ms
@@ -134,7 +140,16 @@ def router_part(args: Args, cluster) -> tuple[str, object]:
     for kind, n in configs:
         median = float(np.median(rates[(kind, n)]))
         label = "one RayPolicy, no router" if kind == "direct" else f"RoutedPolicy over {n}"
-        rows.append([label, n, median, bound * n, median / (bound * n), median / (base * n) if kind == "router" else float("nan")])
+        rows.append(
+            [
+                label,
+                n,
+                median,
+                bound * n,
+                median / (bound * n),
+                median / (base * n) if kind == "router" else float("nan"),
+            ]
+        )
     table = markdown_table(
         ["configuration", "replicas", "answers/s (median)", "sleep bound/s", "of the bound", "of linear from 1"], rows
     )
@@ -158,24 +173,37 @@ def ppo_part(args: Args) -> tuple[str, object]:
     for seed in args.seeds:
         for backend in ("local", "ray"):
             ppo_args = PPOArgs(
-                env="CartPole-v1", backend=backend, num_envs=args.ppo_envs, ray_collectors=3,
-                total_timesteps=args.total_timesteps, seed=seed, progress=False,
+                env="CartPole-v1",
+                backend=backend,
+                num_envs=args.ppo_envs,
+                ray_collectors=3,
+                total_timesteps=args.total_timesteps,
+                seed=seed,
+                progress=False,
             )
             result = PPO(ppo_args).train()
             results[backend].append(result)
             print(
                 f"seed {seed} {backend}: {result.env_steps_per_s:.0f} env steps/s, return {result.final_return:.0f}, "
-                f"{result.wall_time_s:.0f} s, staleness {result.staleness_mean:.2f}"
+                f"{result.wall_time_s:.0f} s, staleness {result.staleness_mean:.2f}",
+                flush=True,
             )
     rows = []
     local_rate = float(np.median([r.env_steps_per_s for r in results["local"]]))
     for backend, label in (("local", "--backend local (worker processes)"), ("ray", "--backend ray (3 collectors)")):
         runs = results[backend]
         rate = float(np.median([r.env_steps_per_s for r in runs]))
-        rows.append([
-            label, len(runs), rate, rate / local_rate, float(np.median([r.final_return for r in runs])),
-            float(np.median([r.staleness_mean for r in runs])), float(np.median([r.wall_time_s for r in runs])),
-        ])
+        rows.append(
+            [
+                label,
+                len(runs),
+                rate,
+                rate / local_rate,
+                float(np.median([r.final_return for r in runs])),
+                float(np.median([r.staleness_mean for r in runs])),
+                float(np.median([r.wall_time_s for r in runs])),
+            ]
+        )
     table = markdown_table(
         ["backend", "runs", "env steps/s (median)", "vs local", "final return (median)", "mean staleness", "wall s"],
         rows,
@@ -188,7 +216,7 @@ def ppo_part(args: Args) -> tuple[str, object]:
     ax.set_xlabel("env steps")
     ax.set_ylabel("return (last 20 episodes)")
     handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
+    unique = dict(zip(labels, handles, strict=True))
     ax.legend(unique.values(), unique.keys())
     return table, fig
 

@@ -6,7 +6,6 @@ several nodes, back-pressure, the max-lag gate, a node that dies, PPO and SAC wi
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 
@@ -111,7 +110,7 @@ def test_collectors_on_three_nodes_stream_honestly_versioned_transitions(cluster
         wait_until(lambda: len(buffer) >= 300, 60, "first transitions")
         for version in (1, 2, 3):
             versions.publish(version_weights(version))
-            wait_until(lambda: buffer.version_range()[1] >= version, 60, f"transitions of version {version}")
+            wait_until(lambda v=version: buffer.version_range()[1] >= v, 60, f"transitions of version {version}")
         collector.check()
     metrics = collector.metrics()
     rows = buffer.gather(np.arange(len(buffer)), versions.current_version)
@@ -121,7 +120,7 @@ def test_collectors_on_three_nodes_stream_honestly_versioned_transitions(cluster
     assert metrics["env_steps"] == len(buffer) and metrics["episodes"] > 0
     assert all(metrics[f"collector{i}/env_steps"] > 0 for i in range(3))
     # episode ids are unique across collectors: an id never spans two envs
-    pairs = set(zip(rows.episode_id.tolist(), rows.env_id.tolist()))
+    pairs = set(zip(rows.episode_id.tolist(), rows.env_id.tolist(), strict=True))
     assert len({episode for episode, _ in pairs}) == len(pairs)
 
 
@@ -216,8 +215,17 @@ def test_ppo_with_the_ray_backend_learns_from_honestly_versioned_segments(cluste
     from agents.ppo import PPO, Args
 
     args = Args(
-        env="CartPole-v1", backend="ray", ray_collectors=3, num_envs=6, num_steps=16, total_timesteps=6 * 16 * 4,
-        update_epochs=2, max_staleness=4, policy_lag=1, progress=False, seed=3,
+        env="CartPole-v1",
+        backend="ray",
+        ray_collectors=3,
+        num_envs=6,
+        num_steps=16,
+        total_timesteps=6 * 16 * 4,
+        update_epochs=2,
+        max_staleness=4,
+        policy_lag=1,
+        progress=False,
+        seed=3,
     )
     ppo = PPO(args)
     infos = ppo.envs.describe()
@@ -243,8 +251,17 @@ def test_sac_with_the_ray_backend_trains_from_remote_replay(cluster):
     from agents.sac import SAC, Args
 
     args = Args(
-        env="Pendulum-v1", backend="ray", ray_collectors=1, num_envs=2, total_timesteps=500, learning_starts=100,
-        batch_size=32, hidden=32, publish_every=10, progress=False, seed=0,
+        env="Pendulum-v1",
+        backend="ray",
+        ray_collectors=1,
+        num_envs=2,
+        total_timesteps=500,
+        learning_starts=100,
+        batch_size=32,
+        hidden=32,
+        publish_every=10,
+        progress=False,
+        seed=0,
     )
     sac = SAC(args)
     result = sac.train()

@@ -102,7 +102,11 @@ def test_docstring_examples_run():
 
 def test_least_outstanding_requests_favours_the_fast_replica():
     events = [threading.Event() for _ in range(3)]
-    factories = [replica_factory(events[0], latency_ms=150), replica_factory(events[1], 2), replica_factory(events[2], 2)]
+    factories = [
+        replica_factory(events[0], latency_ms=150),
+        replica_factory(events[1], 2),
+        replica_factory(events[2], 2),
+    ]
     with RoutedPolicy(factories, names=["slow", "fast1", "fast2"]) as router:
         answers = closed_loop(router, seconds=1.5, threads=3)
         rows = {row.name: row for row in router.endpoints()}

@@ -87,7 +87,9 @@ class _CollectorActor:
             "started": self.collector is not None,
         }
 
-    def start(self, policy_fn: Callable[[], Policy], config: dict[str, Any], weights: Any, version: int, learner: int) -> str:
+    def start(
+        self, policy_fn: Callable[[], Policy], config: dict[str, Any], weights: Any, version: int, learner: int
+    ) -> str:
         """Start collecting with a new policy and sink (ending a previous run, if any)."""
         self.stop()
         if self.policy is not None:
@@ -218,10 +220,11 @@ class RayCollectors:
             raise ValueError("RayCollectors: the collectors need autoreset_mode NEXT_STEP or SAME_STEP, got DISABLED")
         self.num_envs = len(env_fns)
         bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(self.num_envs), num_collectors)])
-        self.slices: list[tuple[int, int]] = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.slices: list[tuple[int, int]] = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         per_actor = actor_options if isinstance(actor_options, Sequence) else [actor_options or {}] * num_collectors
         self.actor_options = [
-            {"num_cpus": 1, "scheduling_strategy": "SPREAD", "max_restarts": -1, **dict(options)} for options in per_actor
+            {"num_cpus": 1, "scheduling_strategy": "SPREAD", "max_restarts": -1, **dict(options)}
+            for options in per_actor
         ]
         self.start_timeout_s = float(start_timeout_s)
         self._started_ray = connect(address)
@@ -231,7 +234,7 @@ class RayCollectors:
         self.lost: set[int] = set()
         try:
             remote = ray.remote(_CollectorActor)
-            for (start, stop), options in zip(self.slices, self.actor_options):
+            for (start, stop), options in zip(self.slices, self.actor_options, strict=True):
                 size = stop - start
                 local = {
                     "batch_size": max(1, size // 2) if batch_size is None else min(int(batch_size), size),
@@ -247,7 +250,10 @@ class RayCollectors:
         self.single_observation_space = infos[0]["observation_space"]
         self.single_action_space = infos[0]["action_space"]
         for index, info in enumerate(infos):
-            if info["observation_space"] != self.single_observation_space or info["action_space"] != self.single_action_space:
+            if (
+                info["observation_space"] != self.single_observation_space
+                or info["action_space"] != self.single_action_space
+            ):
                 self.close()
                 raise ValueError(
                     f"RayCollectors: collector {index} has spaces {info['observation_space']}, {info['action_space']}; "
@@ -414,7 +420,9 @@ class DistributedCollector:
     def check(self) -> None:
         """Raise `CollectorError` if pulling stopped on an error (a collector failed for good)."""
         if self._error is not None:
-            raise CollectorError(f"distributed collection stopped: {type(self._error).__name__}: {self._error}") from self._error
+            raise CollectorError(
+                f"distributed collection stopped: {type(self._error).__name__}: {self._error}"
+            ) from self._error
 
     @property
     def running(self) -> bool:
@@ -502,7 +510,8 @@ class DistributedCollector:
         return {
             "seed": seed,
             "max_lag": None if vm is None else vm.max_lag,
-            "max_buffered_steps": self.max_buffered_steps or (4 if isinstance(self.sink, RolloutStore) else 64) * (stop - start),
+            "max_buffered_steps": self.max_buffered_steps
+            or (4 if isinstance(self.sink, RolloutStore) else 64) * (stop - start),
         }
 
     def _start_actor(self, index: int) -> None:
@@ -577,9 +586,17 @@ class DistributedCollector:
                     self._queues[env].append((batch, row))
             elif isinstance(self.sink, ReplayBuffer):
                 self.sink.add(
-                    batch.obs, batch.action, batch.reward, batch.next_obs, batch.terminated, batch.truncated,
-                    batch.policy_version, behavior_logp=batch.behavior_logp, env_id=batch.env_ids,
-                    episode_id=batch.episode_id, fallback=batch.fallback,
+                    batch.obs,
+                    batch.action,
+                    batch.reward,
+                    batch.next_obs,
+                    batch.terminated,
+                    batch.truncated,
+                    batch.policy_version,
+                    behavior_logp=batch.behavior_logp,
+                    env_id=batch.env_ids,
+                    episode_id=batch.episode_id,
+                    fallback=batch.fallback,
                 )
                 self._count(index, len(batch.env_ids))
             else:
@@ -631,9 +648,15 @@ class DistributedCollector:
         for batch, picked in groups.values():
             index = np.asarray(picked)
             self.sink.add(
-                batch.env_ids[index], _take(batch.obs, index), _take(batch.action, index), batch.reward[index],
-                batch.terminated[index], batch.truncated[index], batch.behavior_logp[index],
-                batch.policy_version[index], next_obs=_take(batch.next_obs, index),
+                batch.env_ids[index],
+                _take(batch.obs, index),
+                _take(batch.action, index),
+                batch.reward[index],
+                batch.terminated[index],
+                batch.truncated[index],
+                batch.behavior_logp[index],
+                batch.policy_version[index],
+                next_obs=_take(batch.next_obs, index),
             )
 
     def _count(self, index: int, steps: int) -> None:
@@ -682,7 +705,8 @@ class DistributedCollector:
             if time.monotonic() > deadline:
                 raise CollectorError(
                     f"collector {index} (envs {self.collectors.slices[index]}) did not come back within "
-                    f"{self.restart_timeout_s} s after {error!r}; the cluster may lack free {required_resources(options)}"
+                    f"{self.restart_timeout_s} s after {error!r}; the cluster may lack free "
+                    f"{required_resources(options)}"
                 )
         if info["incarnation"] == self._incarnation[index]:
             return  # it was unreachable for a moment, not rebuilt

@@ -88,7 +88,9 @@ class RayPolicy:
         import ray
 
         if not callable(policy_fn):
-            raise TypeError(f"RayPolicy: policy_fn must be a function building a policy, got {type(policy_fn).__name__}")
+            raise TypeError(
+                f"RayPolicy: policy_fn must be a function building a policy, got {type(policy_fn).__name__}"
+            )
         if not ray.is_initialized():
             raise RuntimeError("RayPolicy needs Ray: call asyncvec.distributed.connect() or ray.init() first")
         self.name = name or "RayPolicy"
@@ -168,7 +170,9 @@ class RayPolicy:
         except ray.exceptions.RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            raise BackendError(f"{self.name}: load_weights(version={version}) failed: {type(exc).__name__}: {exc}") from exc
+            raise BackendError(
+                f"{self.name}: load_weights(version={version}) failed: {type(exc).__name__}: {exc}"
+            ) from exc
         with self._lock:
             self._version = int(loaded)
 

@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 Replica = Policy | Callable[[], Policy]
 
 
-def act_via_submit(policy: Any, obs_batch: Any, env_ids: Sequence[int] | None, timeout: float | None) -> list[PolicyOutput]:
+def act_via_submit(
+    policy: Any, obs_batch: Any, env_ids: Sequence[int] | None, timeout: float | None
+) -> list[PolicyOutput]:
     """`Policy.act` for a policy that only knows ``submit``: submit each row, wait for all.
 
     Example:
@@ -147,8 +149,9 @@ class RoutedPolicy:
     replica that fails to load them is ejected, and a replica is readmitted only after it has
     the latest weights. Answers are passed on unchanged: each carries the version its replica
     computed it with. A replica that answers with an older version than it had loaded (it
-    restarted with its initial weights) is ejected too, and caught up when probed. ``policy_version`` is the oldest version among the healthy replicas,
-    which is what the max-lag gate must assume.
+    restarted with its initial weights) is ejected too, and caught up when probed.
+    ``policy_version`` is the oldest version among the healthy replicas, which is what the
+    max-lag gate must assume.
 
     Example:
         >>> import gymnasium as gym, torch
@@ -212,7 +215,8 @@ class RoutedPolicy:
                 policy = replica if factory is None else factory()
                 if not _is_policy(policy):
                     raise TypeError(
-                        f"RoutedPolicy: replicas[{index}] built a {type(policy).__name__}, which has no submit/load_weights"
+                        f"RoutedPolicy: replicas[{index}] built a {type(policy).__name__}, "
+                        "which has no submit/load_weights"
                     )
                 name = names[index] if names is not None else getattr(policy, "base_url", None) or f"replica{index}"
                 self._endpoints.append(_Endpoint(str(name), policy, factory))
@@ -222,7 +226,9 @@ class RoutedPolicy:
         self._wake = threading.Condition(self._lock)
         self._prober = threading.Thread(target=self._probe_loop, name="asyncvec-router-probe", daemon=True)
         self._prober.start()
-        self._publisher = ThreadPoolExecutor(max_workers=len(self._endpoints), thread_name_prefix="asyncvec-router-publish")
+        self._publisher = ThreadPoolExecutor(
+            max_workers=len(self._endpoints), thread_name_prefix="asyncvec-router-publish"
+        )
 
     @classmethod
     def from_urls(
@@ -311,7 +317,9 @@ class RoutedPolicy:
             wait_futures(list(jobs.values()), timeout=self.publish_timeout_s)
             loaded, refused, failed = [], [], []
             for endpoint, job in jobs.items():
-                exc = job.exception(timeout=0) if job.done() else TimeoutError(f"no answer in {self.publish_timeout_s} s")
+                exc = (
+                    job.exception(timeout=0) if job.done() else TimeoutError(f"no answer in {self.publish_timeout_s} s")
+                )
                 if exc is None:
                     loaded.append(endpoint)
                 elif isinstance(exc, (ValueError, TypeError)):
@@ -340,8 +348,13 @@ class RoutedPolicy:
                 p50, p99 = np.percentile(latencies, [50, 99]) * 1000.0 if latencies.size else (float("nan"),) * 2
                 rows.append(
                     EndpointStats(
-                        name=e.name, healthy=e.healthy, outstanding=e.outstanding, **e.counts,
-                        policy_version=e.version, latency_p50_ms=float(p50), latency_p99_ms=float(p99),
+                        name=e.name,
+                        healthy=e.healthy,
+                        outstanding=e.outstanding,
+                        **e.counts,
+                        policy_version=e.version,
+                        latency_p50_ms=float(p50),
+                        latency_p99_ms=float(p99),
                         last_error=e.last_error,
                     )
                 )
@@ -426,7 +439,9 @@ class RoutedPolicy:
             states = "; ".join(f"{e.name}: {'healthy' if e.healthy else 'ejected'}" for e in self._endpoints)
         tried = "; ".join(request.errors) if request.errors else "none tried"
         request.future.set_exception(
-            BackendError(f"RoutedPolicy: no healthy replica left for env_id={request.env_id} (errors: {tried}; {states})")
+            BackendError(
+                f"RoutedPolicy: no healthy replica left for env_id={request.env_id} (errors: {tried}; {states})"
+            )
         )
 
     def _settle(self, endpoint: _Endpoint) -> None:
