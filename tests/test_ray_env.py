@@ -18,16 +18,15 @@ from functools import partial
 import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from asyncvec import AsyncLLMVectorEnv, check_vector_env
 from asyncvec.distributed.cluster import local_cluster
 from asyncvec.distributed.ray_env import RayBackend
 from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
-from test_vector_env import MODES, run_both
+from test_vector_env import run_both
 from toy_envs import CounterEnv, FaultyEnv, SleepyEnv
 
-ray = pytest.importorskip("ray")
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 

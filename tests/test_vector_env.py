@@ -67,10 +67,16 @@ def test_equivalent_without_shared_memory(kind):
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "pipes"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["box", "discrete", "dict"])
 def test_equivalent_with_several_envs_per_worker(kind, mode, shared_memory, no_leftover_children):
     """5 envs in workers of 2 (the last hosts 1): same results as SyncVectorEnv, and the contract holds."""
     assert run_both(kind, mode, shared_memory, num_envs=5, envs_per_worker=2, batch_size=3, check=kind == "dict")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_text_equivalent_with_several_envs_per_worker(mode):
+    """Text observations always travel through pipes, also from a worker hosting several envs."""
+    assert run_both("text", mode, num_envs=5, envs_per_worker=2, batch_size=3)
 
 
 def test_equivalent_on_cartpole_with_spawn():
