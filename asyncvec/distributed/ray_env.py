@@ -133,9 +133,7 @@ class RayTransport(Transport):
         global _local_ray_users
         import ray
 
-        # "local", not None: a bare ray.init() would join whatever cluster last ran `ray start` here.
-        address = backend.address or os.environ.get("RAY_ADDRESS") or "local"
-        self._owns_ray = connect(address) or _local_ray_users > 0
+        self._owns_ray = connect(backend.address) or _local_ray_users > 0
         if self._owns_ray:
             _local_ray_users += 1
         self._actors: list[Any] = []
