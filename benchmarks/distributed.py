@@ -66,6 +66,8 @@ class Args:
     """envs of each PPO run (split over 3 collectors with --backend ray)"""
     seeds: tuple[int, ...] = (1, 2)
     """PPO seeds; each seed runs both backends back to back"""
+    env_latencies: tuple[float, ...] = (0.0, 20.0)
+    """env step latencies (ms, a sleeping SlowEnv): 0 is raw CartPole (CPU-bound), 20 a slow simulator"""
 
 
 def make_replica(a_ms: float, max_batch_size: int):
@@ -169,66 +171,96 @@ def ppo_part(args: Args) -> tuple[str, object]:
     from agents.ppo import PPO
     from agents.ppo import Args as PPOArgs
 
-    results: dict[str, list] = {"local": [], "ray": []}
-    for seed in args.seeds:
-        for backend in ("local", "ray"):
-            ppo_args = PPOArgs(
-                env="CartPole-v1",
-                backend=backend,
-                num_envs=args.ppo_envs,
-                ray_collectors=3,
-                total_timesteps=args.total_timesteps,
-                seed=seed,
-                progress=False,
-            )
-            result = PPO(ppo_args).train()
-            results[backend].append(result)
-            print(
-                f"seed {seed} {backend}: {result.env_steps_per_s:.0f} env steps/s, return {result.final_return:.0f}, "
-                f"{result.wall_time_s:.0f} s, staleness {result.staleness_mean:.2f}",
-                flush=True,
-            )
+    results: dict[tuple[float, str], list] = {}
+    for latency in args.env_latencies:
+        for seed in args.seeds:
+            for backend in ("local", "ray"):
+                ppo_args = PPOArgs(
+                    env="CartPole-v1",
+                    backend=backend,
+                    num_envs=args.ppo_envs,
+                    ray_collectors=3,
+                    env_latency_ms=latency,
+                    total_timesteps=args.total_timesteps,
+                    seed=seed,
+                    progress=False,
+                )
+                result = PPO(ppo_args).train()
+                results.setdefault((latency, backend), []).append(result)
+                print(
+                    f"env latency {latency:.0f} ms, seed {seed}, {backend}: {result.env_steps_per_s:.0f} env steps/s, "
+                    f"return {result.final_return:.0f}, {result.wall_time_s:.0f} s, "
+                    f"staleness {result.staleness_mean:.2f}",
+                    flush=True,
+                )
     rows = []
-    local_rate = float(np.median([r.env_steps_per_s for r in results["local"]]))
-    for backend, label in (("local", "--backend local (worker processes)"), ("ray", "--backend ray (3 collectors)")):
-        runs = results[backend]
-        rate = float(np.median([r.env_steps_per_s for r in runs]))
-        rows.append(
-            [
-                label,
-                len(runs),
-                rate,
-                rate / local_rate,
-                float(np.median([r.final_return for r in runs])),
-                float(np.median([r.staleness_mean for r in runs])),
-                float(np.median([r.wall_time_s for r in runs])),
-            ]
-        )
+    for latency in args.env_latencies:
+        local_rate = float(np.median([r.env_steps_per_s for r in results[(latency, "local")]]))
+        for backend, label in (
+            ("local", "--backend local (worker processes)"),
+            ("ray", "--backend ray (3 collectors)"),
+        ):
+            runs = results[(latency, backend)]
+            rate = float(np.median([r.env_steps_per_s for r in runs]))
+            rows.append(
+                [
+                    f"{latency:.0f} ms",
+                    label,
+                    len(runs),
+                    rate,
+                    rate / local_rate,
+                    float(np.median([r.final_return for r in runs])),
+                    float(np.median([r.staleness_mean for r in runs])),
+                    float(np.median([r.wall_time_s for r in runs])),
+                ]
+            )
     table = markdown_table(
-        ["backend", "runs", "env steps/s (median)", "vs local", "final return (median)", "mean staleness", "wall s"],
+        [
+            "env step latency",
+            "backend",
+            "runs",
+            "env steps/s (median)",
+            "vs local",
+            "final return (median)",
+            "mean staleness",
+            "wall s",
+        ],
         rows,
     )
-    fig, ax = new_figure()
-    for backend, style in (("local", "-"), ("ray", "--")):
-        for run in results[backend]:
-            steps = [row["global_step"] for row in run.history]
-            ax.plot(steps, [row["charts/episodic_return"] for row in run.history], style, label=f"{backend}")
-    ax.set_xlabel("env steps")
-    ax.set_ylabel("return (last 20 episodes)")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles, strict=True))
-    ax.legend(unique.values(), unique.keys())
+    fig, axes = new_figure(ncols=len(args.env_latencies))
+    for ax, latency in zip(np.atleast_1d(axes), args.env_latencies, strict=True):
+        for backend, style in (("local", "-"), ("ray", "--")):
+            for run in results[(latency, backend)]:
+                steps = [row["global_step"] for row in run.history]
+                ax.plot(steps, [row["charts/episodic_return"] for row in run.history], style, label=backend)
+        ax.set_title(f"CartPole, env step latency {latency:.0f} ms")
+        ax.set_xlabel("env steps")
+        ax.set_ylabel("return (last 20 episodes)")
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=True))
+        ax.legend(unique.values(), unique.keys())
     return table, fig
 
 
-def main(args: Args) -> None:
-    from asyncvec.distributed.cluster import local_cluster
+def start_cluster(num_nodes: int, attempts: int = 3):
+    """A `LocalCluster`; a raylet that cannot register within Ray's 30 s on a busy machine is retried."""
+    from asyncvec.distributed.cluster import LocalCluster
 
+    for attempt in range(attempts):
+        try:
+            return LocalCluster(num_nodes)
+        except Exception as exc:  # Ray raises a bare Exception for a raylet start-up timeout
+            if attempt == attempts - 1 or "timed out during startup" not in str(exc):
+                raise
+            print(f"cluster start failed ({exc}); retrying", flush=True)
+
+
+def main(args: Args) -> None:
     if args.quick:
         args.seconds, args.rounds, args.replicas, args.total_timesteps, args.seeds = 1.0, 1, (1, 2), 2_000, (1,)
     print(machine_line())
     command = "python benchmarks/distributed.py" + (f" --part {args.part}" if args.part != "all" else "")
-    with local_cluster(num_nodes=4 if args.part != "ppo" else 3) as cluster:
+    with start_cluster(4 if args.part != "ppo" else 3) as cluster:
         if args.part in ("all", "router"):
             table, fig = router_part(args, cluster)
             print(table)
@@ -245,7 +277,8 @@ def main(args: Args) -> None:
             table, fig = ppo_part(args)
             print(table)
             notes = (
-                f"PPO on CartPole-v1, {args.ppo_envs} envs, {args.total_timesteps} env steps, default PPO settings, "
+                f"PPO on CartPole-v1 (env step latencies {list(args.env_latencies)} ms), {args.ppo_envs} envs, "
+                f"{args.total_timesteps} env steps, default PPO settings, "
                 f"seeds {list(args.seeds)}; --backend ray runs 3 collector actors on a 3-raylet local cluster. "
                 "All raylets share one host: the figures are relative."
             )

@@ -20,7 +20,7 @@ from asyncvec.distributed import DistributedCollector, RayCollectors, RayPolicy,
 from asyncvec.distributed.cluster import local_cluster
 from asyncvec.inference import TorchPolicy
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (in the test extra: these tests never skip)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,6 +22,7 @@ learner process through Ray, where they are committed to the learner's `RolloutS
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -53,8 +54,6 @@ class _CollectorActor:
     """Runs in a Ray actor: envs in worker processes, a policy, a `Collector`, a bounded outbox."""
 
     def __init__(self, env_fns: Sequence[Callable[[], Any]], env_options: Mapping[str, Any]) -> None:
-        import os
-
         import ray
 
         from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
@@ -120,7 +119,7 @@ class _CollectorActor:
                     self.versions.publish(None)  # no backends here: only the counter moves
 
     def _put(self, batch: Transitions) -> None:
-        """The collector's sink (replay mode): blocks while the outbox is full."""
+        """The collector's sink: blocks while the outbox is full (back-pressure)."""
         with self._cond:
             while self._outbox_steps >= self._max_outbox_steps and not self._stopping:
                 self._cond.wait(0.1)
@@ -176,8 +175,8 @@ class RayCollectors:
     Args:
         env_fns: one function per env (they travel with cloudpickle).
         num_collectors: collector actors; the envs are split among them as evenly as possible.
-        address: the cluster to join (default ``$RAY_ADDRESS``, else the Ray already running
-            in this process, else a local Ray that `close` shuts down).
+        address: the cluster to join when this process is not connected to Ray yet (default
+            ``$RAY_ADDRESS``, else a new local Ray that `close` shuts down).
         actor_options: Ray ``.options(...)`` of every collector actor (default ``num_cpus=1``,
             ``scheduling_strategy="SPREAD"``), or one dict per collector (e.g. to pin them to
             nodes with custom resources). ``max_restarts`` defaults to ``-1``: Ray rebuilds a
