@@ -233,17 +233,30 @@ def test_local_ray_started_by_the_env_is_shut_down_by_close():
         started = descendants(os.getpid())
         assert set(envs.worker_pids) <= started, (envs.worker_pids, started)
         envs.close()
-        deadline = time.monotonic() + 20
+        # Ray's processes exit on their own once their raylet is gone; a worker that was still
+        # starting (importing ray) on a loaded machine may take a while to notice.
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(os.path.exists(f"/proc/{{p}}") for p in started):
             time.sleep(0.2)
-        left = [p for p in started if os.path.exists(f"/proc/{{p}}")]
+        left = []
+        for p in started:
+            try:
+                with open(f"/proc/{{p}}/cmdline", "rb") as f:
+                    left.append((p, f.read().replace(bytes(1), b" ").decode(errors="replace")[:120]))
+            except OSError:
+                pass
         print("STARTED", len(started), "LEFT", left, flush=True)
         """
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = TESTS_DIR
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400, env=env)
+        # Ray gives its raylet a fixed 30 s to register; a heavily loaded machine can miss that.
+        # That is Ray's start-up failing, not what this test checks: start again (a new driver).
+        if "The current node timed out during startup" not in out.stderr:
+            break
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     line = [x for x in out.stdout.splitlines() if x.startswith("STARTED")][-1]
     assert line.endswith("LEFT []"), line
     assert int(line.split()[1]) >= 3, "a local Ray has a GCS, a raylet and the actors"
