@@ -83,8 +83,9 @@ def make_replica(a_ms: float, max_batch_size: int):
     return LatencyModel(inner, a_ms=a_ms, b_ms=0.0, max_batch_size=max_batch_size, max_wait_ms=1.0)
 
 
-def drive(policy, num_envs: int, seconds: float) -> float:
-    """Answers per second of ``num_envs`` threads that submit, wait and submit again."""
+def drive(policy, num_envs: int, seconds: float) -> tuple[float, float]:
+    """Answers per second of ``num_envs`` threads that submit, wait and submit again, and the
+    CPU milliseconds this (the requesting) process spent per answer."""
     stop = threading.Event()
     counts = [0] * num_envs
 
@@ -98,13 +99,14 @@ def drive(policy, num_envs: int, seconds: float) -> float:
     for thread in threads:
         thread.start()
     time.sleep(min(1.0, seconds / 4))  # warm-up
-    start, first = time.monotonic(), sum(counts)
+    start, first, cpu = time.monotonic(), sum(counts), time.process_time()
     time.sleep(seconds)
-    rate = (sum(counts) - first) / (time.monotonic() - start)
+    answers = sum(counts) - first
+    rate, cpu_ms = answers / (time.monotonic() - start), 1000.0 * (time.process_time() - cpu) / max(answers, 1)
     stop.set()
     for thread in threads:
         thread.join(60)
-    return rate
+    return rate, cpu_ms
 
 
 def router_part(args: Args, cluster) -> tuple[str, object]:
@@ -121,13 +123,16 @@ def router_part(args: Args, cluster) -> tuple[str, object]:
         replica.act(np.zeros((2, 4), np.float32), timeout=120)
     configs = [("direct", 1)] + [("router", n) for n in args.replicas]
     rates: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
+    cpu: dict[tuple[str, int], list[float]] = {c: [] for c in configs}
     for round_index in range(args.rounds):
         for kind, n in configs:
+            policy = pool[0] if kind == "direct" else RoutedPolicy(pool[:n], close_replicas=False)
+            rate, cpu_ms = drive(policy, args.num_envs, args.seconds)
+            rates[(kind, n)].append(rate)
+            cpu[(kind, n)].append(cpu_ms)
             if kind == "direct":
-                rates[(kind, n)].append(drive(pool[0], args.num_envs, args.seconds))
                 continue
-            router = RoutedPolicy(pool[:n], close_replicas=False)
-            rates[(kind, n)].append(drive(router, args.num_envs, args.seconds))
+            router = policy
             shares = [row.answered for row in router.endpoints()]
             router.close()
             print(
@@ -150,11 +155,11 @@ def router_part(args: Args, cluster) -> tuple[str, object]:
                 bound * n,
                 median / (bound * n),
                 median / (base * n) if kind == "router" else float("nan"),
+                float(np.median(cpu[(kind, n)])),
             ]
         )
-    table = markdown_table(
-        ["configuration", "replicas", "answers/s (median)", "sleep bound/s", "of the bound", "of linear from 1"], rows
-    )
+    headers = ["configuration", "replicas", "answers/s (median)", "sleep bound/s", "of the bound", "of linear from 1"]
+    table = markdown_table([*headers, "requester CPU ms/answer"], rows)
     fig, ax = new_figure()
     counts = [n for kind, n in configs if kind == "router"]
     ax.plot(counts, [np.median(rates[("router", n)]) for n in counts], "o-", label="RoutedPolicy")
@@ -228,7 +233,7 @@ def ppo_part(args: Args) -> tuple[str, object]:
         rows,
     )
     fig, axes = new_figure(ncols=len(args.env_latencies))
-    for ax, latency in zip(np.atleast_1d(axes), args.env_latencies, strict=True):
+    for ax, latency in zip(np.ravel(axes), args.env_latencies, strict=True):
         for backend, style in (("local", "-"), ("ray", "--")):
             for run in results[(latency, backend)]:
                 steps = [row["global_step"] for row in run.history]

@@ -37,6 +37,7 @@ from asyncvec.buffers import ReplayBuffer, RolloutStore
 from asyncvec.collector import Collector, CollectorError, Transitions
 from asyncvec.distributed.runtime import connect, feasible_nodes, required_resources
 from asyncvec.inference.types import Policy
+from asyncvec.metrics import EpisodeStats
 from asyncvec.versioning import VersionManager
 
 __all__ = ["DistributedCollector", "RayCollectors"]
@@ -72,6 +73,7 @@ class _CollectorActor:
         self._cond = threading.Condition()
         self._weights_lock = threading.Lock()
         self._stopping = False
+        self._episodes = EpisodeStats(self.env.num_envs, window=10_000)  # of the transitions in the outbox
         self._episodes_reported = 0
 
     def describe(self) -> dict[str, Any]:
@@ -96,13 +98,12 @@ class _CollectorActor:
         with self._cond:
             self._stopping = False
             self._outbox, self._outbox_steps, self._episodes_reported = [], 0, 0
+            self._episodes = EpisodeStats(self.env.num_envs, window=10_000)
         self.policy = policy_fn()
         self.versions = VersionManager(max_lag=config["max_lag"]) if config["max_lag"] is not None else None
         self.sync(weights, version, learner)
         self._max_outbox_steps = config["max_buffered_steps"]
-        self.collector = Collector(
-            self.env, self.policy, self._put, version_manager=self.versions, seed=config["seed"], episode_window=1000
-        )
+        self.collector = Collector(self.env, self.policy, self._put, version_manager=self.versions, seed=config["seed"])
         self.collector.start()
         return self.incarnation
 
@@ -125,6 +126,7 @@ class _CollectorActor:
                 self._cond.wait(0.1)
             self._outbox.append(batch)
             self._outbox_steps += len(batch.env_ids)
+            self._episodes.update(batch.env_ids, batch.reward, batch.terminated | batch.truncated)
             self._cond.notify_all()
 
     def take(self, timeout: float) -> dict[str, Any]:
@@ -135,13 +137,11 @@ class _CollectorActor:
         with self._cond:
             self._cond.wait_for(lambda: self._outbox or self._stopping, timeout)
             chunk, self._outbox, self._outbox_steps = self._outbox, [], 0
+            new, self._episodes_reported = self._episodes.episodes - self._episodes_reported, self._episodes.episodes
+            returns = self._episodes.returns(new) if new else []
             self._cond.notify_all()
         if not self._stopping:
             self.collector.check()  # an env or policy failure ends the run with its error
-        episodes = self.collector.metrics()["episodes"]
-        new = episodes - self._episodes_reported
-        self._episodes_reported = episodes
-        returns = self.collector.recent_returns()[-new:] if new else []
         return {"incarnation": self.incarnation, "started": True, "chunk": chunk, "returns": returns}
 
     def metrics(self) -> dict[str, Any]:
