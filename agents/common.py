@@ -9,7 +9,7 @@ import functools
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
@@ -20,6 +20,10 @@ import envs as _example_envs  # noqa: F401  (registers the asyncvec/ ids)
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
 from envs.slow import SlowEnv
+
+if TYPE_CHECKING:
+    from asyncvec import VersionManager
+    from asyncvec.distributed import DistributedCollector, RayCollectors
 
 
 def check_env_id(env_id: str) -> None:
@@ -156,7 +160,7 @@ def make_ray_collectors(
     *,
     address: str | None = None,
     num_collectors: int = 2,
-) -> Any:
+) -> RayCollectors:
     """``--backend ray``: collector actors on a Ray cluster hosting the envs (SAME_STEP autoreset)."""
     from asyncvec.distributed import RayCollectors
 
@@ -168,16 +172,16 @@ def make_ray_collectors(
 
 
 def make_ray_collector(
-    envs: Any,
+    envs: RayCollectors,
     actor: torch.nn.Module,
     sink: Any,
-    versions: Any,
+    versions: VersionManager,
     *,
     policy_latency_ms: float = 0.0,
     policy_lag: int = 0,
     seed: int | None = None,
     pace: Callable[[int], None] | None = None,
-) -> Any:
+) -> DistributedCollector:
     """A DistributedCollector whose actors each act with a copy of ``actor`` (as `make_policy`
     builds it), registered with ``versions`` so that every publication reaches them."""
     from asyncvec.distributed import DistributedCollector
