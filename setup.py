@@ -35,7 +35,7 @@ setup(
         "mujoco": ["mujoco>=2.3.3", "imageio>=2.14.1"],
         "test": HF
         + SERVE
-        + ["stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
+        + ["ray>=2.9", "stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["asyncvec=asyncvec.cli:main"]},
 )

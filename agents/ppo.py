@@ -50,6 +50,8 @@ from agents.common import (
     layer_init,
     load_checkpoint,
     make_policy,
+    make_ray_collector,
+    make_ray_collectors,
     make_vector_env,
     save_checkpoint,
     seed_everything,
@@ -84,6 +86,12 @@ class Args:
     """number of parallel envs (worker processes)"""
     mode: Literal["sync", "async"] = "async"
     """sync: act then learn, in lockstep; async: a collector thread acts while the learner trains"""
+    backend: Literal["local", "ray"] = "local"
+    """local: env worker processes here; ray: collector actors (envs + a copy of the policy each) on a Ray cluster"""
+    ray_address: str | None = None
+    """Ray cluster for --backend ray (default: $RAY_ADDRESS, else a local Ray started for the run)"""
+    ray_collectors: int = 2
+    """collector actors for --backend ray; the envs are split among them"""
     max_staleness: int = 4
     """samples more than this many versions older than the learner are masked out"""
     adaptive_staleness: bool = False
@@ -151,6 +159,8 @@ class Args:
         for name, value in PRESETS.get(self.env, PRESETS["default"]).items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.backend == "ray" and self.mode != "async":
+            raise ValueError("--backend ray runs remote collectors: it needs --mode async")
         for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -229,8 +239,13 @@ class PPO:
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
-        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4),
-                                    distribution=args.env_latency_dist, normalize_obs=args.normalize_obs)
+        if args.backend == "ray":
+            self.envs = make_ray_collectors(args.env, args.num_envs, args.env_latency_ms, args.env_latency_dist,
+                                            address=args.ray_address, num_collectors=args.ray_collectors,
+                                            normalize_obs=args.normalize_obs)
+        else:
+            self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4),
+                                        distribution=args.env_latency_dist, normalize_obs=args.normalize_obs)
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             self.envs.close()
@@ -436,7 +451,9 @@ class PPO:
         collector = None
         episodes = EpisodeStats(args.num_envs)
         try:
-            if args.mode == "async":
+            if args.mode == "async" and args.backend == "ray":
+                collector = make_ray_collector(self.envs, self.actor, self.store, self.versions, policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed).start()
+            elif args.mode == "async":
                 collector = Collector(self.envs, self.policy, self.store, version_manager=self.versions, seed=args.seed).start()
             else:
                 obs, _ = self.envs.reset(seed=args.seed)

@@ -46,7 +46,8 @@ import torch.nn.functional as F
 import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
-from agents.common import LaggedWeights, final_observations, load_checkpoint, make_policy, make_vector_env, save_checkpoint, seed_everything
+from agents.common import (LaggedWeights, final_observations, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
+                           make_vector_env, save_checkpoint, seed_everything)
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec.collector import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger
@@ -62,6 +63,12 @@ class Args:
     """number of parallel envs (worker processes)"""
     mode: Literal["sync", "async"] = "async"
     """sync: act, store, learn, in turn; async: a collector thread acts while the learner trains"""
+    backend: Literal["local", "ray"] = "local"
+    """local: env worker processes here; ray: collector actors (envs + a copy of the policy each) on a Ray cluster"""
+    ray_address: str | None = None
+    """Ray cluster for --backend ray (default: $RAY_ADDRESS, else a local Ray started for the run)"""
+    ray_collectors: int = 2
+    """collector actors for --backend ray; the envs are split among them"""
     max_staleness: int | None = None
     """drop samples more than this many versions older than the learner (None: keep all); a version is
     --publish-every gradient steps, by default one step of every env"""
@@ -131,6 +138,8 @@ class Args:
     def __post_init__(self) -> None:
         if self.publish_every is None:
             self.publish_every = max(1, round(self.num_envs * self.utd))
+        if self.backend == "ray" and self.mode != "async":
+            raise ValueError("--backend ray runs remote collectors: it needs --mode async")
         for name in ("num_envs", "total_timesteps", "batch_size", "n_step", "publish_every", "buffer_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -240,7 +249,10 @@ class SAC:
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
-        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 2), distribution=args.env_latency_dist)
+        if args.backend == "ray":
+            self.envs = make_ray_collectors(args.env, args.num_envs, args.env_latency_ms, args.env_latency_dist, address=args.ray_address, num_collectors=args.ray_collectors)
+        else:
+            self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 2), distribution=args.env_latency_dist)
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(self.action_space, gym.spaces.Box):
             self.envs.close()
@@ -471,7 +483,9 @@ class SAC:
         next_log = next_checkpoint = self.global_step
         stats: dict[str, float] = {}
         try:
-            if args.mode == "async":
+            if args.mode == "async" and args.backend == "ray":
+                collector = make_ray_collector(self.envs, self.actor, self.store, self.versions, policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed, pace=self._pace).start()
+            elif args.mode == "async":
                 collector = Collector(self.envs, self.policy, self.store, seed=args.seed, pace=self._pace).start()
             else:
                 obs, _ = self.envs.reset(seed=args.seed)
