@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import copy
 import difflib
+import functools
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 import numpy as np
@@ -18,6 +20,10 @@ import envs as _example_envs  # noqa: F401  (registers the asyncvec/ ids)
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
 from envs.slow import SlowEnv
+
+if TYPE_CHECKING:
+    from asyncvec import VersionManager
+    from asyncvec.distributed import DistributedCollector, RayCollectors
 
 
 def check_env_id(env_id: str) -> None:
@@ -30,12 +36,19 @@ def check_env_id(env_id: str) -> None:
 
 
 def make_env_fn(
-    env_id: str, env_latency_ms: float = 0.0, distribution: str = "fixed", seed: int | None = None
+    env_id: str,
+    env_latency_ms: float = 0.0,
+    distribution: str = "fixed",
+    seed: int | None = None,
+    normalize_obs: bool = False,
 ) -> Callable[[], gym.Env]:
-    """A picklable function building ``env_id``, slowed by a sleeping SlowEnv when asked."""
+    """A picklable function building ``env_id``, slowed by a sleeping SlowEnv when asked, its
+    observations normalized by running statistics (gymnasium's NormalizeObservation) when asked."""
 
     def make() -> gym.Env:
         env = gym.make(env_id)
+        if normalize_obs:
+            env = gym.wrappers.NormalizeObservation(env)
         if env_latency_ms > 0:
             env = SlowEnv(env, latency_ms=env_latency_ms, distribution=distribution, seed=seed)
         return env
@@ -44,12 +57,17 @@ def make_env_fn(
 
 
 def make_vector_env(
-    env_id: str, num_envs: int, env_latency_ms: float = 0.0, batch_size: int | None = None, distribution: str = "fixed"
+    env_id: str,
+    num_envs: int,
+    env_latency_ms: float = 0.0,
+    batch_size: int | None = None,
+    distribution: str = "fixed",
+    normalize_obs: bool = False,
 ) -> AsyncLLMVectorEnv:
     """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes."""
     check_env_id(env_id)
     return AsyncLLMVectorEnv(
-        [make_env_fn(env_id, env_latency_ms, distribution, seed=i) for i in range(num_envs)],
+        [make_env_fn(env_id, env_latency_ms, distribution, i, normalize_obs) for i in range(num_envs)],
         batch_size=batch_size,
         autoreset_mode=AutoresetMode.SAME_STEP,
     )
@@ -144,3 +162,49 @@ def layer_init(layer: torch.nn.Linear, std: float = np.sqrt(2), bias_const: floa
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
+
+
+def make_ray_collectors(
+    env_id: str,
+    num_envs: int,
+    env_latency_ms: float = 0.0,
+    distribution: str = "fixed",
+    *,
+    address: str | None = None,
+    num_collectors: int = 2,
+    normalize_obs: bool = False,
+) -> RayCollectors:
+    """``--backend ray``: collector actors on a Ray cluster hosting the envs (SAME_STEP autoreset)."""
+    from asyncvec.distributed import RayCollectors
+
+    check_env_id(env_id)
+    env_fns = [make_env_fn(env_id, env_latency_ms, distribution, seed=i, normalize_obs=normalize_obs) for i in range(num_envs)]
+    return RayCollectors(
+        env_fns, num_collectors=num_collectors, address=address, autoreset_mode=AutoresetMode.SAME_STEP
+    )
+
+
+def make_ray_collector(
+    envs: RayCollectors,
+    actor: torch.nn.Module,
+    sink: Any,
+    versions: VersionManager,
+    *,
+    policy_latency_ms: float = 0.0,
+    policy_lag: int = 0,
+    seed: int | None = None,
+    pace: Callable[[int], None] | None = None,
+) -> DistributedCollector:
+    """A DistributedCollector whose actors each act with a copy of ``actor`` (as `make_policy`
+    builds it), registered with ``versions`` so that every publication reaches them."""
+    from asyncvec.distributed import DistributedCollector
+
+    largest = max(stop - start for start, stop in envs.slices)
+    policy_fn = functools.partial(
+        make_policy, copy.deepcopy(actor), envs.single_action_space, largest, policy_latency_ms
+    )
+    collector = DistributedCollector(envs, policy_fn, sink, version_manager=versions, seed=seed, pace=pace)
+    versions.register(LaggedWeights(collector, policy_lag))
+    if versions.current_version > 0:  # resumed from a checkpoint: act with its weights and version
+        collector.load_weights({k: v.detach().clone() for k, v in actor.state_dict().items()}, versions.current_version)
+    return collector

@@ -12,14 +12,17 @@ Off-policy corrections (``--correction``), with ``mu`` the behavior policy that 
 ``pi_prox`` the learner's policy at the start of the update and ``pi`` the one being trained:
 
 * ``none``: PPO with ``mu`` as the old policy, ``r = pi/mu`` (staleness ignored).
-* ``tis``: as ``none``, but the ratio is truncated, ``min(r, C) A`` in place of ``r A``, so a
-  stale sample cannot blow up the surrogate (``C = --is-cap``).
+* ``tis`` (default): as ``none``, but the ratio is truncated, ``min(r, C) A`` in place of ``r A``,
+  so a stale sample cannot blow up the surrogate (``C = --is-cap``); it stays stable under
+  large lags (docs/agents.md has the measurement).
 * ``vtrace``: V-trace value targets and policy-gradient advantages (IMPALA, with
   ``rho = min(1, pi_prox/mu)``), PPO clipped against ``pi_prox``.
-* ``decoupled`` (default): GAE advantages, Hilton et al.'s decoupled PPO loss, clipped
-  against ``pi_prox`` and weighted by ``min(pi_prox/mu, C)``.
+* ``decoupled``: GAE advantages, Hilton et al.'s decoupled PPO loss, clipped against
+  ``pi_prox`` and weighted by ``min(pi_prox/mu, C)``.
 
-Samples older than ``--max-staleness`` versions are masked out of the loss (and counted).
+Samples older than ``--max-staleness`` versions are masked out of the loss (and counted), and so
+are deadline fallbacks. Time-limit truncations bootstrap from the final observation. Settings
+left at None come from ``PRESETS`` by env id (docs/agents.md has the measurement behind them).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from agents.common import (
     layer_init,
     load_checkpoint,
     make_policy,
+    make_ray_collector,
+    make_ray_collectors,
     make_vector_env,
     save_checkpoint,
     seed_everything,
@@ -54,6 +59,23 @@ from agents.common import (
 from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger
+from asyncvec.versioning import adapt_max_staleness
+
+
+# Settings that an Args field left at None takes, by env id; "default" for every other env.
+# Chosen by measurement (benchmarks/ppo_defaults.py, table in docs/agents.md).
+PRESETS: dict[str, dict[str, object]] = {
+    # SB3-zoo's tuned CartPole settings: a return of 475 in about 40k steps.
+    "CartPole-v1": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
+                        update_epochs=20, ent_coef=0.0, normalize_obs=False),
+    # The same, on normalized observations: every seed leaves the floor (-200) within 17k steps and
+    # reaches -110; SB3-zoo's MountainCar settings got only to -155..-171 in 200k steps.
+    "MountainCar-v0": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
+                           update_epochs=20, ent_coef=0.0, normalize_obs=True),
+    # CleanRL-like settings with an entropy bonus, on normalized observations (measured on LunarLander-v3).
+    "default": dict(num_steps=128, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
+                    update_epochs=4, ent_coef=0.01, normalize_obs=True),
+}
 
 
 @dataclass
@@ -64,9 +86,18 @@ class Args:
     """number of parallel envs (worker processes)"""
     mode: Literal["sync", "async"] = "async"
     """sync: act then learn, in lockstep; async: a collector thread acts while the learner trains"""
+    backend: Literal["local", "ray"] = "local"
+    """local: env worker processes here; ray: collector actors (envs + a copy of the policy each) on a Ray cluster"""
+    ray_address: str | None = None
+    """Ray cluster for --backend ray (default: $RAY_ADDRESS, else a local Ray started for the run)"""
+    ray_collectors: int = 2
+    """collector actors for --backend ray; the envs are split among them"""
     max_staleness: int = 4
     """samples more than this many versions older than the learner are masked out"""
-    correction: Literal["none", "tis", "vtrace", "decoupled"] = "decoupled"
+    adaptive_staleness: bool = False
+    """lower max_staleness while the importance weights of recent updates degenerate, raise it back
+    (up to --max-staleness) while they are healthy (rule: asyncvec.versioning.adapt_max_staleness)"""
+    correction: Literal["none", "tis", "vtrace", "decoupled"] = "tis"
     """off-policy correction for stale samples (see the module docstring)"""
     is_cap: float = 2.0
     """truncation C of the importance weights"""
@@ -94,25 +125,27 @@ class Args:
     """save a checkpoint here after every update"""
     resume: bool = False
     """continue from the checkpoint in --checkpoint-dir"""
-    # Algorithm (SB3-zoo CartPole settings)
-    num_steps: int = 32
+    # Algorithm. None: the value of the env's preset (PRESETS below, chosen by benchmarks/ppo_defaults.py).
+    num_steps: int | None = None
     """steps per env per rollout segment"""
-    learning_rate: float = 1e-3
+    learning_rate: float | None = None
     """Adam learning rate (annealed linearly to 0)"""
     anneal_lr: bool = True
     """anneal the learning rate and the clip coefficient"""
-    gamma: float = 0.98
+    gamma: float | None = None
     """discount"""
-    gae_lambda: float = 0.8
+    gae_lambda: float | None = None
     """GAE lambda"""
-    num_minibatches: int = 1
+    num_minibatches: int | None = None
     """minibatches per epoch"""
-    update_epochs: int = 20
+    update_epochs: int | None = None
     """epochs per update"""
     clip_coef: float = 0.2
     """PPO clip coefficient"""
-    ent_coef: float = 0.0
+    ent_coef: float | None = None
     """entropy bonus"""
+    normalize_obs: bool | None = None
+    """normalize observations with running statistics in each env (gymnasium's NormalizeObservation)"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     max_grad_norm: float = 0.5
@@ -123,6 +156,11 @@ class Args:
     """torch CPU threads for the learner (small nets run faster on one)"""
 
     def __post_init__(self) -> None:
+        for name, value in PRESETS.get(self.env, PRESETS["default"]).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.backend == "ray" and self.mode != "async":
+            raise ValueError("--backend ray runs remote collectors: it needs --mode async")
         for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -201,7 +239,13 @@ class PPO:
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
-        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4), distribution=args.env_latency_dist)
+        if args.backend == "ray":
+            self.envs = make_ray_collectors(args.env, args.num_envs, args.env_latency_ms, args.env_latency_dist,
+                                            address=args.ray_address, num_collectors=args.ray_collectors,
+                                            normalize_obs=args.normalize_obs)
+        else:
+            self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4),
+                                        distribution=args.env_latency_dist, normalize_obs=args.normalize_obs)
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             self.envs.close()
@@ -214,6 +258,7 @@ class PPO:
         self.critic = Critic(obs_dim, args.hidden)
         self.optimizer = torch.optim.Adam([*self.actor.parameters(), *self.critic.parameters()], lr=args.learning_rate, eps=1e-5)
         self.policy = make_policy(copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms)
+        self.max_staleness = args.max_staleness  # lowered and raised by --adaptive-staleness
         self.versions = VersionManager(max_lag=args.max_staleness)
         self.versions.register(LaggedWeights(self.policy, args.policy_lag))
         self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, self.action_space)
@@ -252,33 +297,55 @@ class PPO:
 
     # ------------------------------------------------------------------ learning
 
+    def advantages_and_returns(
+        self, segment, values: torch.Tensor, prox_logp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """GAE (or V-trace) advantages and value targets of a ``[T, N]`` segment, detached.
+
+        An episode that ended by ``terminated`` has no future value; one cut off by a time limit
+        (``truncated``) bootstraps from the value of its final observation, ``segment.next_obs[t]``.
+        """
+        args = self.args
+        rewards = torch.as_tensor(segment.rewards)
+        terminated = torch.as_tensor(segment.terminated)
+        truncated = torch.as_tensor(segment.truncated) & ~terminated
+        with torch.no_grad():
+            bootstrap = self.critic(torch.as_tensor(segment.last_obs, dtype=torch.float32))
+            final_values = torch.zeros_like(values)
+            if truncated.any():
+                final_values[truncated] = self.critic(torch.as_tensor(segment.next_obs, dtype=torch.float32)[truncated])
+            if args.correction == "vtrace":
+                # The trace stops at every episode end; a truncated step's reward carries gamma V(final obs).
+                discounts = args.gamma * (~(terminated | truncated)).float()
+                targets = vtrace(torch.as_tensor(segment.behavior_logp), prox_logp, rewards + args.gamma * final_values,
+                                 values, bootstrap, discounts)
+                return targets.pg_advantages, targets.vs
+            return gae(rewards, values, bootstrap, terminated, truncated, gamma=args.gamma, lam=args.gae_lambda,
+                       final_values=final_values)
+
     def update(self, segment) -> dict[str, float]:
         """One PPO update on a [T, N] segment; returns loss and correction statistics."""
         args = self.args
         T, N = segment.rewards.shape
         obs = torch.as_tensor(segment.obs, dtype=torch.float32)
         actions = torch.as_tensor(segment.actions)
-        rewards = torch.as_tensor(segment.rewards)
-        terminated = torch.as_tensor(segment.terminated)
-        truncated = torch.as_tensor(segment.truncated)
         behavior_logp = torch.as_tensor(segment.behavior_logp)
         staleness = torch.as_tensor(segment.staleness(self.versions.current_version))
-        valid = staleness <= args.max_staleness
-        self.versions.record_staleness(staleness.flatten().tolist())
-        if (~valid).any():
-            self.versions.record_dropped(int((~valid).sum()))
+        no_fallbacks = segment.fallback is None
+        fallback = torch.zeros_like(staleness, dtype=torch.bool) if no_fallbacks else torch.as_tensor(segment.fallback)
+        fresh = staleness <= self.max_staleness
+        # Deadline fallbacks were not sampled from the policy: no loss term learns from them.
+        valid = fresh & ~fallback
+        self.versions.record_staleness(staleness[~fallback].tolist())
+        if (~fresh).any():
+            self.versions.record_dropped(int((~fresh).sum()))
 
         with torch.no_grad():
             values = self.critic(obs)
-            bootstrap = self.critic(torch.as_tensor(segment.last_obs, dtype=torch.float32))
             prox_logp, _ = self.actor.log_prob_entropy(obs, actions)
-            if args.correction == "vtrace":
-                # An episode boundary cuts the trace: no discount, no bootstrap across it.
-                discounts = args.gamma * (~(terminated | truncated)).float()
-                targets = vtrace(behavior_logp, prox_logp, rewards, values, bootstrap, discounts)
-                advantages, returns = targets.pg_advantages, targets.vs
-            else:
-                advantages, returns = gae(rewards, values, bootstrap, terminated | truncated, gamma=args.gamma, lam=args.gae_lambda)
+            advantages, returns = self.advantages_and_returns(segment, values, prox_logp)
+            # How off-policy the data is, whatever the correction: weights pi_prox/mu on the valid samples.
+            _, offpolicy = truncated_importance_weights(prox_logp, behavior_logp, args.is_cap, mask=valid)
 
         b = {
             "obs": obs.reshape(T * N, -1), "actions": actions.reshape(T * N, *actions.shape[2:]),
@@ -317,7 +384,20 @@ class PPO:
         out = {f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}
         out["staleness/mean"] = float(staleness.float().mean())
         out["staleness/max"] = float(staleness.max())
-        out["staleness/dropped_fraction"] = float((~valid).float().mean())
+        out["staleness/dropped_fraction"] = float((~fresh).float().mean())
+        out["staleness/fallback_fraction"] = float(fallback.float().mean())
+        out["staleness/behavior_ess"] = float(offpolicy["ess"])
+        out["staleness/behavior_clipped_fraction"] = float(offpolicy["clipped_fraction"])
+        if args.adaptive_staleness and valid.any():
+            self.max_staleness = adapt_max_staleness(
+                self.max_staleness,
+                ess=out["staleness/behavior_ess"],
+                clipped_fraction=out["staleness/behavior_clipped_fraction"],
+                floor=min(args.policy_lag + 1, args.max_staleness),
+                ceiling=args.max_staleness,
+            )
+            self.versions.max_lag = self.max_staleness
+        out["staleness/max_staleness"] = float(self.max_staleness)
         return out
 
     def _policy_loss(self, logp, prox_logp, behavior_logp, adv, clip, mask):
@@ -354,6 +434,7 @@ class PPO:
                 ids, obs, actions, rewards, terminated, truncated,
                 np.array([o.behavior_logp for o in outputs], dtype=np.float32),
                 np.array([o.policy_version for o in outputs]), next_obs=final,
+                fallback=np.array([o.fallback for o in outputs]),
             )
             episodes.update(ids, rewards, done)
             obs = next_obs
@@ -370,7 +451,9 @@ class PPO:
         collector = None
         episodes = EpisodeStats(args.num_envs)
         try:
-            if args.mode == "async":
+            if args.mode == "async" and args.backend == "ray":
+                collector = make_ray_collector(self.envs, self.actor, self.store, self.versions, policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed).start()
+            elif args.mode == "async":
                 collector = Collector(self.envs, self.policy, self.store, version_manager=self.versions, seed=args.seed).start()
             else:
                 obs, _ = self.envs.reset(seed=args.seed)
@@ -407,18 +490,22 @@ class PPO:
             if collector is not None:
                 collector.stop()
             logger.close()
-            self.policy.close()
-            self.envs.close()
-            self.store.close()
+            self.close()
         wall = time.monotonic() - start
         returns = collector.recent_returns() if collector is not None else episodes.returns()
         staleness = self.versions.staleness_stats()
-        self.versions.close()
         return TrainResult(
             global_step=self.global_step, updates=self.updates, wall_time_s=wall, env_steps_per_s=self.global_step / wall,
             episodic_returns=returns, final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
             reached_target_s=reached_at, staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
         )
+
+    def close(self) -> None:
+        """Stops the policy server and the env workers (``train`` does this itself when it ends)."""
+        self.policy.close()
+        self.envs.close()
+        self.store.close()
+        self.versions.close()
 
     def _next_segment(self, collector: Collector):
         while True:

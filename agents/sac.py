@@ -8,7 +8,12 @@ Import: from agents.sac import SAC, Args; result = SAC(Args()).train()
 takes gradient steps; the two are paced to the same update-to-data ratio (``--utd``).
 
 Every sample carries the version of the actor that chose its action and that action's
-log-prob. ``--max-staleness`` drops older samples at sampling time. With ``--n-step n > 1``
+log-prob. The learner publishes a new version every ``--publish-every`` gradient steps, by
+default ``num_envs * utd`` of them: the gradient steps that go with one step of every env. So
+a version is one vector step, and a staleness of ``s`` versions means the action was chosen
+about ``s`` steps (per env) ago. ``--max-staleness`` drops older samples at sampling time;
+while fewer than a batch of samples are recent enough, gradient steps wait for fresh data
+(learning slows down, it never stops: see docs/agents.md). With ``--n-step n > 1``
 the critic targets are Retrace-style n-step returns whose traces are cut by truncated
 importance weights ``c_k = lambda * min(1, pi(a_k|s_k) / mu(a_k|s_k))`` (Munos et al. 2016),
 so stale intermediate actions stop contributing instead of biasing the target:
@@ -21,9 +26,11 @@ with the soft value ``V(s) = min_j Q'_j(s, a') - alpha log pi(a'|s)``, ``a' ~ pi
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -39,7 +46,8 @@ import torch.nn.functional as F
 import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
-from agents.common import LaggedWeights, final_observations, load_checkpoint, make_policy, make_vector_env, save_checkpoint, seed_everything
+from agents.common import (LaggedWeights, final_observations, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
+                           make_vector_env, save_checkpoint, seed_everything)
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec.collector import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger
@@ -55,8 +63,15 @@ class Args:
     """number of parallel envs (worker processes)"""
     mode: Literal["sync", "async"] = "async"
     """sync: act, store, learn, in turn; async: a collector thread acts while the learner trains"""
+    backend: Literal["local", "ray"] = "local"
+    """local: env worker processes here; ray: collector actors (envs + a copy of the policy each) on a Ray cluster"""
+    ray_address: str | None = None
+    """Ray cluster for --backend ray (default: $RAY_ADDRESS, else a local Ray started for the run)"""
+    ray_collectors: int = 2
+    """collector actors for --backend ray; the envs are split among them"""
     max_staleness: int | None = None
-    """drop samples more than this many versions older than the learner (None: keep all)"""
+    """drop samples more than this many versions older than the learner (None: keep all); a version is
+    --publish-every gradient steps, by default one step of every env"""
     n_step: int = 1
     """n-step Retrace targets with truncated traces (1: the usual one-step target)"""
     trace_lambda: float = 1.0
@@ -65,8 +80,9 @@ class Args:
     """truncation of the trace importance weights"""
     policy_lag: int = 0
     """actors receive each new version this many publications late"""
-    publish_every: int = 1
-    """publish the actor's weights every this many gradient steps"""
+    publish_every: int | None = None
+    """publish the actor's weights (a new version) every this many gradient steps (None: num_envs * utd,
+    so that one version is one step of every env)"""
     policy_latency_ms: float = 0.0
     """latency of each policy call (a LatencyModel playing a remote model server)"""
     env_latency_ms: float = 0.0
@@ -99,7 +115,7 @@ class Args:
     learning_starts: int = 1000
     """env steps before the first gradient step"""
     utd: float = 1.0
-    """gradient steps per env step"""
+    """gradient steps per env step, counted from learning_starts"""
     gamma: float = 0.99
     """discount"""
     tau: float = 0.005
@@ -120,6 +136,10 @@ class Args:
     """torch CPU threads for the learner (small nets run faster on one)"""
 
     def __post_init__(self) -> None:
+        if self.publish_every is None:
+            self.publish_every = max(1, round(self.num_envs * self.utd))
+        if self.backend == "ray" and self.mode != "async":
+            raise ValueError("--backend ray runs remote collectors: it needs --mode async")
         for name in ("num_envs", "total_timesteps", "batch_size", "n_step", "publish_every", "buffer_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -182,6 +202,8 @@ class TrainResult:
     staleness_mean: float
     dropped_samples: int
     history: list[dict] = field(default_factory=list)
+    starved_gradient_steps: int = 0
+    """gradient steps that waited because fewer than a batch of samples were within --max-staleness"""
 
 
 class NStepIndex:
@@ -227,7 +249,10 @@ class SAC:
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
-        self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 2), distribution=args.env_latency_dist)
+        if args.backend == "ray":
+            self.envs = make_ray_collectors(args.env, args.num_envs, args.env_latency_ms, args.env_latency_dist, address=args.ray_address, num_collectors=args.ray_collectors)
+        else:
+            self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 2), distribution=args.env_latency_dist)
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(self.action_space, gym.spaces.Box):
             self.envs.close()
@@ -254,6 +279,8 @@ class SAC:
         self.index = NStepIndex(args.buffer_size, args.num_envs)
         self.global_step = 0
         self.gradient_steps = 0
+        self.starved_gradient_steps = 0
+        self._starved = False  # the last gradient step found too few eligible samples
         self._stopping = threading.Event()
         self._progress = threading.Condition()
         self.run_name = f"{args.env.replace('/', '_')}__sac__{args.mode}__{args.seed}__{int(time.time())}"
@@ -274,6 +301,13 @@ class SAC:
             self.global_step += len(slots)
             self._progress.notify_all()
 
+    def _gradient_steps_due(self) -> int:
+        """Gradient steps owed: ``utd`` per env step after ``learning_starts`` (as CleanRL: no catch-up burst
+        on the warm-up data), minus those taken."""
+        if self.global_step < self.args.learning_starts:
+            return 0
+        return int(self.args.utd * (self.global_step - self.args.learning_starts)) - self.gradient_steps
+
     def _pace(self, written: int) -> None:
         """Holds the collector back while it is too far ahead of the learner's update-to-data ratio."""
         args = self.args
@@ -281,8 +315,9 @@ class SAC:
         with self._progress:
             while (
                 not self._stopping.is_set()
+                and not self._starved
                 and self.global_step >= args.learning_starts
-                and self.global_step > self.gradient_steps / args.utd + slack
+                and self.global_step > args.learning_starts + self.gradient_steps / args.utd + slack
             ):
                 self._progress.wait(0.1)
 
@@ -331,9 +366,17 @@ class SAC:
             target = target + args.gamma * not_done * trace
         return target, {"trace/mean_c": float(c[valid].mean()) if valid.any() else float("nan")}
 
-    def gradient_step(self) -> dict[str, float]:
+    def gradient_step(self) -> dict[str, float] | None:
+        """One critic (and every ``policy_frequency``-th an actor) update; None if it must wait for data."""
         args = self.args
-        batch = self.buffer.sample(args.batch_size, current_version=self.versions.current_version, max_staleness=args.max_staleness)
+        try:
+            batch = self.buffer.sample(
+                args.batch_size, current_version=self.versions.current_version, max_staleness=args.max_staleness
+            )
+        except ValueError as exc:  # (Args are checked, so this is: fewer than batch_size eligible samples)
+            self._wait_for_eligible(exc)
+            return None
+        self._starved = False
         alpha = self.log_alpha.exp().detach()
         target, stats = self.critic_targets(batch, alpha)
         obs = torch.as_tensor(batch.obs, dtype=torch.float32)
@@ -367,6 +410,30 @@ class SAC:
         if self.gradient_steps % args.publish_every == 0:
             self.versions.publish({k: v.detach().clone() for k, v in self.actor.state_dict().items()})
         return stats
+
+    def _wait_for_eligible(self, exc: ValueError) -> None:
+        """Counts a postponed gradient step, lets the collector run past the pacing, warns once."""
+        if not self.starved_gradient_steps and self.global_step >= self.args.learning_starts:
+            args = self.args
+            per_version = args.publish_every / args.utd  # env steps between two versions
+            if args.max_staleness is None:
+                message = f"SAC: gradient steps wait until --batch-size {args.batch_size} samples are stored ({exc})"
+            else:
+                kept, needed = args.max_staleness + 1, max(0, math.ceil(args.batch_size / per_version) - 1)
+                message = (
+                    f"SAC: gradient steps wait for fresh samples ({exc}). --max-staleness {args.max_staleness} keeps "
+                    f"the samples of the last {kept} versions, about {kept * per_version:.0f} env steps, fewer than "
+                    f"--batch-size {args.batch_size}: learning slows down. A full batch stays eligible with "
+                    f"--max-staleness >= {needed}."
+                )
+            warnings.warn(
+                message,
+                RuntimeWarning, stacklevel=3,
+            )
+        self.starved_gradient_steps += 1
+        with self._progress:
+            self._starved = True
+            self._progress.notify_all()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -416,7 +483,9 @@ class SAC:
         next_log = next_checkpoint = self.global_step
         stats: dict[str, float] = {}
         try:
-            if args.mode == "async":
+            if args.mode == "async" and args.backend == "ray":
+                collector = make_ray_collector(self.envs, self.actor, self.store, self.versions, policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed, pace=self._pace).start()
+            elif args.mode == "async":
                 collector = Collector(self.envs, self.policy, self.store, seed=args.seed, pace=self._pace).start()
             else:
                 obs, _ = self.envs.reset(seed=args.seed)
@@ -437,15 +506,21 @@ class SAC:
                     episodes.update(ids, rewards, done)
                     episode_ids[done] = episode_ids.max() + 1 + np.arange(done.sum())
                     obs = next_obs
-                    steps_due = int(args.utd * self.global_step) - self.gradient_steps if self.global_step >= args.learning_starts else 0
+                    steps_due = self._gradient_steps_due()
                 else:
                     with self._progress:
-                        if self.global_step < args.learning_starts or self.gradient_steps >= args.utd * self.global_step:
+                        if self._gradient_steps_due() <= 0:
                             self._progress.wait(0.05)
                     collector.check()
-                    steps_due = 1 if self.global_step >= args.learning_starts and self.gradient_steps < args.utd * self.global_step else 0
+                    steps_due = min(self._gradient_steps_due(), 1)
                 for _ in range(max(steps_due, 0)):
-                    stats = self.gradient_step()
+                    step_stats = self.gradient_step()
+                    if step_stats is None:  # too few eligible samples: act more first
+                        if collector is not None:
+                            with self._progress:
+                                self._progress.wait(0.05)
+                        break
+                    stats = step_stats
                 with self._progress:
                     self._progress.notify_all()
                 if self.global_step >= next_log:
@@ -485,6 +560,7 @@ class SAC:
             env_steps_per_s=self.global_step / wall, episodic_returns=returns,
             final_return=float(np.mean(returns[-10:])) if returns else float("nan"), reached_target_s=reached_at,
             staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
+            starved_gradient_steps=self.starved_gradient_steps,
         )
 
 

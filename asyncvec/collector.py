@@ -64,7 +64,7 @@ Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
 def _write(sink: Sink, t: Transitions) -> None:
     if isinstance(sink, RolloutStore):
         sink.add(t.env_ids, t.obs, t.action, t.reward, t.terminated, t.truncated, t.behavior_logp,
-                 t.policy_version, next_obs=t.next_obs)
+                 t.policy_version, next_obs=t.next_obs, fallback=t.fallback)
     elif isinstance(sink, ReplayBuffer):
         sink.add(t.obs, t.action, t.reward, t.next_obs, t.terminated, t.truncated, t.policy_version,
                  behavior_logp=t.behavior_logp, env_id=t.env_ids, episode_id=t.episode_id, fallback=t.fallback)

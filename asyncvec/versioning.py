@@ -16,6 +16,7 @@ Registered backends are per process: a child's copy starts with none.
 
 from __future__ import annotations
 
+import collections
 import multiprocessing
 import multiprocessing.context
 import operator
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-__all__ = ["VersionManager", "StalenessStats", "WeightsBackend"]
+__all__ = ["VersionManager", "StalenessStats", "WeightsBackend", "adapt_max_staleness"]
 
 VersionSource = int | Callable[[], int]
 
@@ -270,13 +271,23 @@ class VersionManager:
             items = list(staleness)  # type: ignore[arg-type]
         except TypeError:  # a single number
             items = [staleness]
-        values = [_check_int("staleness", value, minimum=0) for value in items]
+        try:
+            values = list(map(operator.index, items))  # (a learner records a batch per step: keep it C-speed)
+        except TypeError:
+            values = [_check_int("staleness", value, minimum=0) for value in items]  # raises, naming the field
+        if not values:
+            return
+        if any(isinstance(value, bool) for value in items) or min(values) < 0:
+            for value in items:
+                _check_int("staleness", value, minimum=0)
         last_bin = len(self._histogram) - 1
+        counts = collections.Counter(min(value, last_bin) for value in values)
+        total, largest = sum(values), max(values)
         with self._cond:
-            for value in values:
-                self._histogram[min(value, last_bin)] += 1
-                self._stale_sum.value += value
-                self._stale_max.value = max(self._stale_max.value, value)
+            for bin_, count in counts.items():
+                self._histogram[bin_] += count
+            self._stale_sum.value += total
+            self._stale_max.value = max(self._stale_max.value, largest)
 
     def record_dropped(self, count: int = 1) -> None:
         """Count ``count`` samples discarded for staleness."""
@@ -328,6 +339,49 @@ class VersionManager:
 
     def __repr__(self) -> str:
         return f"VersionManager(current_version={self.current_version}, max_lag={self.max_lag}, on_lag={self.on_lag!r})"
+
+
+def adapt_max_staleness(
+    current: int,
+    *,
+    ess: float,
+    clipped_fraction: float,
+    floor: int,
+    ceiling: int,
+    min_ess: float = 0.5,
+    max_clipped_fraction: float = 0.2,
+) -> int:
+    """The next ``max_staleness`` from how off-policy the last update's data was (AIMD).
+
+    ``ess`` and ``clipped_fraction`` describe the importance weights ``pi/mu`` of the samples the
+    last update used (:func:`asyncvec.losses.truncated_importance_weights` returns both). The rule,
+    additive increase / multiplicative decrease as in TCP congestion control::
+
+        healthy = ess >= min_ess and clipped_fraction <= max_clipped_fraction
+        next    = min(current + 1, ceiling)      if healthy
+                  max(current // 2, floor)       otherwise
+
+    Degenerate weights (few samples carry the weight, or many hit the cap) mean the data is too
+    far from the learner's policy to correct for: halve the allowed staleness at once. Healthy
+    weights let it grow back one version per update, up to ``ceiling``.
+
+    Example:
+        >>> adapt_max_staleness(8, ess=0.3, clipped_fraction=0.05, floor=1, ceiling=8)
+        4
+        >>> adapt_max_staleness(4, ess=0.9, clipped_fraction=0.05, floor=1, ceiling=8)
+        5
+        >>> adapt_max_staleness(8, ess=0.9, clipped_fraction=0.05, floor=1, ceiling=8)
+        8
+    """
+    current = _check_int("current", current, minimum=0)
+    floor = _check_int("floor", floor, minimum=0)
+    ceiling = _check_int("ceiling", ceiling, minimum=floor)
+    for name, value in (("ess", ess), ("clipped_fraction", clipped_fraction)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name}: expected a number in [0, 1], got {value!r}")
+    healthy = ess >= min_ess and clipped_fraction <= max_clipped_fraction
+    proposed = current + 1 if healthy else current // 2
+    return min(max(proposed, floor), ceiling)
 
 
 def _check_int(field: str, value: Any, minimum: int) -> int:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import glob
 
+import numpy as np
 import pytest
+import torch
 
 from agents import ppo, sac
+from asyncvec.buffers.rollout import Segment
 
 
 def test_unknown_env_id_names_close_matches():
@@ -69,3 +74,131 @@ def test_ppo_corrections_run_and_report_is_stats(correction):
     assert last["staleness/max"] >= 1, "policy_lag=1 makes samples one version stale"
     if correction in ("tis", "decoupled"):
         assert 0 < last["losses/is_ess"] <= 1
+
+
+def cartpole_segment(rewards, terminated, truncated, first_obs, next_first_obs, last_first_obs, **fields):
+    """A hand-made [T, N] CartPole segment whose observations are zero except the first component."""
+    T, N = np.shape(rewards)
+    obs = np.zeros((T, N, 4), np.float32)
+    obs[..., 0] = first_obs
+    next_obs = np.zeros((T, N, 4), np.float32)
+    next_obs[..., 0] = next_first_obs
+    last_obs = np.zeros((N, 4), np.float32)
+    last_obs[:, 0] = last_first_obs
+    defaults = dict(actions=np.zeros((T, N), np.int64), values=np.full((T, N), np.nan, np.float32),
+                    behavior_logp=np.full((T, N), -0.7, np.float32), policy_version=np.zeros((T, N), np.int64),
+                    fallback=np.zeros((T, N), bool))
+    return Segment(obs=obs, rewards=np.asarray(rewards, np.float32), terminated=np.asarray(terminated),
+                   truncated=np.asarray(truncated), last_obs=last_obs, next_obs=next_obs, **{**defaults, **fields})
+
+
+@pytest.fixture(scope="module")
+def learner():
+    """One small PPO whose update and targets the tests below call directly; each test sets what it needs."""
+    agent = ppo.PPO(ppo.Args(num_envs=2, num_steps=4, progress=False))
+    initial = copy.deepcopy({"args": agent.args, "actor": agent.actor.state_dict(), "critic": agent.critic.state_dict(),
+                             "optimizer": agent.optimizer.state_dict()})
+
+    def reset(**args) -> ppo.PPO:
+        agent.args = dataclasses.replace(initial["args"], **args)
+        agent.actor.load_state_dict(initial["actor"])
+        agent.critic.load_state_dict(initial["critic"])
+        agent.optimizer.load_state_dict(initial["optimizer"])
+        agent.max_staleness = agent.versions.max_lag = agent.args.max_staleness
+        torch.manual_seed(0)
+        return agent
+
+    yield reset
+    agent.close()
+
+
+@pytest.mark.parametrize("correction", ["decoupled", "vtrace"])
+def test_ppo_bootstraps_a_truncated_episode_from_its_final_observation(learner, correction):
+    # Env 0: its episode is cut by the time limit after step 1 (final observation worth V = 10), a new
+    # one starts at step 2. Env 1: the same steps, but the episode terminates after step 1 (no future).
+    agent = learner(gamma=0.5, gae_lambda=1.0, correction=correction)
+    segment = cartpole_segment(
+        rewards=np.ones((3, 2)), terminated=[[False, False], [False, True], [False, False]],
+        truncated=[[False, False], [True, False], [False, False]], first_obs=[[1, 1], [2, 2], [3, 3]],
+        next_first_obs=[[2, 2], [10, 10], [4, 4]], last_first_obs=[4, 4],
+    )
+    values = torch.as_tensor(segment.obs[..., 0])
+    on_policy = torch.as_tensor(segment.behavior_logp)  # pi_prox = mu: V-trace's weights are 1
+    critic = agent.critic
+    try:
+        agent.critic = lambda obs: obs[..., 0]  # V(s) = the first observation component
+        advantages, returns = agent.advantages_and_returns(segment, values, on_policy)
+    finally:
+        agent.critic = critic
+    # By hand, gamma = 0.5, lambda = 1: delta_t = r_t + gamma * V(next) - V(s_t), A_t = delta_t + gamma * A_{t+1}
+    # inside an episode. Step 2: 1 + 0.5 * 4 - 3 = 0. Step 1 truncated: 1 + 0.5 * 10 - 2 = 4 (env 0);
+    # terminated: 1 + 0 - 2 = -1 (env 1). Step 0: 1 + 0.5 * 2 - 1 = 1, plus 0.5 * A_1.
+    expected = torch.tensor([[1 + 0.5 * 4, 1 + 0.5 * -1], [4.0, -1.0], [0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, expected + values)
+
+
+def test_ppo_never_trains_on_fallback_samples(learner):
+    rng = np.random.default_rng(0)
+    T, N = 4, 2
+    fallback = np.array([[False, True], [False, False], [True, False], [False, False]])
+    common = dict(
+        rewards=rng.normal(size=(T, N)), terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
+        first_obs=rng.normal(size=(T, N)), next_first_obs=rng.normal(size=(T, N)), last_first_obs=rng.normal(size=N),
+        fallback=fallback,
+    )
+    actions = rng.integers(0, 2, size=(T, N))
+    other_actions = np.where(fallback, 1 - actions, actions)  # only the fallback rows differ
+    segments = {
+        "fallbacks": cartpole_segment(actions=actions, **common),
+        "other fallback actions": cartpole_segment(
+            actions=other_actions, behavior_logp=np.where(fallback, 0.0, -0.7).astype(np.float32), **common
+        ),
+        "unflagged": cartpole_segment(actions=other_actions, **{**common, "fallback": np.zeros((T, N), bool)}),
+    }
+    trained = {}
+    for name, segment in segments.items():
+        agent = learner(update_epochs=3)
+        stats = agent.update(segment)
+        trained[name] = torch.cat([p.detach().flatten() for p in agent.actor.parameters()])
+    assert stats["staleness/fallback_fraction"] == 0.0 and stats["losses/policy_loss"] != 0.0
+    torch.testing.assert_close(trained["fallbacks"], trained["other fallback actions"], rtol=0, atol=0)
+    assert not torch.equal(trained["fallbacks"], trained["unflagged"]), "the control: unflagged rows are trained on"
+
+
+def test_adaptive_staleness_halves_on_degenerate_weights_and_recovers(learner):
+    T, N = 4, 2
+    agent = learner(update_epochs=1, max_staleness=8, adaptive_staleness=True)
+    never = np.zeros((T, N), bool)
+    segment = cartpole_segment(rewards=np.ones((T, N)), terminated=never, truncated=never, first_obs=np.zeros((T, N)),
+                               next_first_obs=np.zeros((T, N)), last_first_obs=np.zeros(N))
+
+    def learner_logp():
+        with torch.no_grad():
+            logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.actions))
+            return logp.numpy()
+
+    # The actors chose these actions with a far smaller probability than the learner: pi/mu = e^3 > the cap.
+    segment.behavior_logp = learner_logp() - 3.0
+    stats = agent.update(segment)
+    assert stats["staleness/behavior_clipped_fraction"] == 1.0
+    assert agent.max_staleness == 4 and agent.versions.max_lag == 4
+    segment.behavior_logp = learner_logp()
+    stats = agent.update(segment)
+    assert stats["staleness/behavior_ess"] > 0.99
+    assert agent.max_staleness == 5 and stats["staleness/max_staleness"] == 5
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sac_small_max_staleness_waits_for_fresh_samples_instead_of_crashing(mode, no_leftover_children):
+    # A version is one step of every env (publish_every = num_envs * utd gradient steps), so max_staleness=4
+    # keeps about 10 samples: fewer than a batch. Gradient steps wait for fresh data; training goes on.
+    agent = sac.SAC(sac.Args(env="Pendulum-v1", mode=mode, total_timesteps=600, learning_starts=200, batch_size=32,
+                             hidden=32, buffer_size=1_000, max_staleness=4, progress=False))
+    assert agent.args.publish_every == 2
+    with pytest.warns(RuntimeWarning, match=r"max-staleness 4 keeps the samples of the last 5 versions, about 10 env steps"):
+        result = agent.train()
+    assert result.global_step >= 600 and result.gradient_steps > 0
+    assert result.starved_gradient_steps > 0
+    assert agent.versions.current_version == result.gradient_steps // 2
+    assert result.staleness_mean <= 4, "every sample trained on was within max_staleness"

@@ -17,8 +17,9 @@ OBS = spaces.Box(-np.inf, np.inf, (2,), np.float64)
 class AsyncCollector:
     """Feeds a store the way an EnvPool-style collector does: random partial batches.
 
-    Env ``e``'s ``k``-th transition has obs ``[e, k]``, action ``k % 2``, reward ``k``,
-    version ``k // 3`` and value ``-k``; so every stored field says where it came from.
+    Env ``e``'s ``k``-th transition has obs ``[e, k]``, next_obs ``[e, k + 1]``, action ``k % 2``,
+    reward ``k``, version ``k // 3``, value ``-k`` and a fallback flag on ``k % 5 == 2``; so every
+    stored field says where it came from.
     """
 
     def __init__(self, store: RolloutStore, seed: int) -> None:
@@ -43,6 +44,7 @@ class AsyncCollector:
             policy_version=k // 3,
             values=-k.astype(np.float32),
             next_obs=np.stack([env_ids, k + 1], axis=1).astype(np.float64),
+            fallback=k % 5 == 2,
         )
         self.steps = counts
 
@@ -83,6 +85,8 @@ def test_partial_batches_in_any_order_build_time_major_segments(seed: int) -> No
         np.testing.assert_allclose(segment.behavior_logp, -0.01 * k, rtol=1e-5)
         np.testing.assert_array_equal(segment.policy_version, k // 3)
         np.testing.assert_array_equal(segment.staleness(10), 10 - k // 3)
+        np.testing.assert_array_equal(segment.next_obs[..., 1], k + 1)
+        np.testing.assert_array_equal(segment.fallback, k % 5 == 2)
         # Bootstrap: the observation after step T-1 of every env.
         np.testing.assert_array_equal(
             segment.last_obs, np.stack([np.arange(N), np.full(N, (segment_index + 1) * T)], 1)
@@ -187,6 +191,8 @@ def test_bad_input_names_the_field_and_env() -> None:
         add(action=(0, 5))
     with pytest.raises(ValueError, match=r"policy_version: row 0: expected a value >= 0"):
         add(version=-3)
+    with pytest.raises(ValueError, match=r"fallback: expected bool values, shape \(2,\)"):
+        store.add(np.array([0, 2]), np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], zeros, zeros, 0.0, 0, fallback=[True])
     add()
     add()
     with pytest.raises(ValueError, match=r"add: env 0 already holds 2 steps.*max_steps_ahead=0"):

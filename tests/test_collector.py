@@ -170,6 +170,20 @@ def test_deadline_fallbacks_are_flagged_in_the_buffer():
         envs.close()
 
 
+def test_deadline_fallbacks_are_flagged_in_rollout_segments():
+    envs = cartpole_envs(n=2)
+    slow = LatencyModel(linear_policy(envs.single_action_space), a_ms=200, b_ms=0, deadline_ms=20, fallback="zero")
+    store = RolloutStore(4, 2, envs.single_observation_space, envs.single_action_space)
+    try:
+        with Collector(envs, slow, store, seed=0):
+            segment = store.get(timeout=60)
+        assert segment.fallback.shape == (4, 2) and segment.fallback.all() and (segment.actions == 0).all()
+        assert (segment.behavior_logp == 0.0).all(), "a fallback is deterministic: mu(a) = 1"
+    finally:
+        slow.close()
+        envs.close()
+
+
 def test_policy_error_surfaces_and_wakes_the_learner():
     envs = AsyncLLMVectorEnv([partial(CounterEnv, obs_kind="box")] * 2, batch_size=1)
     policy = TorchPolicy(torch.nn.Linear(4, 3), envs.single_action_space, max_wait_ms=1)  # obs has 3 dims

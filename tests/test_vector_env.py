@@ -11,7 +11,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from asyncvec import AsyncLLMVectorEnv
-from asyncvec.vector.checker import first_difference
+from asyncvec.vector.checker import check_vector_env, first_difference
 from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from toy_envs import CounterEnv, SleepyEnv
 
@@ -24,10 +24,11 @@ def assert_same(a, b, path="") -> None:
     assert found is None, found
 
 
-def run_both(kind, mode, shared_memory, steps=30, num_envs=3):
+def run_both(kind, mode, shared_memory=True, steps=30, num_envs=3, check=False, **kwargs):
+    """Steps AsyncLLMVectorEnv(**kwargs) and SyncVectorEnv side by side; ``check`` also runs check_vector_env."""
     fns = [partial(CounterEnv, obs_kind=kind) for _ in range(num_envs)]
     sync = SyncVectorEnv(fns, autoreset_mode=mode)
-    ours = AsyncLLMVectorEnv(fns, autoreset_mode=mode, shared_memory=shared_memory)
+    ours = AsyncLLMVectorEnv(fns, autoreset_mode=mode, shared_memory=shared_memory, **kwargs)
     try:
         assert ours.observation_space == sync.observation_space
         assert ours.action_space == sync.action_space
@@ -45,6 +46,8 @@ def run_both(kind, mode, shared_memory, steps=30, num_envs=3):
                 assert_same(
                     ours.reset(seed=None, options=dict(options)), sync.reset(options=dict(options)), f"masked reset {t}"
                 )
+        if check:
+            check_vector_env(ours, num_steps=30)
         return True
     finally:
         ours.close()
@@ -60,6 +63,20 @@ def test_equivalent_to_sync_vector_env(kind, mode, no_leftover_children):
 @pytest.mark.parametrize("kind", ["box", "dict"])
 def test_equivalent_without_shared_memory(kind):
     assert run_both(kind, AutoresetMode.NEXT_STEP, shared_memory=False, steps=15)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "pipes"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("kind", ["box", "discrete", "dict"])
+def test_equivalent_with_several_envs_per_worker(kind, mode, shared_memory, no_leftover_children):
+    """5 envs in workers of 2 (the last hosts 1): same results as SyncVectorEnv, and the contract holds."""
+    assert run_both(kind, mode, shared_memory, num_envs=5, envs_per_worker=2, batch_size=3, check=kind == "dict")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_text_equivalent_with_several_envs_per_worker(mode):
+    """Text observations always travel through pipes, also from a worker hosting several envs."""
+    assert run_both("text", mode, num_envs=5, envs_per_worker=2, batch_size=3)
 
 
 def test_equivalent_on_cartpole_with_spawn():
@@ -251,3 +268,35 @@ def test_constructor_validation():
         AsyncLLMVectorEnv([])
     with pytest.raises(TypeError, match=r"env_fns\[1\]"):
         AsyncLLMVectorEnv([CounterEnv, "CartPole-v1"])
+
+
+def test_partial_batches_with_several_envs_per_worker():
+    """Sends and recvs stay per env when envs share a worker: a send may name one env of a worker."""
+    envs = AsyncLLMVectorEnv([partial(SleepyEnv, d) for d in (0.15, 0.15, 0.0, 0.0)], envs_per_worker=2, batch_size=2)
+    try:
+        assert len(set(envs.worker_pids)) == 2 and envs.worker_pids[0] == envs.worker_pids[1]
+        envs.async_reset(seed=0)
+        for _ in range(2):
+            envs.recv(timeout=10)
+        envs.send(np.ones(4, dtype=np.int64))
+        _, _, _, _, info = envs.recv(timeout=10)
+        assert info["env_id"].tolist() == [2, 3], "the fast worker's envs come first"
+        envs.send(np.array([2]), [3])  # one env of the fast worker; env 2 stays idle
+        obs, rewards, _, _, info = envs.recv(timeout=10)
+        assert info["env_id"].tolist() == [3, 0], "env 3 is back before the slow worker's two envs"
+        assert obs[0][0] == 2.0 and rewards[0] >= 2.0 and obs[1][0] == 1.0
+        _, _, _, _, info = envs.recv(timeout=10)
+        assert info["env_id"].tolist() == [1]
+        assert envs.in_flight == []
+        envs.send(np.array([1, 1]), [2, 0])
+        _, _, _, _, info = envs.recv(timeout=10)
+        assert sorted(info["env_id"].tolist()) == [0, 2]
+    finally:
+        envs.close()
+
+
+def test_envs_per_worker_validation():
+    with pytest.raises(ValueError, match="envs_per_worker"):
+        AsyncLLMVectorEnv([CounterEnv] * 2, envs_per_worker=0)
+    with pytest.raises(ValueError, match="backend"):
+        AsyncLLMVectorEnv([CounterEnv] * 2, backend="threads")

@@ -49,31 +49,36 @@ def test_fault_without_restarts_raises_and_leaves_no_child(tmp_path, fault, no_l
         envs.step(np.ones(3, dtype=np.int64))
 
 
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.value)
 @pytest.mark.parametrize("fault", FAULTS)
-def test_restart_in_place_lockstep(tmp_path, fault, mode, no_leftover_children):
-    envs = make_envs(tmp_path, fault, max_restarts=1, autoreset_mode=mode)
+def test_restart_in_place_lockstep(tmp_path, fault, mode, envs_per_worker, no_leftover_children):
+    """Env 1 faults at step 3. With 2 envs per worker, a raising env is rebuilt alone inside its
+    worker, while a dead or hung worker takes env 0, its neighbour, with it."""
+    envs = make_envs(tmp_path, fault, num_envs=4, envs_per_worker=envs_per_worker, max_restarts=1, autoreset_mode=mode)
+    rebuilt = [0, 1] if envs_per_worker == 2 and fault != "raise" else [1]
     try:
         obs, _ = envs.reset(seed=0)
         last = obs.copy()
         for t in range(1, 6):
-            obs, rewards, term, trunc, info = envs.step(np.ones(3, dtype=np.int64))
+            obs, rewards, term, trunc, info = envs.step(np.ones(4, dtype=np.int64))
             if t == 3:
-                assert info["env_restarted"][1] and info["_env_restarted"].tolist() == [False, True, False]
-                assert trunc.tolist() == [False, True, False] and not term.any()
-                assert rewards[1] == 0.0
-                if mode == AutoresetMode.NEXT_STEP:
-                    # the episode ends at the last observation seen before the fault
-                    np.testing.assert_array_equal(obs[1], last[1])
-                else:
-                    np.testing.assert_array_equal(info["final_obs"][1], last[1])
-                    assert obs[1][0] == 0.0, "a fresh episode starts in the same step"
+                assert np.flatnonzero(info["_env_restarted"]).tolist() == rebuilt
+                assert np.flatnonzero(trunc).tolist() == rebuilt and not term.any()
+                assert (rewards[rebuilt] == 0.0).all()
+                for i in rebuilt:
+                    if mode == AutoresetMode.NEXT_STEP:
+                        # the episode ends at the last observation seen before the fault
+                        np.testing.assert_array_equal(obs[i], last[i])
+                    else:
+                        np.testing.assert_array_equal(info["final_obs"][i], last[i])
+                        assert obs[i][0] == 0.0, "a fresh episode starts in the same step"
                 # the other envs' transitions are intact
-                np.testing.assert_array_equal(obs[[0, 2], 0], [3.0, 3.0])
+                np.testing.assert_array_equal(obs[[2, 3], 0], [3.0, 3.0])
             if t == 4 and mode == AutoresetMode.NEXT_STEP:
-                assert obs[1][0] == 0.0 and rewards[1] == 0.0, "next step resets the restarted env"
+                assert (obs[rebuilt, 0] == 0.0).all() and (rewards[rebuilt] == 0.0).all(), "next step resets"
             last = obs.copy()
-        assert envs.restarts == [0, 1, 0]
+        assert envs.restarts == [1 if i in rebuilt else 0 for i in range(4)]
     finally:
         envs.close()
 
@@ -256,3 +261,67 @@ def test_worker_exits_when_parent_dies(tmp_path):
         assert not any(os.path.exists(f"/proc/{p}") for p in pids), "workers outlived their parent"
     finally:
         parent.kill()
+
+
+# ---------------------------------------------------------------- several envs per worker
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_in_a_shared_worker_names_the_env(tmp_path, fault, no_leftover_children):
+    """Env 1 shares its worker with env 0: the error names env 1 (the one that failed), not the worker."""
+    envs = make_envs(tmp_path, fault, num_envs=4, envs_per_worker=2)
+    envs.reset(seed=0)
+    expected = {"raise": "ZeroDivisionError", "kill": "WorkerDied", "hang": "StepTimeout"}[fault]
+    with pytest.raises(WorkerError, match=f"env 1 failed in step\\(\\): {expected}") as err:
+        for _ in range(5):
+            envs.step(np.ones(4, dtype=np.int64))
+    assert err.value.env_index == 1
+    if fault != "raise":
+        assert "also hosted envs [0]" in str(err.value)
+    assert envs.closed
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_idle_env_of_a_dead_worker_comes_back_truncated(tmp_path, fault, no_leftover_children):
+    """Env 0 waits (idle, episode running) while env 1, on the same worker, kills or hangs it."""
+    envs = make_envs(tmp_path, fault, num_envs=2, envs_per_worker=2, batch_size=1, max_restarts=1, step_timeout=1.0)
+    try:
+        envs.async_reset(seed=0)
+        envs.recv(timeout=10)
+        envs.recv(timeout=10)
+        envs.send(np.array([1]), [0])
+        obs0, *_ = envs.recv(timeout=10)  # env 0: t=1, then it waits
+        for t in range(1, 4):
+            envs.send(np.array([1]), [1])
+            _, _, _, trunc, info = envs.recv(timeout=20)
+            assert info["env_id"].tolist() == [1]
+        assert trunc[0] and info["env_restarted"][0], "env 1's third step was lost with its worker"
+        envs.send(np.array([1]), [0])
+        obs, rewards, term, trunc, info = envs.recv(timeout=10)
+        assert info["env_id"].tolist() == [0] and trunc[0] and not term[0] and rewards[0] == 0.0
+        assert info["env_restarted"][0] and fault_name(fault) in info["restart_reason"][0]
+        np.testing.assert_array_equal(obs[0], obs0[0])  # ends at the last observation it had
+        envs.send(np.array([1]), [0])
+        obs, rewards, _, trunc, info = envs.recv(timeout=10)
+        assert obs[0][0] == 0.0 and rewards[0] == 0.0 and not trunc[0], "then NEXT_STEP resets it"
+        assert "env_restarted" not in info
+        assert envs.restarts == [1, 1]
+    finally:
+        envs.close()
+
+
+def fault_name(fault: str) -> str:
+    return {"kill": "WorkerDied", "hang": "StepTimeout"}[fault]
+
+
+def test_observation_of_the_wrong_shape_names_the_env():
+    class ShortObs(CounterEnv):
+        def step(self, action):
+            obs, *rest = super().step(action)
+            return obs[:2], *rest
+
+    envs = AsyncLLMVectorEnv([CounterEnv, ShortObs], envs_per_worker=2)
+    envs.reset(seed=0)
+    with pytest.raises(WorkerError, match=r"env 1 failed in step\(\): ValueError: observation of env 1 has shape \(2,\), expected \(3,\)"):
+        envs.step(np.ones(2, dtype=np.int64))
+    assert envs.closed

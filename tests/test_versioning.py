@@ -9,10 +9,12 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import asyncvec
 import asyncvec.versioning
-from asyncvec.versioning import VersionManager
+from asyncvec.versioning import VersionManager, adapt_max_staleness
 
 
 class RecordingBackend:
@@ -259,3 +261,50 @@ def test_a_failing_backend_still_consumes_the_version_number() -> None:
     assert vm.current_version == 2  # `first` already holds version 2: never reuse the number
     assert vm.publish("good again") == 3
     assert [version for _, version in first.loaded] == [1, 2, 3] and flaky.versions == [1, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    current=st.integers(0, 64),
+    ess=st.floats(0, 1),
+    clipped=st.floats(0, 1),
+    floor=st.integers(0, 8),
+    span=st.integers(0, 32),
+)
+def test_adapt_max_staleness_stays_in_bounds_and_moves_the_right_way(current, ess, clipped, floor, span) -> None:
+    ceiling = floor + span
+    healthy = ess >= 0.5 and clipped <= 0.2
+    new = adapt_max_staleness(current, ess=ess, clipped_fraction=clipped, floor=floor, ceiling=ceiling)
+    assert floor <= new <= ceiling
+    if healthy:
+        assert new == min(max(current + 1, floor), ceiling)
+    else:
+        assert new == min(max(current // 2, floor), ceiling)
+
+
+def test_adapt_max_staleness_rule_and_bad_input() -> None:
+    rule = dict(floor=1, ceiling=8)
+    assert adapt_max_staleness(8, ess=0.49, clipped_fraction=0.0, **rule) == 4  # few samples carry the weight
+    assert adapt_max_staleness(8, ess=0.9, clipped_fraction=0.21, **rule) == 4  # many weights hit the cap
+    assert adapt_max_staleness(1, ess=0.1, clipped_fraction=0.9, **rule) == 1  # never below the floor
+    assert adapt_max_staleness(3, ess=0.5, clipped_fraction=0.2, **rule) == 4  # healthy: one more version
+    assert adapt_max_staleness(6, ess=0.9, clipped_fraction=0.0, min_ess=0.95, **rule) == 3  # thresholds are options
+    with pytest.raises(ValueError, match=r"ess: expected a number in \[0, 1\], got 1.5"):
+        adapt_max_staleness(4, ess=1.5, clipped_fraction=0.0, **rule)
+    with pytest.raises(ValueError, match="ceiling: expected an int >= 5"):
+        adapt_max_staleness(4, ess=0.9, clipped_fraction=0.0, floor=5, ceiling=2)
+
+
+def test_record_staleness_takes_numpy_integers_and_rejects_bad_values() -> None:
+    vm = VersionManager(histogram_bins=4)
+    vm.record_staleness(np.array([0, 1, 1, 7]))
+    stats = vm.staleness_stats()
+    assert stats.histogram == [1, 2, 0, 1] and stats.max == 7 and stats.mean == 9 / 4
+    with pytest.raises(ValueError, match=r"staleness: expected an int >= 0, got -1"):
+        vm.record_staleness([2, -1])
+    with pytest.raises(TypeError, match="staleness: expected an int, got bool"):
+        vm.record_staleness([True])
+    with pytest.raises(TypeError, match="staleness: expected an int, got float"):
+        vm.record_staleness([1.5])
+    assert vm.staleness_stats().count == 4, "a rejected batch records nothing"
+    vm.close()

@@ -20,6 +20,8 @@ _SCALARS: dict[str, np.dtype] = {
     "values": np.dtype(np.float32),
     "behavior_logp": np.dtype(np.float32),
     "policy_version": np.dtype(np.int64),
+    "fallback": np.dtype(np.bool_),
+    "has_next_obs": np.dtype(np.bool_),
 }
 
 
@@ -39,6 +41,11 @@ class Segment:
         policy_version: ``[T, N]`` int64 version that chose ``actions[t]``.
         last_obs: ``[N, *obs_shape]``, the observation after step ``T - 1`` of each env, to
             bootstrap ``V(last_obs)``.
+        next_obs: ``[T, N, *obs_shape]``, the observation each step ended in, as given to
+            ``add(next_obs=...)`` (meaningful only where ``add`` got one). Where an episode ended it is the
+            episode's final observation, so a truncated step can bootstrap ``V(next_obs[t])``.
+        fallback: ``[T, N]`` bool, whether ``actions[t]`` was a fallback (a deadline miss) rather
+            than the policy's sample; learners mask these out of their losses.
     """
 
     obs: Any
@@ -50,6 +57,8 @@ class Segment:
     behavior_logp: np.ndarray
     policy_version: np.ndarray
     last_obs: Any
+    next_obs: Any = None
+    fallback: np.ndarray | None = None
 
     def staleness(self, current_version: int) -> np.ndarray:
         """``[T, N]`` ``current_version - policy_version``."""
@@ -127,13 +136,11 @@ class RolloutStore:
         self._next_obs = SpaceCodec(observation_space, "next_obs")
         rows = self.num_steps + self.max_steps_ahead
         self._columns: dict[str, np.ndarray] = {}
-        for codec in (self._obs, self._action):
+        for codec in (self._obs, self._action, self._next_obs):
             for name, leaf in zip(codec.column_names(), codec.leaves):
                 self._columns[name] = np.zeros((rows, self.num_envs, *leaf.shape), leaf.dtype)
         for name, dtype in _SCALARS.items():
             self._columns[name] = np.zeros((rows, self.num_envs), dtype)
-        self._next = [np.zeros((self.num_envs, *leaf.shape), leaf.dtype) for leaf in self._next_obs.leaves]
-        self._has_next = np.zeros(self.num_envs, dtype=bool)
         self._cursor = np.zeros(self.num_envs, dtype=np.int64)
         self._cond = threading.Condition()
         self._closed = False
@@ -151,6 +158,7 @@ class RolloutStore:
         *,
         values: Any = np.nan,
         next_obs: Any = None,
+        fallback: Any = False,
     ) -> None:
         """Append one transition for each env in ``env_ids`` at that env's cursor.
 
@@ -162,8 +170,10 @@ class RolloutStore:
             behavior_logp: ``(B,)`` log-probabilities of the actions under the acting policy.
             policy_version: the version that chose each action, ``(B,)`` or one int.
             values: optional ``(B,)`` critic values of ``obs``.
-            next_obs: optional observations after the step; the latest one per env serves as
-                the bootstrap observation if the env has not started its next segment.
+            next_obs: optional observations after the step (the final observation where an
+                episode ended); kept per step as ``Segment.next_obs``, and the latest one per env
+                serves as the bootstrap observation if the env has not started its next segment.
+            fallback: ``(B,)`` bool or one bool: the action was a fallback (deadline miss).
 
         Raises:
             ValueError: a field does not match its space/shape (the message names the field,
@@ -190,7 +200,12 @@ class RolloutStore:
         data["values"] = as_column("values", values, n, np.float32)
         data["behavior_logp"] = as_column("behavior_logp", behavior_logp, n, np.float32)
         data["policy_version"] = as_column("policy_version", policy_version, n, np.int64, minimum=0)
+        data["fallback"] = as_column("fallback", fallback, n, np.bool_)
         next_columns = None if next_obs is None else self._next_obs.encode(next_obs, n, row_label)
+        if next_columns is None:  # clear what an earlier segment left in these rows
+            next_columns = [np.zeros((n, *leaf.shape), leaf.dtype) for leaf in self._next_obs.leaves]
+        data.update(zip(self._next_obs.column_names(), next_columns))
+        data["has_next_obs"] = np.full(n, next_obs is not None)
         # The k-th occurrence of an env in this batch goes k steps past its cursor.
         occurrence = np.zeros(n, dtype=np.int64)
         seen: dict[int, int] = {}
@@ -211,15 +226,6 @@ class RolloutStore:
                 )
             for name, value in data.items():
                 self._columns[name][rows, env_ids] = value
-            last = np.array(sorted({env: row for row, env in enumerate(env_ids.tolist())}.items()), dtype=np.int64)
-            if len(last):
-                envs, last_rows = last[:, 0], last[:, 1]
-                if next_columns is None:
-                    self._has_next[envs] = False
-                else:
-                    for stored, column in zip(self._next, next_columns):
-                        stored[envs] = column[last_rows]
-                    self._has_next[envs] = True
             np.add.at(self._cursor, env_ids, 1)
             if self._ready_locked():
                 self._cond.notify_all()
@@ -253,18 +259,19 @@ class RolloutStore:
             if self._closed:
                 raise RuntimeError("RolloutStore is closed")
             ahead = self._cursor > T
-            missing = ~ahead & ~self._has_next
+            missing = ~ahead & ~self._columns["has_next_obs"][T - 1]
             if np.any(missing):
                 raise ValueError(
                     f"get: envs {np.flatnonzero(missing).tolist()} have no bootstrap observation; "
                     f"pass next_obs to add() or add their next step first"
                 )
             segment = {name: column[:T].copy() for name, column in self._columns.items()}
+            # An env that ran ahead bootstraps from its step T; the others from their last next_obs.
             last_obs = []
-            for name, stored in zip(self._obs.column_names(), self._next):
-                last = stored.copy()
+            for obs_name, next_name in zip(self._obs.column_names(), self._next_obs.column_names()):
+                last = segment[next_name][T - 1].copy()
                 if ahead.any():  # (with max_steps_ahead=0 there is no row T to read)
-                    last[ahead] = self._columns[name][T, ahead]
+                    last[ahead] = self._columns[obs_name][T, ahead]
                 last_obs.append(last)
             for env in np.flatnonzero(ahead).tolist():
                 extra = int(self._cursor[env]) - T
@@ -281,6 +288,8 @@ class RolloutStore:
             behavior_logp=segment["behavior_logp"],
             policy_version=segment["policy_version"],
             last_obs=self._obs.decode(last_obs),
+            next_obs=self._next_obs.decode([segment[name] for name in self._next_obs.column_names()]),
+            fallback=segment["fallback"],
         )
 
     @property
@@ -293,7 +302,6 @@ class RolloutStore:
         """Drop every stored step and bootstrap observation (e.g. after a policy reset)."""
         with self._cond:
             self._cursor[:] = 0
-            self._has_next[:] = False
 
     def close(self) -> None:
         """Wake a waiting ``get`` (it raises RuntimeError) and refuse further adds."""

@@ -3,12 +3,16 @@
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 from asyncvec.vector.checker import VectorEnvCheckError, check_vector_env
 from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, WorkerError
+from asyncvec.vector.transport import Backend, ProcessBackend, Transport
 
 __all__ = [
     "AlreadyPendingCallError",
     "AsyncLLMVectorEnv",
+    "Backend",
     "ClosedEnvironmentError",
     "NoAsyncCallError",
+    "ProcessBackend",
+    "Transport",
     "VectorEnvCheckError",
     "WorkerError",
     "check_vector_env",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import time
 from collections import deque
@@ -11,21 +10,11 @@ from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from enum import Enum
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
 from gymnasium import Env, Space, spaces
-from gymnasium.vector.utils import (
-    CloudpickleWrapper,
-    batch_space,
-    clear_mpi_env_vars,
-    concatenate,
-    create_empty_array,
-    create_shared_memory,
-    iterate,
-    read_from_shared_memory,
-)
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate, read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode, VectorEnv
 
 from asyncvec.vector.errors import (
@@ -34,11 +23,13 @@ from asyncvec.vector.errors import (
     NoAsyncCallError,
     WorkerError,
 )
-from asyncvec.vector.worker import run_worker
+from asyncvec.vector.transport import Backend, ProcessBackend, Transport, WorkerSpec
+from asyncvec.vector.worker import BuildFailure, EnvFailure
 
 __all__ = ["AsyncLLMVectorEnv"]
 
 _FIXED_SHAPE_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+_ENV_COMMANDS = ("step", "reset")  # commands that run an env forward: they time out, fail over and restart
 
 
 class _LockstepState(Enum):
@@ -46,15 +37,6 @@ class _LockstepState(Enum):
     WAITING_RESET = "reset"
     WAITING_STEP = "step"
     WAITING_CALL = "call"
-
-
-@dataclass
-class _Pending:
-    """A command sent to one worker and not yet answered."""
-
-    command: str
-    payload: Any
-    sent_at: float
 
 
 _NO_RESULT = object()  # a worker's answer can be None, so "no answer yet" needs its own marker
@@ -68,13 +50,27 @@ class _CallFailure:
 
 
 @dataclass
-class _Worker:
-    process: Any
-    pipe: Connection
-    restarts: int = 0
-    pending: _Pending | None = None
+class _Message:
+    """A message sent to one worker and not yet answered."""
+
+    env_ids: list[int]
+    timed: bool  # holds a step or reset: subject to step_timeout
+    started_at: float | None  # when the worker began it (None while an earlier message is still running)
+
+
+@dataclass
+class _Slot:
+    """The vector env's view of one sub-environment."""
+
+    worker: int
+    position: int  # index among its worker's envs
+    command: str | None = None  # what the user asked of it and ``recv`` has not returned yet
+    payload: Any = None  # kept to repeat a reset after a restart
     result: Any = _NO_RESULT  # answer received, not yet delivered
     info_extra: dict = field(default_factory=dict)
+    restarts: int = 0
+    episode: str = "none"  # "none" (never reset), "live", or "ended" (its last step ended it)
+    after_restart: tuple[str, str] | None = None  # ("truncate" | "autoreset", reason): its next step after a rebuild
 
 
 def _is_fixed_shape(space: Space) -> bool:
@@ -102,8 +98,20 @@ def _take_info(infos: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
     }
 
 
+def _resolve_backend(backend: str | Backend, context: str | None, daemon: bool) -> Backend:
+    if isinstance(backend, Backend):
+        return backend
+    if backend == "process":
+        return ProcessBackend(context=context, daemon=daemon)
+    if backend == "ray":
+        from asyncvec.distributed.ray_env import RayBackend  # imported only when asked: Ray is an extra
+
+        return RayBackend()
+    raise ValueError(f"backend must be 'process', 'ray' or a Backend instance, got {backend!r}")
+
+
 class AsyncLLMVectorEnv(VectorEnv):
-    """Runs sub-environments in worker processes; fast envs never wait for slow ones.
+    """Runs sub-environments in workers; fast envs never wait for slow ones.
 
     Two APIs over the same workers:
 
@@ -114,11 +122,19 @@ class AsyncLLMVectorEnv(VectorEnv):
       which returns the first ``batch_size`` envs to finish, their ids in ``info["env_id"]``.
       While the caller works on one group (e.g. waits for a slow policy), the others step.
 
+    Workers are processes on this machine (``backend="process"``, the default) or Ray actors
+    anywhere on a cluster (``backend="ray"`` or ``backend=RayBackend(...)`` from
+    :mod:`asyncvec.distributed`); the semantics are the same. A worker hosts
+    ``envs_per_worker`` envs and steps them one after another, so fast envs pay one round trip
+    per worker instead of one per env; ``send``/``recv`` still take and return single env ids.
+
     Faults: an env that raises, a worker killed by a signal, or a step longer than
     ``step_timeout`` raises :class:`WorkerError` naming the env index, the exception type and the
-    worker's traceback; the vector env then closes itself. With ``max_restarts > 0`` the worker
-    is rebuilt in place instead: the interrupted episode comes back truncated with
-    ``info["env_restarted"] = True`` and every other env keeps running.
+    worker's traceback; the vector env then closes itself. With ``max_restarts > 0`` the env is
+    rebuilt in place instead: the interrupted episode comes back truncated with
+    ``info["env_restarted"] = True`` and every other env keeps running. (When a worker hosting
+    several envs dies, all its envs are rebuilt: those with an episode running come back
+    truncated on their next step.)
 
     Example:
         >>> import gymnasium as gym
@@ -135,16 +151,25 @@ class AsyncLLMVectorEnv(VectorEnv):
         env_fns: functions that create the sub-environments; they travel with cloudpickle.
         batch_size: how many envs ``recv`` returns (default: ``num_envs``).
         autoreset_mode: NEXT_STEP (default), SAME_STEP or DISABLED, as in Gymnasium.
-        shared_memory: pass fixed-shape observations through shared memory. Observations of
-            Text, Sequence, Graph or other variable-size spaces always go through pipes.
+        shared_memory: pass fixed-shape observations through shared memory (process backend).
+            Observations of Text, Sequence, Graph or other variable-size spaces always go
+            through pipes.
         context: multiprocessing start method (``"fork"``, ``"spawn"``, ``"forkserver"``).
         step_timeout: seconds a reset or step may take before its worker is treated as hung
-            (killed, then restarted or reported). ``None`` waits forever.
-        max_restarts: how many times each worker may be rebuilt after a fault.
+            (killed, then restarted or reported); a message to a worker hosting ``k`` envs may
+            take ``k * step_timeout``. ``None`` waits forever.
+        max_restarts: how many times each env may be rebuilt after a fault.
         copy: return copies of observations from ``reset``/``step`` (``recv`` always copies).
         validate_actions: check each action against ``single_action_space`` before sending.
-        start_timeout: seconds a worker may take to build its env.
+        start_timeout: seconds a worker may take to build its envs.
         daemon: start workers as daemon processes.
+        observation_mode: ``"same"`` (every env has the same observation space) or
+            ``"different"`` (same dtype and shape suffice).
+        envs_per_worker: how many envs each worker hosts (the last worker may host fewer).
+            1 (default) isolates slow envs from each other; more cuts the per-step overhead
+            of fast envs.
+        backend: ``"process"``, ``"ray"``, or a :class:`~asyncvec.vector.transport.Backend`
+            such as ``RayBackend(address=..., num_cpus=..., resources=...)``.
     """
 
     def __init__(
@@ -162,6 +187,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         start_timeout: float = 60.0,
         daemon: bool = True,
         observation_mode: str = "same",
+        envs_per_worker: int = 1,
+        backend: str | Backend = "process",
     ) -> None:
         self.closed = True  # until the workers exist; makes __del__ safe on early errors
         self.env_fns = list(env_fns)
@@ -181,6 +208,8 @@ class AsyncLLMVectorEnv(VectorEnv):
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if observation_mode not in ("same", "different"):
             raise ValueError(f"observation_mode must be 'same' or 'different', got {observation_mode!r}")
+        if isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, (int, np.integer)) or envs_per_worker < 1:
+            raise ValueError(f"envs_per_worker must be an int >= 1, got {envs_per_worker!r}")
         self.step_timeout = step_timeout
         self.max_restarts = int(max_restarts)
         self.copy = copy
@@ -189,89 +218,79 @@ class AsyncLLMVectorEnv(VectorEnv):
         self.context = context
         self.daemon = daemon
         self.observation_mode = observation_mode
+        self.envs_per_worker = int(envs_per_worker)
+        self.backend = _resolve_backend(backend, context, daemon)
 
-        # Spaces come from one throwaway env, as in gymnasium: shared memory must exist before
-        # the workers start.
-        dummy = self.env_fns[0]()
-        self.metadata = dict(dummy.metadata)
-        self.metadata["autoreset_mode"] = self.autoreset_mode
-        self.render_mode = dummy.render_mode
-        self.single_observation_space = dummy.observation_space
-        self.single_action_space = dummy.action_space
-        dummy.close()
-        del dummy
-        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
-
-        self._ctx = multiprocessing.get_context(context)
-        self.shared_memory = bool(shared_memory) and _is_fixed_shape(self.single_observation_space)
-        if self.shared_memory:
-            self._shm = create_shared_memory(self.single_observation_space, n=self.num_envs, ctx=self._ctx)
-            self._observations = read_from_shared_memory(self.single_observation_space, self._shm, n=self.num_envs)
-            self._env_obs: list[Any] | None = None
-        else:
-            self._shm = None
-            self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
-            self._env_obs = [None] * self.num_envs  # latest observation per env (pipe mode)
-
+        groups = [
+            list(range(start, min(start + self.envs_per_worker, self.num_envs)))
+            for start in range(0, self.num_envs, self.envs_per_worker)
+        ]
+        self._slots = [_Slot(worker=w, position=p) for w, group in enumerate(groups) for p in range(len(group))]
+        self._groups = groups
+        self._queues: list[deque[_Message]] = [deque() for _ in groups]
+        self._outbox: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
         self._state = _LockstepState.DEFAULT
         self._lockstep_ids: list[int] = []
-        self._action_spaces: dict[int, Space] = {self.num_envs: self.action_space}
+        self._action_spaces: dict[int, Space] = {}
         self._arrivals: deque[int] = deque()  # env ids with an undelivered answer, in arrival order
-        self._workers: list[_Worker] = []
+        self._transport: Transport | None = None
+        self._shm = None
+
+        if self.backend.local:
+            # Spaces come from one throwaway env, as in gymnasium: shared memory must exist before
+            # the workers start.
+            dummy = self.env_fns[0]()
+            self._set_spaces(dummy.observation_space, dummy.action_space, dummy.metadata, dummy.render_mode)
+            dummy.close()
+            del dummy
+            if shared_memory and _is_fixed_shape(self.single_observation_space):
+                self._shm = self.backend.create_shared_memory(self.single_observation_space, self.num_envs)
+                self._make_observation_buffers()
+        self.shared_memory = self._shm is not None
+        spec = WorkerSpec(self.env_fns, groups, self.autoreset_mode, self._shm)
+        self._transport = self.backend.create(spec)
         self.closed = False
         try:
-            with clear_mpi_env_vars():
-                for index in range(self.num_envs):
-                    self._workers.append(self._start_worker(index, needs_reset=False))
-            for index in range(self.num_envs):
-                self._await_ready(index)
+            for worker in range(len(groups)):
+                self._await_ready(worker)
+            if not self.backend.local:
+                # Remote workers may build envs the driver cannot: ask env 0 for the spaces.
+                self._send(0, "spaces", None)
+                self._set_spaces(*self._finish_calls("spaces", self.start_timeout, ids=[0])[0])
             self._check_spaces()
         except BaseException:
             self.close(terminate=True)
             raise
 
+    def _set_spaces(self, observation_space: Space, action_space: Space, metadata: dict, render_mode: Any) -> None:
+        self.metadata = dict(metadata)
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = render_mode
+        self.single_observation_space = observation_space
+        self.single_action_space = action_space
+        self.observation_space = batch_space(observation_space, self.num_envs)
+        self.action_space = batch_space(action_space, self.num_envs)
+        self._action_spaces = {self.num_envs: self.action_space}
+        self._make_observation_buffers()
+
+    def _make_observation_buffers(self) -> None:
+        observation_space = self.single_observation_space
+        if self._shm is not None:
+            self._observations = read_from_shared_memory(observation_space, self._shm, n=self.num_envs)
+            self._env_obs: list[Any] | None = None
+        else:
+            self._observations = create_empty_array(observation_space, n=self.num_envs, fn=np.zeros)
+            self._env_obs = [None] * self.num_envs  # latest observation per env (no shared memory)
+
     # ------------------------------------------------------------------ workers
 
-    def _start_worker(self, index: int, needs_reset: bool) -> _Worker:
-        parent_pipe, child_pipe = self._ctx.Pipe()
-        process = self._ctx.Process(
-            target=run_worker,
-            name=f"Worker<AsyncLLMVectorEnv>-{index}",
-            args=(
-                index,
-                CloudpickleWrapper(self.env_fns[index]),
-                child_pipe,
-                parent_pipe,
-                self._shm,
-                self.autoreset_mode,
-                needs_reset,
-                os.getpid(),
-            ),
-            daemon=self.daemon,
-        )
-        process.start()
-        child_pipe.close()
-        return _Worker(process=process, pipe=parent_pipe)
-
-    def _await_ready(self, index: int) -> None:
-        worker = self._workers[index]
-        if not worker.pipe.poll(self.start_timeout):
-            raise WorkerError(index, "make", "StartTimeout", f"env did not start within {self.start_timeout} s")
-        ok, payload = self._read(index)
-        if not ok:
-            raise self._error_from_payload(index, "make", payload)
-
-    def _read(self, index: int) -> tuple[bool, Any]:
-        """One answer from a worker; a dead worker reads as a failure, never as a hang."""
-        worker = self._workers[index]
-        try:
-            return worker.pipe.recv()
-        except (EOFError, OSError, ConnectionResetError):
-            worker.process.join(timeout=1.0)
-            code = worker.process.exitcode
-            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            return False, ("WorkerDied", f"worker process died ({how})", "", None)
+    def _await_ready(self, worker: int) -> None:
+        ok, payload = self._transport.await_ready(worker, self.start_timeout)
+        if ok:
+            return
+        if isinstance(payload, BuildFailure):
+            raise self._error_from_payload(self._groups[worker][payload.position], "make", payload.payload)
+        raise self._error_from_payload(self._groups[worker][0], "make", payload)
 
     def _error_from_payload(self, index: int, command: str, payload: Any) -> WorkerError:
         exc_type, message, trace, pickled = payload
@@ -283,51 +302,90 @@ class AsyncLLMVectorEnv(VectorEnv):
                 pass
         return error
 
-    def _kill(self, index: int) -> None:
-        worker = self._workers[index]
-        if worker.process.is_alive():
-            worker.process.kill()
-        worker.process.join(timeout=5.0)
-        worker.pipe.close()
-
     def _send(self, index: int, command: str, payload: Any) -> None:
-        worker = self._workers[index]
-        worker.pending = _Pending(command, payload, time.monotonic())
-        try:
-            worker.pipe.send((command, payload))
-        except (BrokenPipeError, OSError):
-            pass  # the next poll reads EOF and handles the dead worker
+        """Queues one command for one env; :meth:`_flush` sends each worker its share as one message."""
+        slot = self._slots[index]
+        slot.command, slot.payload = command, payload
+        item_command = command
+        if command == "reset":
+            slot.after_restart = None  # a reset starts afresh anyway
+        if command == "step" and slot.after_restart is not None:
+            # Its worker was rebuilt while it waited: this step ends the lost episode instead
+            # (or, if that episode had ended, is the reset step NEXT_STEP owes it).
+            then, reason = slot.after_restart
+            if then == "truncate":
+                slot.info_extra = {"env_restarted": True, "restart_reason": reason}
+            payload = {"rebuild": False, "then": then, "arg": self._single_obs(index)}
+            item_command, slot.after_restart = "restart", None
+        self._queue(index, item_command, payload)
+
+    def _queue(self, index: int, command: str, payload: Any) -> None:
+        slot = self._slots[index]
+        ids, items = self._outbox.setdefault(slot.worker, ([], []))
+        ids.append(index)
+        items.append((slot.position, command, payload))
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        now = time.monotonic()
+        for worker, (ids, items) in outbox.items():
+            queue = self._queues[worker]
+            timed = any(command in ("step", "reset", "restart") for _, command, _ in items)
+            queue.append(_Message(ids, timed, None if queue else now))
+            self._transport.send(worker, items)
 
     # ------------------------------------------------------------------ core loop
 
-    def _outstanding(self) -> list[int]:
-        return [i for i, w in enumerate(self._workers) if w.pending is not None and w.result is _NO_RESULT]
+    def _receive(self, workers: list[int]) -> None:
+        """Reads the next reply of each worker (blocking) and files their results."""
+        for worker, reply in zip(workers, self._transport.read_many(workers)):
+            self._file(worker, *reply)
+
+    def _file(self, worker: int, ok: bool, payload: Any) -> None:
+        """Files a worker's reply to its oldest message: results per env, or the worker's death."""
+        queue = self._queues[worker]
+        message = queue.popleft()
+        if queue:
+            queue[0].started_at = time.monotonic()
+        if not ok:
+            queue.appendleft(message)
+            self._worker_failed(worker, payload)
+            return
+        for index, result in zip(message.env_ids, payload):
+            if isinstance(result, EnvFailure):
+                self._env_failed(index, result.payload)
+            else:
+                self._accept(index, result)
+        self._flush()  # restarts queued by failures
 
     def _poll(self, deadline: float | None) -> None:
-        """Receive the answers that arrive before ``deadline`` (or the next hang deadline)."""
-        outstanding = self._outstanding()
-        if not outstanding:
+        """Receive the replies that arrive before ``deadline`` (or the next hang deadline)."""
+        busy = [w for w, queue in enumerate(self._queues) if queue]
+        if not busy:
             return
-        now = time.monotonic()
         wait_until = deadline
         if self.step_timeout is not None:
-            hang_at = min(self._workers[i].pending.sent_at for i in outstanding) + self.step_timeout
+            hang_at = min(self._hang_deadline(w) for w in busy)
             wait_until = hang_at if wait_until is None else min(wait_until, hang_at)
-        by_pipe = {self._workers[i].pipe: i for i in outstanding}
-        for pipe in wait(list(by_pipe), timeout=None if wait_until is None else max(0.0, wait_until - now)):
-            index = by_pipe[pipe]
-            ok, payload = self._read(index)
-            if ok:
-                self._accept(index, payload)
-            else:
-                self._fail(index, payload)
+        timeout = None if wait_until is None else max(0.0, wait_until - time.monotonic())
+        self._receive(self._transport.wait(busy, timeout))
         if self.step_timeout is not None:
             now = time.monotonic()
-            for index in self._outstanding():
-                pending = self._workers[index].pending
-                if pending.command in ("step", "reset") and now - pending.sent_at > self.step_timeout:
-                    self._kill(index)
-                    self._fail(index, ("StepTimeout", f"no answer within step_timeout={self.step_timeout} s", "", None))
+            for worker, queue in enumerate(self._queues):
+                if queue and now > self._hang_deadline(worker):
+                    culprit = self._transport.culprit(worker)
+                    self._transport.kill(worker)
+                    self._worker_failed(
+                        worker,
+                        ("StepTimeout", f"no answer within step_timeout={self.step_timeout} s", "", None),
+                        culprit,
+                    )
+
+    def _hang_deadline(self, worker: int) -> float:
+        head = self._queues[worker][0]
+        if not head.timed or head.started_at is None:
+            return float("inf")
+        return head.started_at + self.step_timeout * len(head.env_ids)
 
     def _wait_until(self, done: Callable[[], bool], timeout: float | None, what: str) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -336,68 +394,87 @@ class AsyncLLMVectorEnv(VectorEnv):
                 raise multiprocessing.TimeoutError(f"{what} within {timeout} s")
             self._poll(deadline)
 
-    def _accept(self, index: int, payload: Any) -> None:
-        worker = self._workers[index]
-        if worker.pending.command in ("step", "reset") and self._env_obs is not None:
-            self._env_obs[index] = payload[0]
-        worker.result = payload
+    def _accept(self, index: int, result: Any) -> None:
+        slot = self._slots[index]
+        if slot.command in _ENV_COMMANDS:
+            if self._env_obs is not None:
+                self._env_obs[index] = result[0]
+            if slot.command == "reset":
+                slot.episode = "live"
+            else:
+                ended = (result[2] or result[3]) and self.autoreset_mode != AutoresetMode.SAME_STEP
+                slot.episode = "ended" if ended else "live"
+        slot.result = result
         self._arrivals.append(index)
 
-    def _fail(self, index: int, payload: Any) -> None:
-        """A worker raised, died or hung: rebuild it in place, or close and raise."""
-        worker = self._workers[index]
-        pending = worker.pending
-        if pending.command in ("call", "setattr") and payload[0] not in ("WorkerDied", "StepTimeout"):
-            # The env survived a failing method call: report it, keep the workers.
-            worker.result = _CallFailure(payload)
+    def _restart_item(self, index: int) -> dict[str, Any]:
+        """How an env whose step or reset was lost to a fault starts again on its rebuilt env."""
+        slot = self._slots[index]
+        if slot.command == "reset":
+            return {"then": "reset", "arg": slot.payload}
+        then = "autoreset" if slot.episode == "ended" and self.autoreset_mode == AutoresetMode.NEXT_STEP else "truncate"
+        return {"then": then, "arg": self._single_obs(index)}
+
+    def _give_up(self, index: int, command: str, payload: Any, note: str = "") -> None:
+        slot = self._slots[index]
+        error = self._error_from_payload(index, command, payload)
+        if slot.restarts:
+            note += f"\n(after {slot.restarts} restart(s); max_restarts={self.max_restarts})"
+        if note:
+            error.args = (f"{error.args[0]}{note}",)
+        self.close(terminate=True)
+        raise error
+
+    def _env_failed(self, index: int, payload: Any) -> None:
+        """An env raised; its worker is fine: rebuild that env in place, or close and raise."""
+        slot = self._slots[index]
+        if slot.command not in _ENV_COMMANDS:
+            slot.result = _CallFailure(payload)  # a failing method call is reported, nothing restarts
             self._arrivals.append(index)
             return
-        if pending.command not in ("step", "reset") or worker.restarts >= self.max_restarts:
-            error = self._error_from_payload(index, pending.command, payload)
-            if worker.restarts:
-                error.args = (f"{error.args[0]}\n(after {worker.restarts} restart(s); max_restarts={self.max_restarts})",)
-            self.close(terminate=True)
-            raise error
+        if slot.restarts >= self.max_restarts:
+            self._give_up(index, slot.command, payload)
+        slot.restarts += 1
+        slot.info_extra = {"env_restarted": True, "restart_reason": f"{payload[0]}: {payload[1]}"}
+        self._queue(index, "restart", {"rebuild": True, **self._restart_item(index)})
+
+    def _worker_failed(self, worker: int, payload: Any, culprit: int | None = None) -> None:
+        """A worker died or hung: rebuild it (all its envs) in place, or close and raise."""
+        lost = [i for message in self._queues[worker] for i in message.env_ids]
+        self._queues[worker].clear()
+        if culprit is None:
+            culprit = self._transport.culprit(worker)
+        if culprit is None or culprit not in lost:
+            culprit = lost[0]
+        group = self._groups[worker]
+        note = ""
+        if len(group) > 1:
+            note = f"\n(its worker also hosted envs {[i for i in group if i != culprit]}, rebuilt with it)"
+        command = self._slots[culprit].command
+        if any(self._slots[i].command not in _ENV_COMMANDS for i in lost) or self._slots[culprit].restarts >= self.max_restarts:
+            self._give_up(culprit, command, payload, note)
         try:
-            self._restart(index, pending, payload)
+            self._transport.restart(worker)
+            self._await_ready(worker)
+        except WorkerError as error:
+            error.args = (f"{error.args[0]}\n(while restarting its worker after: {payload[0]}: {payload[1]})",)
+            self.close(terminate=True)
+            raise
         except BaseException:
             self.close(terminate=True)
             raise
-
-    def _restart(self, index: int, pending: _Pending, payload: Any) -> None:
-        worker = self._workers[index]
-        self._kill(index)
-        worker.restarts += 1
-        restart_info = {"env_restarted": True, "restart_reason": f"{payload[0]}: {payload[1]}"}
-        if pending.command == "reset":
-            self._workers[index] = self._start_worker(index, needs_reset=False)
-            self._workers[index].restarts = worker.restarts
-            self._await_ready(index)
-            self._send(index, "reset", pending.payload)
-            self._workers[index].info_extra = restart_info
-            return
-        # An interrupted step ends its episode as truncated at the last observation seen.
-        last_obs = self._single_obs(index)
-        new = self._start_worker(index, needs_reset=self.autoreset_mode == AutoresetMode.NEXT_STEP)
-        new.restarts = worker.restarts
-        self._workers[index] = new
-        self._await_ready(index)
-        info: dict[str, Any] = dict(restart_info)
-        observation = None if self.shared_memory else last_obs
-        if self.autoreset_mode == AutoresetMode.SAME_STEP:
-            new.pipe.send(("reset", {}))
-            if not new.pipe.poll(self.step_timeout or self.start_timeout):
-                raise WorkerError(index, "reset", "StepTimeout", "the restarted env did not reset in time")
-            ok, reset_payload = self._read(index)
-            if not ok:
-                raise self._error_from_payload(index, "reset", reset_payload)
-            observation, reset_info = reset_payload
-            info = {"final_obs": last_obs, "final_info": {}, **reset_info, **restart_info}
-            if self._env_obs is not None:
-                self._env_obs[index] = observation
-        new.pending = pending
-        new.result = (observation, 0.0, False, True, info)
-        self._arrivals.append(index)
+        reason = f"{payload[0]}: {payload[1]}"
+        for index in group:
+            slot = self._slots[index]
+            slot.restarts += 1
+            if index in lost:
+                slot.info_extra = {"env_restarted": True, "restart_reason": reason}
+                self._queue(index, "restart", {"rebuild": False, **self._restart_item(index)})
+            elif slot.episode == "live":
+                slot.after_restart = ("truncate", reason)
+            elif slot.episode == "ended" and self.autoreset_mode == AutoresetMode.NEXT_STEP:
+                slot.after_restart = ("autoreset", reason)
+        self._flush()
 
     def _single_obs(self, index: int) -> Any:
         if self._env_obs is not None:
@@ -406,31 +483,33 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _collect(self, indices: list[int], timeout: float | None) -> None:
         """Wait until every env in ``indices`` has answered."""
+        slots = self._slots
         if timeout is None and self.step_timeout is None:
-            # Nothing to time out: read each pipe in turn, as gymnasium does (no selector per call).
-            # A dead worker reads as EOF, so this never blocks on a dead env.
-            for index in indices:
-                while self._workers[index].result is _NO_RESULT:
-                    ok, payload = self._read(index)
-                    if ok:
-                        self._accept(index, payload)
-                    else:
-                        self._fail(index, payload)
-            return
-        self._wait_until(
-            lambda: all(self._workers[i].result is not _NO_RESULT for i in indices), timeout, "not every env answered"
-        )
+            # Nothing to time out: read each worker in turn, as gymnasium does (no selector per call).
+            # A dead worker reads as a failure, so this never blocks on a dead env.
+            while True:
+                waiting = [i for i in indices if slots[i].result is _NO_RESULT]
+                if not waiting:
+                    return
+                busy = [w for w in dict.fromkeys(slots[i].worker for i in waiting) if self._queues[w]]
+                if not busy:
+                    raise RuntimeError(f"envs {waiting} wait for an answer but nothing was sent to them")
+                self._receive(busy)
+        self._wait_until(lambda: all(slots[i].result is not _NO_RESULT for i in indices), timeout, "not every env answered")
 
     def _deliver(self, indices: Sequence[int]) -> list[Any]:
         """Pop the answers of ``indices``; the envs become free for the next command."""
         results = []
-        taken = set(indices)
-        self._arrivals = deque(i for i in self._arrivals if i not in taken)
+        if len(indices) == len(self._arrivals):
+            self._arrivals.clear()
+        else:
+            taken = set(indices)
+            self._arrivals = deque(i for i in self._arrivals if i not in taken)
         for index in indices:
-            worker = self._workers[index]
-            results.append(worker.result)
-            worker.result = _NO_RESULT
-            worker.pending = None
+            slot = self._slots[index]
+            results.append(slot.result)
+            slot.result = _NO_RESULT
+            slot.command = slot.payload = None
         return results
 
     # ------------------------------------------------------------------ actions
@@ -526,6 +605,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._lockstep_ids = [i for i in range(self.num_envs) if mask is None or mask[i]]
         for i in self._lockstep_ids:
             self._send(i, "reset", {"seed": seeds[i], "options": options})
+        self._flush()
         self._state = _LockstepState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None):
@@ -551,6 +631,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         ids = list(range(self.num_envs))
         for i, action in zip(ids, self._split_actions(actions, ids)):
             self._send(i, "step", action)
+        self._flush()
         self._lockstep_ids = ids
         self._state = _LockstepState.WAITING_STEP
 
@@ -572,9 +653,9 @@ class AsyncLLMVectorEnv(VectorEnv):
         return self._batched_observations(), rewards, terminations, truncations, infos
 
     def _with_extra(self, index: int, info: dict[str, Any]) -> dict[str, Any]:
-        extra = self._workers[index].info_extra
+        extra = self._slots[index].info_extra
         if extra:
-            self._workers[index].info_extra = {}
+            self._slots[index].info_extra = {}
             return {**info, **extra}
         return info
 
@@ -594,6 +675,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         seeds = self._seeds(seed)
         for i in range(self.num_envs):
             self._send(i, "reset", {"seed": seeds[i], "options": options})
+        self._flush()
 
     def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Sends one action to each env in ``env_ids`` (default: all) and returns at once.
@@ -611,12 +693,13 @@ class AsyncLLMVectorEnv(VectorEnv):
         for i in ids:
             if not 0 <= i < self.num_envs:
                 raise ValueError(f"env id {i} is out of range [0, {self.num_envs})")
-            if self._workers[i].pending is not None:
+            if self._slots[i].command is not None:
                 raise ValueError(
                     f"env {i} is still busy with its previous send (or its answer was not received with recv() yet)"
                 )
         for i, action in zip(ids, self._split_actions(actions, ids)):
             self._send(i, "step", action)
+        self._flush()
 
     def recv(self, timeout: float | None = None):
         """Returns the first ``batch_size`` envs to finish, in arrival order.
@@ -638,7 +721,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._wait_until(lambda: len(self._arrivals) >= target, timeout, f"recv: fewer than {target} envs answered")
         ids = [self._arrivals[k] for k in range(target)]
         rows = np.asarray(ids, dtype=np.int64)
-        commands = [self._workers[i].pending.command for i in ids]
+        commands = [self._slots[i].command for i in ids]
         results = self._deliver(ids)
         rewards = np.zeros(target, dtype=np.float64)
         terminations = np.zeros(target, dtype=np.bool_)
@@ -671,6 +754,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._assert_idle("call_async")
         for i in range(self.num_envs):
             self._send(i, "call", (name, args, kwargs))
+        self._flush()
         self._state = _LockstepState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
@@ -680,12 +764,13 @@ class AsyncLLMVectorEnv(VectorEnv):
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", "call")
         return self._finish_calls("call", timeout)
 
-    def _finish_calls(self, command: str, timeout: float | None) -> tuple[Any, ...]:
-        ids = list(range(self.num_envs))
+    def _finish_calls(self, command: str, timeout: float | None, ids: list[int] | None = None) -> tuple[Any, ...]:
+        ids = list(range(self.num_envs)) if ids is None else ids
+        self._flush()
         self._collect(ids, timeout)  # on timeout the call stays pending: call_wait again
         results = self._deliver(ids)
         self._state = _LockstepState.DEFAULT
-        for index, result in enumerate(results):
+        for index, result in zip(ids, results):
             if isinstance(result, _CallFailure):
                 raise self._error_from_payload(index, command, result.payload)
         return tuple(results)
@@ -728,35 +813,27 @@ class AsyncLLMVectorEnv(VectorEnv):
     @property
     def in_flight(self) -> list[int]:
         """Ids of the envs that were sent a command whose answer ``recv`` has not returned yet."""
-        return [i for i, w in enumerate(self._workers) if w.pending is not None]
+        return [i for i, slot in enumerate(self._slots) if slot.command is not None]
 
     @property
     def restarts(self) -> list[int]:
-        """How many times each worker was rebuilt after a fault."""
-        return [w.restarts for w in self._workers]
+        """How many times each env was rebuilt after a fault."""
+        return [slot.restarts for slot in self._slots]
 
     @property
     def worker_pids(self) -> list[int | None]:
-        """Process ids of the live workers (for monitoring and fault tests)."""
-        return [w.process.pid for w in self._workers]
+        """Process id of each env's worker (envs of one worker share it), for monitoring and fault tests."""
+        return [self._transport.pid(slot.worker) for slot in self._slots]
+
+    @property
+    def worker_nodes(self) -> list[str | None]:
+        """The cluster node of each env's worker (``None`` for worker processes on this machine)."""
+        return [self._transport.node(slot.worker) for slot in self._slots]
 
     def close_extras(self, timeout: float | None = 5.0, terminate: bool = False) -> None:
         """Stops every worker; kills any that does not stop within ``timeout`` seconds."""
-        workers = getattr(self, "_workers", [])
-        if not terminate:
-            for worker in workers:
-                if worker.process.is_alive() and not worker.pipe.closed:
-                    try:
-                        worker.pipe.send(("close", None))
-                    except (BrokenPipeError, OSError):
-                        pass
-        deadline = None if timeout is None and not terminate else time.monotonic() + (0.0 if terminate else timeout)
-        for worker in workers:
-            worker.process.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join(timeout=5.0)
-            worker.pipe.close()
+        if self._transport is not None:
+            self._transport.close(timeout, terminate)
         self._state = _LockstepState.DEFAULT
 
     def close(self, **kwargs: Any) -> None:

@@ -1,27 +1,278 @@
-"""The loop each sub-environment runs in its own process.
+"""What a worker runs: a sub-vector of envs (``EnvGroup``) answering the vector env's commands.
 
-Protocol: the parent sends ``(command, payload)`` tuples over a pipe; the worker answers each
-with ``(True, result)`` or ``(False, (exc_type_name, message, traceback, pickled_exception))``.
-Observations of fixed-shape spaces are written to shared memory and sent as ``None``.
+One ``EnvGroup`` is shared by every transport: a worker process (:func:`run_worker`, over a
+pipe) and a Ray actor (``asyncvec.distributed.ray_env``) both host an ``EnvGroup`` and hand it
+whole messages. A message is a list of ``(local_index, command, payload)`` items, one per env,
+and its answer is a list with one result per item, in the same order, so a worker hosting
+several envs costs one round trip per message, not one per env.
+
+Commands (per env):
+
+* ``"step"``: the action; answers ``(obs, reward, terminated, truncated, info)`` and applies
+  the autoreset mode (as ``gymnasium.vector.SyncVectorEnv`` does).
+* ``"reset"``: ``{"seed": ..., "options": ...}``; answers ``(obs, info)``.
+* ``"restart"``: ``{"rebuild": bool, "then": "truncate" | "autoreset" | "reset", "arg": ...}``;
+  rebuilds the env from its function if asked, then ends the episode that the fault
+  interrupted as truncated (``arg`` = the last observation the caller saw), or runs the
+  NEXT_STEP reset step, or resets with ``arg`` as keyword arguments.
+* ``"call"`` ``(name, args, kwargs)``, ``"setattr"`` ``(name, value)``,
+  ``"check_spaces"`` ``(observation_mode, observation_space, action_space)``,
+  ``"spaces"`` (answers the env's spaces, metadata and render mode).
+
+An env that raises does not stop the others: its item answers :class:`EnvFailure`.
+Observations of fixed-shape spaces are written to shared memory once the whole message is
+done (so a worker that dies mid-message never leaves a half-published row) and answered as
+``None``.
 """
 
 from __future__ import annotations
 
+import copyreg
+import io
 import os
 import pickle
 import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
+import numpy as np
+from gymnasium import Env
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
-from gymnasium.vector.utils import write_to_shared_memory
+from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
-# How often a worker checks that its parent is still alive.
+# How often a worker process checks that its parent is still alive.
 _PARENT_CHECK_S = 1.0
+IDLE = -1  # the value of a worker's "current env" marker between messages
+
+
+@dataclass(frozen=True)
+class EnvFailure:
+    """One env raised while handling its item: ``(exc_type, message, traceback, pickled exception)``."""
+
+    payload: tuple[str, str, str, bytes | None]
+
+
+@dataclass(frozen=True)
+class BuildFailure:
+    """The worker could not build the env at ``position`` of its group."""
+
+    position: int
+    payload: tuple[str, str, str, bytes | None]
+
+
+_NUMPY_SCALARS = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+_NUMPY_SCALARS += (np.float16, np.float32, np.float64)
+
+
+def _reduce_numpy_scalar(value: np.generic) -> tuple:
+    return type(value), (value.item(),)
+
+
+class _MessagePickler(pickle.Pickler):
+    """Pickles numpy scalars as ``type(value.item())``: ~4x cheaper than numpy's own reduce.
+
+    Actions from ``gymnasium.vector.utils.iterate`` are numpy scalars (``np.int64`` for
+    Discrete), and pickling them dominated the cost of a message to a worker.
+    """
+
+    dispatch_table = {**copyreg.dispatch_table, **dict.fromkeys(_NUMPY_SCALARS, _reduce_numpy_scalar)}
+
+
+def dumps(message: Any) -> bytes:
+    """Serializes a message for a pipe (see :class:`_MessagePickler`); ``pickle.loads`` reads it."""
+    buffer = io.BytesIO()
+    _MessagePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getvalue()
+
+
+def error_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
+    """An exception as plain data that crosses any transport, the original pickled when possible."""
+    try:
+        pickled = pickle.dumps(exc)
+    except Exception:
+        pickled = None
+    return type(exc).__name__, str(exc), traceback.format_exc(), pickled
+
+
+class EnvGroup:
+    """The envs one worker hosts, and how they answer a message (see the module docstring).
+
+    Args:
+        env_fns: the functions that build this worker's envs.
+        indices: each env's index in the vector env (names the env in shared memory).
+        autoreset_mode: the vector env's autoreset mode.
+        shared_memory: gymnasium shared memory for fixed-shape observations, or ``None``;
+            ``(buffer, num_envs)``, the buffer as made by ``create_shared_memory``.
+        marker: optional ``(array, slot)``: ``array[slot]`` holds the index of the env being
+            worked on (``IDLE`` between messages), so the parent can name the env that hung or
+            killed the worker.
+
+    Raises:
+        BuildFailureError: an env function raised (``.failure`` says which one and why).
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], Env]],
+        indices: Sequence[int],
+        autoreset_mode: AutoresetMode,
+        shared_memory: Any = None,
+        marker: tuple[Any, int] | None = None,
+    ) -> None:
+        self.env_fns = list(env_fns)
+        self.indices = list(indices)
+        self.autoreset_mode = AutoresetMode(autoreset_mode)
+        self.shared_memory = shared_memory
+        self._rows = None  # numpy views of the shared observation rows, made once
+        self.marker, self.slot = marker if marker is not None else (None, 0)
+        self.envs: list[Env] = []
+        for position, fn in enumerate(self.env_fns):
+            self._mark(position)
+            try:
+                self.envs.append(fn())
+            except BaseException as exc:
+                self.close()
+                raise BuildFailureError(BuildFailure(position, error_payload(exc))) from exc
+        self._mark(None)
+        self.autoreset = [False] * len(self.envs)  # NEXT_STEP: the env's next "step" resets it
+
+    def _mark(self, position: int | None) -> None:
+        if self.marker is not None:
+            self.marker[self.slot] = IDLE if position is None else self.indices[position]
+
+    def handle(self, items: Sequence[tuple[int, str, Any]]) -> list[Any]:
+        """Runs every item of one message; one result (or :class:`EnvFailure`) per item."""
+        results: list[Any] = []
+        published: list[tuple[int, int]] = []  # (result slot, env position) whose obs goes to shared memory
+        for position, command, payload in items:
+            self._mark(position)
+            try:
+                result = self._run(position, command, payload)
+            except Exception as exc:
+                result = EnvFailure(error_payload(exc))
+            else:
+                if self.shared_memory is not None and command in ("step", "reset", "restart"):
+                    published.append((len(results), position))
+            results.append(result)
+        self._mark(None)
+        if published:
+            if self._rows is None:
+                buffer, num_envs = self.shared_memory
+                self._rows = read_from_shared_memory(self.envs[0].observation_space, buffer, n=num_envs)
+            for slot, position in published:
+                result = results[slot]
+                try:
+                    _write_row(self._rows, self.indices[position], result[0])
+                except Exception as exc:
+                    results[slot] = EnvFailure(error_payload(exc))
+                else:
+                    results[slot] = (None, *result[1:])
+        return results
+
+    def _run(self, position: int, command: str, payload: Any) -> Any:
+        env = self.envs[position]
+        if command == "step":
+            return self._step(position, payload)
+        if command == "reset":
+            observation, info = env.reset(**payload)
+            self.autoreset[position] = False
+            return observation, info
+        if command == "restart":
+            return self._restart(position, **payload)
+        if command == "call":
+            name, args, kwargs = payload
+            attr = env.get_wrapper_attr(name)
+            return attr(*args, **kwargs) if callable(attr) else attr
+        if command == "setattr":
+            name, value = payload
+            env.set_wrapper_attr(name, value)
+            return None
+        if command == "check_spaces":
+            observation_mode, single_observation_space, single_action_space = payload
+            same_obs = (
+                single_observation_space == env.observation_space
+                if observation_mode == "same"
+                else is_space_dtype_shape_equiv(single_observation_space, env.observation_space)
+            )
+            return same_obs, single_action_space == env.action_space
+        if command == "spaces":
+            return env.observation_space, env.action_space, dict(env.metadata), env.render_mode
+        raise RuntimeError(f"unknown worker command {command!r}")
+
+    def _step(self, position: int, action: Any) -> tuple:
+        env = self.envs[position]
+        if self.autoreset_mode == AutoresetMode.NEXT_STEP and self.autoreset[position]:
+            observation, info = env.reset()
+            reward, terminated, truncated = 0.0, False, False
+        else:
+            observation, reward, terminated, truncated, info = env.step(action)
+            if self.autoreset_mode == AutoresetMode.SAME_STEP and (terminated or truncated):
+                final_observation, final_info = observation, info
+                observation, reset_info = env.reset()
+                info = {"final_obs": final_observation, "final_info": final_info, **reset_info}
+        self.autoreset[position] = bool(terminated or truncated)
+        return observation, reward, terminated, truncated, info
+
+    def _restart(self, position: int, rebuild: bool, then: str, arg: Any) -> Any:
+        if rebuild:
+            try:
+                self.envs[position].close()
+            except Exception:
+                pass  # the env is being replaced because it failed
+            self.envs[position] = self.env_fns[position]()
+            self.autoreset[position] = False
+        if then == "reset":
+            return self._run(position, "reset", arg)
+        if then == "autoreset":  # the episode had ended: this step is NEXT_STEP's reset step
+            self.autoreset[position] = True
+            return self._step(position, None)
+        # "truncate": the interrupted episode ends at the last observation the caller saw.
+        if self.autoreset_mode == AutoresetMode.SAME_STEP:
+            observation, reset_info = self.envs[position].reset()
+            return observation, 0.0, False, True, {"final_obs": arg, "final_info": {}, **reset_info}
+        self.autoreset[position] = True
+        return arg, 0.0, False, True, {}
+
+    def close(self) -> None:
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception:
+                pass
+        self.envs = []
+
+
+class BuildFailureError(Exception):
+    """Raised by :class:`EnvGroup` when an env function fails; carries a :class:`BuildFailure`."""
+
+    def __init__(self, failure: BuildFailure) -> None:
+        self.failure = failure
+        super().__init__(f"env at position {failure.position} failed to build: {failure.payload[0]}: {failure.payload[1]}")
+
+
+def _write_row(rows: Any, index: int, value: Any) -> None:
+    """Writes one observation into row ``index`` of the shared views (nested dicts / tuples of arrays).
+
+    Unlike numpy assignment it never broadcasts: an observation of the wrong shape is an error.
+    """
+    if isinstance(rows, dict):
+        for key, sub_rows in rows.items():
+            _write_row(sub_rows, index, value[key])
+        return
+    if isinstance(rows, tuple):
+        for sub_rows, sub_value in zip(rows, value):
+            _write_row(sub_rows, index, sub_value)
+        return
+    value = np.asarray(value)
+    if value.shape != rows.shape[1:]:
+        raise ValueError(f"observation of env {index} has shape {value.shape}, expected {rows.shape[1:]}")
+    rows[index] = value
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -36,97 +287,43 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(0)
 
 
-def _error_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
-    try:
-        pickled = pickle.dumps(exc)
-    except Exception:
-        pickled = None
-    return type(exc).__name__, str(exc), traceback.format_exc(), pickled
-
-
 def run_worker(
-    index: int,
-    env_fn: Callable[[], Any],
+    env_fns: Sequence[Callable[[], Env]],
+    indices: Sequence[int],
     pipe: Connection,
     parent_pipe: Connection | None,
     shared_memory: Any,
     autoreset_mode: AutoresetMode,
-    needs_reset: bool,
+    marker: tuple[Any, int],
     parent_pid: int,
 ) -> None:
-    """Build the env and serve commands until ``close`` or the parent disappears."""
+    """A worker process: builds its envs, answers ``(True, results)`` per message until ``None`` (close).
+
+    Messages travel as bytes made by :func:`dumps`.
+
+    A failure to build answers ``(False, BuildFailure)`` and exits.
+    """
     # Ctrl-C reaches the whole process group; the parent decides how to shut workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent_pipe is not None:
         parent_pipe.close()
-    env = None
     try:
-        env = env_fn()
-    except BaseException as exc:  # report the failure to build the env, then exit
-        pipe.send((False, _error_payload(exc)))
+        group = EnvGroup(env_fns, indices, autoreset_mode, shared_memory, marker)
+    except BuildFailureError as exc:
+        pipe.send_bytes(dumps((False, exc.failure)))
         pipe.close()
         return
-    pipe.send((True, None))  # ready
+    pipe.send_bytes(dumps((True, None)))  # ready
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-
-    observation_space = env.observation_space
-    autoreset = needs_reset  # NEXT_STEP: the next "step" command resets instead
-
-    def publish(observation: Any) -> Any:
-        if shared_memory is None:
-            return observation
-        write_to_shared_memory(observation_space, index, observation, shared_memory)
-        return None
-
     try:
         while True:
-            command, data = pipe.recv()
-            try:
-                if command == "step":
-                    if autoreset_mode == AutoresetMode.NEXT_STEP and autoreset:
-                        observation, info = env.reset()
-                        reward, terminated, truncated = 0.0, False, False
-                    else:
-                        observation, reward, terminated, truncated, info = env.step(data)
-                        if autoreset_mode == AutoresetMode.SAME_STEP and (terminated or truncated):
-                            final_observation, final_info = observation, info
-                            observation, reset_info = env.reset()
-                            info = {"final_obs": final_observation, "final_info": final_info, **reset_info}
-                    autoreset = bool(terminated or truncated)
-                    pipe.send((True, (publish(observation), reward, terminated, truncated, info)))
-                elif command == "reset":
-                    observation, info = env.reset(**data)
-                    autoreset = False
-                    pipe.send((True, (publish(observation), info)))
-                elif command == "call":
-                    name, args, kwargs = data
-                    attr = env.get_wrapper_attr(name)
-                    pipe.send((True, attr(*args, **kwargs) if callable(attr) else attr))
-                elif command == "setattr":
-                    name, value = data
-                    env.set_wrapper_attr(name, value)
-                    pipe.send((True, None))
-                elif command == "check_spaces":
-                    observation_mode, single_observation_space, single_action_space = data
-                    same_obs = (
-                        single_observation_space == observation_space
-                        if observation_mode == "same"
-                        else is_space_dtype_shape_equiv(single_observation_space, observation_space)
-                    )
-                    pipe.send((True, (same_obs, single_action_space == env.action_space)))
-                elif command == "close":
-                    pipe.send((True, None))
-                    return
-                else:
-                    raise RuntimeError(f"unknown worker command {command!r}")
-            except Exception as exc:
-                pipe.send((False, _error_payload(exc)))
+            message = pickle.loads(pipe.recv_bytes())
+            if message is None:
+                pipe.send_bytes(dumps((True, None)))
+                return
+            pipe.send_bytes(dumps((True, group.handle(message))))
     except (EOFError, BrokenPipeError, OSError):
         return  # the parent went away
     finally:
-        if env is not None:
-            try:
-                env.close()
-            except Exception:
-                pass
+        group.close()
         pipe.close()

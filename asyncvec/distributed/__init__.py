@@ -1,0 +1,40 @@
+"""Scale-out on Ray: env workers as actors, routing over several inference replicas,
+collectors on several nodes.
+
+Names are imported lazily: ``import asyncvec.distributed`` imports neither Ray nor torch.
+
+Example:
+    >>> from asyncvec.distributed import RoutedPolicy
+    >>> RoutedPolicy.__name__
+    'RoutedPolicy'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_LAZY = {
+    "RoutedPolicy": "asyncvec.distributed.router",
+    "EndpointStats": "asyncvec.distributed.router",
+    "RayPolicy": "asyncvec.distributed.ray_policy",
+    "connect": "asyncvec.distributed.runtime",
+    "RayCollectors": "asyncvec.distributed.collection",
+    "DistributedCollector": "asyncvec.distributed.collection",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncvec.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

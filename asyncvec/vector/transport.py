@@ -1,0 +1,241 @@
+"""How the vector env reaches its workers: a ``Backend`` builds a ``Transport`` of messages.
+
+``AsyncLLMVectorEnv`` holds the semantics (lockstep and partial-batch APIs, autoreset, restarts,
+timeouts, action checks); a transport only moves messages to the workers and back and
+restarts a worker when asked. Two transports exist: :class:`ProcessTransport` (worker
+processes on this machine, pipes and shared memory) and the Ray transport in
+``asyncvec.distributed.ray_env`` (Ray actors, on any node of a cluster). Both host an
+:class:`~asyncvec.vector.worker.EnvGroup` per worker.
+
+A worker answers its messages in the order they were sent, so each worker is a FIFO: the
+vector env may send a worker a second message before the first is answered.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any
+
+from gymnasium import Env, Space
+from gymnasium.vector.utils import CloudpickleWrapper, clear_mpi_env_vars, create_shared_memory
+from gymnasium.vector.vector_env import AutoresetMode
+
+from asyncvec.vector.worker import IDLE, dumps, run_worker
+
+__all__ = ["Backend", "ProcessBackend", "ProcessTransport", "Transport", "WorkerSpec"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every transport needs to start the workers.
+
+    Attributes:
+        env_fns: one function per env of the vector env.
+        groups: the env indices each worker hosts (``groups[w]``), contiguous and in order.
+        autoreset_mode: the vector env's autoreset mode, applied inside the workers.
+        shared_memory: the buffer made by :meth:`Backend.create_shared_memory`, or ``None``.
+    """
+
+    env_fns: Sequence[Callable[[], Env]]
+    groups: Sequence[Sequence[int]]
+    autoreset_mode: AutoresetMode
+    shared_memory: Any = None
+
+    @property
+    def num_envs(self) -> int:
+        return len(self.env_fns)
+
+
+class Transport(ABC):
+    """Moves messages between the vector env and its workers (see the module docstring).
+
+    A reply is ``(True, results)`` (one result per item of the message) or ``(False, payload)``
+    when the worker is gone: ``payload = (exc_type, message, traceback, pickled)``.
+    """
+
+    @abstractmethod
+    def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
+        """Waits until ``worker`` has built its envs: ``(True, None)``, or ``(False, BuildFailure | payload)``."""
+
+    @abstractmethod
+    def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
+        """Sends one message; never blocks on the worker and never raises for a dead one."""
+
+    @abstractmethod
+    def wait(self, workers: Sequence[int], timeout: float | None) -> list[int]:
+        """Those of ``workers`` (each with a message outstanding) whose next reply is ready."""
+
+    @abstractmethod
+    def read(self, worker: int) -> tuple[bool, Any]:
+        """The worker's next reply, blocking; a dead worker reads as ``(False, payload)``, never as a hang."""
+
+    def read_many(self, workers: Sequence[int]) -> list[tuple[bool, Any]]:
+        """:meth:`read` for several workers (a transport may fetch them in one call)."""
+        return [self.read(worker) for worker in workers]
+
+    @abstractmethod
+    def kill(self, worker: int) -> None:
+        """Stops a hung worker at once; its outstanding messages are lost."""
+
+    @abstractmethod
+    def restart(self, worker: int) -> None:
+        """Brings back a worker that died or was killed (fresh envs); :meth:`await_ready` follows."""
+
+    def culprit(self, worker: int) -> int | None:
+        """The env the worker was working on when it died or hung, if the transport can tell."""
+        return None
+
+    @abstractmethod
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        """Stops every worker (killing those that do not stop within ``timeout``)."""
+
+    def pid(self, worker: int) -> int | None:
+        """The worker's process id, if known."""
+        return None
+
+    def node(self, worker: int) -> str | None:
+        """The cluster node the worker runs on (``None`` for this machine)."""
+        return None
+
+
+class Backend(ABC):
+    """Builds the transport of a vector env; pass one as ``AsyncLLMVectorEnv(backend=...)``."""
+
+    #: Whether the workers run on this machine (then the parent builds one throwaway env to
+    #: read the spaces, and fixed-shape observations may travel through shared memory).
+    local: bool = True
+
+    def create_shared_memory(self, space: Space, n: int) -> Any:
+        """Shared memory for ``n`` observations of ``space``, or ``None`` when the workers cannot reach it."""
+        return None
+
+    @abstractmethod
+    def create(self, spec: WorkerSpec) -> Transport:
+        """Starts the workers (without waiting for them) and returns their transport."""
+
+
+@dataclass
+class ProcessBackend(Backend):
+    """Worker processes on this machine (the default backend).
+
+    Args:
+        context: multiprocessing start method (``"fork"``, ``"spawn"``, ``"forkserver"``).
+        daemon: start workers as daemon processes.
+    """
+
+    context: str | None = None
+    daemon: bool = True
+
+    def __post_init__(self) -> None:
+        self._ctx = multiprocessing.get_context(self.context)
+
+    def create_shared_memory(self, space: Space, n: int) -> Any:
+        return create_shared_memory(space, n=n, ctx=self._ctx)
+
+    def create(self, spec: WorkerSpec) -> ProcessTransport:
+        return ProcessTransport(spec, self._ctx, self.daemon)
+
+
+class ProcessTransport(Transport):
+    """One process per worker, a pipe each, fixed-shape observations in shared memory."""
+
+    def __init__(self, spec: WorkerSpec, ctx: Any, daemon: bool) -> None:
+        self.spec = spec
+        self._ctx = ctx
+        self._daemon = daemon
+        # Which env each worker is working on: names the env that hung or killed its worker.
+        self._marker = ctx.RawArray("i", [IDLE] * len(spec.groups))
+        self._processes: list[Any] = [None] * len(spec.groups)
+        self._pipes: list[Any] = [None] * len(spec.groups)
+        with clear_mpi_env_vars():
+            for worker in range(len(spec.groups)):
+                self._start(worker)
+
+    def _start(self, worker: int) -> None:
+        indices = list(self.spec.groups[worker])
+        parent_pipe, child_pipe = self._ctx.Pipe()
+        process = self._ctx.Process(
+            target=run_worker,
+            name=f"Worker<AsyncLLMVectorEnv>-{worker}",
+            args=(
+                [CloudpickleWrapper(self.spec.env_fns[i]) for i in indices],
+                indices,
+                child_pipe,
+                parent_pipe,
+                None if self.spec.shared_memory is None else (self.spec.shared_memory, self.spec.num_envs),
+                self.spec.autoreset_mode,
+                (self._marker, worker),
+                os.getpid(),
+            ),
+            daemon=self._daemon,
+        )
+        self._marker[worker] = IDLE
+        process.start()
+        child_pipe.close()
+        self._processes[worker], self._pipes[worker] = process, parent_pipe
+
+    def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
+        if not self._pipes[worker].poll(timeout):
+            return False, ("StartTimeout", f"the worker did not build its envs within {timeout} s", "", None)
+        return self.read(worker)
+
+    def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
+        try:
+            self._pipes[worker].send_bytes(dumps(message))
+        except (BrokenPipeError, OSError):
+            pass  # the next read sees EOF and reports the dead worker
+
+    def wait(self, workers: Sequence[int], timeout: float | None) -> list[int]:
+        by_pipe = {self._pipes[w]: w for w in workers}
+        return [by_pipe[pipe] for pipe in wait(list(by_pipe), timeout=timeout)]
+
+    def read(self, worker: int) -> tuple[bool, Any]:
+        try:
+            return pickle.loads(self._pipes[worker].recv_bytes())
+        except (EOFError, OSError, ConnectionResetError):
+            process = self._processes[worker]
+            process.join(timeout=1.0)
+            code = process.exitcode
+            how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            return False, ("WorkerDied", f"worker process died ({how})", "", None)
+
+    def culprit(self, worker: int) -> int | None:
+        index = self._marker[worker]
+        return None if index == IDLE else int(index)
+
+    def kill(self, worker: int) -> None:
+        process = self._processes[worker]
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=5.0)
+        self._pipes[worker].close()
+
+    def restart(self, worker: int) -> None:
+        self.kill(worker)
+        with clear_mpi_env_vars():
+            self._start(worker)
+
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        started = [w for w, p in enumerate(self._processes) if p is not None]
+        if not terminate:
+            for w in started:
+                if self._processes[w].is_alive() and not self._pipes[w].closed:
+                    self.send(w, None)
+        deadline = None if timeout is None and not terminate else time.monotonic() + (0.0 if terminate else timeout)
+        for w in started:
+            process = self._processes[w]
+            process.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5.0)
+            self._pipes[w].close()
+
+    def pid(self, worker: int) -> int | None:
+        return self._processes[worker].pid
