@@ -31,7 +31,7 @@ setup(
         "sb3": ["stable-baselines3>=2.3"],
         "test": HF
         + SERVE
-        + ["stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
+        + ["stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7", "torchrl>=0.14,<0.15"],
     },
     entry_points={"console_scripts": ["asyncvec=asyncvec.cli:main"]},
 )
