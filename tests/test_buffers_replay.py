@@ -576,3 +576,20 @@ def test_validate_checks_values_on_the_first_add_or_always(validate: str) -> Non
         buffer.add(obs, *args, obs, flags, flags, -1)
     with pytest.raises(ValueError, match="validate"):
         ReplayBuffer(8, spaces.Discrete(2), spaces.Discrete(2), validate="never")
+
+
+@settings(max_examples=40, deadline=None)
+@given(capacity=st.integers(1, 40), ranges=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 8), st.integers(0, 9)), max_size=10))
+def test_sum_tree_deferred_ranges_equal_immediate_updates(capacity: int, ranges) -> None:
+    """set_range (ancestors deferred to the next read) ends in the same tree as update."""
+    deferred, immediate = SumTree(capacity), SumTree(capacity)
+    for start, length, value in ranges:
+        start = start % capacity
+        stop = min(start + length, capacity)
+        deferred.set_range(start, stop, float(value))
+        immediate.update(np.arange(start, stop), np.full(stop - start, float(value)))
+        if value % 3 == 0:  # read in between sometimes: flushes the pending range
+            assert deferred.total == immediate.total
+    assert deferred.total == immediate.total and deferred.min == immediate.min
+    prefixes = np.linspace(0, immediate.total, 17, endpoint=False)
+    np.testing.assert_array_equal(deferred.find(prefixes), immediate.find(prefixes))

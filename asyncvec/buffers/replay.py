@@ -501,9 +501,7 @@ class ReplayBuffer:
             elif fallback_flags:
                 self._fallback_count += kept
             if self.prioritized:
-                priority = self._max_priority**self.alpha
-                self._columns["priority"][slots] = priority
-                self._set_tree_priorities(slots, priority)
+                self._add_priorities(position, kept, head, fallback_flags)
             self._added = end
             self._values_checked = True
             self._adds_since_commit += 1
@@ -618,6 +616,18 @@ class ReplayBuffer:
             as_column("episode_id", episode_id, n, np.int64),
             as_column("fallback", fallback, n, np.bool_),
         ]
+
+    def _add_priorities(self, position: int, kept: int, head: int, fallback_flags: Any) -> None:
+        """New samples get the largest priority seen so far, in the column and the sum-tree
+        (consecutive slots: the tree defers their ancestors to the next sample)."""
+        assert self._tree is not None
+        priority = self._max_priority**self.alpha
+        no_fallbacks = fallback_flags is _SKIP or (type(fallback_flags) is not np.ndarray and not fallback_flags)
+        for start, stop in ((position, position + head), (0, kept - head)):
+            if stop > start:
+                self._columns["priority"][start:stop] = priority
+                leaves = priority if no_fallbacks else np.where(self._columns["fallback"][start:stop], 0.0, priority)
+                self._tree.set_range(start, stop, leaves)
 
     def _set_tree_priorities(self, slots: np.ndarray, priorities: Any) -> None:
         """Mirror ``p ** alpha`` of ``slots`` into the sum-tree, with 0 for fallback samples.

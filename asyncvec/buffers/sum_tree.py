@@ -8,6 +8,10 @@ minimum, so the total and the smallest positive priority are read at the root in
 * ``update(indices, values)`` sets leaves and recomputes their ancestors, one tree level at
   a time for the whole batch: O(k log n) for k leaves. Sums are recomputed from the children
   (never adjusted by deltas), so rounding errors do not accumulate over many updates.
+* ``set_range(start, values)`` sets consecutive leaves (what a ring buffer's add writes) and
+  defers their ancestors: consecutive ranges merge, and the next read recomputes the merged
+  range's ancestors with one slice operation per level, so many small adds between two
+  samples cost one O(log n) pass instead of one each.
 * ``find(prefix)`` walks from the root to the leaf whose cumulative range contains each
   prefix value, one level at a time for the whole batch: O(k log n). With exact arithmetic
   it returns ``searchsorted(cumsum(leaves), prefix, side="right")``: the leaf ``i`` with
@@ -51,15 +55,18 @@ class SumTree:
         self.depth = self.size.bit_length() - 1  # levels below the root
         self._sum = np.zeros(2 * self.size, dtype=np.float64)
         self._min = np.full(2 * self.size, np.inf, dtype=np.float64)
+        self._dirty: tuple[int, int] | None = None  # leaves [lo, hi) whose ancestors are stale
 
     @property
     def total(self) -> float:
         """Sum of all leaves."""
+        self._flush()
         return float(self._sum[1])
 
     @property
     def min(self) -> float:
         """Smallest positive leaf (``inf`` when every leaf is 0)."""
+        self._flush()
         return float(self._min[1])
 
     def values(self, indices: Any = None) -> np.ndarray:
@@ -87,10 +94,39 @@ class SumTree:
         if indices.size > 1:  # keep the last value of a repeated index
             indices, last = np.unique(indices[::-1], return_index=True)
             values = values[::-1][last]
+        self._flush()
         nodes = indices + self.size
         self._sum[nodes] = values
         self._min[nodes] = np.where(values > 0, values, np.inf)
         self._propagate(nodes)
+
+    def set_range(self, start: int, stop: int, values: float | np.ndarray) -> None:
+        """Set the consecutive leaves ``start .. stop - 1`` (no wrap-around) to ``values``, one
+        number or an array of ``stop - start``; their ancestors are updated at the next read
+        (see the module docstring). Values are not checked: they must be finite and >= 0."""
+        if not 0 <= start <= stop <= self.capacity:
+            raise ValueError(f"set_range: leaves {start}..{stop - 1} are outside 0..{self.capacity - 1}")
+        if self._dirty is not None and (stop < self._dirty[0] or start > self._dirty[1]):
+            self._flush()  # not adjacent to the pending range: settle that one first
+        leaves = slice(self.size + start, self.size + stop)
+        self._sum[leaves] = values
+        if type(values) is np.ndarray:
+            self._min[leaves] = np.where(values > 0, values, np.inf)
+        else:
+            self._min[leaves] = values if values > 0 else np.inf
+        self._dirty = (start, stop) if self._dirty is None else (min(start, self._dirty[0]), max(stop, self._dirty[1]))
+
+    def _flush(self) -> None:
+        """Recompute the ancestors of the pending range, one slice per level."""
+        if self._dirty is None:
+            return
+        lo, hi = self._dirty[0] + self.size, self._dirty[1] + self.size  # nodes [lo, hi)
+        self._dirty = None
+        while lo > 1:
+            lo, hi = lo // 2, (hi - 1) // 2 + 1  # the parents of [lo, hi)
+            left, right = slice(2 * lo, 2 * hi, 2), slice(2 * lo + 1, 2 * hi + 1, 2)
+            self._sum[lo:hi] = self._sum[left] + self._sum[right]
+            self._min[lo:hi] = np.minimum(self._min[left], self._min[right])
 
     def _propagate(self, nodes: np.ndarray) -> None:
         for _ in range(self.depth):
@@ -106,6 +142,7 @@ class SumTree:
             raise ValueError(f"values: expected shape ({self.capacity},), got {values.shape}")
         if not (np.isfinite(values).all() and (values.size == 0 or values.min() >= 0)):
             raise ValueError("values: expected finite numbers >= 0")
+        self._dirty = None
         self._sum[:] = 0.0
         self._min[:] = np.inf
         self._sum[self.size : self.size + self.capacity] = values
@@ -119,6 +156,7 @@ class SumTree:
 
     def find(self, prefix: Any) -> np.ndarray:
         """For each prefix value ``v`` in ``[0, total)``, the leaf whose cumulative range holds it."""
+        self._flush()
         remaining = np.array(prefix, dtype=np.float64, copy=True).reshape(-1)
         nodes = np.ones(remaining.shape, dtype=np.int64)
         for _ in range(self.depth):
