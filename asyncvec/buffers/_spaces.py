@@ -9,7 +9,7 @@ shape and dtype; Text is stored as int32 indices into its character set, padded 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,10 +43,10 @@ class Leaf:
     # unbounded). Scalars when every element shares them (one min/max reduction per batch).
     low: Any = None
     high: Any = None
+    is_text: bool = field(init=False, default=False)
 
-    @property
-    def is_text(self) -> bool:
-        return isinstance(self.space, spaces.Text)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_text", isinstance(self.space, spaces.Text))  # read on every add
 
     def quick_check(self, array: Any, n: int, check_values: bool = True) -> bool:
         """Whether ``array`` is a batch of ``n`` members, checked with a few whole-batch numpy
@@ -56,13 +56,11 @@ class Leaf:
         values (with ``check_values``) lie within the bounds; NaN fails every comparison, so
         it never passes. Text leaves are never quick.
         """
-        if type(array) is not np.ndarray or array.dtype != self.dtype or array.shape != (n, *self.shape):
+        if type(array) is not np.ndarray or array.dtype != self.dtype or self.is_text or array.shape != (n, *self.shape):
             return False
-        low, high = self.low, self.high
-        if low is None and high is None:
-            return False  # Text: no numeric bounds
-        if not check_values or self.dtype_is_space or array.size == 0:
+        if not check_values or self.dtype_is_space or n == 0:
             return True
+        low, high = self.low, self.high
         if type(low) is not np.ndarray and type(high) is not np.ndarray:
             # Shared bounds: min and max decide (a NaN makes both NaN, and NaN compares False).
             return bool(array.min() >= low) and bool(array.max() <= high)
@@ -152,8 +150,7 @@ class SpaceCodec:
         which accepts more input (lists, lossless casts) and names what is wrong.
         """
         if self._single:
-            leaf = self.leaves[0]
-            return [value] if leaf.quick_check(value, n, check_values) else None
+            return [value] if self.leaves[0].quick_check(value, n, check_values) else None
         try:
             picked = [_pick(value, leaf, self.field) for leaf in self.leaves]
         except (ValueError, TypeError, KeyError, IndexError):

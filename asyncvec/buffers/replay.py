@@ -527,19 +527,20 @@ class ReplayBuffer:
         if n == 0 or n > self.capacity:
             return None
         check_values = self._validate_always or not self._values_checked
-        if reward.dtype != np.float32:
+        if reward.dtype != _FLOAT32:
             if reward.dtype.kind != "f":
                 return None
-            reward = reward.astype(np.float32)
+            reward = reward.astype(_FLOAT32)
         if check_values and not np.isfinite(reward).all():
             return None
+        shape = reward.shape
         if not (
             type(terminated) is np.ndarray
-            and terminated.dtype == np.bool_
-            and terminated.shape == reward.shape
+            and terminated.dtype == _BOOL
+            and terminated.shape == shape
             and type(truncated) is np.ndarray
-            and truncated.dtype == np.bool_
-            and truncated.shape == reward.shape
+            and truncated.dtype == _BOOL
+            and truncated.shape == shape
         ):
             return None
         obs_leaves = self._obs.quick_encode(obs, n, check_values)
