@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import tyro
 
-from agents.common import make_env_fn, make_policy
+from agents.common import make_env_fn, make_policy, make_vector_env
 from agents.ppo import PPO, Actor, TrainResult
 from agents.ppo import Args as PPOArgs
 from asyncvec.inference.batcher import fit_batch_cost
@@ -134,6 +134,9 @@ class Args:
     """where the tables and PNGs go (default benchmarks/results)"""
     progress: bool = False
     """progress bars of the PPO runs"""
+    diagnose: bool = False
+    """instead of training: measure the async collector alone (no learner) against c(1) + E[L],
+    with PPO's settings and with its waits turned down, to show what the overhead is"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,6 +280,69 @@ def calibrate_epochs(regime: Regime, stages: StageTimes, args: Args, probe_epoch
     per_epoch = statistics.median(times) / probe_epochs
     collect = regime.num_steps * (stages.policy_s(regime.num_envs) + stages.env_max_s)
     return int(np.clip(round(regime.learner_to_collect * collect / per_epoch), 2, 200))
+
+
+def measure_collector(regime: Regime, seconds: float, recv_batch: int, max_wait_ms: float | None) -> float:
+    """env-steps/s of the async ``Collector`` alone: no learner, every segment taken the moment
+    it is ready, so the only limits are the stages and the collector's own overheads.
+
+    ``recv_batch`` is the env's partial-batch size and ``max_wait_ms`` the policy server's wait
+    for a batch to fill (None: PPO's own server from ``make_policy``, which waits 2 ms).
+    """
+    from asyncvec import Collector, RolloutStore
+    from asyncvec.inference import LatencyModel, TorchPolicy
+
+    torch.manual_seed(0)
+    envs = make_vector_env(PPO_SETTINGS["env"], regime.num_envs, regime.env_latency_ms, batch_size=recv_batch,
+                           distribution=regime.env_latency_dist)
+    space, action_space = envs.single_observation_space, envs.single_action_space
+    actor = Actor(space.shape[0], action_space, regime.hidden)
+    if max_wait_ms is None:
+        policy = make_policy(actor, action_space, regime.num_envs, regime.policy_latency_ms)
+    else:
+        inner = TorchPolicy(actor, action_space, max_batch_size=regime.num_envs)
+        policy = LatencyModel(inner, a_ms=regime.policy_latency_ms, b_ms=0.0, max_batch_size=regime.num_envs,
+                              max_wait_ms=max_wait_ms, max_inflight_batches=4)
+    store = RolloutStore(regime.num_steps, regime.num_envs, space, action_space)
+    collector = Collector(envs, policy, store, seed=0).start()
+    try:
+        warmup_end = time.monotonic() + min(2.0, seconds / 2)
+        while time.monotonic() < warmup_end:
+            store.get(timeout=60)
+        segments, start = 0, time.monotonic()
+        while time.monotonic() - start < seconds:
+            store.get(timeout=60)
+            segments += 1
+        return segments * regime.num_steps * regime.num_envs / (time.monotonic() - start)
+    finally:
+        collector.stop()
+        policy.close()
+        envs.close()
+        store.close()
+
+
+def diagnose(keys: list[str], args: Args) -> str:
+    """What the async collector costs per env cycle, against the stage-time ideal ``c(1) + E[L]``:
+    PPO's settings, then each knob that adds waiting turned down."""
+    rows = []
+    for key in keys:
+        regime = REGIMES[key]
+        stages = calibrate(regime, args.calibration_s)
+        ideal = stages.policy_s(1) + stages.env_mean_s
+        variants = [
+            (f"PPO's: recv {max(1, regime.num_envs // 4)} envs, server waits 2 ms", max(1, regime.num_envs // 4), None),
+            ("recv 1 env, server waits 2 ms", 1, 2.0),
+            ("recv 1 env, server waits 0 ms", 1, 0.0),
+        ]
+        for name, recv_batch, max_wait in variants:
+            sps = measure_collector(regime, 4.0 if args.quick else 15.0, recv_batch, max_wait)
+            cycle = regime.num_envs / sps
+            rows.append([key, name, sps, regime.num_envs / ideal, ideal * 1e3, cycle * 1e3, (cycle - ideal) * 1e3,
+                         ideal / cycle])
+            print(f"[{key}] collector, {name}: {sps:.0f} steps/s, cycle {cycle * 1e3:.1f} ms vs ideal "
+                  f"{ideal * 1e3:.1f} ms ({machine_line()})", flush=True)
+    return markdown_table(["regime", "collector", "steps/s", "ideal steps/s", "ideal cycle c(1)+E[L] (ms)",
+                           "measured cycle (ms)", "overhead (ms)", "measured / ideal"], rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,6 +657,12 @@ def main(args: Args) -> list[Summary]:
     if unknown:
         raise SystemExit(f"unknown regimes {sorted(unknown)}; choose from a, b, c, d")
     print(f"Machine: {machine_line()}", flush=True)
+    if args.diagnose:
+        table = diagnose([k for k in args.regimes if k in REGIMES], args)
+        print(f"\nMachine: {machine_line()}\n\n{table}")
+        command = "python benchmarks/pipeline.py " + " ".join(sys.argv[1:])
+        save_report("pipeline_collector", table, out_dir=args.out_dir, command=command.strip())
+        return []
     summaries = run_regimes([k for k in args.regimes if k in REGIMES], args)
     llm = llm_regime(args) if "d" in args.regimes else None
     main_table, stage_table = tables(summaries, llm)

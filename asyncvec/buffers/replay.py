@@ -211,6 +211,12 @@ class ReplayBuffer:
         self._reward_index = self._write_names.index("reward")
         self._validate_always = validate == "always"
         self._values_checked = False  # becomes True after the first add (see validate)
+        # The dtypes of obs and action when each space is one plain array (the quick path's
+        # shortcut), and the batch shapes by batch size.
+        single = [codec.leaves[0] for codec in (self._obs, self._action) if len(codec.leaves) == 1]
+        plain = len(single) == 2 and all(not leaf.path and not leaf.is_text for leaf in single)
+        self._plain_leaves = (single[0].dtype, single[1].dtype) if plain else None
+        self._plain_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self._closed = False
@@ -472,27 +478,30 @@ class ReplayBuffer:
         with self._lock:
             if self._closed:
                 self._check_open()
-            columns = self._write_columns
-            if n > self.capacity:  # only the newest `capacity` rows can be kept (_checked_rows: all arrays)
-                values = [value[-self.capacity :] for value in values]
-            kept = min(n, self.capacity)
+            capacity = self.capacity
+            kept = n
+            if n > capacity:  # only the newest `capacity` rows can be kept (_checked_rows: all arrays)
+                values = [value[-capacity:] for value in values]
+                kept = capacity
             end = self._added + n
-            if end - self.capacity > self._oldest:
-                self._retire_before(end - self.capacity)
-            position = (end - kept) % self.capacity
-            head = min(kept, self.capacity - position)
-            if head == kept:
-                for column, value in zip(columns, values):
+            if end - capacity > self._oldest:
+                self._retire_before(end - capacity)
+            position = (end - kept) % capacity
+            stop = position + kept
+            if stop <= capacity:
+                for column, value in zip(self._write_columns, values):
                     if value is not _SKIP:
-                        column[position : position + kept] = value
-                slots = np.arange(position, position + kept)
+                        column[position:stop] = value
+                slots = np.arange(position, stop)
+                head = kept
             else:  # wrapped around the end of the ring
-                for column, value in zip(columns, values):
+                head = capacity - position
+                for column, value in zip(self._write_columns, values):
                     if value is not _SKIP:
                         is_array = type(value) is np.ndarray
                         column[position:] = value[:head] if is_array else value
                         column[: kept - head] = value[head:] if is_array else value
-                slots = np.concatenate((np.arange(position, self.capacity), np.arange(kept - head)))
+                slots = np.concatenate((np.arange(position, capacity), np.arange(kept - head)))
             fallback_flags = values[-1]
             if fallback_flags is _SKIP:
                 pass
@@ -504,9 +513,10 @@ class ReplayBuffer:
                 self._add_priorities(position, kept, head, fallback_flags)
             self._added = end
             self._values_checked = True
-            self._adds_since_commit += 1
-            if self.commit_every and self._adds_since_commit >= self.commit_every:
-                self._commit_locked()
+            if self._commit_log is not None:
+                self._adds_since_commit += 1
+                if self.commit_every and self._adds_since_commit >= self.commit_every:
+                    self._commit_locked()
         return slots
 
     def _quick_rows(
@@ -527,6 +537,32 @@ class ReplayBuffer:
         if n == 0 or n > self.capacity:
             return None
         check_values = self._validate_always or not self._values_checked
+        if self._plain_leaves is not None and not check_values:
+            # One array per space (no Dict/Tuple/Text): a handful of attribute comparisons.
+            obs_dtype, action_dtype = self._plain_leaves
+            shapes = self._plain_shapes.get(n)
+            if shapes is None:
+                shapes = self._plain_shapes[n] = ((n, *self._obs.leaves[0].shape), (n, *self._action.leaves[0].shape))
+            if not (
+                type(obs) is np.ndarray
+                and type(next_obs) is np.ndarray
+                and type(action) is np.ndarray
+                and obs.dtype == obs_dtype
+                and next_obs.dtype == obs_dtype
+                and action.dtype == action_dtype
+                and obs.shape == shapes[0]
+                and next_obs.shape == shapes[0]
+                and action.shape == shapes[1]
+            ):
+                return None
+            leaves = [obs, action, next_obs]
+        else:
+            obs_leaves = self._obs.quick_encode(obs, n, check_values)
+            action_leaves = self._action.quick_encode(action, n, check_values)
+            next_obs_leaves = self._next_obs.quick_encode(next_obs, n, check_values)
+            if obs_leaves is None or action_leaves is None or next_obs_leaves is None:
+                return None
+            leaves = [*obs_leaves, *action_leaves, *next_obs_leaves]
         if reward.dtype != _FLOAT32:
             if reward.dtype.kind != "f":
                 return None
@@ -543,12 +579,10 @@ class ReplayBuffer:
             and truncated.shape == shape
         ):
             return None
-        obs_leaves = self._obs.quick_encode(obs, n, check_values)
-        action_leaves = self._action.quick_encode(action, n, check_values)
-        next_obs_leaves = self._next_obs.quick_encode(next_obs, n, check_values)
-        if obs_leaves is None or action_leaves is None or next_obs_leaves is None:
-            return None
-        version = _quick_metadata(policy_version, n, _INT64, 0, check_values)
+        if type(policy_version) is int and policy_version >= 0:
+            version = policy_version
+        else:
+            version = _quick_metadata(policy_version, n, _INT64, 0, check_values)
         # An omitted keyword is the default object itself (np.nan, -1, False): no write is
         # needed while its column holds only defaults.
         default_only = self._default_only
@@ -574,19 +608,8 @@ class ReplayBuffer:
             for name, value in (("behavior_logp", logp), ("env_id", env_ids), ("episode_id", episode_ids), ("fallback", fallback_flags)):
                 if value is not _SKIP:
                     default_only.discard(name)
-        return [
-            *obs_leaves,
-            *action_leaves,
-            *next_obs_leaves,
-            reward,
-            terminated,
-            truncated,
-            version,
-            logp,
-            env_ids,
-            episode_ids,
-            fallback_flags,
-        ]
+        leaves += (reward, terminated, truncated, version, logp, env_ids, episode_ids, fallback_flags)
+        return leaves
 
     def _checked_rows(
         self, obs, action, reward, next_obs, terminated, truncated, policy_version, behavior_logp, env_id, episode_id, fallback

@@ -129,11 +129,24 @@ class SumTree:
             self._min[lo:hi] = np.minimum(self._min[left], self._min[right])
 
     def _propagate(self, nodes: np.ndarray) -> None:
-        for _ in range(self.depth):
+        level = self.size  # first node of the children's level (levels hold [level, 2 level))
+        while level > 1:
+            level //= 2
+            if level <= nodes.size:  # a level no larger than the batch: slices beat gathers
+                self._recompute_from(level)
+                return
             nodes = nodes >> 1  # siblings share a parent: it is written twice, with the same value
             left, right = 2 * nodes, 2 * nodes + 1
             self._sum[nodes] = self._sum[left] + self._sum[right]
             self._min[nodes] = np.minimum(self._min[left], self._min[right])
+
+    def _recompute_from(self, level: int) -> None:
+        """Recompute every node of the level starting at node ``level`` and all levels above."""
+        while level >= 1:
+            left, right = slice(2 * level, 4 * level, 2), slice(2 * level + 1, 4 * level, 2)
+            self._sum[level : 2 * level] = self._sum[left] + self._sum[right]
+            self._min[level : 2 * level] = np.minimum(self._min[left], self._min[right])
+            level //= 2
 
     def rebuild(self, values: Any) -> None:
         """Replace all ``capacity`` leaves at once, in O(n) (e.g. after loading from disk)."""
@@ -147,12 +160,7 @@ class SumTree:
         self._min[:] = np.inf
         self._sum[self.size : self.size + self.capacity] = values
         self._min[self.size : self.size + self.capacity] = np.where(values > 0, values, np.inf)
-        start = self.size
-        while start > 1:  # one level at a time: parents of [start, 2 start) are [start/2, start)
-            half = start // 2
-            self._sum[half:start] = self._sum[start : 2 * start : 2] + self._sum[start + 1 : 2 * start : 2]
-            self._min[half:start] = np.minimum(self._min[start : 2 * start : 2], self._min[start + 1 : 2 * start : 2])
-            start = half
+        self._recompute_from(self.size // 2)
 
     def find(self, prefix: Any) -> np.ndarray:
         """For each prefix value ``v`` in ``[0, total)``, the leaf whose cumulative range holds it."""
