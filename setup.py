@@ -29,6 +29,7 @@ setup(
         "vllm": ["vllm>=0.6"],
         "ray": ["ray>=2.9"],
         "sb3": ["stable-baselines3>=2.3"],
+        "plots": ["matplotlib>=3.7"],
         "test": HF
         + SERVE
         + ["stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7", "torchrl>=0.14,<0.15"],
