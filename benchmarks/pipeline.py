@@ -246,6 +246,7 @@ def measure_env(regime: Regime, seconds: float) -> tuple[float, float]:
 
 
 def calibrate(regime: Regime, seconds: float) -> StageTimes:
+    torch.set_num_threads(PPO_SETTINGS["torch_threads"])  # as PPO runs it (process-wide)
     a, b, capacity = measure_policy(regime)
     env_mean, env_max = measure_env(regime, seconds)
     return StageTimes(a, b, capacity, env_mean, env_max)
@@ -349,15 +350,41 @@ def diagnose(keys: list[str], args: Args) -> str:
 # Runs
 
 
+class TimedCalls:
+    """Delegates to ``target`` and records the wall time of every call of its ``method``."""
+
+    def __init__(self, target: Any, method: str) -> None:
+        self._target = target
+        self.seconds: list[float] = []
+        call = getattr(target, method)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - start)
+
+        setattr(self, method, timed)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
 class TimedPPO(PPO):
-    """PPO that records, from outside ``agents/ppo.py``, each update's wall and CPU time and
-    the staleness of every sample it learns from."""
+    """PPO that records, from outside ``agents/ppo.py``, each update's wall and CPU time, the
+    staleness of every sample it learns from and, in sync mode, the time of every batched
+    policy call and lockstep env step (the stages of the sync model, measured in the run)."""
 
     def __init__(self, args: PPOArgs) -> None:
         super().__init__(args)
         self.update_s: list[float] = []
         self.update_cpu_s: list[float] = []
         self.staleness_counts = np.zeros(0, dtype=np.int64)
+        self.policy_calls = self.env_steps = None
+        if args.mode == "sync":  # the async Collector needs the env itself (send/recv)
+            self.policy = self.policy_calls = TimedCalls(self.policy, "act")
+            self.envs = self.env_steps = TimedCalls(self.envs, "step")
 
     def update(self, segment):
         staleness = np.clip(segment.staleness(self.versions.current_version).ravel(), 0, None)
@@ -384,6 +411,8 @@ class Run:
     update_s: list[float]
     update_cpu_s: list[float]
     staleness_counts: np.ndarray
+    policy_call_s: list[float] = field(default_factory=list)  # sync: each batched policy call
+    env_step_s: list[float] = field(default_factory=list)  # sync: each lockstep env step
 
     @property
     def steady_steps_per_s(self) -> float:
@@ -431,7 +460,8 @@ def run_once(regime: Regime, mode: str, seed: int, args: Args) -> Run:
     agent = TimedPPO(ppo_args(regime, mode, seed, args))
     result = agent.train()
     return Run(regime.key, mode, seed, regime.update_epochs, result, agent.update_s, agent.update_cpu_s,
-               agent.staleness_counts)
+               agent.staleness_counts, agent.policy_calls.seconds if agent.policy_calls else [],
+               agent.env_steps.seconds if agent.env_steps else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,6 +485,8 @@ class Summary:
     reached: str  # "sync 3/3, async 3/3"
     learn_async_s: float
     staleness_mean: float
+    sync_policy_call_s: float  # in the sync runs: median batched policy call
+    sync_env_step_s: float  # in the sync runs: median lockstep env step
 
     @property
     def ratio_to_bound(self) -> float:
@@ -490,6 +522,8 @@ def summarize(regime: Regime, stages: StageTimes, runs: list[Run]) -> Summary:
         ttt_ratio=_median([ttt(by_mode["sync"][s]) / ttt(by_mode["async"][s]) for s in seeds]),
         reached=f"sync {reached['sync']}/{len(by_mode['sync'])}, async {reached['async']}/{len(by_mode['async'])}",
         learn_async_s=_median([u for r in by_mode["async"].values() for u in r.update_s[1:]]),
+        sync_policy_call_s=_median([t for r in by_mode["sync"].values() for t in r.policy_call_s]),
+        sync_env_step_s=_median([t for r in by_mode["sync"].values() for t in r.env_step_s]),
         staleness_mean=float(np.dot(np.arange(staleness.size), staleness) / max(staleness.sum(), 1)),
     )
 
@@ -543,15 +577,18 @@ def tables(summaries: list[Summary], llm: dict[str, Any] | None) -> tuple[str, s
                      (sync_t / async_t) if sync_t and async_t else float("nan"), llm.get("reached", ""), float("nan")])
     main_table = markdown_table(headers, rows)
     stage_headers = ["regime", "epochs/update", "policy a (ms)", "policy b (ms/item)", "server (req/s)", "env E[L] (ms)",
-                     "env E[max_N L] (ms)", "learner U sync (ms)", "U async (ms)", "predicted sync steps/s",
-                     "predicted async steps/s", "measured/predicted sync", "measured/predicted async"]
+                     "env E[max_N L] (ms)", "in sync runs: c(N), step (ms)", "learner U sync (ms)", "U async (ms)",
+                     "predicted sync steps/s", "predicted async steps/s", "measured/predicted sync",
+                     "measured/predicted async"]
     stage_rows = []
     for s in summaries:
         steps = s.regime.num_envs * s.regime.num_steps
         p, st = s.prediction, s.stages
         epochs = ", ".join(str(e) for e in sorted({r.update_epochs for r in s.runs}))
         stage_rows.append([s.regime.key, epochs, st.policy_a_s * 1e3, st.policy_b_s * 1e3, st.policy_capacity_per_s,
-                           st.env_mean_s * 1e3, st.env_max_s * 1e3, st.learn_s * 1e3, s.learn_async_s * 1e3,
+                           st.env_mean_s * 1e3, st.env_max_s * 1e3,
+                           f"{s.sync_policy_call_s * 1e3:.1f}, {s.sync_env_step_s * 1e3:.1f}",
+                           st.learn_s * 1e3, s.learn_async_s * 1e3,
                            steps / p.sync_iteration_s, steps / p.async_iteration_s,
                            s.sync_sps * p.sync_iteration_s / steps, s.async_sps * p.async_iteration_s / steps])
     return main_table, markdown_table(stage_headers, stage_rows)
