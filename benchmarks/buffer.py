@@ -245,8 +245,9 @@ def torchrl_prioritized_buffer(capacity: int, alpha: float, beta: float):
             ]
         )
         csrc = Path(torchrl.__file__).parent / "csrc"
-        trees = load_inline("torchrl_segment_tree", cpp_sources=[source], extra_include_paths=[str(csrc)],
-                            extra_cflags=["-O2"])
+        trees = load_inline(
+            "torchrl_segment_tree", cpp_sources=[source], extra_include_paths=[str(csrc)], extra_cflags=["-O2"]
+        )
         for name in ("SumSegmentTreeFp32", "SumSegmentTreeFp64", "MinSegmentTreeFp32", "MinSegmentTreeFp64"):
             setattr(sampler_module, name, getattr(trees, name))
     return PrioritizedReplayBuffer(alpha=alpha, beta=beta, storage=LazyTensorStorage(capacity))
@@ -265,20 +266,37 @@ def bench_prioritized(capacity: int, args: Args, repeats: int) -> list[tuple]:
     obs = rng.normal(size=(n, 4)).astype(np.float32)
     action, reward, done = rng.integers(0, 2, n), rng.normal(size=n).astype(np.float32), np.zeros(n, bool)
     step = TensorDict(
-        {"obs": torch.from_numpy(obs), "action": torch.from_numpy(action), "reward": torch.from_numpy(reward),
-         "next_obs": torch.from_numpy(obs), "done": torch.from_numpy(done)},
+        {
+            "obs": torch.from_numpy(obs),
+            "action": torch.from_numpy(action),
+            "reward": torch.from_numpy(reward),
+            "next_obs": torch.from_numpy(obs),
+            "done": torch.from_numpy(done),
+        },
         batch_size=[n],
     )
     chunk = 10_000  # fill both in large chunks first
     big_obs = rng.normal(size=(chunk, 4)).astype(np.float32)
     big = TensorDict(
-        {"obs": torch.from_numpy(big_obs), "action": torch.zeros(chunk, dtype=torch.int64),
-         "reward": torch.zeros(chunk), "next_obs": torch.from_numpy(big_obs), "done": torch.zeros(chunk, dtype=torch.bool)},
+        {
+            "obs": torch.from_numpy(big_obs),
+            "action": torch.zeros(chunk, dtype=torch.int64),
+            "reward": torch.zeros(chunk),
+            "next_obs": torch.from_numpy(big_obs),
+            "done": torch.zeros(chunk, dtype=torch.bool),
+        },
         batch_size=[chunk],
     )
     for _ in range(-(-capacity // chunk)):
-        ours.add(big_obs, np.zeros(chunk, np.int64), np.zeros(chunk, np.float32), big_obs, np.zeros(chunk, bool),
-                 np.zeros(chunk, bool), 0)
+        ours.add(
+            big_obs,
+            np.zeros(chunk, np.int64),
+            np.zeros(chunk, np.float32),
+            big_obs,
+            np.zeros(chunk, bool),
+            np.zeros(chunk, bool),
+            0,
+        )
         theirs.extend(big)
     adds, samples = (200, 20) if args.quick else (2000, 200)
     priorities = rng.uniform(0.01, 2.0, batch_size)
@@ -361,15 +379,25 @@ def main(args: Args) -> None:
     for case in cases:
         batches = make_batches(case, args.num_envs, rng)
         sb3 = SB3Side(case, args, batches)
-        variants = ("uniform", "validate=always", "+torch", "max_staleness", "prioritized", "on disk", "on disk, commit/100")
+        variants = (
+            "uniform",
+            "validate=always",
+            "+torch",
+            "max_staleness",
+            "prioritized",
+            "on disk",
+            "on disk, commit/100",
+        )
         for variant in variants:
             for op, ours, theirs, ratio in bench_variant(case, args, batches, sb3, variant):
                 rows.append([case.name, variant, op, ours, theirs, ratio])
         del sb3
         print(f"done: {case.name} ({machine_line()})", flush=True)
     table = markdown_table(["observations", "asyncvec variant", "op", "asyncvec /s", "sb3 /s", "ratio"], rows)
-    print(f"\nvs stable-baselines3: num_envs={args.num_envs} per add, batch_size={args.batch_size} per sample; "
-          f"transitions/s, median of {args.repeats} alternating runs; ratio = median of paired ratios\n\n{table}")
+    print(
+        f"\nvs stable-baselines3: num_envs={args.num_envs} per add, batch_size={args.batch_size} per sample; "
+        f"transitions/s, median of {args.repeats} alternating runs; ratio = median of paired ratios\n\n{table}"
+    )
     prioritized_rows = []
     if args.torchrl:
         for capacity in (100_000 // scale, 1_000_000 // scale):
@@ -386,7 +414,9 @@ def main(args: Args) -> None:
     fig, axes = new_figure(ncols=2, width=6.5, height=4.5)
     ax_sb3, ax_trl = np.ravel(axes)
     labels = [f"{r[0].split(' ')[0]} {r[1]} {r[2]}" for r in rows]
-    ax_sb3.barh(np.arange(len(rows)), [r[5] for r in rows], color=["tab:blue" if r[5] >= 1 else "tab:red" for r in rows])
+    ax_sb3.barh(
+        np.arange(len(rows)), [r[5] for r in rows], color=["tab:blue" if r[5] >= 1 else "tab:red" for r in rows]
+    )
     ax_sb3.set_yticks(np.arange(len(rows)), labels, fontsize=7)
     ax_sb3.axvline(1.0, color="black", lw=0.8)
     ax_sb3.set_xscale("log")
@@ -404,8 +434,14 @@ def main(args: Args) -> None:
     notes = ""
     if prioritized_table:
         notes = "Prioritized replay vs TorchRL's PrioritizedReplayBuffer (LazyTensorStorage):\n\n" + prioritized_table
-    save_report("buffer", table, fig, out_dir=args.out_dir,
-                command="python benchmarks/buffer.py" + (" --quick" if args.quick else ""), notes=notes)
+    save_report(
+        "buffer",
+        table,
+        fig,
+        out_dir=args.out_dir,
+        command="python benchmarks/buffer.py" + (" --quick" if args.quick else ""),
+        notes=notes,
+    )
 
 
 if __name__ == "__main__":

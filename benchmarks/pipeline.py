@@ -86,11 +86,38 @@ class Regime:
 
 
 REGIMES: dict[str, Regime] = {
-    "a": Regime("a", "policy-bound", "20 ms policy, 2 ms env, cheap learner", 8, 32, 20.0, 2.0, "fixed", 64, 20, 475.0, 100_000),
-    "b": Regime("b", "learner-bound", "20 ms policy, 2 ms env, 256-wide learner as slow as acting", 8, 32, 20.0, 2.0,
-                "fixed", 256, 20, 475.0, 100_000, learner_to_collect=1.0),
-    "c": Regime("c", "straggler-bound", "5 ms policy, 10 ms lognormal env (sigma 1), 16 envs", 16, 16, 5.0, 10.0,
-                "lognormal", 64, 20, 475.0, 100_000),
+    "a": Regime(
+        "a", "policy-bound", "20 ms policy, 2 ms env, cheap learner", 8, 32, 20.0, 2.0, "fixed", 64, 20, 475.0, 100_000
+    ),
+    "b": Regime(
+        "b",
+        "learner-bound",
+        "20 ms policy, 2 ms env, 256-wide learner as slow as acting",
+        8,
+        32,
+        20.0,
+        2.0,
+        "fixed",
+        256,
+        20,
+        475.0,
+        100_000,
+        learner_to_collect=1.0,
+    ),
+    "c": Regime(
+        "c",
+        "straggler-bound",
+        "5 ms policy, 10 ms lognormal env (sigma 1), 16 envs",
+        16,
+        16,
+        5.0,
+        10.0,
+        "lognormal",
+        64,
+        20,
+        475.0,
+        100_000,
+    ),
 }
 
 # PPO settings pinned here (SB3-zoo CartPole values) so that a change of PPO's defaults does not
@@ -208,7 +235,9 @@ def measure_policy(regime: Regime, repeats: int = 5) -> tuple[float, float, floa
         a, b = fit_batch_cost(sizes, seconds)
         requests = 8 * regime.num_envs
         start = time.perf_counter()
-        futures = [policy.submit(np.zeros(space.shape, np.float32), env_id=i % regime.num_envs) for i in range(requests)]
+        futures = [
+            policy.submit(np.zeros(space.shape, np.float32), env_id=i % regime.num_envs) for i in range(requests)
+        ]
         for future in futures:
             future.result(timeout=60)
         capacity = requests / (time.perf_counter() - start)
@@ -263,10 +292,15 @@ def calibrate_epochs(regime: Regime, stages: StageTimes, args: Args, probe_epoch
         rng = np.random.default_rng(0)
         t, n = regime.num_steps, regime.num_envs
         segment = Segment(
-            obs=rng.normal(size=(t, n, 4)).astype(np.float32), actions=rng.integers(0, 2, (t, n)),
-            rewards=np.ones((t, n), np.float32), terminated=rng.random((t, n)) < 0.05, truncated=np.zeros((t, n), bool),
-            values=np.zeros((t, n), np.float32), behavior_logp=np.full((t, n), np.log(0.5), np.float32),
-            policy_version=np.zeros((t, n), np.int64), last_obs=rng.normal(size=(n, 4)).astype(np.float32),
+            obs=rng.normal(size=(t, n, 4)).astype(np.float32),
+            actions=rng.integers(0, 2, (t, n)),
+            rewards=np.ones((t, n), np.float32),
+            terminated=rng.random((t, n)) < 0.05,
+            truncated=np.zeros((t, n), bool),
+            values=np.zeros((t, n), np.float32),
+            behavior_logp=np.full((t, n), np.log(0.5), np.float32),
+            policy_version=np.zeros((t, n), np.int64),
+            last_obs=rng.normal(size=(n, 4)).astype(np.float32),
         )
         times = []
         for _ in range(3):
@@ -294,16 +328,27 @@ def measure_collector(regime: Regime, seconds: float, recv_batch: int, max_wait_
     from asyncvec.inference import LatencyModel, TorchPolicy
 
     torch.manual_seed(0)
-    envs = make_vector_env(PPO_SETTINGS["env"], regime.num_envs, regime.env_latency_ms, batch_size=recv_batch,
-                           distribution=regime.env_latency_dist)
+    envs = make_vector_env(
+        PPO_SETTINGS["env"],
+        regime.num_envs,
+        regime.env_latency_ms,
+        batch_size=recv_batch,
+        distribution=regime.env_latency_dist,
+    )
     space, action_space = envs.single_observation_space, envs.single_action_space
     actor = Actor(space.shape[0], action_space, regime.hidden)
     if max_wait_ms is None:
         policy = make_policy(actor, action_space, regime.num_envs, regime.policy_latency_ms)
     else:
         inner = TorchPolicy(actor, action_space, max_batch_size=regime.num_envs)
-        policy = LatencyModel(inner, a_ms=regime.policy_latency_ms, b_ms=0.0, max_batch_size=regime.num_envs,
-                              max_wait_ms=max_wait_ms, max_inflight_batches=4)
+        policy = LatencyModel(
+            inner,
+            a_ms=regime.policy_latency_ms,
+            b_ms=0.0,
+            max_batch_size=regime.num_envs,
+            max_wait_ms=max_wait_ms,
+            max_inflight_batches=4,
+        )
     store = RolloutStore(regime.num_steps, regime.num_envs, space, action_space)
     collector = Collector(envs, policy, store, seed=0).start()
     try:
@@ -338,12 +383,36 @@ def diagnose(keys: list[str], args: Args) -> str:
         for name, recv_batch, max_wait in variants:
             sps = measure_collector(regime, 4.0 if args.quick else 15.0, recv_batch, max_wait)
             cycle = regime.num_envs / sps
-            rows.append([key, name, sps, regime.num_envs / ideal, ideal * 1e3, cycle * 1e3, (cycle - ideal) * 1e3,
-                         ideal / cycle])
-            print(f"[{key}] collector, {name}: {sps:.0f} steps/s, cycle {cycle * 1e3:.1f} ms vs ideal "
-                  f"{ideal * 1e3:.1f} ms ({machine_line()})", flush=True)
-    return markdown_table(["regime", "collector", "steps/s", "ideal steps/s", "ideal cycle c(1)+E[L] (ms)",
-                           "measured cycle (ms)", "overhead (ms)", "measured / ideal"], rows)
+            rows.append(
+                [
+                    key,
+                    name,
+                    sps,
+                    regime.num_envs / ideal,
+                    ideal * 1e3,
+                    cycle * 1e3,
+                    (cycle - ideal) * 1e3,
+                    ideal / cycle,
+                ]
+            )
+            print(
+                f"[{key}] collector, {name}: {sps:.0f} steps/s, cycle {cycle * 1e3:.1f} ms vs ideal "
+                f"{ideal * 1e3:.1f} ms ({machine_line()})",
+                flush=True,
+            )
+    return markdown_table(
+        [
+            "regime",
+            "collector",
+            "steps/s",
+            "ideal steps/s",
+            "ideal cycle c(1)+E[L] (ms)",
+            "measured cycle (ms)",
+            "overhead (ms)",
+            "measured / ideal",
+        ],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,9 +528,18 @@ def ppo_args(regime: Regime, mode: str, seed: int, args: Args) -> PPOArgs:
 def run_once(regime: Regime, mode: str, seed: int, args: Args) -> Run:
     agent = TimedPPO(ppo_args(regime, mode, seed, args))
     result = agent.train()
-    return Run(regime.key, mode, seed, regime.update_epochs, result, agent.update_s, agent.update_cpu_s,
-               agent.staleness_counts, agent.policy_calls.seconds if agent.policy_calls else [],
-               agent.env_steps.seconds if agent.env_steps else [])
+    return Run(
+        regime.key,
+        mode,
+        seed,
+        regime.update_epochs,
+        result,
+        agent.update_s,
+        agent.update_cpu_s,
+        agent.staleness_counts,
+        agent.policy_calls.seconds if agent.policy_calls else [],
+        agent.env_steps.seconds if agent.env_steps else [],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,39 +636,96 @@ def _fmt_s(value: float) -> str:
 
 
 def tables(summaries: list[Summary], llm: dict[str, Any] | None) -> tuple[str, str]:
-    headers = ["regime", "sync steps/s", "async steps/s", "ratio", "bound", "ratio / bound",
-               "sync s to target", "async s to target", "time ratio", "reached", "async staleness"]
+    headers = [
+        "regime",
+        "sync steps/s",
+        "async steps/s",
+        "ratio",
+        "bound",
+        "ratio / bound",
+        "sync s to target",
+        "async s to target",
+        "time ratio",
+        "reached",
+        "async staleness",
+    ]
     rows = []
     for s in summaries:
         target = f"{s.regime.target_return:g}"
-        rows.append([f"{s.regime.key}. {s.regime.title} ({s.regime.summary}; target {target})",
-                     s.sync_sps, s.async_sps, s.ratio, s.prediction.bound, s.ratio_to_bound,
-                     _fmt_s(s.sync_ttt), _fmt_s(s.async_ttt), s.ttt_ratio, s.reached, s.staleness_mean])
+        rows.append(
+            [
+                f"{s.regime.key}. {s.regime.title} ({s.regime.summary}; target {target})",
+                s.sync_sps,
+                s.async_sps,
+                s.ratio,
+                s.prediction.bound,
+                s.ratio_to_bound,
+                _fmt_s(s.sync_ttt),
+                _fmt_s(s.async_ttt),
+                s.ttt_ratio,
+                s.reached,
+                s.staleness_mean,
+            ]
+        )
     if llm is not None:
         sync, asy = llm["sync"], llm["async"]
         ratio = asy["throughput"] / sync["throughput"]
         sync_t, async_t = sync.get("time_to_target_s"), asy.get("time_to_target_s")
-        rows.append(["d. LLM (RLOO on vLLM, heavy-tailed reward latency; " + llm.get("unit", "completions/s") + ")",
-                     sync["throughput"], asy["throughput"], ratio, llm["bound"], ratio / llm["bound"],
-                     _fmt_s(sync_t if sync_t is not None else float("nan")),
-                     _fmt_s(async_t if async_t is not None else float("nan")),
-                     (sync_t / async_t) if sync_t and async_t else float("nan"), llm.get("reached", ""), float("nan")])
+        rows.append(
+            [
+                "d. LLM (RLOO on vLLM, heavy-tailed reward latency; " + llm.get("unit", "completions/s") + ")",
+                sync["throughput"],
+                asy["throughput"],
+                ratio,
+                llm["bound"],
+                ratio / llm["bound"],
+                _fmt_s(sync_t if sync_t is not None else float("nan")),
+                _fmt_s(async_t if async_t is not None else float("nan")),
+                (sync_t / async_t) if sync_t and async_t else float("nan"),
+                llm.get("reached", ""),
+                float("nan"),
+            ]
+        )
     main_table = markdown_table(headers, rows)
-    stage_headers = ["regime", "epochs/update", "policy a (ms)", "policy b (ms/item)", "server (req/s)", "env E[L] (ms)",
-                     "env E[max_N L] (ms)", "in sync runs: c(N), step (ms)", "learner U sync (ms)", "U async (ms)",
-                     "predicted sync steps/s", "predicted async steps/s", "measured/predicted sync",
-                     "measured/predicted async"]
+    stage_headers = [
+        "regime",
+        "epochs/update",
+        "policy a (ms)",
+        "policy b (ms/item)",
+        "server (req/s)",
+        "env E[L] (ms)",
+        "env E[max_N L] (ms)",
+        "in sync runs: c(N), step (ms)",
+        "learner U sync (ms)",
+        "U async (ms)",
+        "predicted sync steps/s",
+        "predicted async steps/s",
+        "measured/predicted sync",
+        "measured/predicted async",
+    ]
     stage_rows = []
     for s in summaries:
         steps = s.regime.num_envs * s.regime.num_steps
         p, st = s.prediction, s.stages
         epochs = ", ".join(str(e) for e in sorted({r.update_epochs for r in s.runs}))
-        stage_rows.append([s.regime.key, epochs, st.policy_a_s * 1e3, st.policy_b_s * 1e3, st.policy_capacity_per_s,
-                           st.env_mean_s * 1e3, st.env_max_s * 1e3,
-                           f"{s.sync_policy_call_s * 1e3:.1f}, {s.sync_env_step_s * 1e3:.1f}",
-                           st.learn_s * 1e3, s.learn_async_s * 1e3,
-                           steps / p.sync_iteration_s, steps / p.async_iteration_s,
-                           s.sync_sps * p.sync_iteration_s / steps, s.async_sps * p.async_iteration_s / steps])
+        stage_rows.append(
+            [
+                s.regime.key,
+                epochs,
+                st.policy_a_s * 1e3,
+                st.policy_b_s * 1e3,
+                st.policy_capacity_per_s,
+                st.env_mean_s * 1e3,
+                st.env_max_s * 1e3,
+                f"{s.sync_policy_call_s * 1e3:.1f}, {s.sync_env_step_s * 1e3:.1f}",
+                st.learn_s * 1e3,
+                s.learn_async_s * 1e3,
+                steps / p.sync_iteration_s,
+                steps / p.async_iteration_s,
+                s.sync_sps * p.sync_iteration_s / steps,
+                s.async_sps * p.async_iteration_s / steps,
+            ]
+        )
     return main_table, markdown_table(stage_headers, stage_rows)
 
 
@@ -603,17 +738,37 @@ def figures(summaries: list[Summary]):
     steps = [s.regime.num_envs * s.regime.num_steps for s in summaries]
     ax_sps.bar(x - 0.2, [s.sync_sps for s in summaries], 0.4, label="sync (measured)", color="tab:gray")
     ax_sps.bar(x + 0.2, [s.async_sps for s in summaries], 0.4, label="async (measured)", color="tab:blue")
-    ax_sps.scatter(x - 0.2, [n / s.prediction.sync_iteration_s for n, s in zip(steps, summaries)], marker="_", s=400,
-                   color="black", label="model", zorder=3)
-    ax_sps.scatter(x + 0.2, [n / s.prediction.async_iteration_s for n, s in zip(steps, summaries)], marker="_", s=400,
-                   color="black", zorder=3)
+    ax_sps.scatter(
+        x - 0.2,
+        [n / s.prediction.sync_iteration_s for n, s in zip(steps, summaries)],
+        marker="_",
+        s=400,
+        color="black",
+        label="model",
+        zorder=3,
+    )
+    ax_sps.scatter(
+        x + 0.2,
+        [n / s.prediction.async_iteration_s for n, s in zip(steps, summaries)],
+        marker="_",
+        s=400,
+        color="black",
+        zorder=3,
+    )
     ax_sps.set_xticks(x, [f"{s.regime.key}. {s.regime.title}" for s in summaries])
     ax_sps.set_ylabel("env-steps/s (steady)")
     ax_sps.legend()
     ax_ratio.bar(x - 0.2, [s.prediction.bound for s in summaries], 0.4, label="bound", color="tab:green")
     ax_ratio.bar(x + 0.2, [s.ratio for s in summaries], 0.4, label="measured ratio", color="tab:blue")
-    ax_ratio.scatter(x - 0.2, [0.9 * s.prediction.bound for s in summaries], marker="_", s=400, color="black",
-                     label="0.9 x bound", zorder=3)
+    ax_ratio.scatter(
+        x - 0.2,
+        [0.9 * s.prediction.bound for s in summaries],
+        marker="_",
+        s=400,
+        color="black",
+        label="0.9 x bound",
+        zorder=3,
+    )
     ax_ratio.axhline(1.0, color="gray", lw=0.8)
     ax_ratio.set_xticks(x, keys)
     ax_ratio.set_ylabel("async / sync env-steps/s")
@@ -662,10 +817,13 @@ def run_regimes(keys: list[str], args: Args) -> list[Summary]:
             this_round[regime.key] = regime
             if regime.learner_to_collect is not None:
                 this_round[regime.key] = replace(regime, update_epochs=calibrate_epochs(regime, st, args))
-            print(f"[{regime.key}] stages: policy {st.policy_a_s * 1e3:.1f} + {st.policy_b_s * 1e3:.2f}·B ms "
-                  f"(server {st.policy_capacity_per_s:.0f} req/s), env E[L] {st.env_mean_s * 1e3:.1f} ms, "
-                  f"E[max of {regime.num_envs}] {st.env_max_s * 1e3:.1f} ms, "
-                  f"{this_round[regime.key].update_epochs} epochs per update ({machine_line()})", flush=True)
+            print(
+                f"[{regime.key}] stages: policy {st.policy_a_s * 1e3:.1f} + {st.policy_b_s * 1e3:.2f}·B ms "
+                f"(server {st.policy_capacity_per_s:.0f} req/s), env E[L] {st.env_mean_s * 1e3:.1f} ms, "
+                f"E[max of {regime.num_envs}] {st.env_max_s * 1e3:.1f} ms, "
+                f"{this_round[regime.key].update_epochs} epochs per update ({machine_line()})",
+                flush=True,
+            )
         for regime_index, regime in enumerate(regimes):
             modes = ("sync", "async") if (round_index + regime_index) % 2 == 0 else ("async", "sync")
             regime = this_round[regime.key]
@@ -673,18 +831,25 @@ def run_regimes(keys: list[str], args: Args) -> list[Summary]:
                 run = run_once(regime, mode, seed, args)
                 runs[regime.key].append(run)
                 reached = run.result.reached_target_s
-                print(f"[{regime.key}] seed {seed} {mode:>5}: {run.steady_steps_per_s:6.0f} steps/s, "
-                      f"{run.result.global_step} steps, return {run.result.final_return:.0f}, "
-                      f"{'target at %.0f s' % reached if reached is not None else 'target not reached'}, "
-                      f"update {np.median(run.update_s) * 1e3:.0f} ms, staleness {run.result.staleness_mean:.2f} "
-                      f"({machine_line()})", flush=True)
+                print(
+                    f"[{regime.key}] seed {seed} {mode:>5}: {run.steady_steps_per_s:6.0f} steps/s, "
+                    f"{run.result.global_step} steps, return {run.result.final_return:.0f}, "
+                    f"{'target at %.0f s' % reached if reached is not None else 'target not reached'}, "
+                    f"update {np.median(run.update_s) * 1e3:.0f} ms, staleness {run.result.staleness_mean:.2f} "
+                    f"({machine_line()})",
+                    flush=True,
+                )
     return [summarize(r, median_stages(stages[r.key]), runs[r.key]) for r in regimes]
 
 
 def median_stages(measured: list[StageTimes]) -> StageTimes:
     """Field-wise median of the stage times measured in each round."""
-    return StageTimes(*(statistics.median(getattr(m, name) for m in measured) for name in
-                        ("policy_a_s", "policy_b_s", "policy_capacity_per_s", "env_mean_s", "env_max_s")))
+    return StageTimes(
+        *(
+            statistics.median(getattr(m, name) for m in measured)
+            for name in ("policy_a_s", "policy_b_s", "policy_capacity_per_s", "env_mean_s", "env_max_s")
+        )
+    )
 
 
 def main(args: Args) -> list[Summary]:
@@ -707,9 +872,11 @@ def main(args: Args) -> list[Summary]:
     print(f"\nMachine: {machine_line()}\n\n{main_table}\n\nStage times and the model:\n\n{stage_table}")
     if summaries:
         throughput, curves, staleness = figures(summaries)
-        notes = ("ratio: median over seeds of async/sync steady env-steps/s; bound: S/A of the stage times "
-                 "(docs/benchmarks.md); time ratio: median over seeds of sync/async wall-clock to the target.\n\n"
-                 "Stage times and the model:\n\n" + stage_table)
+        notes = (
+            "ratio: median over seeds of async/sync steady env-steps/s; bound: S/A of the stage times "
+            "(docs/benchmarks.md); time ratio: median over seeds of sync/async wall-clock to the target.\n\n"
+            "Stage times and the model:\n\n" + stage_table
+        )
         save_report("pipeline", main_table, throughput, out_dir=args.out_dir, command=command.strip(), notes=notes)
         save_figure("pipeline_curves", curves, out_dir=args.out_dir)
         save_figure("pipeline_staleness", staleness, out_dir=args.out_dir)

@@ -104,15 +104,27 @@ def main(args: Args) -> dict[str, dict[str, float]]:
             "adaptive_batching": True,
         },
     }
-    setting = (f"LatencyModel(a={args.a_ms:g} ms, b={args.b_ms:g} ms) around a TorchPolicy, {args.num_envs} env threads, "
-               f"{args.seconds:g} s per mode")
+    setting = (
+        f"LatencyModel(a={args.a_ms:g} ms, b={args.b_ms:g} ms) around a TorchPolicy, {args.num_envs} env threads, "
+        f"{args.seconds:g} s per mode"
+    )
     print(f"{setting}\nMachine: {machine_line()}", flush=True)
     results = {name: run_mode(args, **batching) for name, batching in modes.items()}
     baseline = results[next(iter(modes))]["answers_per_s"]
     # The physical bound: k=1 batch in flight of up to max_batch_size items, each a + b*B long.
     bound = args.max_batch_size / ((args.a_ms + args.b_ms * args.max_batch_size) / 1000.0)
-    rows = [[name, row["answers_per_s"], row["mean_batch"], row["p50_ms"], row["p99_ms"],
-             row["answers_per_s"] / baseline, row["answers_per_s"] / bound] for name, row in results.items()]
+    rows = [
+        [
+            name,
+            row["answers_per_s"],
+            row["mean_batch"],
+            row["p50_ms"],
+            row["p99_ms"],
+            row["answers_per_s"] / baseline,
+            row["answers_per_s"] / bound,
+        ]
+        for name, row in results.items()
+    ]
     table = markdown_table(["mode", "answers/s", "mean batch", "p50 ms", "p99 ms", "vs 1/call", "vs bound"], rows)
     print(f"\n{table}\n\nbound: {bound:.0f} answers/s (full batches of {args.max_batch_size}, back to back)")
     fig, ax = new_figure(width=7.0)
@@ -122,8 +134,14 @@ def main(args: Args) -> dict[str, dict[str, float]]:
     ax.set_ylabel("answers/s")
     ax.tick_params(axis="x", labelsize=7)
     ax.legend()
-    save_report("policy_batching", table, fig, out_dir=args.out_dir, command="python benchmarks/policy_batching.py",
-                notes=f"{setting}; bound: full batches back to back, {bound:.0f} answers/s.")
+    save_report(
+        "policy_batching",
+        table,
+        fig,
+        out_dir=args.out_dir,
+        command="python benchmarks/policy_batching.py",
+        notes=f"{setting}; bound: full batches back to back, {bound:.0f} answers/s.",
+    )
     return results
 
 

@@ -47,34 +47,70 @@ def main(args: Args) -> pipeline.Summary:
     if args.regime not in pipeline.REGIMES:
         raise SystemExit(f"unknown regime {args.regime!r}; choose from {', '.join(pipeline.REGIMES)}")
     regime = pipeline.REGIMES[args.regime]
-    print(f"PPO on CartPole-v1, regime {regime.key} ({regime.title}: {regime.summary}), "
-          f"sync and async, seed {args.seed}\nMachine: {machine_line()}", flush=True)
-    options = pipeline.Args(regimes=[regime.key], seeds=[args.seed], total_timesteps=args.total_timesteps,
-                            target_return=args.target_return, progress=args.progress, out_dir=args.out_dir)
+    print(
+        f"PPO on CartPole-v1, regime {regime.key} ({regime.title}: {regime.summary}), "
+        f"sync and async, seed {args.seed}\nMachine: {machine_line()}",
+        flush=True,
+    )
+    options = pipeline.Args(
+        regimes=[regime.key],
+        seeds=[args.seed],
+        total_timesteps=args.total_timesteps,
+        target_return=args.target_return,
+        progress=args.progress,
+        out_dir=args.out_dir,
+    )
     (summary,) = pipeline.run_regimes([regime.key], options)
     rows = []
     for mode in ("sync", "async"):
         (run,) = [r for r in summary.runs if r.mode == mode]
         reached = run.result.reached_target_s
-        rows.append([mode, run.result.global_step, run.steady_steps_per_s, run.result.final_return,
-                     f"{reached:.0f}" if reached is not None else "not reached", run.result.staleness_mean])
-    table = markdown_table(["mode", "env steps", "env-steps/s", "final return (20 ep.)",
-                            f"s to {summary.regime.target_return:g}", "mean staleness"], rows)
+        rows.append(
+            [
+                mode,
+                run.result.global_step,
+                run.steady_steps_per_s,
+                run.result.final_return,
+                f"{reached:.0f}" if reached is not None else "not reached",
+                run.result.staleness_mean,
+            ]
+        )
+    table = markdown_table(
+        [
+            "mode",
+            "env steps",
+            "env-steps/s",
+            "final return (20 ep.)",
+            f"s to {summary.regime.target_return:g}",
+            "mean staleness",
+        ],
+        rows,
+    )
     bound = summary.prediction.bound
-    verdict = (f"async vs sync: {summary.ratio:.2f}x env-steps/s; bound {bound:.2f}x from the measured stage times "
-               f"(ratio / bound {summary.ratio_to_bound:.2f})")
+    verdict = (
+        f"async vs sync: {summary.ratio:.2f}x env-steps/s; bound {bound:.2f}x from the measured stage times "
+        f"(ratio / bound {summary.ratio_to_bound:.2f})"
+    )
     if summary.ttt_ratio == summary.ttt_ratio:
         verdict += f"; {summary.ttt_ratio:.2f}x faster to a return of {summary.regime.target_return:g}"
     else:
         verdict += " (the target was not reached by both modes: compare the final returns)"
     st = summary.stages
-    stages = (f"stage times: policy call {st.policy_a_s * 1e3:.1f} + {st.policy_b_s * 1e3:.2f}·B ms, env step mean "
-              f"{st.env_mean_s * 1e3:.1f} ms and slowest of {regime.num_envs} {st.env_max_s * 1e3:.1f} ms, learner "
-              f"{st.learn_s * 1e3:.0f} ms per update of {regime.num_envs * regime.num_steps} steps")
+    stages = (
+        f"stage times: policy call {st.policy_a_s * 1e3:.1f} + {st.policy_b_s * 1e3:.2f}·B ms, env step mean "
+        f"{st.env_mean_s * 1e3:.1f} ms and slowest of {regime.num_envs} {st.env_max_s * 1e3:.1f} ms, learner "
+        f"{st.learn_s * 1e3:.0f} ms per update of {regime.num_envs * regime.num_steps} steps"
+    )
     print(f"\n{table}\n\n{verdict}\n{stages}\nMachine: {machine_line()}")
     throughput, curves, staleness = pipeline.figures([summary])
-    save_report("ppo_speed", table, throughput, out_dir=args.out_dir, command="python benchmarks/ppo_speed.py",
-                notes=f"{verdict}\n\n{stages}")
+    save_report(
+        "ppo_speed",
+        table,
+        throughput,
+        out_dir=args.out_dir,
+        command="python benchmarks/ppo_speed.py",
+        notes=f"{verdict}\n\n{stages}",
+    )
     save_figure("ppo_speed_curves", curves, out_dir=args.out_dir)
     save_figure("ppo_speed_staleness", staleness, out_dir=args.out_dir)
     return summary

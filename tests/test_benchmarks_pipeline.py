@@ -47,8 +47,12 @@ def fake_run(regime: str, mode: str, seed: int, steps_per_s: float, reached: flo
         {"global_step": int(256 * k), "time/wall_s": 256 * k / steps_per_s, "charts/episodic_return": 50.0 * k}
         for k in times
     ]
-    result = SimpleNamespace(history=history, reached_target_s=reached, env_steps_per_s=steps_per_s,
-                             staleness_mean=0.5 if mode == "async" else 0.0)
+    result = SimpleNamespace(
+        history=history,
+        reached_target_s=reached,
+        env_steps_per_s=steps_per_s,
+        staleness_mean=0.5 if mode == "async" else 0.0,
+    )
     staleness = np.array([5, 5]) if mode == "async" else np.array([10])
     return Run(regime, mode, seed, 20, result, [update_s] * 10, [update_s] * 10, staleness)
 
@@ -70,17 +74,21 @@ def test_summary_pairs_seeds_and_reports_the_bound(tmp_path) -> None:
     main_table, stage_table = pipeline.tables([summary], None)
     assert "| b. learner-bound" in main_table and "not reached" not in main_table.splitlines()[2]
     assert stage_table.count("\n") == 2
-    paths = [pipeline.save_figure(name, figure, out_dir=tmp_path)
-             for name, figure in zip(("throughput", "curves", "staleness"), pipeline.figures([summary]))]
+    paths = [
+        pipeline.save_figure(name, figure, out_dir=tmp_path)
+        for name, figure in zip(("throughput", "curves", "staleness"), pipeline.figures([summary]))
+    ]
     assert all(path.stat().st_size > 1000 for path in paths)
 
 
 def test_llm_regime_contract_computes_the_bound_from_stage_times(monkeypatch) -> None:
-    module = SimpleNamespace(run=lambda quick, seeds: {
-        "sync": {"throughput": 10.0, "time_to_target_s": 300.0},
-        "async": {"throughput": 20.0, "time_to_target_s": 160.0},
-        "stages": {"generate_s": 2.0, "reward_mean_s": 0.5, "reward_max_s": 3.0, "learn_s": 2.5},
-    })
+    module = SimpleNamespace(
+        run=lambda quick, seeds: {
+            "sync": {"throughput": 10.0, "time_to_target_s": 300.0},
+            "async": {"throughput": 20.0, "time_to_target_s": 160.0},
+            "stages": {"generate_s": 2.0, "reward_mean_s": 0.5, "reward_max_s": 3.0, "learn_s": 2.5},
+        }
+    )
     monkeypatch.setattr(pipeline.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setitem(__import__("sys").modules, "benchmarks.pipeline_llm", module)
     out = pipeline.llm_regime(pipeline.Args(quick=True))

@@ -432,14 +432,20 @@ def test_gather_reads_given_slots_and_rejects_empty_ones() -> None:
 # -- the sum-tree behind prioritized sampling ----------------------------------------------
 
 priority_updates = st.lists(
-    st.tuples(st.lists(st.integers(0, 36), min_size=1, max_size=8), st.lists(st.integers(0, 50), min_size=1, max_size=8)),
+    st.tuples(
+        st.lists(st.integers(0, 36), min_size=1, max_size=8), st.lists(st.integers(0, 50), min_size=1, max_size=8)
+    ),
     min_size=1,
     max_size=12,
 )
 
 
 @settings(max_examples=60, deadline=None)
-@given(capacity=st.integers(1, 37), updates=priority_updates, draws=st.lists(st.floats(0, 1, exclude_max=True), max_size=20))
+@given(
+    capacity=st.integers(1, 37),
+    updates=priority_updates,
+    draws=st.lists(st.floats(0, 1, exclude_max=True), max_size=20),
+)
 def test_sum_tree_matches_a_plain_proportional_sampler(capacity: int, updates, draws) -> None:
     """After any updates, the tree's totals, minimum and prefix search equal a cumulative sum's.
 
@@ -539,11 +545,30 @@ def test_quick_and_checked_adds_store_the_same_rows(monkeypatch) -> None:
         done = rng.random(3) < 0.5
         env_id = np.array([0, 1, 2]) if step % 2 else -1
         quick.add(obs, action, reward, obs, done, ~done, step, env_id=env_id)
-        checked.add(obs.tolist(), action.tolist(), reward.tolist(), obs.tolist(), done.tolist(), (~done).tolist(),
-                    [step] * 3, env_id=np.broadcast_to(env_id, 3).tolist())
+        checked.add(
+            obs.tolist(),
+            action.tolist(),
+            reward.tolist(),
+            obs.tolist(),
+            done.tolist(),
+            (~done).tolist(),
+            [step] * 3,
+            env_id=np.broadcast_to(env_id, 3).tolist(),
+        )
     a, b = quick.sample(10, 3, rng=1), checked.sample(10, 3, rng=1)
-    for name in ("obs", "action", "reward", "next_obs", "terminated", "truncated", "policy_version", "env_id",
-                 "episode_id", "behavior_logp", "fallback"):
+    for name in (
+        "obs",
+        "action",
+        "reward",
+        "next_obs",
+        "terminated",
+        "truncated",
+        "policy_version",
+        "env_id",
+        "episode_id",
+        "behavior_logp",
+        "fallback",
+    ):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
 
 
@@ -579,7 +604,10 @@ def test_validate_checks_values_on_the_first_add_or_always(validate: str) -> Non
 
 
 @settings(max_examples=40, deadline=None)
-@given(capacity=st.integers(1, 40), ranges=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 8), st.integers(0, 9)), max_size=10))
+@given(
+    capacity=st.integers(1, 40),
+    ranges=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 8), st.integers(0, 9)), max_size=10),
+)
 def test_sum_tree_deferred_ranges_equal_immediate_updates(capacity: int, ranges) -> None:
     """set_range (ancestors deferred to the next read) ends in the same tree as update."""
     deferred, immediate = SumTree(capacity), SumTree(capacity)

@@ -56,7 +56,12 @@ class Leaf:
         values (with ``check_values``) lie within the bounds; NaN fails every comparison, so
         it never passes. Text leaves are never quick.
         """
-        if type(array) is not np.ndarray or array.dtype != self.dtype or self.is_text or array.shape != (n, *self.shape):
+        if (
+            type(array) is not np.ndarray
+            or array.dtype != self.dtype
+            or self.is_text
+            or array.shape != (n, *self.shape)
+        ):
             return False
         if not check_values or self.dtype_is_space or n == 0:
             return True

@@ -467,11 +467,31 @@ class ReplayBuffer:
                 field, the expected space and the offending row (and its env_id).
         """
         values = self._quick_rows(
-            obs, action, reward, next_obs, terminated, truncated, policy_version, behavior_logp, env_id, episode_id, fallback
+            obs,
+            action,
+            reward,
+            next_obs,
+            terminated,
+            truncated,
+            policy_version,
+            behavior_logp,
+            env_id,
+            episode_id,
+            fallback,
         )
         if values is None:
             values = self._checked_rows(
-                obs, action, reward, next_obs, terminated, truncated, policy_version, behavior_logp, env_id, episode_id, fallback
+                obs,
+                action,
+                reward,
+                next_obs,
+                terminated,
+                truncated,
+                policy_version,
+                behavior_logp,
+                env_id,
+                episode_id,
+                fallback,
             )
             self._default_only.clear()  # every column is written
         n = len(values[self._reward_index])
@@ -520,7 +540,18 @@ class ReplayBuffer:
         return slots
 
     def _quick_rows(
-        self, obs, action, reward, next_obs, terminated, truncated, policy_version, behavior_logp, env_id, episode_id, fallback
+        self,
+        obs,
+        action,
+        reward,
+        next_obs,
+        terminated,
+        truncated,
+        policy_version,
+        behavior_logp,
+        env_id,
+        episode_id,
+        fallback,
     ) -> list[Any] | None:
         """The values to write, one per column of ``_write_columns``, for a batch that needs no
         conversion: ndarrays of the stored dtype and shape, and metadata given as one plain
@@ -605,14 +636,30 @@ class ReplayBuffer:
         if version is None or logp is None or env_ids is None or episode_ids is None or fallback_flags is None:
             return None
         if default_only:  # these columns are written from now on
-            for name, value in (("behavior_logp", logp), ("env_id", env_ids), ("episode_id", episode_ids), ("fallback", fallback_flags)):
+            for name, value in (
+                ("behavior_logp", logp),
+                ("env_id", env_ids),
+                ("episode_id", episode_ids),
+                ("fallback", fallback_flags),
+            ):
                 if value is not _SKIP:
                     default_only.discard(name)
         leaves += (reward, terminated, truncated, version, logp, env_ids, episode_ids, fallback_flags)
         return leaves
 
     def _checked_rows(
-        self, obs, action, reward, next_obs, terminated, truncated, policy_version, behavior_logp, env_id, episode_id, fallback
+        self,
+        obs,
+        action,
+        reward,
+        next_obs,
+        terminated,
+        truncated,
+        policy_version,
+        behavior_logp,
+        env_id,
+        episode_id,
+        fallback,
     ) -> list[np.ndarray]:
         """The values to write as ``(n, ...)`` arrays (the order of ``_write_columns``):
         converted where lossless, checked against the spaces, with errors that name the
