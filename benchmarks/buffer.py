@@ -18,7 +18,10 @@ C++ extension does not load, TorchRL's own segment-tree sources (shipped in ``to
 are compiled for the installed torch once (``torch.utils.cpp_extension``, a few minutes).
 
 Every measurement alternates asyncvec and the other library ``repeats`` times; the table
-shows median rates and the median of the paired ratios (asyncvec / other).
+shows median rates and the median of the paired ratios (asyncvec / other). Rates count the
+thread's CPU time by default (``--clock cpu``: every operation here runs on one thread, and on
+a loaded machine the elapsed time also counts the waits for a core); ``--clock wall`` counts
+elapsed time.
 
 Run:
     python benchmarks/buffer.py            # about 3 minutes
@@ -67,6 +70,9 @@ class Args:
     """part 2: prioritized replay against TorchRL"""
     out_dir: str | None = None
     """where buffer.md / buffer.png go (default benchmarks/results)"""
+    clock: str = "cpu"
+    """cpu: the thread's CPU time (on a loaded machine, wall time also counts the time spent
+    waiting for a core); wall: elapsed time"""
 
 
 @dataclass
@@ -79,11 +85,15 @@ class Case:
     samples: int  # sample calls per timed repetition
 
 
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+clock = CLOCKS["cpu"]
+
+
 def rate(run: Callable[[], int]) -> float:
     """Transitions per second of one call of ``run`` (which returns its transition count)."""
-    start = time.perf_counter()
+    start = clock()
     transitions = run()
-    return transitions / (time.perf_counter() - start)
+    return transitions / (clock() - start)
 
 
 def paired(ours: Callable[[], int], theirs: Callable[[], int], repeats: int) -> tuple[float, float, float]:
@@ -351,7 +361,9 @@ def bench_prioritized(capacity: int, args: Args, repeats: int) -> list[tuple]:
 
 
 def main(args: Args) -> None:
-    torch.set_num_threads(1)
+    global clock
+    clock = CLOCKS[args.clock]
+    torch.set_num_threads(1)  # every operation measured runs on this one thread
     scale = 10 if args.quick else 1
     repeats = 3 if args.quick else args.repeats
     args = Args(**{**vars(args), "repeats": repeats})
@@ -396,7 +408,8 @@ def main(args: Args) -> None:
     table = markdown_table(["observations", "asyncvec variant", "op", "asyncvec /s", "sb3 /s", "ratio"], rows)
     print(
         f"\nvs stable-baselines3: num_envs={args.num_envs} per add, batch_size={args.batch_size} per sample; "
-        f"transitions/s, median of {args.repeats} alternating runs; ratio = median of paired ratios\n\n{table}"
+        f"transitions per {args.clock} second, median of {args.repeats} alternating runs; ratio = median of paired "
+        f"ratios\n\n{table}"
     )
     prioritized_rows = []
     if args.torchrl:
@@ -431,17 +444,16 @@ def main(args: Args) -> None:
         ax_trl.set_xscale("log")
         ax_trl.set_xlabel("asyncvec / TorchRL prioritized (transitions/s)")
         ax_trl.invert_yaxis()
-    notes = ""
-    if prioritized_table:
-        notes = "Prioritized replay vs TorchRL's PrioritizedReplayBuffer (LazyTensorStorage):\n\n" + prioritized_table
-    save_report(
-        "buffer",
-        table,
-        fig,
-        out_dir=args.out_dir,
-        command="python benchmarks/buffer.py" + (" --quick" if args.quick else ""),
-        notes=notes,
+    notes = (
+        f"Rates: transitions per {args.clock} second ({'CPU time of the benchmark thread' if args.clock == 'cpu' else 'elapsed time'}), "
+        f"median of {args.repeats} runs alternating the libraries; ratio: median of the paired ratios, asyncvec / other."
     )
+    if prioritized_table:
+        notes += (
+            "\n\nPrioritized replay vs TorchRL's PrioritizedReplayBuffer (LazyTensorStorage):\n\n" + prioritized_table
+        )
+    command = "python benchmarks/buffer.py " + " ".join(sys.argv[1:])
+    save_report("buffer", table, fig, out_dir=args.out_dir, command=command.strip(), notes=notes)
 
 
 if __name__ == "__main__":

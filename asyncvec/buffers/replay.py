@@ -46,6 +46,8 @@ _SCALARS: dict[str, np.dtype] = {
 # Metadata that add() takes as optional keywords, with the value a column holds when not given.
 _DEFAULTS: dict[str, Any] = {"behavior_logp": np.nan, "env_id": -1, "episode_id": -1, "fallback": False}
 _SKIP = object()  # in add()'s values: this column already holds the value everywhere, no write
+_NAN = _DEFAULTS["behavior_logp"]
+_FIVE_ARRAYS = (np.ndarray,) * 5
 assert list(_SCALARS)[-len(_DEFAULTS) :] == list(_DEFAULTS)  # add() relies on this order
 
 _INT64, _FLOAT32, _BOOL = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.bool_)
@@ -201,6 +203,8 @@ class ReplayBuffer:
         self._action = SpaceCodec(action_space, "action")
         self._specs = self._column_specs()
         self._tree = SumTree(self.capacity) if self.prioritized else None
+        self._slot_numbers = np.arange(self.capacity)  # add() returns read-only slices of it
+        self._slot_numbers.flags.writeable = False
         # Column order of the values add() writes (_quick_rows and _checked_rows build them so).
         self._write_names = [
             *self._obs.column_names(),
@@ -216,7 +220,7 @@ class ReplayBuffer:
         single = [codec.leaves[0] for codec in (self._obs, self._action) if len(codec.leaves) == 1]
         plain = len(single) == 2 and all(not leaf.path and not leaf.is_text for leaf in single)
         self._plain_leaves = (single[0].dtype, single[1].dtype) if plain else None
-        self._plain_shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._plain_signatures: dict[int, tuple] = {}
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self._closed = False
@@ -248,6 +252,10 @@ class ReplayBuffer:
                 self._dir_lock.release()
                 raise
         self._write_columns = [self._columns[name] for name in self._write_names]
+        # By batch size B dividing the capacity: the write columns viewed as blocks of B rows.
+        # Adds of B rows start at a multiple of B, and numpy assigns block k (an integer index)
+        # faster than the slice [k B, (k + 1) B).
+        self._blocks: dict[int, list[np.ndarray]] = {}
 
     # -- layout and persistence ---------------------------------------------------------
     def _column_specs(self) -> ColumnSpec:
@@ -505,14 +513,28 @@ class ReplayBuffer:
                 kept = capacity
             end = self._added + n
             if end - capacity > self._oldest:
-                self._retire_before(end - capacity)
+                if self._fallback_count or self._commit_log is not None:
+                    self._retire_before(end - capacity)
+                else:  # nothing to count or to commit: just forget the oldest
+                    self._oldest = end - capacity
             position = (end - kept) % capacity
             stop = position + kept
             if stop <= capacity:
-                for column, value in zip(self._write_columns, values):
-                    if value is not _SKIP:
-                        column[position:stop] = value
-                slots = np.arange(position, stop)
+                blocks = self._blocks.get(kept) if position % kept == 0 else None
+                if blocks is not None:  # the usual add: the same batch size every time
+                    block = position // kept
+                    for view, value in zip(blocks, values):
+                        if value is not _SKIP:
+                            view[block] = value
+                else:
+                    for column, value in zip(self._write_columns, values):
+                        if value is not _SKIP:
+                            column[position:stop] = value
+                    if kept not in self._blocks and capacity % kept == 0 and len(self._blocks) < 4:
+                        self._blocks[kept] = [
+                            c.reshape(capacity // kept, kept, *c.shape[1:]) for c in self._write_columns
+                        ]
+                slots = self._slot_numbers[position:stop]  # a read-only view: no new array per add
                 head = kept
             else:  # wrapped around the end of the ring
                 head = capacity - position
@@ -522,7 +544,8 @@ class ReplayBuffer:
                         column[position:] = value[:head] if is_array else value
                         column[: kept - head] = value[head:] if is_array else value
                 slots = np.concatenate((np.arange(position, capacity), np.arange(kept - head)))
-            fallback_flags = values[-1]
+            # Values may stop before the optional metadata columns (all at their defaults).
+            fallback_flags = values[-1] if len(values) == len(self._write_columns) else _SKIP
             if fallback_flags is _SKIP:
                 pass
             elif type(fallback_flags) is np.ndarray:
@@ -553,9 +576,11 @@ class ReplayBuffer:
         episode_id,
         fallback,
     ) -> list[Any] | None:
-        """The values to write, one per column of ``_write_columns``, for a batch that needs no
+        """The values to write, in the order of ``_write_columns``, for a batch that needs no
         conversion: ndarrays of the stored dtype and shape, and metadata given as one plain
         scalar or one such array (a scalar stays a scalar: the column write broadcasts it).
+        ``_SKIP`` marks a column left as it is; the list ends early when all the optional
+        metadata columns are (they come last).
 
         With ``validate="always"``, or before the first add, the values are also checked with
         a few whole-batch numpy operations (within the spaces' bounds, finite rewards, versions
@@ -568,56 +593,42 @@ class ReplayBuffer:
         if n == 0 or n > self.capacity:
             return None
         check_values = self._validate_always or not self._values_checked
-        if self._plain_leaves is not None and not check_values:
-            # One array per space (no Dict/Tuple/Text): a handful of attribute comparisons.
-            obs_dtype, action_dtype = self._plain_leaves
-            shapes = self._plain_shapes.get(n)
-            if shapes is None:
-                shapes = self._plain_shapes[n] = ((n, *self._obs.leaves[0].shape), (n, *self._action.leaves[0].shape))
-            if not (
-                type(obs) is np.ndarray
-                and type(next_obs) is np.ndarray
-                and type(action) is np.ndarray
-                and obs.dtype == obs_dtype
-                and next_obs.dtype == obs_dtype
-                and action.dtype == action_dtype
-                and obs.shape == shapes[0]
-                and next_obs.shape == shapes[0]
-                and action.shape == shapes[1]
-            ):
-                return None
-            leaves = [obs, action, next_obs]
+        signature = self._plain_signatures.get(n) if not check_values else None
+        if signature is None and self._plain_leaves is not None and not check_values:
+            signature = self._plain_signatures[n] = self._plain_signature(n)
+        if (
+            signature is not None
+            and (type(obs), type(action), type(next_obs), type(terminated), type(truncated)) == _FIVE_ARRAYS
+            and (obs.dtype, action.dtype, next_obs.dtype, reward.dtype, terminated.dtype, truncated.dtype,
+                 obs.shape, action.shape, next_obs.shape, terminated.shape, truncated.shape) == signature
+        ):  # fmt: skip
+            # Plain array spaces, arrays of the stored dtypes and shapes: one tuple comparison.
+            leaves = [obs, action, next_obs, reward, terminated, truncated]
         else:
-            obs_leaves = self._obs.quick_encode(obs, n, check_values)
-            action_leaves = self._action.quick_encode(action, n, check_values)
-            next_obs_leaves = self._next_obs.quick_encode(next_obs, n, check_values)
-            if obs_leaves is None or action_leaves is None or next_obs_leaves is None:
+            leaves = self._quick_arrays(obs, action, reward, next_obs, terminated, truncated, n, check_values)
+            if leaves is None:
                 return None
-            leaves = [*obs_leaves, *action_leaves, *next_obs_leaves]
-        if reward.dtype != _FLOAT32:
-            if reward.dtype.kind != "f":
-                return None
-            reward = reward.astype(_FLOAT32)
-        if check_values and not np.isfinite(reward).all():
-            return None
-        shape = reward.shape
-        if not (
-            type(terminated) is np.ndarray
-            and terminated.dtype == _BOOL
-            and terminated.shape == shape
-            and type(truncated) is np.ndarray
-            and truncated.dtype == _BOOL
-            and truncated.shape == shape
-        ):
-            return None
         if type(policy_version) is int and policy_version >= 0:
             version = policy_version
         else:
             version = _quick_metadata(policy_version, n, _INT64, 0, check_values)
+        if version is None:
+            return None
         # An omitted keyword is the default object itself (np.nan, -1, False): no write is
         # needed while its column holds only defaults.
         default_only = self._default_only
-        if default_only and behavior_logp is _DEFAULTS["behavior_logp"] and "behavior_logp" in default_only:
+        if (
+            len(default_only) == 4
+            and behavior_logp is _NAN
+            and fallback is False
+            and type(env_id) is int
+            and type(episode_id) is int
+            and env_id == -1
+            and episode_id == -1
+        ):  # the common case, all four omitted, in one test: their columns are not written
+            leaves.append(version)
+            return leaves
+        if default_only and behavior_logp is _NAN and "behavior_logp" in default_only:
             logp = _SKIP
         else:
             logp = _quick_metadata(behavior_logp, n, _FLOAT32, None, check_values)
@@ -633,7 +644,7 @@ class ReplayBuffer:
             fallback_flags = _SKIP
         else:
             fallback_flags = _quick_metadata(fallback, n, _BOOL, None, check_values)
-        if version is None or logp is None or env_ids is None or episode_ids is None or fallback_flags is None:
+        if logp is None or env_ids is None or episode_ids is None or fallback_flags is None:
             return None
         if default_only:  # these columns are written from now on
             for name, value in (
@@ -644,8 +655,46 @@ class ReplayBuffer:
             ):
                 if value is not _SKIP:
                     default_only.discard(name)
-        leaves += (reward, terminated, truncated, version, logp, env_ids, episode_ids, fallback_flags)
+        leaves += (version, logp, env_ids, episode_ids, fallback_flags)
         return leaves
+
+    def _quick_arrays(self, obs, action, reward, next_obs, terminated, truncated, n: int, check_values: bool):
+        """The space leaves, reward, terminated and truncated of a batch that needs at most a
+        float narrowing, checked leaf by leaf (values too with ``check_values``); else None."""
+        obs_leaves = self._obs.quick_encode(obs, n, check_values)
+        action_leaves = self._action.quick_encode(action, n, check_values)
+        next_obs_leaves = self._next_obs.quick_encode(next_obs, n, check_values)
+        if obs_leaves is None or action_leaves is None or next_obs_leaves is None:
+            return None
+        if reward.dtype != _FLOAT32:
+            if reward.dtype.kind != "f":
+                return None
+            reward = reward.astype(_FLOAT32)
+        if check_values and not np.isfinite(reward).all():
+            return None
+        shape = reward.shape
+        for flags in (terminated, truncated):
+            if type(flags) is not np.ndarray or flags.dtype != _BOOL or flags.shape != shape:
+                return None
+        return [*obs_leaves, *action_leaves, *next_obs_leaves, reward, terminated, truncated]
+
+    def _plain_signature(self, n: int) -> tuple:
+        """What _quick_rows compares a batch of ``n`` against: dtypes, then shapes."""
+        obs_dtype, action_dtype = self._plain_leaves
+        obs_shape, action_shape = (n, *self._obs.leaves[0].shape), (n, *self._action.leaves[0].shape)
+        return (
+            obs_dtype,
+            action_dtype,
+            obs_dtype,
+            _FLOAT32,
+            _BOOL,
+            _BOOL,
+            obs_shape,
+            action_shape,
+            obs_shape,
+            (n,),
+            (n,),
+        )
 
     def _checked_rows(
         self,
@@ -714,8 +763,9 @@ class ReplayBuffer:
         """Drop the samples older than ``serial`` because their slots are about to be reused."""
         if serial <= self._oldest:
             return
-        gone = np.arange(self._oldest, min(serial, self._added)) % self.capacity
-        self._fallback_count -= int(np.count_nonzero(self._columns["fallback"][gone]))
+        if self._fallback_count:  # count the fallbacks leaving (none to count in most buffers)
+            gone = np.arange(self._oldest, min(serial, self._added)) % self.capacity
+            self._fallback_count -= int(np.count_nonzero(self._columns["fallback"][gone]))
         self._oldest = serial
         if self._commit_log is not None and self._durable_oldest < min(serial, self._durable_end):
             # The last commit must stop covering these slots before they are overwritten.
