@@ -482,6 +482,7 @@ class Run:
     staleness_counts: np.ndarray
     policy_call_s: list[float] = field(default_factory=list)  # sync: each batched policy call
     env_step_s: list[float] = field(default_factory=list)  # sync: each lockstep env step
+    cores_used: float = float("nan")  # CPU seconds of this process (learner, collector, policy) per second
 
     @property
     def steady_steps_per_s(self) -> float:
@@ -527,7 +528,9 @@ def ppo_args(regime: Regime, mode: str, seed: int, args: Args) -> PPOArgs:
 
 def run_once(regime: Regime, mode: str, seed: int, args: Args) -> Run:
     agent = TimedPPO(ppo_args(regime, mode, seed, args))
+    cpu = time.process_time()
     result = agent.train()
+    cpu = time.process_time() - cpu
     return Run(
         regime.key,
         mode,
@@ -539,6 +542,7 @@ def run_once(regime: Regime, mode: str, seed: int, args: Args) -> Run:
         agent.staleness_counts,
         agent.policy_calls.seconds if agent.policy_calls else [],
         agent.env_steps.seconds if agent.env_steps else [],
+        cpu / result.wall_time_s,
     )
 
 
@@ -565,6 +569,7 @@ class Summary:
     staleness_mean: float
     sync_policy_call_s: float  # in the sync runs: median batched policy call
     sync_env_step_s: float  # in the sync runs: median lockstep env step
+    cores_used: dict[str, float]  # per mode: the process's CPU seconds per second (median over seeds)
 
     @property
     def ratio_to_bound(self) -> float:
@@ -602,6 +607,7 @@ def summarize(regime: Regime, stages: StageTimes, runs: list[Run]) -> Summary:
         learn_async_s=_median([u for r in by_mode["async"].values() for u in r.update_s[1:]]),
         sync_policy_call_s=_median([t for r in by_mode["sync"].values() for t in r.policy_call_s]),
         sync_env_step_s=_median([t for r in by_mode["sync"].values() for t in r.env_step_s]),
+        cores_used={mode: _median([r.cores_used for r in by_mode[mode].values()]) for mode in by_mode},
         staleness_mean=float(np.dot(np.arange(staleness.size), staleness) / max(staleness.sum(), 1)),
     )
 
@@ -702,6 +708,7 @@ def tables(summaries: list[Summary], llm: dict[str, Any] | None) -> tuple[str, s
         "predicted async steps/s",
         "measured/predicted sync",
         "measured/predicted async",
+        "cores used sync, async",
     ]
     stage_rows = []
     for s in summaries:
@@ -724,6 +731,7 @@ def tables(summaries: list[Summary], llm: dict[str, Any] | None) -> tuple[str, s
                 steps / p.async_iteration_s,
                 s.sync_sps * p.sync_iteration_s / steps,
                 s.async_sps * p.async_iteration_s / steps,
+                f"{s.cores_used['sync']:.2f}, {s.cores_used['async']:.2f}",
             ]
         )
     return main_table, markdown_table(stage_headers, stage_rows)
