@@ -844,6 +844,7 @@ def run_regimes(keys: list[str], args: Args) -> list[Summary]:
                     f"{run.result.global_step} steps, return {run.result.final_return:.0f}, "
                     f"{'target at %.0f s' % reached if reached is not None else 'target not reached'}, "
                     f"update {np.median(run.update_s) * 1e3:.0f} ms, staleness {run.result.staleness_mean:.2f} "
+                    f"({run.result.dropped_samples} samples dropped), {run.cores_used:.2f} cores "
                     f"({machine_line()})",
                     flush=True,
                 )
