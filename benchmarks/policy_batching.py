@@ -4,7 +4,9 @@ A small TorchPolicy is wrapped in ``LatencyModel(a_ms, b_ms)`` (default 50 ms pe
 1 ms per item, spent sleeping like a remote server) and driven by ``num_envs`` threads that
 each submit an observation, wait for the answer and submit again. Each mode runs for
 ``seconds`` after a warm-up; the table shows answers per second, mean batch size, latency
-percentiles and the speed-up over one request per call.
+percentiles, the speed-up over one request per call and the fraction of the bound (full
+batches back to back: ``max_batch_size / (a + b·max_batch_size)`` answers/s). It writes
+``benchmarks/results/policy_batching.md`` and ``.png``.
 
 Run:
     python benchmarks/policy_batching.py            # full run (about 20 s)
@@ -13,10 +15,15 @@ Run:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gymnasium as gym
 import numpy as np
@@ -24,6 +31,7 @@ import torch
 import tyro
 
 from asyncvec.inference import LatencyModel, TorchPolicy
+from benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
 
 @dataclass
@@ -44,6 +52,8 @@ class Args:
     """unmeasured time per mode before measuring"""
     obs_dim: int = 8
     """observation size of the toy policy"""
+    out_dir: str | None = None
+    """where policy_batching.md/.png go (default benchmarks/results)"""
 
 
 def run_mode(args: Args, **batching: Any) -> dict[str, float]:
@@ -81,7 +91,7 @@ def run_mode(args: Args, **batching: Any) -> dict[str, float]:
     }
 
 
-def main(args: Args) -> None:
+def main(args: Args) -> dict[str, dict[str, float]]:
     modes = {
         "one request per call (max_batch_size=1)": {"max_batch_size": 1, "max_wait_ms": 0.0},
         f"DynamicBatcher (max_batch_size={args.max_batch_size})": {
@@ -94,19 +104,45 @@ def main(args: Args) -> None:
             "adaptive_batching": True,
         },
     }
-    print(
+    setting = (
         f"LatencyModel(a={args.a_ms:g} ms, b={args.b_ms:g} ms) around a TorchPolicy, {args.num_envs} env threads, "
         f"{args.seconds:g} s per mode"
     )
+    print(f"{setting}\nMachine: {machine_line()}", flush=True)
     results = {name: run_mode(args, **batching) for name, batching in modes.items()}
     baseline = results[next(iter(modes))]["answers_per_s"]
-    width = max(len(name) for name in results)
-    print(f"{'mode':<{width}}  {'answers/s':>10}  {'mean batch':>10}  {'p50 ms':>8}  {'p99 ms':>8}  {'vs 1/call':>9}")
-    for name, row in results.items():
-        print(
-            f"{name:<{width}}  {row['answers_per_s']:>10.1f}  {row['mean_batch']:>10.1f}  "
-            f"{row['p50_ms']:>8.0f}  {row['p99_ms']:>8.0f}  {row['answers_per_s'] / baseline:>8.1f}x"
-        )
+    # The physical bound: k=1 batch in flight of up to max_batch_size items, each a + b*B long.
+    bound = args.max_batch_size / ((args.a_ms + args.b_ms * args.max_batch_size) / 1000.0)
+    rows = [
+        [
+            name,
+            row["answers_per_s"],
+            row["mean_batch"],
+            row["p50_ms"],
+            row["p99_ms"],
+            row["answers_per_s"] / baseline,
+            row["answers_per_s"] / bound,
+        ]
+        for name, row in results.items()
+    ]
+    table = markdown_table(["mode", "answers/s", "mean batch", "p50 ms", "p99 ms", "vs 1/call", "vs bound"], rows)
+    print(f"\n{table}\n\nbound: {bound:.0f} answers/s (full batches of {args.max_batch_size}, back to back)")
+    fig, ax = new_figure(width=7.0)
+    names = [name.replace(" (", "\n(") for name in results]
+    ax.bar(names, [row["answers_per_s"] for row in results.values()], color="tab:blue")
+    ax.axhline(bound, color="black", ls="--", label=f"bound ({bound:.0f}/s)")
+    ax.set_ylabel("answers/s")
+    ax.tick_params(axis="x", labelsize=7)
+    ax.legend()
+    save_report(
+        "policy_batching",
+        table,
+        fig,
+        out_dir=args.out_dir,
+        command="python benchmarks/policy_batching.py",
+        notes=f"{setting}; bound: full batches back to back, {bound:.0f} answers/s.",
+    )
+    return results
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each benchmark builds its rows, calls :func:`markdown_table` to print them, and
 :func:`save_report` to write ``<out>/<name>.md`` and ``<out>/<name>.png`` side by side
-(``out`` defaults to ``benchmarks/results``). Plots use matplotlib's Agg backend, so no
+(``out`` defaults to ``benchmarks/results``); :func:`save_figure` writes any further plot. Plots use matplotlib's Agg backend, so no
 display is needed.
 
 Example:
@@ -96,11 +96,18 @@ def save_report(
     md_path.write_text("\n".join(parts), encoding="utf-8")
     paths = [md_path]
     if figure is not None:
-        png_path = folder / f"{name}.png"
-        figure.tight_layout()
-        figure.savefig(png_path, dpi=110)
-        import matplotlib.pyplot as plt
-
-        plt.close(figure)
-        paths.append(png_path)
+        paths.append(save_figure(name, figure, out_dir=folder))
     return paths
+
+
+def save_figure(name: str, figure: Any, *, out_dir: str | Path | None = None) -> Path:
+    """Writes ``<out_dir>/<name>.png`` (a benchmark's second or third plot) and closes the figure."""
+    import matplotlib.pyplot as plt
+
+    folder = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    png_path = folder / f"{name}.png"
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=110)
+    plt.close(figure)
+    return png_path

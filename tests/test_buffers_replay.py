@@ -20,7 +20,7 @@ import asyncvec.buffers
 import asyncvec.buffers.groups
 import asyncvec.buffers.replay
 import asyncvec.buffers.rollout
-from asyncvec.buffers import ReplayBuffer
+from asyncvec.buffers import ReplayBuffer, SumTree
 
 SCALAR_OBS = spaces.Box(-np.inf, np.inf, (), np.float64)
 
@@ -427,3 +427,197 @@ def test_gather_reads_given_slots_and_rejects_empty_ones() -> None:
     assert buffer.gather([0, 1], 3).episode_id.tolist() == [6, 7]
     with pytest.raises(ValueError, match=r"gather: row 1: slot 6 holds no sample"):
         buffer.gather([0, 6], 3)
+
+
+# -- the sum-tree behind prioritized sampling ----------------------------------------------
+
+priority_updates = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 36), min_size=1, max_size=8), st.lists(st.integers(0, 50), min_size=1, max_size=8)
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 37),
+    updates=priority_updates,
+    draws=st.lists(st.floats(0, 1, exclude_max=True), max_size=20),
+)
+def test_sum_tree_matches_a_plain_proportional_sampler(capacity: int, updates, draws) -> None:
+    """After any updates, the tree's totals, minimum and prefix search equal a cumulative sum's.
+
+    Integer priorities keep every sum exact, so the descent must pick exactly the slot that
+    ``searchsorted(cumsum(p), u * total, side="right")`` picks for the same uniform draw ``u``:
+    the same proportional distribution, draw for draw.
+    """
+    tree, plain = SumTree(capacity), np.zeros(capacity)
+    for indices, values in updates:
+        indices = [i % capacity for i in indices]
+        values = (values * len(indices))[: len(indices)]
+        tree.update(indices, values)
+        for index, value in zip(indices, values):  # a plain loop: the last value wins
+            plain[index] = value
+        np.testing.assert_array_equal(tree.values(), plain)
+        assert tree.total == plain.sum()
+        assert tree.min == (plain[plain > 0].min() if (plain > 0).any() else np.inf)
+    rebuilt = SumTree(capacity)
+    rebuilt.rebuild(plain)
+    assert rebuilt.total == tree.total and rebuilt.min == tree.min
+    if plain.sum() > 0:
+        prefixes = np.array(draws) * plain.sum()
+        expected = np.searchsorted(np.cumsum(plain), prefixes, side="right")
+        np.testing.assert_array_equal(tree.find(prefixes), expected)
+        np.testing.assert_array_equal(rebuilt.find(prefixes), expected)
+        assert np.all(plain[tree.sample(50, np.random.default_rng(0))] > 0)  # empty leaves never drawn
+
+
+def test_sum_tree_sampling_frequencies_follow_the_priorities() -> None:
+    priorities = np.array([0.0, 1.0, 2.0, 0.0, 4.0, 8.0, 0.5, 0.0])
+    tree = SumTree(len(priorities))
+    tree.update(np.arange(len(priorities)), priorities)
+    counts = np.bincount(tree.sample(200_000, np.random.default_rng(1)), minlength=len(priorities))
+    expected = priorities / priorities.sum()
+    # 200k draws: a frequency's standard deviation is below 0.0012.
+    np.testing.assert_allclose(counts / counts.sum(), expected, atol=0.006)
+    assert counts[priorities == 0].sum() == 0
+
+
+def test_sum_tree_rejects_bad_input() -> None:
+    tree = SumTree(4)
+    with pytest.raises(ValueError, match=r"indices: row 1: leaf 4 is outside 0\.\.3"):
+        tree.update([0, 4], [1.0, 1.0])
+    with pytest.raises(ValueError, match=r"values: row 0: expected a finite number >= 0, got -1"):
+        tree.update([0], [-1.0])
+    with pytest.raises(ValueError, match="every leaf is 0"):
+        tree.sample(1, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="capacity"):
+        SumTree(0)
+
+
+def test_prioritized_sampling_from_the_tree_equals_the_masked_scan() -> None:
+    """The O(log n) tree path and the O(n) scan (taken with a staleness filter) draw the same slots."""
+    buffer = ReplayBuffer(50, SCALAR_OBS, spaces.Discrete(2), prioritized=True, alpha=1.0, beta=0.5, seed=0)
+    slots = add_serials(buffer, np.arange(70), versions=np.arange(70) // 10)  # wraps: 50 kept
+    buffer.update_priorities(slots[-50:], np.arange(1, 51, dtype=np.float64))
+    from_tree = buffer.sample(40, current_version=6, rng=3)
+    scanned = buffer.sample(40, current_version=6, max_staleness=100, rng=3)
+    np.testing.assert_array_equal(from_tree.indices, scanned.indices)
+    np.testing.assert_allclose(from_tree.weights, scanned.weights, rtol=1e-6)
+
+
+def test_prioritized_sampling_skips_fallbacks_unless_asked() -> None:
+    buffer = ReplayBuffer(16, SCALAR_OBS, spaces.Discrete(2), prioritized=True, seed=0)
+    add_serials(buffer, np.arange(8), versions=0, fallback=np.arange(8) % 2 == 1)
+    drawn = np.concatenate([buffer.sample(4, 0).episode_id for _ in range(50)])
+    assert np.all(drawn % 2 == 0)  # fallbacks (odd serials) never drawn
+    drawn = np.concatenate([buffer.sample(8, 0, exclude_fallback=False).episode_id for _ in range(50)])
+    assert set(drawn.tolist()) == set(range(8))
+    with pytest.raises(ValueError, match="only 4 of the 8 stored are eligible"):
+        buffer.sample(5, 0)
+
+
+def test_reopened_prioritized_buffer_rebuilds_its_tree(tmp_path) -> None:
+    with ReplayBuffer(8, SCALAR_OBS, spaces.Discrete(2), prioritized=True, alpha=1.0, storage_dir=tmp_path) as buffer:
+        slots = add_serials(buffer, np.arange(6), versions=0)
+        buffer.update_priorities(slots, [1.0, 1.0, 1.0, 1.0, 1.0, 995.0])
+        before = [buffer.sample(6, 0, rng=seed).indices for seed in range(5)]
+    with ReplayBuffer.open(tmp_path, seed=0) as reopened:
+        after = [reopened.sample(6, 0, rng=seed) for seed in range(5)]
+        np.testing.assert_array_equal(before, [batch.indices for batch in after])
+        assert np.mean([batch.episode_id == 5 for batch in after]) > 0.9
+
+
+# -- the quick path of add ------------------------------------------------------------------
+
+
+def test_quick_and_checked_adds_store_the_same_rows(monkeypatch) -> None:
+    """Arrays of the stored dtypes take the quick path; lists take the converting one."""
+    space = spaces.Box(np.array([-1, -np.inf], np.float32), np.array([1, np.inf], np.float32), dtype=np.float32)
+    quick, checked = (ReplayBuffer(10, space, spaces.Discrete(3), seed=0) for _ in range(2))
+    monkeypatch.setattr(quick, "_checked_rows", lambda *args: pytest.fail("the quick path was not taken"))
+    rng = np.random.default_rng(0)
+    for step in range(4):  # wraps around the ring of 10
+        obs = rng.uniform(-1, 1, (3, 2)).astype(np.float32)
+        action, reward = rng.integers(0, 3, 3), rng.normal(size=3)
+        done = rng.random(3) < 0.5
+        env_id = np.array([0, 1, 2]) if step % 2 else -1
+        quick.add(obs, action, reward, obs, done, ~done, step, env_id=env_id)
+        checked.add(
+            obs.tolist(),
+            action.tolist(),
+            reward.tolist(),
+            obs.tolist(),
+            done.tolist(),
+            (~done).tolist(),
+            [step] * 3,
+            env_id=np.broadcast_to(env_id, 3).tolist(),
+        )
+    a, b = quick.sample(10, 3, rng=1), checked.sample(10, 3, rng=1)
+    for name in (
+        "obs",
+        "action",
+        "reward",
+        "next_obs",
+        "terminated",
+        "truncated",
+        "policy_version",
+        "env_id",
+        "episode_id",
+        "behavior_logp",
+        "fallback",
+    ):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+@pytest.mark.parametrize("validate", ["first", "always"])
+def test_validate_checks_values_on_the_first_add_or_always(validate: str) -> None:
+    buffer = ReplayBuffer(8, spaces.Box(-1, 1, (2,), np.float32), spaces.Discrete(2), validate=validate)
+    obs, bad = np.zeros((2, 2), np.float32), np.full((2, 2), 5.0, np.float32)
+    args = (np.array([0, 1]), np.zeros(2, np.float32))
+    flags = np.zeros(2, bool)
+    with pytest.raises(ValueError, match=r"obs: row 0: value \[5\.0, 5\.0\] is not in Box"):
+        buffer.add(bad, *args, obs, flags, flags, 0)  # the first add is always checked in full
+    buffer.add(obs, *args, obs, flags, flags, 0)
+    if validate == "always":
+        with pytest.raises(ValueError, match=r"next_obs: row 0: value \[5\.0, 5\.0\]"):
+            buffer.add(obs, *args, bad, flags, flags, 0)
+        with pytest.raises(ValueError, match=r"action: row 1: value 2 is not in Discrete\(2\)"):
+            buffer.add(obs, np.array([0, 2]), args[1], obs, flags, flags, 0)
+        with pytest.raises(ValueError, match=r"reward: row 1: expected a finite number"):
+            buffer.add(obs, args[0], np.array([0, np.nan], np.float32), obs, flags, flags, 0)
+    else:
+        buffer.add(obs, *args, bad, flags, flags, 0)  # values are trusted after the first add
+    # Types, dtypes, shapes and scalar metadata are checked on every add, in both modes.
+    with pytest.raises(ValueError, match=r"obs: expected a batch of shape \(2, 2\)"):
+        buffer.add(np.zeros((2, 3), np.float32), *args, obs, flags, flags, 0)
+    with pytest.raises(ValueError, match=r"action: row 1: value 2 is not in Discrete\(2\)"):
+        buffer.add(obs, [0, 2], args[1], obs, flags, flags, 0)  # a list is converted and checked
+    with pytest.raises(ValueError, match=r"obs: expected dtype float32"):
+        buffer.add(np.zeros((2, 2), np.complex64), *args, obs, flags, flags, 0)
+    with pytest.raises(ValueError, match=r"policy_version: row 0: expected a value >= 0"):
+        buffer.add(obs, *args, obs, flags, flags, -1)
+    with pytest.raises(ValueError, match="validate"):
+        ReplayBuffer(8, spaces.Discrete(2), spaces.Discrete(2), validate="never")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    capacity=st.integers(1, 40),
+    ranges=st.lists(st.tuples(st.integers(0, 39), st.integers(0, 8), st.integers(0, 9)), max_size=10),
+)
+def test_sum_tree_deferred_ranges_equal_immediate_updates(capacity: int, ranges) -> None:
+    """set_range (ancestors deferred to the next read) ends in the same tree as update."""
+    deferred, immediate = SumTree(capacity), SumTree(capacity)
+    for start, length, value in ranges:
+        start = start % capacity
+        stop = min(start + length, capacity)
+        deferred.set_range(start, stop, float(value))
+        immediate.update(np.arange(start, stop), np.full(stop - start, float(value)))
+        if value % 3 == 0:  # read in between sometimes: flushes the pending range
+            assert deferred.total == immediate.total
+    assert deferred.total == immediate.total and deferred.min == immediate.min
+    prefixes = np.linspace(0, immediate.total, 17, endpoint=False)
+    np.testing.assert_array_equal(deferred.find(prefixes), immediate.find(prefixes))

@@ -1,5 +1,6 @@
-"""Version-aware storage for transitions: a replay buffer, an on-policy rollout store and
-groups of completions per prompt. numpy only: buffers never import torch.
+"""Version-aware storage for transitions: a replay buffer (with a sum-tree for prioritized
+sampling), an on-policy rollout store and groups of completions per prompt. numpy only:
+buffers never import torch.
 
 Example:
     >>> import numpy as np
@@ -15,5 +16,6 @@ Example:
 from asyncvec.buffers.groups import CompletionGroups, GroupBatch
 from asyncvec.buffers.replay import ReplayBatch, ReplayBuffer
 from asyncvec.buffers.rollout import RolloutStore, Segment
+from asyncvec.buffers.sum_tree import SumTree
 
-__all__ = ["CompletionGroups", "GroupBatch", "ReplayBatch", "ReplayBuffer", "RolloutStore", "Segment"]
+__all__ = ["CompletionGroups", "GroupBatch", "ReplayBatch", "ReplayBuffer", "RolloutStore", "Segment", "SumTree"]

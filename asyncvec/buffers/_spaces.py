@@ -9,7 +9,7 @@ shape and dtype; Text is stored as int32 indices into its character set, padded 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,10 +38,38 @@ class Leaf:
     # True when the dtype alone guarantees membership (a uint8 Box over [0, 255]), so the
     # per-batch bounds check can be skipped: it costs more than the copy for images.
     dtype_is_space: bool = False
+    # Bounds that decide membership for Box, Discrete, MultiDiscrete and MultiBinary leaves:
+    # a value is in the space iff low <= value <= high elementwise (None: that side is
+    # unbounded). Scalars when every element shares them (one min/max reduction per batch).
+    low: Any = None
+    high: Any = None
+    is_text: bool = field(init=False, default=False)
 
-    @property
-    def is_text(self) -> bool:
-        return isinstance(self.space, spaces.Text)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_text", isinstance(self.space, spaces.Text))  # read on every add
+
+    def quick_check(self, array: Any, n: int, check_values: bool = True) -> bool:
+        """Whether ``array`` is a batch of ``n`` members, checked with a few whole-batch numpy
+        operations; False means "not sure": run the full check, which names the bad row.
+
+        True only for an ndarray of exactly the leaf's dtype and shape ``(n, *shape)`` whose
+        values (with ``check_values``) lie within the bounds; NaN fails every comparison, so
+        it never passes. Text leaves are never quick.
+        """
+        if (
+            type(array) is not np.ndarray
+            or array.dtype != self.dtype
+            or self.is_text
+            or array.shape != (n, *self.shape)
+        ):
+            return False
+        if not check_values or self.dtype_is_space or n == 0:
+            return True
+        low, high = self.low, self.high
+        if type(low) is not np.ndarray and type(high) is not np.ndarray:
+            # Shared bounds: min and max decide (a NaN makes both NaN, and NaN compares False).
+            return bool(array.min() >= low) and bool(array.max() <= high)
+        return (low is None or bool((array >= low).all())) and (high is None or bool((array <= high).all()))
 
 
 class SpaceCodec:
@@ -59,6 +87,7 @@ class SpaceCodec:
         self.space = space
         self.field = field
         self.leaves: list[Leaf] = list(_walk(space, field, ()))
+        self._single = len(self.leaves) == 1 and not self.leaves[0].path
         self._batched_cache: dict[tuple[int, int], spaces.Space] = {}
 
     def column_names(self, prefix: str | None = None) -> list[str]:
@@ -81,6 +110,8 @@ class SpaceCodec:
     def _encode_leaf(self, leaf: Leaf, value: Any, n: int, row_label: RowLabel) -> np.ndarray:
         if leaf.is_text:
             return self._encode_text(leaf, value, n, row_label)
+        if leaf.quick_check(value, n):
+            return value
         array = np.asarray(value)
         expected_shape = (n, *leaf.shape)
         if array.shape != expected_shape:
@@ -115,6 +146,23 @@ class SpaceCodec:
         if n == 0:
             return np.empty((0, *leaf.shape), leaf.dtype)
         return np.stack([flatten(leaf.space, text) for text in value])
+
+    def quick_encode(self, value: Any, n: int, check_values: bool = True) -> list[np.ndarray] | None:
+        """The leaves of ``value`` if every leaf passes :meth:`Leaf.quick_check`, else None.
+
+        The fast path of :meth:`encode` for batches that are already arrays of the right
+        dtype and shape (what vector envs and collectors produce); None means "use encode",
+        which accepts more input (lists, lossless casts) and names what is wrong.
+        """
+        if self._single:
+            return [value] if self.leaves[0].quick_check(value, n, check_values) else None
+        try:
+            picked = [_pick(value, leaf, self.field) for leaf in self.leaves]
+        except (ValueError, TypeError, KeyError, IndexError):
+            return None
+        if all(leaf.quick_check(array, n, check_values) for leaf, array in zip(self.leaves, picked)):
+            return picked
+        return None
 
     # -- decoding ---------------------------------------------------------------------
     def decode(self, columns: Sequence[np.ndarray]) -> Any:
@@ -159,12 +207,42 @@ def _walk(space: spaces.Space, label: str, path: tuple[str | int, ...]) -> Itera
             and dtype.kind in "iu"
             and bool(np.all(space.low == np.iinfo(dtype).min) and np.all(space.high == np.iinfo(dtype).max))
         )
-        yield Leaf(path, label, space, tuple(space.shape), dtype, dtype_is_space=full_range)
+        low, high = _bounds(space)
+        yield Leaf(path, label, space, tuple(space.shape), dtype, dtype_is_space=full_range, low=low, high=high)
     else:
         raise TypeError(
             f"{label}: {space} is not supported; expected Box, Discrete, MultiDiscrete, "
             f"MultiBinary, Text, or a Dict/Tuple of them"
         )
+
+
+def _bounds(space: spaces.Space) -> tuple[Any, Any]:
+    """Inclusive bounds equivalent to ``space.contains`` for values of the space's dtype (see
+    :meth:`Leaf.quick_check`): a scalar when every element shares it, else an array; None for
+    an infinite side next to an elementwise other side."""
+    if isinstance(space, spaces.Discrete):
+        return int(space.start), int(space.start + space.n - 1)
+    if isinstance(space, spaces.MultiBinary):
+        return 0, 1
+    if isinstance(space, spaces.MultiDiscrete):
+        low, high = np.asarray(space.start), np.asarray(space.start + space.nvec - 1)
+    else:
+        low, high = np.asarray(space.low), np.asarray(space.high)
+    low, high = _shared(np.broadcast_to(low, space.shape)), _shared(np.broadcast_to(high, space.shape))
+    # An infinite shared bound next to an elementwise other side checks nothing: drop it
+    # (NaN still fails the other side's comparison).
+    if type(high) is np.ndarray and type(low) is not np.ndarray and low == -np.inf:
+        low = None
+    if type(low) is np.ndarray and type(high) is not np.ndarray and high == np.inf:
+        high = None
+    return low, high
+
+
+def _shared(bound: np.ndarray) -> Any:
+    """One Python scalar when every element of ``bound`` is the same, else the array."""
+    if bound.size and np.all(bound == bound.flat[0]):
+        return bound.flat[0].item()
+    return np.ascontiguousarray(bound)
 
 
 def _pick(value: Any, leaf: Leaf, field: str) -> Any:

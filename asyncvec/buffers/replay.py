@@ -7,7 +7,7 @@ import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from gymnasium import spaces
@@ -23,6 +23,7 @@ from asyncvec.buffers._disk import (
     write_json_atomic,
 )
 from asyncvec.buffers._spaces import SpaceCodec, as_column
+from asyncvec.buffers.sum_tree import SumTree
 
 __all__ = ["ReplayBatch", "ReplayBuffer"]
 
@@ -34,12 +35,49 @@ _SCALARS: dict[str, np.dtype] = {
     "reward": np.dtype(np.float32),
     "terminated": np.dtype(np.bool_),
     "truncated": np.dtype(np.bool_),
-    "behavior_logp": np.dtype(np.float32),
     "policy_version": np.dtype(np.int64),
+    "behavior_logp": np.dtype(np.float32),  # the last four are add()'s optional keywords (_DEFAULTS)
     "env_id": np.dtype(np.int64),
     "episode_id": np.dtype(np.int64),
     "fallback": np.dtype(np.bool_),
 }
+
+
+# Metadata that add() takes as optional keywords, with the value a column holds when not given.
+_DEFAULTS: dict[str, Any] = {"behavior_logp": np.nan, "env_id": -1, "episode_id": -1, "fallback": False}
+_SKIP = object()  # in add()'s values: this column already holds the value everywhere, no write
+_NAN = _DEFAULTS["behavior_logp"]
+_FIVE_ARRAYS = (np.ndarray,) * 5
+assert list(_SCALARS)[-len(_DEFAULTS) :] == list(_DEFAULTS)  # add() relies on this order
+
+_INT64, _FLOAT32, _BOOL = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.bool_)
+# Scalars stored without a conversion, by column dtype (exact types: a bool is no version).
+_QUICK_SCALAR_TYPES: dict[np.dtype, tuple[type, ...]] = {
+    _INT64: (int, np.int64),
+    _FLOAT32: (float, np.float32, np.float64),
+    _BOOL: (bool, np.bool_),
+}
+
+
+def _quick_metadata(value: Any, n: int, dtype: np.dtype, minimum: int | None, check_values: bool) -> Any:
+    """``value`` as stored if it needs no conversion, else None: a plain scalar of the column's
+    kind (checked against ``minimum``: a Python comparison) or an ``(n,)`` array of its dtype
+    (float64 is narrowed to float32; checked against ``minimum`` only with ``check_values``)."""
+    if type(value) is np.ndarray:
+        if value.shape != (n,):
+            return None
+        if value.dtype != dtype:
+            if not (dtype.kind == "f" and value.dtype.kind == "f"):
+                return None
+            value = value.astype(dtype)
+        if check_values and minimum is not None and value.min() < minimum:
+            return None
+        return value
+    if type(value) not in _QUICK_SCALAR_TYPES[dtype]:
+        return None
+    if minimum is not None and not value >= minimum:
+        return None
+    return value
 
 
 @dataclass
@@ -106,6 +144,13 @@ class ReplayBuffer:
         commit_every: commit after this many ``add`` calls (``storage_dir`` mode); 0 commits
             only on ``commit()``/``close()``.
         fsync: make every commit durable against power loss (slow).
+        validate: how much of each added batch is checked. ``"first"`` (default): every
+            batch must have the right types, dtypes and shapes; the values themselves
+            (within the spaces, finite rewards, versions >= 0) are checked in full on the
+            first ``add`` and on any batch that needs a conversion (lists, other dtypes),
+            and trusted afterwards, as gymnasium's env checker does with an env's first
+            steps. ``"always"``: the values of every batch are checked too (a few
+            whole-batch numpy reductions per add: several times slower for small batches).
         seed: seed of the buffer's own random generator.
 
     Example:
@@ -132,8 +177,11 @@ class ReplayBuffer:
         storage_dir: str | os.PathLike[str] | None = None,
         commit_every: int = 1,
         fsync: bool = False,
+        validate: Literal["first", "always"] = "first",
         seed: int | None = None,
     ) -> None:
+        if validate not in ("first", "always"):
+            raise ValueError(f"validate: expected 'first' or 'always', got {validate!r}")
         if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
             raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
         if not alpha >= 0:
@@ -154,6 +202,25 @@ class ReplayBuffer:
         self._next_obs = SpaceCodec(observation_space, "next_obs")
         self._action = SpaceCodec(action_space, "action")
         self._specs = self._column_specs()
+        self._tree = SumTree(self.capacity) if self.prioritized else None
+        self._slot_numbers = np.arange(self.capacity)  # add() returns read-only slices of it
+        self._slot_numbers.flags.writeable = False
+        # Column order of the values add() writes (_quick_rows and _checked_rows build them so).
+        self._write_names = [
+            *self._obs.column_names(),
+            *self._action.column_names(),
+            *self._next_obs.column_names(),
+            *_SCALARS,
+        ]
+        self._reward_index = self._write_names.index("reward")
+        self._validate_always = validate == "always"
+        self._values_checked = False  # becomes True after the first add (see validate)
+        # The dtypes of obs and action when each space is one plain array (the quick path's
+        # shortcut), and the batch shapes by batch size.
+        single = [codec.leaves[0] for codec in (self._obs, self._action) if len(codec.leaves) == 1]
+        plain = len(single) == 2 and all(not leaf.path and not leaf.is_text for leaf in single)
+        self._plain_leaves = (single[0].dtype, single[1].dtype) if plain else None
+        self._plain_signatures: dict[int, tuple] = {}
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self._closed = False
@@ -170,8 +237,12 @@ class ReplayBuffer:
         self.storage_dir = None if storage_dir is None else Path(storage_dir)
         self._dir_lock: DirectoryLock | None = None
         self._commit_log: CommitLog | None = None
+        # Optional metadata columns that hold only their default so far: an add that does not
+        # pass them skips their write (what a buffer without such columns would cost).
+        self._default_only: set[str] = set()
         if self.storage_dir is None:
             self._columns = allocate(self._specs, None)
+            self._fill_defaults(self._columns)
         else:
             self.storage_dir.mkdir(parents=True, exist_ok=True)
             self._dir_lock = DirectoryLock(self.storage_dir)
@@ -180,6 +251,11 @@ class ReplayBuffer:
             except BaseException:
                 self._dir_lock.release()
                 raise
+        self._write_columns = [self._columns[name] for name in self._write_names]
+        # By batch size B dividing the capacity: the write columns viewed as blocks of B rows.
+        # Adds of B rows start at a multiple of B, and numpy assigns block k (an integer index)
+        # faster than the slice [k B, (k + 1) B).
+        self._blocks: dict[int, list[np.ndarray]] = {}
 
     # -- layout and persistence ---------------------------------------------------------
     def _column_specs(self) -> ColumnSpec:
@@ -221,10 +297,17 @@ class ReplayBuffer:
         if meta_path.exists():
             self._restore(self._commit_log, columns)
         else:
+            self._fill_defaults(columns)
             with open(directory / _SPACES, "wb") as file:
                 pickle.dump((self.observation_space, self.action_space), file)
             write_json_atomic(meta_path, meta, self.fsync)
         return columns
+
+    def _fill_defaults(self, columns: dict[str, np.ndarray]) -> None:
+        """Fill fresh metadata columns with their defaults (see ``_default_only``)."""
+        for name, value in _DEFAULTS.items():
+            columns[name].fill(value)
+        self._default_only = set(_DEFAULTS)
 
     def _restore(self, log: CommitLog, columns: dict[str, np.ndarray]) -> None:
         """Adopt the latest commit of ``log`` and recount what its samples hold."""
@@ -242,6 +325,8 @@ class ReplayBuffer:
             stored = np.zeros(self.capacity, dtype=bool)
             stored[slots] = True
             columns["priority"][~stored] = 0.0
+            assert self._tree is not None
+            self._tree.rebuild(np.where(columns["fallback"], 0.0, columns["priority"]))
 
     def commit(self) -> None:
         """Make every added sample durable (``storage_dir`` mode; a no-op in RAM)."""
@@ -309,6 +394,7 @@ class ReplayBuffer:
         )
         lock = DirectoryLock(path)
         try:
+            buffer._default_only = set()
             for name, column in buffer._columns.items():
                 column[...] = np.load(path / f"{name}.npy", mmap_mode="r")
             log = CommitLog(path / _COMMIT)
@@ -388,6 +474,245 @@ class ReplayBuffer:
             ValueError: a field does not match its space or shape; the message names the
                 field, the expected space and the offending row (and its env_id).
         """
+        values = self._quick_rows(
+            obs,
+            action,
+            reward,
+            next_obs,
+            terminated,
+            truncated,
+            policy_version,
+            behavior_logp,
+            env_id,
+            episode_id,
+            fallback,
+        )
+        if values is None:
+            values = self._checked_rows(
+                obs,
+                action,
+                reward,
+                next_obs,
+                terminated,
+                truncated,
+                policy_version,
+                behavior_logp,
+                env_id,
+                episode_id,
+                fallback,
+            )
+            self._default_only.clear()  # every column is written
+        n = len(values[self._reward_index])
+        with self._lock:
+            if self._closed:
+                self._check_open()
+            capacity = self.capacity
+            kept = n
+            if n > capacity:  # only the newest `capacity` rows can be kept (_checked_rows: all arrays)
+                values = [value[-capacity:] for value in values]
+                kept = capacity
+            end = self._added + n
+            if end - capacity > self._oldest:
+                if self._fallback_count or self._commit_log is not None:
+                    self._retire_before(end - capacity)
+                else:  # nothing to count or to commit: just forget the oldest
+                    self._oldest = end - capacity
+            position = (end - kept) % capacity
+            stop = position + kept
+            if stop <= capacity:
+                blocks = self._blocks.get(kept) if position % kept == 0 else None
+                if blocks is not None:  # the usual add: the same batch size every time
+                    block = position // kept
+                    for view, value in zip(blocks, values):
+                        if value is not _SKIP:
+                            view[block] = value
+                else:
+                    for column, value in zip(self._write_columns, values):
+                        if value is not _SKIP:
+                            column[position:stop] = value
+                    if kept not in self._blocks and capacity % kept == 0 and len(self._blocks) < 4:
+                        self._blocks[kept] = [
+                            c.reshape(capacity // kept, kept, *c.shape[1:]) for c in self._write_columns
+                        ]
+                slots = self._slot_numbers[position:stop]  # a read-only view: no new array per add
+                head = kept
+            else:  # wrapped around the end of the ring
+                head = capacity - position
+                for column, value in zip(self._write_columns, values):
+                    if value is not _SKIP:
+                        is_array = type(value) is np.ndarray
+                        column[position:] = value[:head] if is_array else value
+                        column[: kept - head] = value[head:] if is_array else value
+                slots = np.concatenate((np.arange(position, capacity), np.arange(kept - head)))
+            # Values may stop before the optional metadata columns (all at their defaults).
+            fallback_flags = values[-1] if len(values) == len(self._write_columns) else _SKIP
+            if fallback_flags is _SKIP:
+                pass
+            elif type(fallback_flags) is np.ndarray:
+                self._fallback_count += int(np.count_nonzero(fallback_flags))
+            elif fallback_flags:
+                self._fallback_count += kept
+            if self.prioritized:
+                self._add_priorities(position, kept, head, fallback_flags)
+            self._added = end
+            self._values_checked = True
+            if self._commit_log is not None:
+                self._adds_since_commit += 1
+                if self.commit_every and self._adds_since_commit >= self.commit_every:
+                    self._commit_locked()
+        return slots
+
+    def _quick_rows(
+        self,
+        obs,
+        action,
+        reward,
+        next_obs,
+        terminated,
+        truncated,
+        policy_version,
+        behavior_logp,
+        env_id,
+        episode_id,
+        fallback,
+    ) -> list[Any] | None:
+        """The values to write, in the order of ``_write_columns``, for a batch that needs no
+        conversion: ndarrays of the stored dtype and shape, and metadata given as one plain
+        scalar or one such array (a scalar stays a scalar: the column write broadcasts it).
+        ``_SKIP`` marks a column left as it is; the list ends early when all the optional
+        metadata columns are (they come last).
+
+        With ``validate="always"``, or before the first add, the values are also checked with
+        a few whole-batch numpy operations (within the spaces' bounds, finite rewards, versions
+        >= 0). None when a check fails or the input needs conversion: :meth:`_checked_rows`
+        then converts it or names the field, the space and the row.
+        """
+        if type(reward) is not np.ndarray or reward.ndim != 1:
+            return None
+        n = reward.shape[0]
+        if n == 0 or n > self.capacity:
+            return None
+        check_values = self._validate_always or not self._values_checked
+        signature = self._plain_signatures.get(n) if not check_values else None
+        if signature is None and self._plain_leaves is not None and not check_values:
+            signature = self._plain_signatures[n] = self._plain_signature(n)
+        if (
+            signature is not None
+            and (type(obs), type(action), type(next_obs), type(terminated), type(truncated)) == _FIVE_ARRAYS
+            and (obs.dtype, action.dtype, next_obs.dtype, reward.dtype, terminated.dtype, truncated.dtype,
+                 obs.shape, action.shape, next_obs.shape, terminated.shape, truncated.shape) == signature
+        ):  # fmt: skip
+            # Plain array spaces, arrays of the stored dtypes and shapes: one tuple comparison.
+            leaves = [obs, action, next_obs, reward, terminated, truncated]
+        else:
+            leaves = self._quick_arrays(obs, action, reward, next_obs, terminated, truncated, n, check_values)
+            if leaves is None:
+                return None
+        if type(policy_version) is int and policy_version >= 0:
+            version = policy_version
+        else:
+            version = _quick_metadata(policy_version, n, _INT64, 0, check_values)
+        if version is None:
+            return None
+        # An omitted keyword is the default object itself (np.nan, -1, False): no write is
+        # needed while its column holds only defaults.
+        default_only = self._default_only
+        if (
+            len(default_only) == 4
+            and behavior_logp is _NAN
+            and fallback is False
+            and type(env_id) is int
+            and type(episode_id) is int
+            and env_id == -1
+            and episode_id == -1
+        ):  # the common case, all four omitted, in one test: their columns are not written
+            leaves.append(version)
+            return leaves
+        if default_only and behavior_logp is _NAN and "behavior_logp" in default_only:
+            logp = _SKIP
+        else:
+            logp = _quick_metadata(behavior_logp, n, _FLOAT32, None, check_values)
+        if default_only and type(env_id) is int and env_id == -1 and "env_id" in default_only:
+            env_ids = _SKIP
+        else:
+            env_ids = _quick_metadata(env_id, n, _INT64, -1, check_values)
+        if default_only and type(episode_id) is int and episode_id == -1 and "episode_id" in default_only:
+            episode_ids = _SKIP
+        else:
+            episode_ids = _quick_metadata(episode_id, n, _INT64, None, check_values)
+        if default_only and fallback is False and "fallback" in default_only:
+            fallback_flags = _SKIP
+        else:
+            fallback_flags = _quick_metadata(fallback, n, _BOOL, None, check_values)
+        if logp is None or env_ids is None or episode_ids is None or fallback_flags is None:
+            return None
+        if default_only:  # these columns are written from now on
+            for name, value in (
+                ("behavior_logp", logp),
+                ("env_id", env_ids),
+                ("episode_id", episode_ids),
+                ("fallback", fallback_flags),
+            ):
+                if value is not _SKIP:
+                    default_only.discard(name)
+        leaves += (version, logp, env_ids, episode_ids, fallback_flags)
+        return leaves
+
+    def _quick_arrays(self, obs, action, reward, next_obs, terminated, truncated, n: int, check_values: bool):
+        """The space leaves, reward, terminated and truncated of a batch that needs at most a
+        float narrowing, checked leaf by leaf (values too with ``check_values``); else None."""
+        obs_leaves = self._obs.quick_encode(obs, n, check_values)
+        action_leaves = self._action.quick_encode(action, n, check_values)
+        next_obs_leaves = self._next_obs.quick_encode(next_obs, n, check_values)
+        if obs_leaves is None or action_leaves is None or next_obs_leaves is None:
+            return None
+        if reward.dtype != _FLOAT32:
+            if reward.dtype.kind != "f":
+                return None
+            reward = reward.astype(_FLOAT32)
+        if check_values and not np.isfinite(reward).all():
+            return None
+        shape = reward.shape
+        for flags in (terminated, truncated):
+            if type(flags) is not np.ndarray or flags.dtype != _BOOL or flags.shape != shape:
+                return None
+        return [*obs_leaves, *action_leaves, *next_obs_leaves, reward, terminated, truncated]
+
+    def _plain_signature(self, n: int) -> tuple:
+        """What _quick_rows compares a batch of ``n`` against: dtypes, then shapes."""
+        obs_dtype, action_dtype = self._plain_leaves
+        obs_shape, action_shape = (n, *self._obs.leaves[0].shape), (n, *self._action.leaves[0].shape)
+        return (
+            obs_dtype,
+            action_dtype,
+            obs_dtype,
+            _FLOAT32,
+            _BOOL,
+            _BOOL,
+            obs_shape,
+            action_shape,
+            obs_shape,
+            (n,),
+            (n,),
+        )
+
+    def _checked_rows(
+        self,
+        obs,
+        action,
+        reward,
+        next_obs,
+        terminated,
+        truncated,
+        policy_version,
+        behavior_logp,
+        env_id,
+        episode_id,
+        fallback,
+    ) -> list[np.ndarray]:
+        """The values to write as ``(n, ...)`` arrays (the order of ``_write_columns``):
+        converted where lossless, checked against the spaces, with errors that name the
+        field, the expected space and the row (and its env_id)."""
         reward_array = np.asarray(reward)
         if reward_array.ndim != 1:
             raise ValueError(f"reward: expected a 1-D batch (leading dim = batch), got shape {reward_array.shape}")
@@ -397,48 +722,50 @@ class ReplayBuffer:
         def row_label(row: int) -> str:
             return f"row {row}" if env_ids[row] < 0 else f"row {row} (env_id {env_ids[row]})"
 
-        data: dict[str, np.ndarray] = {}
+        leaves = []
         for codec, value in ((self._obs, obs), (self._action, action), (self._next_obs, next_obs)):
-            data.update(zip(codec.column_names(), codec.encode(value, n, row_label)))
-        data["reward"] = as_column("reward", reward_array, n, np.float32, allow_scalar=False, finite=True)
-        data["terminated"] = as_column("terminated", terminated, n, np.bool_, allow_scalar=False)
-        data["truncated"] = as_column("truncated", truncated, n, np.bool_, allow_scalar=False)
-        data["behavior_logp"] = as_column("behavior_logp", behavior_logp, n, np.float32)
-        data["policy_version"] = as_column("policy_version", policy_version, n, np.int64, minimum=0)
-        data["env_id"] = env_ids
-        data["episode_id"] = as_column("episode_id", episode_id, n, np.int64)
-        data["fallback"] = as_column("fallback", fallback, n, np.bool_)
-        with self._lock:
-            self._check_open()
-            if n > self.capacity:  # only the newest `capacity` rows can be kept
-                data = {name: values[-self.capacity :] for name, values in data.items()}
-            first = self._added + n - len(data["reward"])  # serial of the first kept row
-            end = self._added + n
-            self._retire_before(end - self.capacity)
-            n = end - first
-            position = first % self.capacity
-            head = min(n, self.capacity - position)
-            for name, values in data.items():
-                column = self._columns[name]
-                column[position : position + head] = values[:head]
-                if head < n:  # wrapped around the end of the ring
-                    column[: n - head] = values[head:]
-            slots = (first + np.arange(n)) % self.capacity
-            if self.prioritized:
-                self._columns["priority"][slots] = self._max_priority**self.alpha
-            self._added = end
-            self._fallback_count += int(np.count_nonzero(data["fallback"]))
-            self._adds_since_commit += 1
-            if self.commit_every and self._adds_since_commit >= self.commit_every:
-                self._commit_locked()
-        return slots
+            leaves += codec.encode(value, n, row_label)
+        return [
+            *leaves,
+            as_column("reward", reward_array, n, np.float32, allow_scalar=False, finite=True),
+            as_column("terminated", terminated, n, np.bool_, allow_scalar=False),
+            as_column("truncated", truncated, n, np.bool_, allow_scalar=False),
+            as_column("policy_version", policy_version, n, np.int64, minimum=0),
+            as_column("behavior_logp", behavior_logp, n, np.float32),
+            env_ids,
+            as_column("episode_id", episode_id, n, np.int64),
+            as_column("fallback", fallback, n, np.bool_),
+        ]
+
+    def _add_priorities(self, position: int, kept: int, head: int, fallback_flags: Any) -> None:
+        """New samples get the largest priority seen so far, in the column and the sum-tree
+        (consecutive slots: the tree defers their ancestors to the next sample)."""
+        assert self._tree is not None
+        priority = self._max_priority**self.alpha
+        no_fallbacks = fallback_flags is _SKIP or (type(fallback_flags) is not np.ndarray and not fallback_flags)
+        for start, stop in ((position, position + head), (0, kept - head)):
+            if stop > start:
+                self._columns["priority"][start:stop] = priority
+                leaves = priority if no_fallbacks else np.where(self._columns["fallback"][start:stop], 0.0, priority)
+                self._tree.set_range(start, stop, leaves)
+
+    def _set_tree_priorities(self, slots: np.ndarray, priorities: Any) -> None:
+        """Mirror ``p ** alpha`` of ``slots`` into the sum-tree, with 0 for fallback samples.
+
+        Sampling excludes fallbacks by default; keeping them at 0 in the tree lets that
+        default sample in O(log n) without a scan (``exclude_fallback=False`` reads the
+        priority column instead)."""
+        assert self._tree is not None
+        values = np.where(self._columns["fallback"][slots], 0.0, priorities)
+        self._tree.update(slots, values)
 
     def _retire_before(self, serial: int) -> None:
         """Drop the samples older than ``serial`` because their slots are about to be reused."""
         if serial <= self._oldest:
             return
-        gone = np.arange(self._oldest, min(serial, self._added)) % self.capacity
-        self._fallback_count -= int(np.count_nonzero(self._columns["fallback"][gone]))
+        if self._fallback_count:  # count the fallbacks leaving (none to count in most buffers)
+            gone = np.arange(self._oldest, min(serial, self._added)) % self.capacity
+            self._fallback_count -= int(np.count_nonzero(self._columns["fallback"][gone]))
         self._oldest = serial
         if self._commit_log is not None and self._durable_oldest < min(serial, self._durable_end):
             # The last commit must stop covering these slots before they are overwritten.
@@ -537,8 +864,11 @@ class ReplayBuffer:
     ) -> tuple[np.ndarray, np.ndarray]:
         oldest_allowed = None if max_staleness is None else current_version - max_staleness
         must_filter = (exclude_fallback and self._fallback_count > 0) or oldest_allowed is not None
+        # The sum-tree holds exactly the samples eligible without a staleness filter (fallbacks
+        # at 0), so prioritized sampling needs no O(n) mask then.
+        from_tree = self.prioritized and oldest_allowed is None and (exclude_fallback or self._fallback_count == 0)
         keep = None  # over physical slots; None: every stored sample is eligible
-        if must_filter:
+        if must_filter and not from_tree:
             keep = np.zeros(self.capacity, dtype=bool)
             for stored in self._valid_slices():
                 keep[stored] = True
@@ -547,7 +877,10 @@ class ReplayBuffer:
             if oldest_allowed is not None:
                 keep &= self._columns["policy_version"] >= oldest_allowed
         size = len(self)
-        eligible = size if keep is None else int(np.count_nonzero(keep))
+        if from_tree:
+            eligible = size - (self._fallback_count if exclude_fallback else 0)
+        else:
+            eligible = size if keep is None else int(np.count_nonzero(keep))
         if eligible < batch_size:
             raise ValueError(
                 f"sample: asked for {batch_size} samples but only {eligible} of the {size} "
@@ -560,6 +893,13 @@ class ReplayBuffer:
             if keep is None:
                 return (self._oldest + picks) % self.capacity, np.ones(batch_size, dtype=np.float32)
             return np.flatnonzero(keep)[picks], np.ones(batch_size, dtype=np.float32)
+        if from_tree:  # O(log n) per sample
+            assert self._tree is not None
+            slots = self._tree.sample(batch_size, rng)
+            # w_i = (N P(i))^-beta / max_j w_j = (p_i / p_min)^-beta.
+            weights = (self._tree.values(slots) / self._tree.min) ** -self.beta
+            return slots, weights.astype(np.float32)
+        # A staleness filter (or fallbacks wanted back): mask the priority column, O(n).
         # Empty slots hold priority 0, so the whole column can be sampled from directly.
         priorities = self._columns["priority"]
         if keep is not None:
@@ -597,6 +937,7 @@ class ReplayBuffer:
                 row = int(np.flatnonzero(bad)[0])
                 raise ValueError(f"indices: row {row}: slot {indices[row]} holds no sample")
             self._columns["priority"][indices] = values**self.alpha
+            self._set_tree_priorities(indices, self._columns["priority"][indices])
             self._max_priority = max(self._max_priority, float(values.max()))
 
     def version_range(self) -> tuple[int, int] | None:
