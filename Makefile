@@ -20,8 +20,11 @@ $(VENV)/.base: setup.py $(VENV)/.torch
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# ray[rllib] pins gymnasium 1.2.2 in the test venv; gymnasium 1.4 (what users without RLlib get) goes
+# next to it, and tests/test_integrations_gymnasium.py runs the gymnasium-facing tests on it too.
 $(VENV)/.test: setup.py $(VENV)/.torch
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/gymnasium-1.4 "gymnasium==1.4.0"
 	touch $@ $(VENV)/.base
 
 demo: $(VENV)/.base

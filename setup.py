@@ -4,6 +4,12 @@ from setuptools import find_packages, setup
 
 HF = ["transformers>=4.45", "tokenizers>=0.19", "safetensors"]
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "pydantic>=2"]
+# RL libraries asyncvec.integrations adapts (asyncvec/integrations/*.py, docs/integrations.md).
+SB3 = ["stable-baselines3>=2.3"]
+TIANSHOU = ["tianshou>=2.0"]
+TORCHRL = ["torchrl>=0.14", "tensordict>=0.14"]
+# ray[rllib] 2.60 pins gymnasium==1.2.2; asyncvec runs on it and on gymnasium 1.4 (see the Makefile).
+RLLIB = ["ray[rllib]>=2.40"]
 
 setup(
     name="asyncvec",
@@ -28,10 +34,17 @@ setup(
         "serve": HF + SERVE,
         "vllm": ["vllm>=0.6"],
         "ray": ["ray>=2.9"],
-        "sb3": ["stable-baselines3>=2.3"],
+        "sb3": SB3,
+        "tianshou": TIANSHOU,
+        "torchrl": TORCHRL,
+        "rllib": RLLIB,
         "test": HF
         + SERVE
-        + ["stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
+        + SB3
+        + TIANSHOU
+        + TORCHRL
+        + RLLIB
+        + ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["asyncvec=asyncvec.cli:main"]},
 )
