@@ -11,7 +11,8 @@ The convention (also in docs/integrations.md, "Docs that run"):
 * Bash blocks run with ``bash -euo pipefail``: every command must succeed.
 * Where: a scratch directory whose entries link to the repository root's, so commands written
   for the repository root work (``python agents/ppo.py``, ``make``) and files the blocks write
-  land in the scratch directory. The venv's ``bin`` is first on PATH. Every process a file
+  land in the scratch directory. The venv's ``bin`` is first on PATH (and ``OMP_NUM_THREADS=1``,
+  so torch does not spin threads on a loaded machine). Every process a file
   started (servers put in the background with ``&`` too) is killed when its blocks end.
 * Directives: HTML comments on the lines just above a block (stackable), invisible on GitHub:
 
@@ -172,6 +173,7 @@ def run_blocks(blocks: list[Block], tmp_path: Path) -> subprocess.CompletedProce
         **os.environ,
         "PATH": f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}",
         "VIRTUAL_ENV": str(venv_bin.parent),
+        "OMP_NUM_THREADS": "1",  # torch on one thread: on a loaded 2-core machine more threads only spin
     }
     env.pop("PYTHONPATH", None)
     timeout = sum(block.timeout_s for block in blocks if block.skip is None) + 60

@@ -84,7 +84,7 @@ def test_bad_input_names_tianshou_and_the_expected_form(no_leftover_children):
         TianshouVectorEnv([functools.partial(CounterEnv, obs_kind="text")] * 2)
 
 
-def _train_dqn(seed: int, threshold: float, max_epochs: int):
+def train_tianshou_dqn(seed: int, threshold: float, max_epochs: int):
     torch.manual_seed(seed)
     np.random.seed(seed)
     train_envs = TianshouVectorEnv([lambda: gym.make("CartPole-v1")] * 8, wait_num=4)
@@ -99,7 +99,7 @@ def _train_dqn(seed: int, threshold: float, max_epochs: int):
             optim=AdamOptimizerFactory(lr=1e-3),
             gamma=0.9,
             n_step_return_horizon=3,
-            target_update_freq=320,
+            target_update_freq=100,
         )
         train_collector = AsyncCollector(algorithm, train_envs, VectorReplayBuffer(20_000, 8), exploration_noise=True)
         test_collector = Collector(algorithm, test_envs)
@@ -111,11 +111,11 @@ def _train_dqn(seed: int, threshold: float, max_epochs: int):
                 training_collector=train_collector,
                 test_collector=test_collector,
                 max_epochs=max_epochs,
-                epoch_num_steps=2000,
+                epoch_num_steps=1000,
                 collection_step_num_env_steps=16,
                 test_step_num_episodes=8,
                 batch_size=64,
-                update_step_num_gradient_steps_per_sample=0.25,
+                update_step_num_gradient_steps_per_sample=0.1,
                 stop_fn=lambda mean_return: mean_return >= threshold,
                 verbose=False,
                 show_progress=False,
@@ -129,11 +129,12 @@ def _train_dqn(seed: int, threshold: float, max_epochs: int):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tianshou_dqn_learns_cartpole_with_partial_batches(no_leftover_children):
-    # Tianshou's own AsyncCollector + OffPolicyTrainer; 8 envs, wait_num=4. The test score is the
-    # greedy policy's mean return over 8 episodes.
+def test_tianshou_dqn_learns_cartpole_with_partial_batches(no_leftover_children, one_torch_thread):
+    # Tianshou's own AsyncCollector + OffPolicyTrainer; 8 envs, wait_num=4. The score is the greedy
+    # policy's mean return over 8 test episodes. Measured (seeds 0-2): 165, 217, 242 after 8k, 4k,
+    # 4k training steps (plus 1k warm-up); target 150 within a 20k budget.
     start = time.monotonic()
-    result, steps = _train_dqn(seed=0, threshold=150, max_epochs=10)
+    result, steps = train_tianshou_dqn(seed=0, threshold=150, max_epochs=20)
     print(
         f"Tianshou DQN: best test return {result.best_score:.1f} after {steps} steps, {time.monotonic() - start:.0f} s"
     )
