@@ -24,9 +24,12 @@ $(VENV)/.base: setup.py $(VENV)/.torch
 # them, and a mismatched torchvision breaks transformers' model imports ("operator torchvision::nms does not exist").
 UNMATCHED_TORCH_LIBS := torchvision torchaudio torchcodec
 
+# ray[rllib] pins gymnasium 1.2.2 in the test venv; gymnasium 1.4 (what users without RLlib get) goes
+# next to it, and tests/test_integrations_gymnasium.py runs the gymnasium-facing tests on it too.
 $(VENV)/.test: setup.py $(VENV)/.torch
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip uninstall -y -q $(UNMATCHED_TORCH_LIBS)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/gymnasium-1.4 "gymnasium==1.4.0"
 	touch $@ $(VENV)/.base
 
 $(VENV)/.plots: setup.py $(VENV)/.torch

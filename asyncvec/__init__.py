@@ -44,12 +44,39 @@ _LAZY = {
     "VLLMPolicy": "asyncvec.inference",
     "LatencyModel": "asyncvec.inference",
     "build_tiny_lm": "asyncvec.inference",
+    "make_vec": "asyncvec.integrations.gymnasium",
 }
 
 # submodules reachable as attributes, e.g. ``@asyncvec.rewards.register("name")``
-_SUBMODULES = ("buffers", "collector", "inference", "losses", "metrics", "rewards", "vector", "versioning")
+_SUBMODULES = (
+    "buffers",
+    "collector",
+    "inference",
+    "integrations",
+    "losses",
+    "metrics",
+    "rewards",
+    "vector",
+    "versioning",
+)
 
 __all__ = sorted(_LAZY) + ["__version__"]
+
+
+def _register_with_gymnasium() -> None:
+    """Lets ``gymnasium.make_vec("asyncvec/AsyncLLMVectorEnv-v0", ...)`` build an AsyncLLMVectorEnv.
+
+    The entry point is a string, loaded only when that id is made (see asyncvec.integrations.gymnasium).
+    """
+    from gymnasium.envs.registration import register, registry
+
+    if "asyncvec/AsyncLLMVectorEnv-v0" not in registry:
+        register(
+            id="asyncvec/AsyncLLMVectorEnv-v0", vector_entry_point="asyncvec.integrations.gymnasium:vector_entry_point"
+        )
+
+
+_register_with_gymnasium()
 
 
 def __getattr__(name: str) -> Any:

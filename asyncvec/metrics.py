@@ -96,7 +96,7 @@ class RunLogger:
                     self.writer.add_scalar(name, float(value), step)
         if self.bar is not None:
             self.bar.update(max(0, step - self._last_step))
-            shown = {k.rsplit("/", 1)[-1]: f"{v:.3g}" for k, v in scalars.items() if k in _BAR_KEYS and math.isfinite(v)}
+            shown = {_BAR_KEYS[k]: f"{v:.3g}" for k, v in scalars.items() if k in _BAR_KEYS and math.isfinite(v)}
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
         self._last_step = max(self._last_step, step)
@@ -114,4 +114,9 @@ class RunLogger:
             self.bar.close()
 
 
-_BAR_KEYS = {"charts/episodic_return", "charts/env_steps_per_s", "staleness/mean"}
+# scalar -> its label on the progress bar ("staleness", not "mean": it is not a return)
+_BAR_KEYS = {
+    "charts/episodic_return": "episodic_return",
+    "charts/env_steps_per_s": "env_steps_per_s",
+    "staleness/mean": "staleness",
+}

@@ -41,3 +41,14 @@ def no_leftover_children():
         time.sleep(0.05)
     left = live_children() - before
     assert not left, f"child processes left alive: {left}"
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one thread for the test (restored after): on a loaded 2-core machine more threads spin."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
