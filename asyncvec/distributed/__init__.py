@@ -22,6 +22,9 @@ _LAZY = {
     "connect": "asyncvec.distributed.runtime",
     "RayCollectors": "asyncvec.distributed.collection",
     "DistributedCollector": "asyncvec.distributed.collection",
+    "RayBackend": "asyncvec.distributed.ray_env",
+    "LocalCluster": "asyncvec.distributed.cluster",
+    "local_cluster": "asyncvec.distributed.cluster",
 }
 
 __all__ = sorted(_LAZY)
