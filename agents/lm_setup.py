@@ -55,7 +55,7 @@ class LMArgs:
     server_kind: Literal["asyncvec", "vllm", "sglang"] = "asyncvec"
     """--backend openai: which server it is (how new weights reach it, see docs/lm_agents.md)"""
     served_model: str | None = None
-    """model name the server expects (default: the --model folder as given)"""
+    """model name the server expects (default: the one model the server lists at /v1/models)"""
     weights_dir: str | None = None
     """--backend openai: where published versions are written for the server to load (default: a scratch folder)"""
     update_token: str | None = None
@@ -276,6 +276,29 @@ def solved_prompts(env_id: str, seed: int) -> Iterator[tuple[str, str]]:
             yield prompt, str(answer)
 
 
+def served_model_name(base_url: str, model_dir: Path) -> str:
+    """The model name to ask ``base_url`` for when --served-model is not given.
+
+    The server's one model at ``/v1/models`` (vLLM serves ``--model`` as given, a path, unless
+    ``--served-model-name`` says otherwise); with several, the one named like ``model_dir``.
+    A server that cannot be asked gets ``model_dir``'s name (the server check then says why).
+    """
+    import httpx
+
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0)
+        served = [entry["id"] for entry in response.json()["data"]]
+    except Exception:
+        return model_dir.name
+    if len(served) == 1:
+        return served[0]
+    for name in served:
+        if name in (model_dir.name, str(model_dir)) or Path(name).name == model_dir.name:
+            return name
+    raise ValueError(f"--base-url {base_url} serves {served}: pick one with --served-model")
+
+
+
 def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space, weights_dir: Path | None = None) -> Any:
     """The policy sampling completions: HFTextPolicy, VLLMPolicy or OpenAIPolicy (``--backend``).
 
@@ -312,7 +335,7 @@ def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space, wei
     token = args.update_token if args.update_token is not None else os.environ.get("ASYNCVEC_SERVE_TOKEN")
     policy = OpenAIPolicy(
         args.base_url,
-        args.served_model or model_dir.name,
+        args.served_model or served_model_name(args.base_url, model_dir),
         completion_with_answer,
         server_kind=args.server_kind,
         update_token=token,

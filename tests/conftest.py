@@ -52,3 +52,37 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Seconds each test module (each docs page) took in `make test` on 2 loaded cores. `make test` runs
+# the suite on several xdist workers (--dist loadgroup, --no-loadscope-reorder): one group per
+# module, so a module's engine or cluster starts once, and one per docs page; the heaviest groups
+# go first so that no long module starts last. Unlisted modules take a few seconds.
+HEAVY_GROUPS = {
+    "tests/test_lm_agents_vllm.py": 550,
+    "tests/test_learning.py": 330,
+    "tests/test_lm_agents.py": 320,
+    "tests/test_docs.py::test_doc_blocks_run[docs/lm_agents.md]": 220,
+    "tests/test_docs.py::test_doc_blocks_run[README.md]": 215,
+    "tests/test_ray_env.py": 155,
+    "tests/test_docs.py::test_doc_blocks_run[docs/inference.md]": 140,
+    "tests/test_vllm_server.py": 135,
+    "tests/test_docs.py::test_doc_blocks_run[docs/integrations.md]": 135,
+    "tests/test_distributed_collect.py": 130,
+    "tests/test_integrations_gymnasium.py": 110,
+    "tests/test_distributed_router.py": 75,
+    "tests/test_integrations_tianshou.py": 65,
+    "tests/test_vllm_policy.py": 60,
+    "tests/test_vector_faults.py": 45,
+    "tests/test_agents.py": 40,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    def group(item) -> str:
+        module = item.nodeid.split("::")[0]
+        return item.nodeid if module == "tests/test_docs.py" else module
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: -HEAVY_GROUPS.get(group(item), 0))  # stable: module order kept within a group

@@ -44,13 +44,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = sorted(["README.md", *(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
 DEFAULT_TIMEOUT_S = 120.0
 
-# Pages whose blocks other helpers are fixing (their `asyncvec serve` blocks call the server before
-# it is up); run, but expected to fail until their branches merge. Remove an entry once it passes.
-KNOWN_FAILING = {
-    "docs/inference.md": "`asyncvec serve` block: the serve helper adds a readiness wait (issue 10, part 9)",
-    "docs/lm_agents.md": "`asyncvec serve` block: the LM-agents helper adds a readiness wait (issue 10, part 9)",
-}
-
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _DIRECTIVE = re.compile(r"^<!--\s*docs-test:\s*(skip|append|replace|timeout):\s*(.*?)\s*-->\s*$")
 
@@ -203,7 +196,7 @@ def run_blocks(blocks: list[Block], tmp_path: Path) -> subprocess.CompletedProce
 
 
 def _doc_params() -> list:
-    """One test per page, with its time limit (the sum of its blocks') and known failures marked."""
+    """One test per page, with its time limit (the sum of its blocks')."""
     params = []
     for path in DOC_FILES:
         try:
@@ -211,10 +204,7 @@ def _doc_params() -> list:
             seconds = sum(block.timeout_s for block in blocks if block.skip is None)
         except ValueError:  # reported by the test itself
             seconds = DEFAULT_TIMEOUT_S
-        marks = [pytest.mark.timeout(seconds + 120)]
-        if path in KNOWN_FAILING:
-            marks.append(pytest.mark.xfail(reason=KNOWN_FAILING[path], strict=False))
-        params.append(pytest.param(path, marks=marks, id=path))
+        params.append(pytest.param(path, marks=[pytest.mark.timeout(seconds + 120)], id=path))
     return params
 
 
