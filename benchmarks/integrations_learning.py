@@ -123,9 +123,7 @@ def run_in_child(library: str, seed: int) -> dict:
     )
     seconds = time.monotonic() - start
     if child.returncode != 0:
-        raise RuntimeError(
-            f"{library} seed {seed} failed:\n{child.stdout[-3000:]}\n{child.stderr[-3000:]}"
-        )
+        raise RuntimeError(f"{library} seed {seed} failed:\n{child.stdout[-3000:]}\n{child.stderr[-3000:]}")
     result = json.loads(child.stdout.strip().splitlines()[-1])
     return {
         "library": library,
@@ -147,9 +145,7 @@ def main(args: Args) -> None:
     for library in args.libraries:
         for seed in args.seeds:
             row = run_in_child(library, seed)
-            rows = [r for r in rows if (r["library"], r["seed"]) != (library, seed)] + [
-                row
-            ]
+            rows = [r for r in rows if (r["library"], r["seed"]) != (library, seed)] + [row]
             print(json.dumps(row), flush=True)
     rows.sort(key=lambda r: (LIBRARIES.index(r["library"]), r["seed"]))
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -174,9 +170,7 @@ def main(args: Args) -> None:
     fig, ax = new_figure()
     for library in dict.fromkeys(r["library"] for r in rows):
         mine = [r for r in rows if r["library"] == library]
-        ax.scatter(
-            [r["steps"] for r in mine], [r["score"] for r in mine], label=library
-        )
+        ax.scatter([r["steps"] for r in mine], [r["score"] for r in mine], label=library)
     ax.set_xlabel("env steps used")
     ax.set_ylabel("score the test checks")
     ax.legend()
