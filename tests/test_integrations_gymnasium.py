@@ -363,7 +363,8 @@ def train_cleanrl_ppo(seed: int, target: float = 150, budget: int = 40_960) -> t
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_cleanrl_style_ppo_learns_cartpole_with_only_the_env_line_changed(no_leftover_children, one_torch_thread):
-    # MARGINS_CLEANRL
+    # Measured (seeds 0-2): 20-episode mean 162/158/163 at 7.2k/7.7k/7.7k steps (36-46 s, load 9-13); target 150
+    # within 40,960 steps, 5x the steps used.
     start = time.monotonic()
     mean, steps = train_cleanrl_ppo(seed=1)
     print(f"CleanRL-style PPO: 20-episode mean return {mean:.1f} after {steps} steps, {time.monotonic() - start:.0f} s")

@@ -72,7 +72,8 @@ def train_rllib_ppo(seed: int, iterations: int = 4) -> tuple[list[float], int]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_rllib_ppo_improves_the_return(local_ray, no_leftover_children, one_torch_thread):
-    # MARGINS_RLLIB
+    # 4 iterations of 1000 steps, no early stop. Measured (seeds 0-2): mean return by iteration 21->98, 23->85,
+    # 26->97 (63-82 s, load 6-11); the test asks for 40 and 1.5x the first iteration, half of the worst seed's.
     start = time.monotonic()
     returns, steps = train_rllib_ppo(seed=0)
     print(f"RLlib PPO: mean return by iteration {[round(r, 1) for r in returns]} after {steps} steps, "

@@ -135,7 +135,8 @@ def train_torchrl_ppo(seed: int, target: float = 100, budget: int = 16_384) -> t
 @pytest.mark.timeout(900)
 def test_torchrl_ppo_improves_the_return(no_leftover_children, one_torch_thread):
     # TorchRL's own Collector, GAE and ClipPPOLoss; 4 envs, 512 frames a batch, 4 epochs.
-    # MARGINS_TORCHRL
+    # Measured (seeds 0-2): 20-episode mean 23->117, 23->101, 26->108 at 4.6k frames each (21-30 s, load 5);
+    # target 100 and 3x the first within 16,384 frames, 3.6x the frames used.
     start = time.monotonic()
     first, last, frames = train_torchrl_ppo(seed=0)
     print(f"TorchRL PPO: 20-episode mean return {first:.1f} -> {last:.1f} after {frames} frames, "
