@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # Test workers: much of the suite waits (servers and clusters starting, sleeping envs), so more
-# workers than cores; tests/conftest.py groups each module on one worker, heaviest first.
+# workers than cores; tests/conftest.py keeps each module on one worker, heaviest first.
 TEST_WORKERS ?= 4
 
 .PHONY: demo demo-llm test bench bench-pipeline clean
@@ -48,7 +48,7 @@ demo-llm: $(VENV)/.test
 	$(PY) scripts/demo_llm.py
 
 test: $(VENV)/.test
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/throughput.py

@@ -55,10 +55,10 @@ def one_torch_thread():
 
 
 # Seconds each test module (each docs page) took in `make test` on 2 loaded cores. `make test` runs
-# the suite on several xdist workers (--dist loadgroup, --no-loadscope-reorder): one group per
-# module, so a module's engine or cluster starts once, and one per docs page; the heaviest groups
-# go first so that no long module starts last. Unlisted modules take a few seconds.
-HEAVY_GROUPS = {
+# the suite on several xdist workers (--dist loadfile --no-loadscope-reorder): one work unit per
+# module, so a module's engine or cluster starts once, except tests/test_docs.py, one unit per page;
+# the heaviest units go first so that no long module starts last. Unlisted units take seconds.
+HEAVY_UNITS = {
     "tests/test_lm_agents_vllm.py": 550,
     "tests/test_learning.py": 330,
     "tests/test_lm_agents.py": 320,
@@ -78,11 +78,24 @@ HEAVY_GROUPS = {
 }
 
 
-def pytest_collection_modifyitems(config, items):
-    def group(item) -> str:
-        module = item.nodeid.split("::")[0]
-        return item.nodeid if module == "tests/test_docs.py" else module
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs as a whole: a test module, or one page of tests/test_docs.py."""
+    module = nodeid.split("::")[0]
+    return nodeid if module == "tests/test_docs.py" else module
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=lambda item: -HEAVY_GROUPS.get(group(item), 0))  # stable: module order kept within a group
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: -HEAVY_UNITS.get(work_unit(item.nodeid), 0))  # stable: order kept within a unit
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with tests/test_docs.py split by page (xdist's loadgroup ignores marks here)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ModuleScheduling(config, log)
