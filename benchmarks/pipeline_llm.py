@@ -300,9 +300,11 @@ class Args:
     """supervised warm start before RL"""
     seed: int = 0
     """seed of the model, the warm start and the runs"""
+    out_dir: str | None = None
+    """where pipeline_llm.md/.png go (default benchmarks/results)"""
 
 
-def main(args: Args) -> dict[str, Any]:
+def main(args: Args, command: str = "python benchmarks/pipeline_llm.py") -> dict[str, Any]:
     """Runs :func:`llm_regime`, prints its table and stage times, writes ``pipeline_llm.md`` and ``.png``."""
     from benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
@@ -341,7 +343,8 @@ def main(args: Args) -> dict[str, Any]:
         ]
     )
     print(table + "\n\n" + notes)
-    figure, (rates, parts) = new_figure(ncols=2)
+    figure, axes = new_figure(ncols=2)
+    rates, parts = np.ravel(axes)
     rates.bar(list(modes), [m["completions_per_s"] for m in modes.values()], color=["tab:gray", "tab:blue"])
     rates.axhline(modes["sync"]["completions_per_s"] * bound["bound"], color="tab:red", linestyle="--", label="bound")
     rates.set_ylabel("completions/s")
@@ -353,7 +356,7 @@ def main(args: Args) -> dict[str, Any]:
     values = [generation_s, stages["reward_makespan_s"], stages["learner_update_s"], stages["publish_s"]]
     parts.barh(names, values)
     parts.set_xlabel("seconds per update (measured stages)")
-    save_report("pipeline_llm", table, figure, command="python benchmarks/pipeline_llm.py", notes=notes)
+    save_report("pipeline_llm", table, figure, out_dir=args.out_dir, command=command, notes=notes)
     return result
 
 
