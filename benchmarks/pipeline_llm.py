@@ -3,11 +3,16 @@ reward latency, sync vs async, against the bound computed from measured stage ti
 
 Run: ``python benchmarks/pipeline_llm.py`` (about 10 minutes on 2 cores: a supervised warm
 start, a vLLM server start, the stage measurements, then sync and async RLOO runs interleaved
-over ``--rounds``). ``benchmarks/pipeline.py`` calls :func:`llm_regime` for its regime d.
+over ``--rounds``). ``benchmarks/pipeline.py --regimes d`` runs :func:`main` (one round per seed)
+and puts its result in the pipeline table.
 
 The reward is ``exact_answer`` behind a remote-call latency drawn from a lognormal
-distribution (median ``--reward-median-ms``, shape ``--reward-sigma``): an async scorer, so
-every completion is scored concurrently, as by a remote reward model or a tool.
+distribution (median ``--reward-median-ms``, shape ``--reward-sigma``): an async scorer, as by
+a remote reward model or a tool. Known gap (measured 2026-11-30, docs/benchmarks.md): inside the
+RLOO runs the agent's ``RewardService`` (agents/lm_setup.py) scores 2 completions at a time and
+caches scores by prompt and completion, so on SingleDigitSums most completions skip the latency,
+while the bound's reward stage is measured uncached with 4 at a time; the bound then overstates
+the sync update (3.0 s modelled, 1.0 s measured).
 """
 
 from __future__ import annotations
