@@ -26,8 +26,8 @@ Regimes (``--regimes``; the defaults of each are in ``REGIMES``):
     a  policy-bound    20 ms policy, 2 ms fixed env, cheap learner: little to overlap
     b  learner-bound   as a, with a learner update (wider network) as long as acting on its data
     c  straggler-bound 5 ms policy, 10 ms heavy-tailed env (lognormal, sigma 1), 16 envs
-    d  LLM             RLOO on a vLLM server with heavy-tailed reward latency, from
-                       benchmarks/pipeline_llm.py when that module is present
+    d  LLM             RLOO on a vLLM server with heavy-tailed reward latency
+                       (benchmarks/pipeline_llm.py; its bound is pipeline_llm.llm_bound)
 
 Run (about 40 minutes for a b c with 3 seeds on 2 loaded cores; ``--quick`` takes about a minute):
 
@@ -39,7 +39,6 @@ Run (about 40 minutes for a b c with 3 seeds on 2 loaded cores; ``--quick`` take
 from __future__ import annotations
 
 import copy
-import importlib.util
 import statistics
 import sys
 import threading
@@ -146,15 +145,19 @@ class Args:
     """Async vs sync PPO per regime, against the bound of the measured stage times."""
 
     regimes: list[str] = field(default_factory=lambda: ["a", "b", "c", "d"])
-    """which regimes to run (a, b, c; d needs benchmarks/pipeline_llm.py)"""
+    """which regimes to run (a, b, c: PPO on CartPole; d: RLOO on a vLLM server, benchmarks/pipeline_llm.py)"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    """seeds; each regime runs both modes per seed (interleaved)"""
+    """seeds; each regime runs both modes per seed (interleaved; d: one round per seed)"""
     quick: bool = False
     """a smoke run: one seed, a few updates, no target"""
     total_timesteps: int | None = None
     """override every regime's env-step budget"""
     target_return: float | None = None
-    """override every regime's target return"""
+    """override the target return of regimes a b c"""
+    llm_target_reward: float = 0.8
+    """regime d: a run reaches its target once the mean reward of 10 updates reaches this"""
+    llm_max_prompts: int = 4800
+    """regime d: prompts per run at most"""
     calibration_s: float = 3.0
     """seconds spent measuring the env step distribution per regime"""
     out_dir: str | None = None
@@ -612,25 +615,47 @@ def summarize(regime: Regime, stages: StageTimes, runs: list[Run]) -> Summary:
     )
 
 
-def llm_regime(args: Args) -> dict[str, Any] | None:
-    """Regime d from ``benchmarks/pipeline_llm.py`` (the vLLM branch), when that module exists.
+def llm_regime(args: Args) -> dict[str, Any]:
+    """Regime d: ``benchmarks/pipeline_llm.py`` (RLOO on a vLLM server, lognormal reward latency),
+    one sync and one async run per seed, interleaved; also writes its own ``pipeline_llm.md``/``.png``.
 
-    Contract: ``pipeline_llm.run(quick: bool, seeds: list[int]) -> dict`` with ``"sync"`` and
-    ``"async"`` (each ``{"throughput": completions/s, "time_to_target_s": float | None}``),
-    ``"unit"`` (e.g. ``"completions/s"``) and either ``"bound"`` or ``"stages"`` with the
-    per-iteration seconds ``generate_s``, ``reward_mean_s``, ``reward_max_s`` and ``learn_s``.
+    Returns :func:`benchmarks.pipeline_llm.llm_regime`'s dict (modes, stages, bound, ratios).
     """
-    if importlib.util.find_spec("benchmarks.pipeline_llm") is None:
-        print("regime d: benchmarks/pipeline_llm.py is not in this checkout (it comes with the vLLM branch); skipped")
-        return None
-    from benchmarks import pipeline_llm
+    from benchmarks import pipeline_llm  # imported here: it loads the LM stack, which a b c do not need
 
-    out = pipeline_llm.run(quick=args.quick, seeds=args.seeds)
-    if "bound" not in out:
-        s = out["stages"]
-        sync = s["generate_s"] + s["reward_max_s"] + s["learn_s"]
-        out["bound"] = sync / max(s["generate_s"] + s["reward_mean_s"], s["learn_s"])
-    return out
+    options = pipeline_llm.Args(
+        rounds=len(args.seeds),
+        seed=args.seeds[0],
+        target_reward=args.llm_target_reward,
+        max_prompts=args.llm_max_prompts,
+        out_dir=args.out_dir,
+    )
+    if args.quick:
+        options = replace(options, rounds=1, max_prompts=64, sft_steps=50)
+    return pipeline_llm.main(options, command="python benchmarks/pipeline.py " + " ".join(sys.argv[1:]))
+
+
+def llm_row(llm: dict[str, Any]) -> list[Any]:
+    """Regime d's row of the main table, from :func:`benchmarks.pipeline_llm.llm_regime`'s result."""
+    modes, setup = llm["modes"], llm["setup"]
+    rounds = len(modes["sync"]["runs"])
+    title = (
+        f"d. LLM (RLOO on vLLM, lognormal reward latency: median {setup['reward_median_ms']:g} ms, "
+        f"sigma {setup['reward_sigma']:g}; completions/s; target reward {setup['target_reward']:g})"
+    )
+    return [
+        title,
+        modes["sync"]["completions_per_s"],
+        modes["async"]["completions_per_s"],
+        llm["ratio"],
+        llm["bound"]["bound"],
+        llm["ratio_over_bound"],
+        _fmt_s(modes["sync"]["time_to_target_s"]),
+        _fmt_s(modes["async"]["time_to_target_s"]),
+        llm["time_to_target_ratio"],
+        f"sync {modes['sync']['reached']}/{rounds}, async {modes['async']['reached']}/{rounds}",
+        _median([r["staleness_mean"] for r in modes["async"]["runs"]]),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,24 +699,7 @@ def tables(summaries: list[Summary], llm: dict[str, Any] | None) -> tuple[str, s
             ]
         )
     if llm is not None:
-        sync, asy = llm["sync"], llm["async"]
-        ratio = asy["throughput"] / sync["throughput"]
-        sync_t, async_t = sync.get("time_to_target_s"), asy.get("time_to_target_s")
-        rows.append(
-            [
-                "d. LLM (RLOO on vLLM, heavy-tailed reward latency; " + llm.get("unit", "completions/s") + ")",
-                sync["throughput"],
-                asy["throughput"],
-                ratio,
-                llm["bound"],
-                ratio / llm["bound"],
-                _fmt_s(sync_t if sync_t is not None else float("nan")),
-                _fmt_s(async_t if async_t is not None else float("nan")),
-                (sync_t / async_t) if sync_t and async_t else float("nan"),
-                llm.get("reached", ""),
-                float("nan"),
-            ]
-        )
+        rows.append(llm_row(llm))
     main_table = markdown_table(headers, rows)
     stage_headers = [
         "regime",
@@ -875,21 +883,30 @@ def main(args: Args) -> list[Summary]:
         save_report("pipeline_collector", table, out_dir=args.out_dir, command=command.strip())
         return []
     summaries = run_regimes([k for k in args.regimes if k in REGIMES], args)
-    llm = llm_regime(args) if "d" in args.regimes else None
+    if summaries:  # saved before regime d starts, so that a failure there loses nothing
+        report(summaries, None, args)
+    if "d" in args.regimes:
+        report(summaries, llm_regime(args), args)
+    return summaries
+
+
+def report(summaries: list[Summary], llm: dict[str, Any] | None, args: Args) -> None:
+    """Prints the tables and writes ``pipeline.md`` (with, for regimes a b c, its PNGs)."""
     main_table, stage_table = tables(summaries, llm)
     command = "python benchmarks/pipeline.py " + " ".join(sys.argv[1:])
     print(f"\nMachine: {machine_line()}\n\n{main_table}\n\nStage times and the model:\n\n{stage_table}")
+    notes = (
+        "ratio: median over seeds of async/sync steady env-steps/s (d: of the median completions/s); bound: S/A of "
+        "the stage times (docs/benchmarks.md; d: pipeline_llm.llm_bound, its stages in pipeline_llm.md); time ratio: "
+        "median over seeds of sync/async wall-clock to the target.\n\n"
+        "Stage times and the model (a b c):\n\n" + stage_table
+    )
+    throughput = None
     if summaries:
         throughput, curves, staleness = figures(summaries)
-        notes = (
-            "ratio: median over seeds of async/sync steady env-steps/s; bound: S/A of the stage times "
-            "(docs/benchmarks.md); time ratio: median over seeds of sync/async wall-clock to the target.\n\n"
-            "Stage times and the model:\n\n" + stage_table
-        )
-        save_report("pipeline", main_table, throughput, out_dir=args.out_dir, command=command.strip(), notes=notes)
         save_figure("pipeline_curves", curves, out_dir=args.out_dir)
         save_figure("pipeline_staleness", staleness, out_dir=args.out_dir)
-    return summaries
+    save_report("pipeline", main_table, throughput, out_dir=args.out_dir, command=command.strip(), notes=notes)
 
 
 if __name__ == "__main__":
