@@ -124,6 +124,7 @@ _DRIVER = """\
 import json, subprocess, sys
 
 def main():
+    sys.path[0] = ""  # python blocks run as if typed into `python` at the repository root: it comes first
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     for block in json.load(open(sys.argv[1])):
         where = f"{block['path']}:{block['line']}"
