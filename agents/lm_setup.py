@@ -46,6 +46,10 @@ class LMArgs:
     """reward plugin name (asyncvec.rewards.register) scoring (prompt, completion)"""
     reward_timeout_s: float = 10.0
     """a reward not ready this long after its request is flagged and kept out of training"""
+    reward_workers: int = 2
+    """scorer calls running at once (raise it for a remote reward model or tool that waits)"""
+    reward_cache_size: int = 4096
+    """scores kept by (prompt, completion) and reused; 0 scores every completion afresh"""
     backend: Literal["hf", "openai", "vllm"] = "hf"
     """hf: HFTextPolicy in this process; vllm: an in-process vLLM engine; openai: a server at --base-url"""
     vllm_engine: str = "{}"
@@ -398,7 +402,12 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMPar
         model_dir = prepare_model(args, workdir)
         learner, tokenizer = load_causal_lm(model_dir, args.device)
         reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
-        rewarder = stack.enter_context(RewardService(args.reward, timeout_s=args.reward_timeout_s, num_workers=2))
+        rewarder = stack.enter_context(RewardService(
+                args.reward,
+                timeout_s=args.reward_timeout_s,
+                num_workers=args.reward_workers,
+                cache_size=args.reward_cache_size,
+            ))
         sync = policy is not None or args.backend == "openai"
         if policy is None:
             policy = stack.enter_context(make_text_policy(args, model_dir, env.action_space, workdir / "weights"))

@@ -8,11 +8,9 @@ and puts its result in the pipeline table.
 
 The reward is ``exact_answer`` behind a remote-call latency drawn from a lognormal
 distribution (median ``--reward-median-ms``, shape ``--reward-sigma``): an async scorer, as by
-a remote reward model or a tool. Known gap (measured 2026-11-30, docs/benchmarks.md): inside the
-RLOO runs the agent's ``RewardService`` (agents/lm_setup.py) scores 2 completions at a time and
-caches scores by prompt and completion, so on SingleDigitSums most completions skip the latency,
-while the bound's reward stage is measured uncached with 4 at a time; the bound then overstates
-the sync update (3.0 s modelled, 1.0 s measured).
+a remote reward model or a tool. The agent scores with ``REWARD_WORKERS`` calls at a time and no
+score cache (on SingleDigitSums most completions repeat, and a cache would skip the latency), as
+the bound's reward stage is measured.
 """
 
 from __future__ import annotations
@@ -41,6 +39,9 @@ from asyncvec.lm import quiet_model_libraries, sft_warm_start  # noqa: E402
 
 ENV = "asyncvec/SingleDigitSums-v0"
 
+
+#: scorer calls at a time, in the runs and in the bound's reward stage
+REWARD_WORKERS = 4
 
 class LognormalLatencyReward:
     """``exact_answer`` after an ``asyncio.sleep`` of lognormal length; records every latency (s).
@@ -106,7 +107,7 @@ def _generation_costs(base_url: str, model_name: str, prompts: list[str], sizes:
 def _reward_makespan(plugin_name: str, prompts: list[str], batch: int, repeats: int) -> float:
     """Median seconds until all ``batch`` completions submitted at once are scored."""
     times = []
-    with rewards.RewardService(plugin_name, timeout_s=60.0, cache_size=0) as service:
+    with rewards.RewardService(plugin_name, timeout_s=60.0, num_workers=REWARD_WORKERS, cache_size=0) as service:
         for _ in range(repeats):
             start = time.monotonic()
             futures = [service.submit(prompts[i % len(prompts)], "0") for i in range(batch)]
@@ -218,6 +219,8 @@ def llm_regime(
                         weights_dir=str(work_dir / "weights"),
                         reward=plugin_name,
                         reward_timeout_s=60.0,
+                        reward_workers=REWARD_WORKERS,
+                        reward_cache_size=0,
                         mode=mode,
                         total_prompts=max_prompts,
                         prompts_per_update=prompts_per_update,
