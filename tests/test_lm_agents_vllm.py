@@ -12,8 +12,6 @@ run first sends the learner's starting weights (the server or engine still holds
 run's), so every run starts from the same warm-started model and versions keep increasing."""
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -85,8 +83,7 @@ def test_agent_learns_single_digit_sums_on_an_in_process_vllm_engine(name, engin
     assert engine.policy_version == result.final_version and not engine.closed  # a given policy stays open
 
 
-# RLOO only: the server path is the same for both agents (docs/lm_agents.md's block runs both
-# against a vLLM server, versions checked), and each learning run on a server costs minutes.
+# RLOO learns on the server (minutes); REINFORCE++ takes the same server path in a short run below.
 @pytest.mark.parametrize("name", ["rloo"])
 def test_agent_learns_single_digit_sums_on_a_vllm_server(name, server, warm_dir):
     agent_cls = AGENTS[name][0]
@@ -108,9 +105,18 @@ def test_agent_learns_single_digit_sums_on_a_vllm_server(name, server, warm_dir)
     assert int(served["weight_version"]) == result.final_version, served
 
 
+def test_reinforce_pp_publishes_every_version_to_a_vllm_server(server, warm_dir):
+    args = learning_args("reinforce_pp", model=str(warm_dir), backend="openai", server_kind="vllm",
+                         base_url=server.url, total_prompts=8 * 16, eval_prompts=0)  # fmt: skip
+    result = reinforce_pp.ReinforcePP(args).train()
+    assert result.updates == 8
+    check_versions(result)
+    served = httpx.get(server.url + "/weight_info", timeout=10).json()
+    assert int(served["weight_version"]) == result.final_version, served
+
+
 def test_the_pipeline_benchmark_llm_regime_reports_modes_stages_and_bound(server, warm_dir):
     """A seconds-long run of benchmarks/pipeline_llm.py on this module's server (what pipeline.py calls)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ is not an installed package
     from benchmarks.pipeline_llm import llm_regime
 
     result = llm_regime(
