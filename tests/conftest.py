@@ -59,6 +59,9 @@ def one_torch_thread():
 # module, so a module's engine or cluster starts once, except tests/test_docs.py, one unit per page;
 # the heaviest units go first so that no long module starts last. Unlisted units take seconds.
 HEAVY_UNITS = {
+    # The in-process vLLM engines first, each on a fresh worker: started in a worker that has run
+    # other modules before, tests/test_vllm_policy.py took minutes per test (36 s for the module alone).
+    "tests/test_vllm_policy.py": 1000,
     "tests/test_lm_agents_vllm.py": 550,
     "tests/test_learning.py": 330,
     "tests/test_lm_agents.py": 320,
@@ -72,7 +75,6 @@ HEAVY_UNITS = {
     "tests/test_integrations_gymnasium.py": 110,
     "tests/test_distributed_router.py": 75,
     "tests/test_integrations_tianshou.py": 65,
-    "tests/test_vllm_policy.py": 60,
     "tests/test_vector_faults.py": 45,
     "tests/test_agents.py": 40,
 }
