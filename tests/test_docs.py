@@ -170,6 +170,7 @@ def run_blocks(blocks: list[Block], tmp_path: Path) -> subprocess.CompletedProce
         "OMP_NUM_THREADS": "1",  # torch on one thread: on a loaded 2-core machine more threads only spin
     }
     env.pop("PYTHONPATH", None)
+    env.pop("RAY_ADDRESS", None)  # a page runs as in a fresh shell, not inside another test's Ray cluster
     timeout = sum(block.timeout_s for block in blocks if block.skip is None) + 60
     log = tmp_path / "output.txt"
     with open(log, "w") as out:  # a file, not a pipe: a server put in the background keeps a pipe open
