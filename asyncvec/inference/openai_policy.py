@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import math
@@ -407,16 +408,17 @@ class OpenAIPolicy(TextPolicy):
 
 
 # ------------------------------------------------------------------------- server kinds
-class _Routes:
-    """How one kind of server reports versions and takes new weights."""
+class _Routes(abc.ABC):
+    """How one kind of server reports versions and takes new weights (one subclass per server kind)."""
 
     kind = ""
 
     def __init__(self, policy: OpenAIPolicy) -> None:
         self.policy = policy
 
+    @abc.abstractmethod
     async def identify(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """Ask the server what it is; raise BackendRejectedError if it is not this kind."""
 
     async def read_version(self) -> int | None:
         """``GET /weight_info`` (vLLM's route; asyncvec serves it too)."""
@@ -439,8 +441,9 @@ class _Routes:
     def response_version(self, data: dict[str, Any]) -> int | None:
         return None
 
+    @abc.abstractmethod
     async def publish(self, path: str, version: int) -> None:
-        raise NotImplementedError
+        """Load the checkpoint folder ``path`` into the server as ``version``."""
 
     async def _check_newer(self, version: int) -> None:
         current = await self.read_version()
