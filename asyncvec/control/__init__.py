@@ -6,6 +6,8 @@
   safely when a chunk runs out, and records the version and log-prob of every executed action.
 * `SafetyFilter` / `SafetyWrapper`: bounds, a rate limit and a user predicate between policy
   and env; violating actions are replaced, counted, logged and marked.
+* `RollbackGuard`: checkpoints keyed by version, periodic evaluation, and a rollback to the
+  best version (re-published under a new version) when an update makes the policy worse.
 
 See docs/robots.md.
 
@@ -27,6 +29,7 @@ from asyncvec.control.chunks import (
     request_threshold,
     ticks_met_bound,
 )
+from asyncvec.control.rollback import RollbackEvent, RollbackGuard
 from asyncvec.control.safety import SAFETY_REASONS, SafetyFilter, SafetyWrapper
 
 __all__ = [
@@ -36,6 +39,8 @@ __all__ = [
     "ChunkExecutor",
     "ChunkRollout",
     "ChunkStream",
+    "RollbackEvent",
+    "RollbackGuard",
     "SafetyFilter",
     "SafetyWrapper",
     "request_threshold",

@@ -27,7 +27,9 @@ The rules (docs/robots.md has the picture):
   missed tick. A policy answer with ``fallback=True`` (its own deadline) is played but marked
   ``"fallback"`` too.
 * **Safety.** With ``safety=SafetyFilter(...)`` every action passes the filter before the
-  env; a replaced action is marked (``safety_replaced``).
+  env; a replaced action is marked (``safety_replaced``). Without one, actions are executed
+  clipped into the action space, as the `Collector` does (the chunk's unclipped sample, to
+  which its log-prob belongs, is kept in ``ChunkRollout.proposed``).
 * **Episodes.** When an episode ends, the env's chunks and its pending request are dropped
   (they belong to the old episode); in NEXT_STEP autoreset mode the env's reset step is
   marked ``"reset"`` and counts neither as met nor as missed.
@@ -235,6 +237,7 @@ class ChunkRollout:
     source: np.ndarray
     safety_replaced: np.ndarray
     late: np.ndarray  # (T,): the tick's step ended after the next tick was due
+    tick_time: np.ndarray  # (T,): when each tick started (time.perf_counter() seconds)
 
     @property
     def replaced(self) -> np.ndarray:
@@ -383,11 +386,13 @@ class ChunkExecutor:
         source = np.zeros((ticks, n), dtype=np.int8)
         safety_replaced = np.zeros((ticks, n), dtype=bool)
         late = np.zeros(ticks, dtype=bool)
+        tick_time = np.zeros(ticks)
         next_time = time.perf_counter()
         for row in range(ticks):
             delay = next_time - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
+            tick_time[row] = time.perf_counter()
             tick = self._tick
             observations = split_batch(self._obs)
             resetting = [env_id for env_id in range(n) if self._reset_step[env_id]]
@@ -420,6 +425,8 @@ class ChunkExecutor:
                     if reason is not None:
                         safety_replaced[row, env_id] = True
                         self._counts["safety_replaced"] += 1
+                else:  # as the Collector does: a sample is executed clipped into the space, still the policy's
+                    action = np.clip(action, self.action_space.low, self.action_space.high)
                 actions[row, env_id] = action
                 self._last_action[env_id] = actions[row, env_id].copy()
                 if self._pending[env_id] is None and self._streams[env_id].remaining(tick) <= k:
@@ -440,7 +447,7 @@ class ChunkExecutor:
                 next_time = now
         return ChunkRollout(
             actions, proposed, rewards, terminated, truncated, versions, logps, chunk_ids, chunk_index, source,
-            safety_replaced, late,
+            safety_replaced, late, tick_time,
         )
 
     def stats(self) -> dict[str, float]:
