@@ -115,6 +115,11 @@ def test_rejects_bad_arguments(pixel_envs) -> None:
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4, request_at=5)
     with pytest.raises(RuntimeError, match="call reset"):
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4).run(1)
+    disabled = gym.vector.SyncVectorEnv([lambda: gym.make("Pendulum-v1")], autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    with pytest.raises(ValueError, match="NEXT_STEP or SAME_STEP, got DISABLED"):
+        ChunkExecutor(disabled, policy, period_s=PERIOD_S, horizon=4)
+    with pytest.raises(TypeError, match="needs a Box single_action_space"):
+        ChunkExecutor(gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")]), policy, period_s=PERIOD_S, horizon=4)
     policy.close()
 
 
@@ -162,16 +167,16 @@ def test_versions_follow_weight_updates(pixel_envs) -> None:
         assert played[-1] == 1
 
 
+class SingleAction(ScriptedChunks):
+    """One action per call, of the action space's own shape (no chunk dimension)."""
+
+    def _forward_batch(self, obs_list):
+        time.sleep(self.latency_s)
+        return [BackendResult(action=np.array([0.5], dtype=np.float32), logp=-0.1) for _ in obs_list]
+
+
 def test_one_action_per_call(pixel_envs) -> None:
-    policy = ScriptedChunks(1, latency_s=0.06)
-
-    class Single(ScriptedChunks):
-        def _forward_batch(self, obs_list):
-            time.sleep(self.latency_s)
-            return [BackendResult(action=np.array([0.5], dtype=np.float32), logp=-0.1) for _ in obs_list]
-
-    policy.close()
-    policy = Single(1, latency_s=0.06)
+    policy = SingleAction(1, latency_s=0.06)
     executor = ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=1)
     executor.reset(seed=0)
     rollout = executor.run(40)
@@ -225,6 +230,17 @@ def test_fallback_when_no_chunk_arrives(pixel_envs, fallback) -> None:
     policy.close(timeout_s=0.1)
 
 
+def _assert_chunks_stay_in_their_episode(rollout) -> None:
+    done = rollout.terminated | rollout.truncated
+    for env_id in range(done.shape[1]):
+        episode = np.cumsum(np.concatenate([[0], done[:-1, env_id]]))
+        ids = rollout.chunk_id[:, env_id]
+        for number in range(int(episode.max())):
+            before = set(ids[(episode == number) & (ids >= 0)])
+            after = set(ids[(episode > number) & (ids >= 0)])
+            assert not before & after, "a chunk requested in one episode was played in the next"
+
+
 def test_chunks_never_cross_episodes(short_envs) -> None:
     policy = ScriptedChunks(8, latency_s=0.03)
     executor = ChunkExecutor(short_envs, policy, period_s=PERIOD_S, horizon=8)
@@ -237,13 +253,20 @@ def test_chunks_never_cross_episodes(short_envs) -> None:
     reset = rollout.source == SOURCES.index("reset")
     np.testing.assert_array_equal(reset[1:], done[:-1])  # NEXT_STEP: the step after the end resets
     assert stats["reset_ticks"] == reset.sum() and not rollout.policy_choice[reset].any()
-    for env_id in range(2):
-        episode = np.cumsum(np.concatenate([[0], done[:-1, env_id]]))
-        ids = rollout.chunk_id[:, env_id]
-        for number in range(int(episode.max())):
-            before = set(ids[(episode == number) & (ids >= 0)])
-            after = set(ids[(episode > number) & (ids >= 0)])
-            assert not before & after, "a chunk requested in one episode was played in the next"
+    _assert_chunks_stay_in_their_episode(rollout)
+
+
+def test_same_step_autoreset_has_no_reset_ticks() -> None:
+    make = lambda: gym.make("asyncvec/PixelPendulum-v0", max_episode_steps=6)  # noqa: E731
+    with AsyncLLMVectorEnv([make] * 2, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP) as vector_env:
+        policy = ScriptedChunks(8, latency_s=0.03)
+        executor = ChunkExecutor(vector_env, policy, period_s=PERIOD_S, horizon=8)
+        executor.reset(seed=0)
+        rollout = executor.run(30)
+        policy.close()
+    done = rollout.terminated | rollout.truncated
+    assert done.sum() >= 4 and rollout.count("reset") == 0
+    _assert_chunks_stay_in_their_episode(rollout)
 
 
 def test_ensemble_overlap_blends_and_marks(pixel_envs) -> None:

@@ -75,32 +75,32 @@ def _pendulum() -> gym.Env:
 def test_vector_env_matches_sync_vector_env(shared_memory: bool) -> None:
     fns = [_pendulum] * 3
     sync = gym.vector.SyncVectorEnv(fns)
-    with AsyncLLMVectorEnv(fns, shared_memory=shared_memory) as envs:
-        assert envs.shared_memory is shared_memory
-        obs, _ = envs.reset(seed=7)
+    with AsyncLLMVectorEnv(fns, shared_memory=shared_memory) as vector_env:
+        assert vector_env.shared_memory is shared_memory
+        obs, _ = vector_env.reset(seed=7)
         expected, _ = sync.reset(seed=7)
         actions = np.linspace(-2, 2, 3 * 12, dtype=np.float32).reshape(12, 3, 1)
         for step in range(12):
             np.testing.assert_array_equal(obs["image"], expected["image"])
             assert tuple(obs["instruction"]) == tuple(expected["instruction"])
-            obs, reward, _, _, _ = envs.step(actions[step])
+            obs, reward, _, _, _ = vector_env.step(actions[step])
             expected, expected_reward, _, _, _ = sync.step(actions[step])
             np.testing.assert_allclose(reward, expected_reward)
     sync.close()
 
 
 def test_partial_batches_carry_image_and_instruction() -> None:
-    with AsyncLLMVectorEnv([_pendulum] * 4, batch_size=2) as envs:
-        envs.async_reset(seed=0)
+    with AsyncLLMVectorEnv([_pendulum] * 4, batch_size=2) as vector_env:
+        vector_env.async_reset(seed=0)
         seen = 0
         for _ in range(10):
-            obs, _, _, _, info = envs.recv()
+            obs, _, _, _, info = vector_env.recv()
             assert obs["image"].shape == (2, 64, 64, 3) and len(obs["instruction"]) == 2
             for row, env_id in enumerate(info["env_id"]):
                 assert isinstance(obs["instruction"][row], str) and obs["instruction"][row]
                 assert obs["image"][row].any()
             seen += 2
-            envs.send(np.zeros((2, 1), dtype=np.float32), info["env_id"])
+            vector_env.send(np.zeros((2, 1), dtype=np.float32), info["env_id"])
         assert seen == 20
 
 
@@ -148,8 +148,8 @@ class _BadImage(gym.Wrapper):
 )
 def test_bad_image_names_field_and_env(kind: str, message: str) -> None:
     fns = [_pendulum, lambda: _BadImage(_pendulum(), kind)]
-    with AsyncLLMVectorEnv(fns) as envs:
-        envs.reset(seed=0)
-        envs.step(np.zeros((2, 1), dtype=np.float32))
+    with AsyncLLMVectorEnv(fns) as vector_env:
+        vector_env.reset(seed=0)
+        vector_env.step(np.zeros((2, 1), dtype=np.float32))
         with pytest.raises(WorkerError, match=message):
-            envs.step(np.zeros((2, 1), dtype=np.float32))
+            vector_env.step(np.zeros((2, 1), dtype=np.float32))
