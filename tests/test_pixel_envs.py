@@ -71,11 +71,11 @@ def _pendulum() -> gym.Env:
     return gym.make("asyncvec/PixelPendulum-v0")
 
 
-@pytest.mark.parametrize("shared_memory", [True, False])
-def test_vector_env_matches_sync_vector_env(shared_memory: bool) -> None:
+@pytest.mark.parametrize(("shared_memory", "envs_per_worker"), [(True, 1), (True, 2), (False, 1)])
+def test_vector_env_matches_sync_vector_env(shared_memory: bool, envs_per_worker: int) -> None:
     fns = [_pendulum] * 3
     sync = gym.vector.SyncVectorEnv(fns)
-    with AsyncLLMVectorEnv(fns, shared_memory=shared_memory) as vector_env:
+    with AsyncLLMVectorEnv(fns, shared_memory=shared_memory, envs_per_worker=envs_per_worker) as vector_env:
         assert vector_env.shared_memory is shared_memory
         obs, _ = vector_env.reset(seed=7)
         expected, _ = sync.reset(seed=7)
@@ -153,3 +153,33 @@ def test_bad_image_names_field_and_env(kind: str, message: str) -> None:
         vector_env.step(np.zeros((2, 1), dtype=np.float32))
         with pytest.raises(WorkerError, match=message):
             vector_env.step(np.zeros((2, 1), dtype=np.float32))
+
+
+class _Crashes(gym.Wrapper):
+    """Raises on its third step (a simulator fault)."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 3:
+            raise RuntimeError("simulator crashed")
+        return self.env.step(action)
+
+
+def test_restart_keeps_image_and_instruction() -> None:
+    """A rebuilt env's truncated step carries the last image and instruction the caller saw."""
+    fns = [_pendulum, lambda: _Crashes(_pendulum())]
+    with AsyncLLMVectorEnv(fns, max_restarts=1) as vector_env:
+        obs, _ = vector_env.reset(seed=0)
+        actions = np.zeros((2, 1), dtype=np.float32)
+        for _ in range(2):
+            last, *_ = vector_env.step(actions)
+        obs, _, _, truncated, info = vector_env.step(actions)
+        assert truncated.tolist() == [False, True] and info["env_restarted"][1]
+        np.testing.assert_array_equal(obs["image"][1], last["image"][1])
+        assert obs["instruction"][1] == last["instruction"][1]
+        obs, *_ = vector_env.step(actions)  # the rebuilt env's new episode
+        assert obs["image"][1].shape == (64, 64, 3) and isinstance(obs["instruction"][1], str)
