@@ -7,6 +7,12 @@ instruction, is split: its fixed-shape entries (the image) are written to shared
 worker, and only the rest (the short instruction string) is pickled with the step's answer.
 The parent merges both back into one observation when it files the answer.
 
+Why not the Text in shared memory too? Gymnasium can store a ``Text`` there (``max_length``
+int32 character indices per env), but its reader decodes a fresh tuple of strings at each read
+instead of giving a live view, and the buffer costs ``4 * max_length`` bytes per env for an
+instruction of a few dozen characters; pickling that short string with the step's answer
+(about 100 bytes in all) is simpler and as cheap.
+
 Example:
     >>> import numpy as np
     >>> from gymnasium import spaces
