@@ -359,3 +359,14 @@ def test_safety_wrapper_marks_samples_through_the_vector_env() -> None:
         assert info["safety_replaced"].tolist() == [False, True]
         assert info["safety_reason"][1] == "rate"
         assert info["executed_action"][1].tolist() == pytest.approx([1.9])
+
+
+def test_chunks_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/chunks.py end to end at a tiny size: it writes its table and plot."""
+    from benchmarks.chunks import Args, main
+
+    results = main(Args(part="chunks", num_envs=2, latencies_ms=[60.0], horizons=[1, 4], ticks=15, warmup_ticks=5,
+                        out_dir=str(tmp_path)))
+    assert [row["horizon"] for row in results["chunks"]] == [1, 4]
+    assert all(0.0 <= row["met"] <= 1.0 and 0.0 < row["bound"] <= 1.0 for row in results["chunks"])
+    assert (tmp_path / "chunks.md").exists() and (tmp_path / "chunks.png").exists()
