@@ -45,12 +45,17 @@ _LAZY = {
     "LatencyModel": "asyncvec.inference",
     "build_tiny_lm": "asyncvec.inference",
     "make_vec": "asyncvec.integrations.gymnasium",
+    "ChunkExecutor": "asyncvec.control",
+    "SafetyFilter": "asyncvec.control",
+    "SafetyWrapper": "asyncvec.control",
+    "RollbackGuard": "asyncvec.control",
 }
 
 # submodules reachable as attributes, e.g. ``@asyncvec.rewards.register("name")``
 _SUBMODULES = (
     "buffers",
     "collector",
+    "control",
     "inference",
     "integrations",
     "losses",

@@ -13,6 +13,9 @@ _ENVS = {
     "asyncvec/Arithmetic-v0": ("envs.text:ArithmeticEnv", {}),
     "asyncvec/SingleDigitSums-v0": ("envs.text:ArithmeticEnv", {"single_digit": True}),
     "asyncvec/GuessNumber-v0": ("envs.text:GuessNumberEnv", {}),
+    "asyncvec/PixelPendulum-v0": ("envs.pixels:make_pixel_env", {"task": "pendulum"}),
+    "asyncvec/PixelMountainCarContinuous-v0": ("envs.pixels:make_pixel_env", {"task": "mountain_car"}),
+    "asyncvec/PixelCartPole-v0": ("envs.pixels:make_pixel_env", {"task": "cartpole"}),
 }
 
 for _env_id, (_entry_point, _kwargs) in _ENVS.items():

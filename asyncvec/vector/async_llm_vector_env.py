@@ -23,12 +23,12 @@ from asyncvec.vector.errors import (
     NoAsyncCallError,
     WorkerError,
 )
+from asyncvec.vector.split_obs import merge_row, shared_subspace
 from asyncvec.vector.transport import Backend, ProcessBackend, Transport, WorkerSpec
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
 __all__ = ["AsyncLLMVectorEnv"]
 
-_FIXED_SHAPE_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 _ENV_COMMANDS = ("step", "reset")  # commands that run an env forward: they time out, fail over and restart
 
 
@@ -71,14 +71,6 @@ class _Slot:
     restarts: int = 0
     episode: str = "none"  # "none" (never reset), "live", or "ended" (its last step ended it)
     after_restart: tuple[str, str] | None = None  # ("truncate" | "autoreset", reason): its next step after a rebuild
-
-
-def _is_fixed_shape(space: Space) -> bool:
-    if isinstance(space, spaces.Dict):
-        return all(_is_fixed_shape(s) for s in space.spaces.values())
-    if isinstance(space, spaces.Tuple):
-        return all(_is_fixed_shape(s) for s in space.spaces)
-    return isinstance(space, _FIXED_SHAPE_SPACES)
 
 
 def _take(batch: Any, rows: np.ndarray | int) -> Any:
@@ -152,8 +144,9 @@ class AsyncLLMVectorEnv(VectorEnv):
         batch_size: how many envs ``recv`` returns (default: ``num_envs``).
         autoreset_mode: NEXT_STEP (default), SAME_STEP or DISABLED, as in Gymnasium.
         shared_memory: pass fixed-shape observations through shared memory (process backend).
-            Observations of Text, Sequence, Graph or other variable-size spaces always go
-            through pipes.
+            Observations of Text, Sequence, Graph or other variable-size spaces go through
+            pipes; a Dict that mixes both (an image plus a Text instruction) is split: its
+            fixed-shape entries through shared memory, the rest with the step's answer.
         context: multiprocessing start method (``"fork"``, ``"spawn"``, ``"forkserver"``).
         step_timeout: seconds a reset or step may take before its worker is treated as hung
             (killed, then restarted or reported); a message to a worker hosting ``k`` envs may
@@ -235,6 +228,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._arrivals: deque[int] = deque()  # env ids with an undelivered answer, in arrival order
         self._transport: Transport | None = None
         self._shm = None
+        self._shared_rows = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
 
         if self.backend.local:
             # Spaces come from one throwaway env, as in gymnasium: shared memory must exist before
@@ -243,8 +237,9 @@ class AsyncLLMVectorEnv(VectorEnv):
             self._set_spaces(dummy.observation_space, dummy.action_space, dummy.metadata, dummy.render_mode)
             dummy.close()
             del dummy
-            if shared_memory and _is_fixed_shape(self.single_observation_space):
-                self._shm = self.backend.create_shared_memory(self.single_observation_space, self.num_envs)
+            shared_space = shared_subspace(self.single_observation_space) if shared_memory else None
+            if shared_space is not None:  # the whole observation, or a Dict's fixed-shape entries (images)
+                self._shm = self.backend.create_shared_memory(shared_space, self.num_envs)
                 self._make_observation_buffers()
         self.shared_memory = self._shm is not None
         spec = WorkerSpec(self.env_fns, groups, self.autoreset_mode, self._shm)
@@ -275,7 +270,14 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _make_observation_buffers(self) -> None:
         observation_space = self.single_observation_space
-        if self._shm is not None:
+        shared_space = None if self._shm is None else shared_subspace(observation_space)
+        self._shared_rows = None
+        if shared_space is not None and shared_space is not observation_space:
+            # Split Dict: fixed-shape entries in shared memory, the rest (e.g. Text) by pipe, merged on arrival.
+            self._shared_rows = read_from_shared_memory(shared_space, self._shm, n=self.num_envs)
+            self._observations = create_empty_array(observation_space, n=self.num_envs, fn=np.zeros)
+            self._env_obs = [None] * self.num_envs
+        elif self._shm is not None:
             self._observations = read_from_shared_memory(observation_space, self._shm, n=self.num_envs)
             self._env_obs: list[Any] | None = None
         else:
@@ -398,7 +400,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         slot = self._slots[index]
         if slot.command in _ENV_COMMANDS:
             if self._env_obs is not None:
-                self._env_obs[index] = result[0]
+                rest = result[0]
+                self._env_obs[index] = rest if self._shared_rows is None else merge_row(self._shared_rows, index, rest)
             if slot.command == "reset":
                 slot.episode = "live"
             else:
@@ -735,7 +738,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             infos = self._add_info(infos, self._with_extra(index, info), index)
         infos = _take_info(infos, rows)
         infos["env_id"] = rows
-        if self.shared_memory:
+        if self._env_obs is None:  # everything in shared memory
             observations = _take(self._observations, rows)
         else:
             empty = create_empty_array(self.single_observation_space, n=target, fn=np.zeros)

@@ -46,6 +46,8 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
+from asyncvec.vector.split_obs import pipe_part, shared_subspace
+
 # How often a worker process checks that its parent is still alive.
 _PARENT_CHECK_S = 1.0
 IDLE = -1  # the value of a worker's "current env" marker between messages
@@ -164,7 +166,8 @@ class EnvGroup:
         if published:
             if self._rows is None:
                 buffer, num_envs = self.shared_memory
-                self._rows = read_from_shared_memory(self.envs[0].observation_space, buffer, n=num_envs)
+                space = shared_subspace(self.envs[0].observation_space)  # a Dict's fixed-shape entries, or all
+                self._rows = read_from_shared_memory(space, buffer, n=num_envs)
             for slot, position in published:
                 result = results[slot]
                 try:
@@ -172,7 +175,7 @@ class EnvGroup:
                 except Exception as exc:
                     results[slot] = EnvFailure(error_payload(exc))
                 else:
-                    results[slot] = (None, *result[1:])
+                    results[slot] = (pipe_part(self._rows, result[0]), *result[1:])  # e.g. a Text entry
         return results
 
     def _run(self, position: int, command: str, payload: Any) -> Any:
@@ -256,22 +259,28 @@ class BuildFailureError(Exception):
         super().__init__(f"env at position {failure.position} failed to build: {failure.payload[0]}: {failure.payload[1]}")
 
 
-def _write_row(rows: Any, index: int, value: Any) -> None:
+def _write_row(rows: Any, index: int, value: Any, field: str = "observation") -> None:
     """Writes one observation into row ``index`` of the shared views (nested dicts / tuples of arrays).
 
-    Unlike numpy assignment it never broadcasts: an observation of the wrong shape is an error.
+    Unlike numpy assignment it never broadcasts nor casts across kinds: an observation (or a
+    ``field`` of it, e.g. ``observation['image']``) of the wrong shape, or a float image for
+    uint8 rows, is an error naming the field, the env and what was expected.
     """
     if isinstance(rows, dict):
         for key, sub_rows in rows.items():
-            _write_row(sub_rows, index, value[key])
+            if not hasattr(value, "keys") or key not in value:
+                raise ValueError(f"{field} of env {index} has no key {key!r} (expected keys {sorted(rows)})")
+            _write_row(sub_rows, index, value[key], f"{field}[{key!r}]")
         return
     if isinstance(rows, tuple):
-        for sub_rows, sub_value in zip(rows, value):
-            _write_row(sub_rows, index, sub_value)
+        for position, (sub_rows, sub_value) in enumerate(zip(rows, value)):
+            _write_row(sub_rows, index, sub_value, f"{field}[{position}]")
         return
     value = np.asarray(value)
     if value.shape != rows.shape[1:]:
-        raise ValueError(f"observation of env {index} has shape {value.shape}, expected {rows.shape[1:]}")
+        raise ValueError(f"{field} of env {index} has shape {value.shape}, expected {rows.shape[1:]}")
+    if not np.can_cast(value.dtype, rows.dtype, casting="same_kind"):
+        raise ValueError(f"{field} of env {index} has dtype {value.dtype}, expected {rows.dtype}")
     rows[index] = value
 
 
