@@ -51,6 +51,12 @@ class BlobColumn:
         self._maps = maps
         self.data, self.lengths = (column.view(np.ndarray) for column in maps)
         self.paths = paths
+        packed = directory / f"{name}.packed"
+        if packed.exists():  # a directory written by save(): move its blobs into the slots
+            load_column(directory, name, self)
+            self.flush()
+            packed.unlink()
+            (directory / f"{name}.offsets.npy").unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return self.shape[0]
