@@ -148,3 +148,38 @@ def test_plain_spaces_are_untouched_and_bad_input_is_named(tmp_path):
     ReplayBuffer(8, IMAGE, spaces.Discrete(2), image_compression=True, storage_dir=tmp_path).close()
     with pytest.raises(ValueError, match="image_compression"):
         ReplayBuffer(8, IMAGE, spaces.Discrete(2), image_compression="quantize", storage_dir=tmp_path)
+
+
+def test_on_disk_blobs_survive_sigkill_and_old_segments_are_deleted(tmp_path):
+    """A writer killed with SIGKILL loses nothing it committed; the ring's retired blobs leave the disk."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        from test_buffers_images import OBS_SPACE, fill
+        from gymnasium import spaces
+        from asyncvec.buffers import ReplayBuffer
+        buffer = ReplayBuffer(64, OBS_SPACE, spaces.Discrete(2), image_compression=True,
+                              storage_dir={str(tmp_path / "live")!r}, commit_every=1)
+        fill(buffer, 50)  # 200 transitions through 64 slots: the ring wraps three times
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True)
+    assert result.returncode == -9, result.stderr
+    added = by_episode(fill(ReplayBuffer(256, OBS_SPACE, spaces.Discrete(2)), 50))  # the same frames (seed 0)
+    buffer = ReplayBuffer.open(tmp_path / "live")
+    assert len(buffer) == 64 and buffer.num_added == 200
+    batch = buffer.gather(np.arange(64), 49)
+    np.testing.assert_array_equal(batch.obs["image"], np.stack([added[e][0] for e in batch.episode_id]))
+    np.testing.assert_array_equal(batch.next_obs["image"], np.stack([added[e][1] for e in batch.episode_id]))
+    assert sorted(batch.episode_id.tolist()) == list(range(136, 200))
+    segments = sorted((tmp_path / "live").glob("obs.0.seg*"))
+    assert 8 <= len(segments) <= 9  # 64 live samples in segments of 8, plus the one being filled
+    blob_bytes = sum(path.stat().st_size for path in segments)
+    assert blob_bytes < 64 * IMAGE.shape[0] * IMAGE.shape[1] * 3 / 3  # compressed, and nothing retired kept
+    buffer.close()

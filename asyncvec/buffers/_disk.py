@@ -15,48 +15,59 @@ from typing import Any, NamedTuple
 import numpy as np
 
 ColumnSpec = dict[str, tuple[tuple[int, ...], np.dtype]]
-#: per blob column (object dtype), the most bytes one blob may take (its on-disk slot size)
-BlobSizes = dict[str, int]
 _OBJECT = np.dtype(object)
 
 
 class BlobColumn:
-    """A column of ``bytes`` blobs (compressed images) in two ``.npy`` memmaps.
+    """A column of ``bytes`` blobs (compressed images) on disk, in append-only segment files.
 
-    ``{name}.blobs.npy`` holds one fixed-size slot of ``max_bytes`` per row and
-    ``{name}.lengths.npy`` each blob's length. The file is created sparse and a blob writes
-    only its own bytes, so the disk holds the pages the blobs touch (page-granular), not
-    ``rows * max_bytes``. Rows are indexed like a 1-D object array (``column[slots]`` returns
-    an object array of ``bytes``; ``column[a:b] = blobs``), so the buffer's commit protocol is
-    the one of its other columns: blob bytes and lengths are written before the commit record.
+    The blob of the transition with serial ``s`` (the ``s``-th ever added) is appended to
+    ``{name}.seg{s // segment_rows}``; ``{name}.index.npy`` (a memmap, one row per slot) holds
+    its segment, offset and length. A segment file is deleted once every transition in it has
+    left the ring (:meth:`drop_before`), so the disk holds the live blobs plus at most one
+    segment of older ones: ``segment_rows`` is an eighth of the capacity.
+
+    Crash safety is the buffer's protocol: an add appends the blobs and writes their index
+    rows before the commit record covers them, and a segment is dropped only when no commit
+    covers it. Bytes a killed process appended past its last commit are never indexed by a
+    commit and are skipped. Rows are indexed like a 1-D object array: ``column[slots]`` returns
+    an object array of ``bytes``; ``column[a:b] = blobs`` appends blobs for the next serials
+    (set :attr:`next_serial` before an add's writes).
     """
 
-    def __init__(self, directory: Path, name: str, rows: int, max_bytes: int) -> None:
+    def __init__(self, directory: Path, name: str, rows: int) -> None:
         self.shape = (rows,)
         self.dtype = _OBJECT
-        paths = (directory / f"{name}.blobs.npy", directory / f"{name}.lengths.npy")
-        specs = (((rows, max_bytes), np.dtype(np.uint8)), ((rows,), np.dtype(np.int32)))
-        maps = []
-        for path, (shape, dtype) in zip(paths, specs):
-            if path.exists():
-                column = np.lib.format.open_memmap(path, mode="r+")
-                if column.shape != shape or column.dtype != dtype:
-                    raise ValueError(
-                        f"{path}: holds shape {column.shape} dtype {column.dtype}, expected shape {shape} dtype "
-                        f"{dtype}; the directory belongs to a buffer with another layout"
-                    )
-            else:
-                column = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=shape)
-            maps.append(column)
-        self._maps = maps
-        self.data, self.lengths = (column.view(np.ndarray) for column in maps)
-        self.paths = paths
-        packed = directory / f"{name}.packed"
-        if packed.exists():  # a directory written by save(): move its blobs into the slots
-            load_column(directory, name, self)
-            self.flush()
-            packed.unlink()
-            (directory / f"{name}.offsets.npy").unlink(missing_ok=True)
+        self.directory = directory
+        self.name = name
+        self.segment_rows = max(1, rows // 8)
+        self.next_serial = 0
+        path = directory / f"{name}.index.npy"
+        if path.exists():
+            index = np.lib.format.open_memmap(path, mode="r+")
+            if index.shape != (rows, 3) or index.dtype != np.int64:
+                raise ValueError(
+                    f"{path}: holds shape {index.shape} dtype {index.dtype}, expected shape {(rows, 3)} dtype "
+                    f"int64; the directory belongs to a buffer with another layout"
+                )
+        else:
+            index = np.lib.format.open_memmap(path, mode="w+", dtype=np.int64, shape=(rows, 3))
+            index[:, 0] = -1  # segment -1: an empty slot
+        self._map = index
+        self.index = index.view(np.ndarray)
+        self._files: dict[int, int] = {}  # segment -> open file descriptor
+
+    def _segment_path(self, segment: int) -> Path:
+        return self.directory / f"{self.name}.seg{segment:010d}"
+
+    def _fd(self, segment: int, create: bool = True) -> int | None:
+        fd = self._files.get(segment)
+        if fd is None:
+            path = self._segment_path(segment)
+            if not create and not path.exists():
+                return None  # a dropped segment: its slots hold no live sample
+            fd = self._files[segment] = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return fd
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -65,48 +76,75 @@ class BlobColumn:
         rows = np.arange(self.shape[0])[index]
         out = np.empty(np.shape(rows), dtype=object)
         flat = out.reshape(-1)
-        for i, row in enumerate(np.reshape(rows, -1)):
-            flat[i] = self.data[row, : self.lengths[row]].tobytes()
+        for i, (segment, offset, length) in enumerate(self.index[np.reshape(rows, -1)].tolist()):
+            fd = None if segment < 0 else self._fd(segment, create=False)
+            flat[i] = b"" if fd is None else os.pread(fd, length, offset)
         return out
 
     def __setitem__(self, index: Any, blobs: Any) -> None:
         rows = np.reshape(np.arange(self.shape[0])[index], -1)
-        values = np.broadcast_to(np.asarray(blobs, dtype=object), rows.shape)
-        for row, blob in zip(rows, values):
+        serials = np.arange(self.next_serial, self.next_serial + rows.size)
+        self.write_rows(rows, np.broadcast_to(np.asarray(blobs, dtype=object), rows.shape), serials)
+        self.next_serial += rows.size
+
+    def write_rows(self, rows: np.ndarray, blobs: np.ndarray, serials: np.ndarray) -> None:
+        """Append each blob to its serial's segment and index it at its row."""
+        for row, blob, serial in zip(rows.tolist(), blobs, serials.tolist()):
             blob = blob if isinstance(blob, bytes) else b""
-            if len(blob) > self.data.shape[1]:
-                raise ValueError(f"a blob of {len(blob)} bytes does not fit a slot of {self.data.shape[1]} bytes")
-            self.data[row, : len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-            self.lengths[row] = len(blob)
+            segment = serial // self.segment_rows
+            fd = self._fd(segment)
+            assert fd is not None
+            offset = os.lseek(fd, 0, os.SEEK_END)
+            os.write(fd, blob)
+            self.index[row] = (segment, offset, len(blob))
+
+    def drop_before(self, serial: int) -> None:
+        """Delete the segments whose transitions all have serials below ``serial``."""
+        last = serial // self.segment_rows  # segments < last hold only older serials
+        for path in self.directory.glob(f"{self.name}.seg*"):
+            segment = int(path.name.rsplit(".seg", 1)[1])
+            if segment < last:
+                fd = self._files.pop(segment, None)
+                if fd is not None:
+                    os.close(fd)
+                path.unlink(missing_ok=True)
 
     def fill(self, value: Any) -> None:
-        self.lengths[:] = 0
+        self.index[:, 0] = -1
 
     def flush(self) -> None:
-        for column in self._maps:
-            column.flush()
+        """fsync the segments written to and msync the index."""
+        for fd in self._files.values():
+            os.fsync(fd)
+        self._map.flush()
+
+    def close(self) -> None:
+        self._map.flush()
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
     def disk_bytes(self) -> int:
-        """Bytes the two files take on disk (allocated blocks: the blob file is sparse)."""
-        return sum(os.stat(path).st_blocks * 512 for path in self.paths)
+        """Bytes the index and the segment files take on disk (allocated blocks)."""
+        paths = [self.directory / f"{self.name}.index.npy", *self.directory.glob(f"{self.name}.seg*")]
+        return sum(os.stat(path).st_blocks * 512 for path in paths)
 
 
-def allocate(specs: ColumnSpec, directory: Path | None, blob_sizes: BlobSizes | None = None) -> dict[str, Any]:
+def allocate(specs: ColumnSpec, directory: Path | None) -> dict[str, Any]:
     """Zeroed columns in RAM, or ``.npy`` memmaps in ``directory`` (opened if they exist).
 
     Memmapped columns are returned as plain ndarray views of the mapping (slicing an
     ``np.memmap`` costs several microseconds more); flush them with :func:`flush`. Object
-    columns (blobs) are object arrays in RAM and `BlobColumn` s on disk, with slots of
-    ``blob_sizes[name]`` bytes.
+    columns (blobs) are object arrays in RAM and `BlobColumn` s on disk.
     """
     if directory is None:
         return {name: np.zeros(shape, dtype) for name, (shape, dtype) in specs.items()}
     columns: dict[str, Any] = {}
     for name, (shape, dtype) in specs.items():
         if np.dtype(dtype) == _OBJECT:
-            if blob_sizes is None or name not in blob_sizes or len(shape) != 1:
-                raise ValueError(f"column {name}: an object column on disk needs a 1-D shape and a blob size")
-            columns[name] = BlobColumn(directory, name, shape[0], blob_sizes[name])
+            if len(shape) != 1:
+                raise ValueError(f"column {name}: an object column on disk must be 1-D, got shape {shape}")
+            columns[name] = BlobColumn(directory, name, shape[0])
             continue
         path = directory / f"{name}.npy"
         if path.exists():
@@ -159,12 +197,10 @@ def load_column(directory: Path, name: str, column: Any) -> None:
             blobs = np.empty(len(offsets) - 1, dtype=object)
             for i in range(len(blobs)):
                 blobs[i] = packed[offsets[i] : offsets[i + 1]]
-        else:  # a storage_dir: blob slots
-            lengths = np.load(directory / f"{name}.lengths.npy")
-            data = np.load(directory / f"{name}.blobs.npy", mmap_mode="r")
-            blobs = np.empty(len(lengths), dtype=object)
-            for i, length in enumerate(lengths):
-                blobs[i] = data[i, :length].tobytes()
+        else:  # a storage_dir: read its segments
+            live = BlobColumn(directory, name, len(column))
+            blobs = live[:]
+            live.close()
         column[:] = blobs
         return
     column[...] = np.load(directory / f"{name}.npy", mmap_mode="r")

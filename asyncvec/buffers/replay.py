@@ -14,7 +14,6 @@ from gymnasium import spaces
 
 from asyncvec.buffers._disk import (
     BlobColumn,
-    BlobSizes,
     ColumnSpec,
     CommitLog,
     DirectoryLock,
@@ -270,7 +269,8 @@ class ReplayBuffer:
         # Adds of B rows start at a multiple of B, and numpy assigns block k (an integer index)
         # faster than the slice [k B, (k + 1) B).
         self._blocks: dict[int, list[np.ndarray]] = {}
-        self._blockable = not any(isinstance(column, BlobColumn) for column in self._write_columns)
+        self._blob_columns = [column for column in self._write_columns if isinstance(column, BlobColumn)]
+        self._blockable = not self._blob_columns
 
     # -- layout and persistence ---------------------------------------------------------
     def _column_specs(self) -> ColumnSpec:
@@ -283,16 +283,6 @@ class ReplayBuffer:
         if self.prioritized:
             specs["priority"] = ((self.capacity,), np.dtype(np.float64))  # stores p ** alpha
         return specs
-
-    def _blob_sizes(self) -> BlobSizes:
-        """The on-disk slot size of each blob column: the image's bytes plus the format tag
-        (a blob never exceeds it: see ``ImageCompression``)."""
-        sizes = {}
-        for codec in (self._obs, self._next_obs):
-            for name, leaf, compressor in zip(codec.column_names(), codec.leaves, codec.compressors):
-                if compressor is not None:
-                    sizes[name] = int(np.prod(leaf.shape)) + 1
-        return sizes
 
     def _meta(self) -> dict[str, Any]:
         return {
@@ -318,10 +308,11 @@ class ReplayBuffer:
                         f"this buffer has {key}={meta[key]!r} (spaces there: "
                         f"{stored.get('observation_space')}, {stored.get('action_space')})"
                     )
-        columns = allocate(self._specs, directory, self._blob_sizes())
+        columns = allocate(self._specs, directory)
         self._commit_log = CommitLog(directory / _COMMIT)
         if meta_path.exists():
             self._restore(self._commit_log, columns)
+            self._import_packed_blobs(directory, columns)
         else:
             self._fill_defaults(columns)
             with open(directory / _SPACES, "wb") as file:
@@ -334,6 +325,22 @@ class ReplayBuffer:
         for name, value in _DEFAULTS.items():
             columns[name].fill(value)
         self._default_only = set(_DEFAULTS)
+
+    def _import_packed_blobs(self, directory: Path, columns: dict[str, Any]) -> None:
+        """A directory written by :meth:`save` packs its blobs; an on-disk buffer keeps them in
+        segments by serial: move the stored samples' blobs there, then drop the packed files."""
+        for name, column in columns.items():
+            if isinstance(column, BlobColumn):
+                column.drop_before(self._oldest)
+                column.next_serial = self._added
+                if (directory / f"{name}.packed").exists():
+                    blobs = np.empty(self.capacity, dtype=object)
+                    load_column(directory, name, blobs)
+                    slots = self._valid_slots()
+                    column.write_rows(slots, blobs[slots], np.arange(self._oldest, self._added))
+                    column.flush()
+                    (directory / f"{name}.packed").unlink()
+                    (directory / f"{name}.offsets.npy").unlink(missing_ok=True)
 
     def _restore(self, log: CommitLog, columns: dict[str, np.ndarray]) -> None:
         """Adopt the latest commit of ``log`` and recount what its samples hold."""
@@ -373,6 +380,8 @@ class ReplayBuffer:
         assert self._commit_log is not None
         self._commit_log.write(oldest, end, self._max_priority, self.fsync)
         self._durable_oldest, self._durable_end = oldest, end
+        for column in self._blob_columns:  # blobs no commit covers any more
+            column.drop_before(oldest)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the buffer to the directory ``path`` in the ``storage_dir`` format.
@@ -451,6 +460,8 @@ class ReplayBuffer:
                 return
             self._commit_locked()
             self._closed = True
+            for column in self._blob_columns:
+                column.close()
             self._columns = {}
             if self._commit_log is not None:
                 self._commit_log.close()
@@ -548,6 +559,8 @@ class ReplayBuffer:
                     self._oldest = end - capacity
             position = (end - kept) % capacity
             stop = position + kept
+            for blob_column in self._blob_columns:  # blobs go to the segments of their serials
+                blob_column.next_serial = end - kept
             if stop <= capacity:
                 blocks = self._blocks.get(kept) if position % kept == 0 else None
                 if blocks is not None:  # the usual add: the same batch size every time
