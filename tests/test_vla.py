@@ -233,3 +233,12 @@ def test_gradient_steps_move_the_policy_and_versions_tag_answers(folder, tmp_pat
     assert after > before + 8.0 and after > -2.0, (before, after)
     assert out.policy_version == 1 and later.policy_version == 3
     np.testing.assert_allclose(out.action, target, atol=policy.action_tokenizer.bin_width.max() / 2 + 1e-6)
+
+
+def test_docstring_examples():
+    import doctest
+
+    from asyncvec.inference import action_tokens, vla
+
+    for module in (action_tokens, vla):
+        assert doctest.testmod(module).failed == 0, module.__name__
