@@ -117,17 +117,9 @@ def observation_space(size: int) -> spaces.Dict:
 
 
 def image_bytes(buffer: ReplayBuffer) -> int:
-    """Bytes of the image columns only (obs and next_obs)."""
-    from asyncvec.buffers._disk import column_nbytes
-
-    names = [name for name, (shape, dtype) in buffer._specs.items() if name.split(".")[0] in ("obs", "next_obs")]
-    image_names = [name for name in names if dtype_is_image(buffer, name)]
-    return sum(column_nbytes(buffer._columns[name]) for name in image_names)
-
-
-def dtype_is_image(buffer: ReplayBuffer, name: str) -> bool:
-    shape, dtype = buffer._specs[name]
-    return dtype == np.dtype(object) or (dtype == np.uint8 and len(shape) == 4)
+    """Bytes of the image columns only (obs and next_obs; the image is the Dict's first leaf)."""
+    sizes = buffer.column_nbytes()
+    return sizes["obs.0"] + sizes["next_obs.0"]
 
 
 def directory_bytes(path: Path, allocated: bool) -> int:
@@ -203,7 +195,10 @@ def main(args: Args) -> list[dict]:
         args.capacity, args.repeats = min(args.capacity, 512), min(args.repeats, 2)
     rng = np.random.default_rng(args.seed)
     pool = args.capacity + 2 * args.num_envs
-    kinds = {"rendered": rendered_frames(pool, args.image_size, rng), "camera": camera_frames(pool, args.image_size, rng)}
+    kinds = {
+        "rendered": rendered_frames(pool, args.image_size, rng),
+        "camera": camera_frames(pool, args.image_size, rng),
+    }
     results = []
     for kind, frames in kinds.items():
         for name, codec in CODECS.items():
@@ -257,7 +252,8 @@ def main(args: Args) -> list[dict]:
     notes = (
         f"capacity {args.capacity}, {args.num_envs} transitions per add, batches of {args.batch_size}; rates are "
         f"medians of {args.repeats} runs (thread CPU time). 'saved': files written by save() (blobs packed back "
-        "to back); 'live on disk': allocated blocks of a storage_dir (blobs appended to segment files, an eighth of the capacity each; retired segments deleted)."
+        "to back); 'live on disk': allocated blocks of a storage_dir (blobs appended to segment files, an eighth "
+        "of the capacity each; retired segments deleted)."
     )
     paths = save_report("buffer_images", table, figure, out_dir=args.out_dir, command=command, notes=notes)
     print(table)

@@ -192,7 +192,8 @@ def _encode_jpeg(image: np.ndarray, quality: int) -> bytes:
         raise ValueError(f"image_compression='jpeg' takes 1- or 3-channel images, got shape {image.shape}")
     pixels = image[..., 0] if image.ndim == 3 and image.shape[2] == 1 else image
     buffer = io.BytesIO()
-    _pillow().fromarray(pixels).save(buffer, format="JPEG", quality=quality, subsampling=0)  # 4:4:4: small images keep their colour edges
+    # 4:4:4 chroma (no subsampling): small images keep their colour edges
+    _pillow().fromarray(pixels).save(buffer, format="JPEG", quality=quality, subsampling=0)
     return bytes((JPEG,)) + buffer.getvalue()
 
 

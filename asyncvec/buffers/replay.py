@@ -1010,9 +1010,13 @@ class ReplayBuffer:
     def nbytes(self) -> int:
         """Bytes the buffer's columns hold: arrays in full; compressed images as their blobs
         plus Python's per-object overhead (RAM) or the disk blocks their files take (disk)."""
+        return sum(self.column_nbytes().values())
+
+    def column_nbytes(self) -> dict[str, int]:
+        """`nbytes` by stored column (``obs.0``, ``next_obs``, ``reward``...)."""
         with self._lock:
             self._check_open()
-            return sum(column_nbytes(column) for column in self._columns.values())
+            return {name: column_nbytes(column) for name, column in self._columns.items()}
 
     @property
     def num_added(self) -> int:

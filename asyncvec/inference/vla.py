@@ -34,7 +34,7 @@ import transformers
 from torch import nn
 
 from asyncvec.inference.action_tokens import ActionTokenizer
-from asyncvec.inference.base import BatchedPolicy
+from asyncvec.inference.base import BatchedPolicy, split_batch
 from asyncvec.inference.tiny_models import ARCHS, DEFAULT_VOCAB, _make_tokenizer_config_portable, build_char_tokenizer
 from asyncvec.inference.types import BackendResult, PolicyOutput
 from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
@@ -473,7 +473,8 @@ class TinyVLAPolicy(BatchedPolicy):
             raise TypeError("TinyVLAPolicy: pass the tokenizer (or a model folder that contains one)")
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
             raise ValueError(f"TinyVLAPolicy: action_space must be a 1-D gymnasium Box, got {action_space!r}")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        bad_chunk = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        if chunk_size is not None and bad_chunk:
             raise ValueError(f"TinyVLAPolicy: chunk_size must be an int >= 1 or None, got {chunk_size!r}")
         if not isinstance(temperature, (int, float)) or temperature < 0:
             raise ValueError(f"TinyVLAPolicy: temperature must be a number >= 0, got {temperature!r}")
@@ -558,8 +559,6 @@ class TinyVLAPolicy(BatchedPolicy):
     def model_inputs(self, obs_batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(images, input_ids, attention_mask)`` tensors of a batch of observations (the
         form `TinyVLAModel.action_logprobs` takes), checked as `submit` checks them."""
-        from asyncvec.inference.base import split_batch
-
         return self._inputs([self._check_obs(obs, index) for index, obs in enumerate(split_batch(obs_batch))])
 
     # ---------------------------------------------------------------------------- forward
