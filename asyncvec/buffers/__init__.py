@@ -13,9 +13,20 @@ Example:
     2
 """
 
+from asyncvec.buffers._images import ImageCompression, is_image_space
 from asyncvec.buffers.groups import CompletionGroups, GroupBatch
 from asyncvec.buffers.replay import ReplayBatch, ReplayBuffer
 from asyncvec.buffers.rollout import RolloutStore, Segment
 from asyncvec.buffers.sum_tree import SumTree
 
-__all__ = ["CompletionGroups", "GroupBatch", "ReplayBatch", "ReplayBuffer", "RolloutStore", "Segment", "SumTree"]
+__all__ = [
+    "CompletionGroups",
+    "GroupBatch",
+    "ImageCompression",
+    "ReplayBatch",
+    "ReplayBuffer",
+    "RolloutStore",
+    "Segment",
+    "SumTree",
+    "is_image_space",
+]

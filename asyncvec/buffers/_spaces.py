@@ -3,7 +3,9 @@
 A space is split into leaves (Dict and Tuple are walked recursively). Each leaf becomes one
 column with a leading batch dimension: Box/Discrete/MultiDiscrete/MultiBinary keep their own
 shape and dtype; Text is stored as int32 indices into its character set, padded with
-``len(charset)`` (gymnasium's own ``flatten``/``unflatten`` encoding).
+``len(charset)`` (gymnasium's own ``flatten``/``unflatten`` encoding). With image compression
+on, an image leaf (see `is_image_space`) is stored as one ``bytes`` blob per sample (an object
+column) and decoded back to uint8 on read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.spaces.utils import flatten, unflatten
 from gymnasium.vector.utils import batch_space
+
+from asyncvec.buffers._images import ImageCompression, is_image_space
 
 RowLabel = Callable[[int], str]
 
@@ -79,14 +83,24 @@ class SpaceCodec:
         space: a Box, Discrete, MultiDiscrete, MultiBinary or Text space, or a Dict/Tuple
             nesting of them.
         field: the field name used in column names and error messages (``"obs"``).
+        image_compression: compress image leaves (`is_image_space`) with this codec; None keeps
+            every leaf a plain array.
     """
 
-    def __init__(self, space: spaces.Space, field: str) -> None:
+    def __init__(
+        self, space: spaces.Space, field: str, image_compression: ImageCompression | None = None
+    ) -> None:
         if not isinstance(space, spaces.Space):
             raise TypeError(f"{field}: expected a gymnasium.spaces.Space, got {type(space).__name__}")
         self.space = space
         self.field = field
         self.leaves: list[Leaf] = list(_walk(space, field, ()))
+        # Per leaf: the codec that turns its images into blobs, or None (stored as is).
+        self.compressors: list[ImageCompression | None] = [
+            image_compression if image_compression is not None and is_image_space(leaf.space) else None
+            for leaf in self.leaves
+        ]
+        self.compressed = any(codec is not None for codec in self.compressors)
         self._single = len(self.leaves) == 1 and not self.leaves[0].path
         self._batched_cache: dict[tuple[int, int], spaces.Space] = {}
 
@@ -97,6 +111,21 @@ class SpaceCodec:
             return [prefix]
         return [f"{prefix}.{i}" for i in range(len(self.leaves))]
 
+    def storage(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """Per leaf, the per-sample shape and dtype of its stored column: ``((), object)`` (one
+        blob) for a compressed image leaf, else the leaf's own."""
+        return [
+            ((), np.dtype(object)) if codec is not None else (leaf.shape, leaf.dtype)
+            for leaf, codec in zip(self.leaves, self.compressors)
+        ]
+
+    def _compress(self, columns: list[np.ndarray]) -> list[np.ndarray]:
+        if not self.compressed:
+            return columns
+        return [
+            column if codec is None else codec.compress(column) for codec, column in zip(self.compressors, columns)
+        ]
+
     # -- encoding ---------------------------------------------------------------------
     def encode(self, value: Any, n: int, row_label: RowLabel = default_row_label) -> list[np.ndarray]:
         """Validate a batch of ``n`` samples and return one array per leaf, ``(n, *shape)``.
@@ -105,7 +134,8 @@ class SpaceCodec:
             ValueError: naming the field, the expected space and, for a value outside the
                 space, the offending row.
         """
-        return [self._encode_leaf(leaf, _pick(value, leaf, self.field), n, row_label) for leaf in self.leaves]
+        columns = [self._encode_leaf(leaf, _pick(value, leaf, self.field), n, row_label) for leaf in self.leaves]
+        return self._compress(columns)
 
     def _encode_leaf(self, leaf: Leaf, value: Any, n: int, row_label: RowLabel) -> np.ndarray:
         if leaf.is_text:
@@ -155,13 +185,15 @@ class SpaceCodec:
         which accepts more input (lists, lossless casts) and names what is wrong.
         """
         if self._single:
-            return [value] if self.leaves[0].quick_check(value, n, check_values) else None
+            if not self.leaves[0].quick_check(value, n, check_values):
+                return None
+            return self._compress([value])
         try:
             picked = [_pick(value, leaf, self.field) for leaf in self.leaves]
         except (ValueError, TypeError, KeyError, IndexError):
             return None
         if all(leaf.quick_check(array, n, check_values) for leaf, array in zip(self.leaves, picked)):
-            return picked
+            return self._compress(picked)
         return None
 
     # -- decoding ---------------------------------------------------------------------
@@ -170,7 +202,12 @@ class SpaceCodec:
 
         Text leaves come back as numpy object arrays of ``str`` with the leading shape.
         """
-        decoded = iter([self._decode_leaf(leaf, column) for leaf, column in zip(self.leaves, columns)])
+        decoded = iter(
+            [
+                self._decode_leaf(leaf, column) if codec is None else codec.decompress(column, leaf.shape)
+                for leaf, column, codec in zip(self.leaves, columns, self.compressors)
+            ]
+        )
         return _assemble(self.space, decoded)
 
     @staticmethod

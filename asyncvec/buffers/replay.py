@@ -13,15 +13,20 @@ import numpy as np
 from gymnasium import spaces
 
 from asyncvec.buffers._disk import (
+    BlobColumn,
     ColumnSpec,
     CommitLog,
     DirectoryLock,
     allocate,
+    column_nbytes,
     describe,
     flush,
+    load_column,
     read_json,
+    save_column,
     write_json_atomic,
 )
+from asyncvec.buffers._images import ImageCompression, resolve_image_compression
 from asyncvec.buffers._spaces import SpaceCodec, as_column
 from asyncvec.buffers.sum_tree import SumTree
 
@@ -152,6 +157,11 @@ class ReplayBuffer:
             steps. ``"always"``: the values of every batch are checked too (a few
             whole-batch numpy reductions per add: several times slower for small batches).
         seed: seed of the buffer's own random generator.
+        image_compression: store image leaves of the observation space (uint8 Box
+            ``(H, W)``/``(H, W, C)``, see ``is_image_space``) compressed, one blob per sample:
+            ``True`` or ``"zlib"`` (lossless), ``"quantize"`` or ``"jpeg"`` (lossy), or an
+            `ImageCompression`. None (default): stored as plain arrays. Compressed images
+            cost CPU on every ``add`` and ``sample``; see docs/buffers.md for the numbers.
 
     Example:
         >>> import numpy as np
@@ -179,6 +189,7 @@ class ReplayBuffer:
         fsync: bool = False,
         validate: Literal["first", "always"] = "first",
         seed: int | None = None,
+        image_compression: bool | str | ImageCompression | None = None,
     ) -> None:
         if validate not in ("first", "always"):
             raise ValueError(f"validate: expected 'first' or 'always', got {validate!r}")
@@ -198,8 +209,9 @@ class ReplayBuffer:
         self.beta = float(beta)
         self.commit_every = commit_every
         self.fsync = bool(fsync)
-        self._obs = SpaceCodec(observation_space, "obs")
-        self._next_obs = SpaceCodec(observation_space, "next_obs")
+        self.image_compression = resolve_image_compression(image_compression)
+        self._obs = SpaceCodec(observation_space, "obs", self.image_compression)
+        self._next_obs = SpaceCodec(observation_space, "next_obs", self.image_compression)
         self._action = SpaceCodec(action_space, "action")
         self._specs = self._column_specs()
         self._tree = SumTree(self.capacity) if self.prioritized else None
@@ -219,6 +231,7 @@ class ReplayBuffer:
         # shortcut), and the batch shapes by batch size.
         single = [codec.leaves[0] for codec in (self._obs, self._action) if len(codec.leaves) == 1]
         plain = len(single) == 2 and all(not leaf.path and not leaf.is_text for leaf in single)
+        plain = plain and not self._obs.compressed  # blobs are written, not the arrays given
         self._plain_leaves = (single[0].dtype, single[1].dtype) if plain else None
         self._plain_signatures: dict[int, tuple] = {}
         self._rng = np.random.default_rng(seed)
@@ -241,7 +254,7 @@ class ReplayBuffer:
         # pass them skips their write (what a buffer without such columns would cost).
         self._default_only: set[str] = set()
         if self.storage_dir is None:
-            self._columns = allocate(self._specs, None)
+            self._columns = allocate(self._specs, None)  # type: ignore[assignment]
             self._fill_defaults(self._columns)
         else:
             self.storage_dir.mkdir(parents=True, exist_ok=True)
@@ -256,13 +269,15 @@ class ReplayBuffer:
         # Adds of B rows start at a multiple of B, and numpy assigns block k (an integer index)
         # faster than the slice [k B, (k + 1) B).
         self._blocks: dict[int, list[np.ndarray]] = {}
+        self._blob_columns = [column for column in self._write_columns if isinstance(column, BlobColumn)]
+        self._blockable = not self._blob_columns
 
     # -- layout and persistence ---------------------------------------------------------
     def _column_specs(self) -> ColumnSpec:
         specs: ColumnSpec = {}
         for codec in (self._obs, self._next_obs, self._action):
-            for name, leaf in zip(codec.column_names(), codec.leaves):
-                specs[name] = ((self.capacity, *leaf.shape), leaf.dtype)
+            for name, (shape, dtype) in zip(codec.column_names(), codec.storage()):
+                specs[name] = ((self.capacity, *shape), dtype)
         for name, dtype in _SCALARS.items():
             specs[name] = ((self.capacity,), dtype)
         if self.prioritized:
@@ -276,6 +291,7 @@ class ReplayBuffer:
             "prioritized": self.prioritized,
             "alpha": self.alpha if self.prioritized else None,
             "columns": describe(self._specs),
+            "image_compression": None if self.image_compression is None else self.image_compression.to_dict(),
             "observation_space": str(self.observation_space),
             "action_space": str(self.action_space),
         }
@@ -285,7 +301,7 @@ class ReplayBuffer:
         meta_path = directory / _META
         if meta_path.exists():
             stored = read_json(meta_path)
-            for key in ("format", "capacity", "prioritized", "alpha", "columns"):
+            for key in ("format", "capacity", "prioritized", "alpha", "columns", "image_compression"):
                 if stored.get(key) != meta[key]:
                     raise ValueError(
                         f"storage_dir {directory}: holds a buffer with {key}={stored.get(key)!r}, "
@@ -296,6 +312,7 @@ class ReplayBuffer:
         self._commit_log = CommitLog(directory / _COMMIT)
         if meta_path.exists():
             self._restore(self._commit_log, columns)
+            self._import_packed_blobs(directory, columns)
         else:
             self._fill_defaults(columns)
             with open(directory / _SPACES, "wb") as file:
@@ -308,6 +325,22 @@ class ReplayBuffer:
         for name, value in _DEFAULTS.items():
             columns[name].fill(value)
         self._default_only = set(_DEFAULTS)
+
+    def _import_packed_blobs(self, directory: Path, columns: dict[str, Any]) -> None:
+        """A directory written by :meth:`save` packs its blobs; an on-disk buffer keeps them in
+        segments by serial: move the stored samples' blobs there, then drop the packed files."""
+        for name, column in columns.items():
+            if isinstance(column, BlobColumn):
+                column.drop_before(self._oldest)
+                column.next_serial = self._added
+                if (directory / f"{name}.packed").exists():
+                    blobs = np.empty(self.capacity, dtype=object)
+                    load_column(directory, name, blobs)
+                    slots = self._valid_slots()
+                    column.write_rows(slots, blobs[slots], np.arange(self._oldest, self._added))
+                    column.flush()
+                    (directory / f"{name}.packed").unlink()
+                    (directory / f"{name}.offsets.npy").unlink(missing_ok=True)
 
     def _restore(self, log: CommitLog, columns: dict[str, np.ndarray]) -> None:
         """Adopt the latest commit of ``log`` and recount what its samples hold."""
@@ -347,6 +380,8 @@ class ReplayBuffer:
         assert self._commit_log is not None
         self._commit_log.write(oldest, end, self._max_priority, self.fsync)
         self._durable_oldest, self._durable_end = oldest, end
+        for column in self._blob_columns:  # blobs no commit covers any more
+            column.drop_before(oldest)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the buffer to the directory ``path`` in the ``storage_dir`` format.
@@ -366,7 +401,7 @@ class ReplayBuffer:
                 # Without a commit log the directory reads as empty while columns are replaced.
                 (path / _COMMIT).unlink(missing_ok=True)
                 for name, column in self._columns.items():
-                    np.save(path / f"{name}.npy", column)
+                    save_column(path, name, column)
                 with open(path / _SPACES, "wb") as file:
                     pickle.dump((self.observation_space, self.action_space), file)
                 write_json_atomic(path / _META, self._meta(), fsync=True)
@@ -391,12 +426,13 @@ class ReplayBuffer:
             prioritized=meta["prioritized"],
             alpha=meta["alpha"] if meta["alpha"] is not None else 0.6,
             seed=seed,
+            image_compression=meta.get("image_compression"),
         )
         lock = DirectoryLock(path)
         try:
             buffer._default_only = set()
             for name, column in buffer._columns.items():
-                column[...] = np.load(path / f"{name}.npy", mmap_mode="r")
+                load_column(path, name, column)
             log = CommitLog(path / _COMMIT)
             buffer._restore(log, buffer._columns)
             log.close()
@@ -413,6 +449,8 @@ class ReplayBuffer:
         meta, (observation_space, action_space) = _read_meta(Path(path))
         if meta["prioritized"]:
             kwargs |= {"prioritized": True, "alpha": meta["alpha"]}
+        if meta.get("image_compression") is not None:
+            kwargs["image_compression"] = meta["image_compression"]
         return cls(meta["capacity"], observation_space, action_space, storage_dir=path, **kwargs)
 
     def close(self) -> None:
@@ -422,6 +460,8 @@ class ReplayBuffer:
                 return
             self._commit_locked()
             self._closed = True
+            for column in self._blob_columns:
+                column.close()
             self._columns = {}
             if self._commit_log is not None:
                 self._commit_log.close()
@@ -519,6 +559,8 @@ class ReplayBuffer:
                     self._oldest = end - capacity
             position = (end - kept) % capacity
             stop = position + kept
+            for blob_column in self._blob_columns:  # blobs go to the segments of their serials
+                blob_column.next_serial = end - kept
             if stop <= capacity:
                 blocks = self._blocks.get(kept) if position % kept == 0 else None
                 if blocks is not None:  # the usual add: the same batch size every time
@@ -530,7 +572,7 @@ class ReplayBuffer:
                     for column, value in zip(self._write_columns, values):
                         if value is not _SKIP:
                             column[position:stop] = value
-                    if kept not in self._blocks and capacity % kept == 0 and len(self._blocks) < 4:
+                    if kept not in self._blocks and capacity % kept == 0 and len(self._blocks) < 4 and self._blockable:
                         self._blocks[kept] = [
                             c.reshape(capacity // kept, kept, *c.shape[1:]) for c in self._write_columns
                         ]
@@ -963,6 +1005,18 @@ class ReplayBuffer:
         start, size = self._oldest % self.capacity, len(self)
         head = min(size, self.capacity - start)
         return slice(start, start + head), slice(0, size - head)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the buffer's columns hold: arrays in full; compressed images as their blobs
+        plus Python's per-object overhead (RAM) or the disk blocks their files take (disk)."""
+        return sum(self.column_nbytes().values())
+
+    def column_nbytes(self) -> dict[str, int]:
+        """`nbytes` by stored column (``obs.0``, ``next_obs``, ``reward``...)."""
+        with self._lock:
+            self._check_open()
+            return {name: column_nbytes(column) for name, column in self._columns.items()}
 
     @property
     def num_added(self) -> int:

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from asyncvec.buffers._disk import column_nbytes
+from asyncvec.buffers._images import ImageCompression, resolve_image_compression
 from asyncvec.buffers._spaces import SpaceCodec, as_column
 
 __all__ = ["RolloutStore", "Segment"]
@@ -88,6 +90,8 @@ class RolloutStore:
         action_space: per-env action space.
         max_steps_ahead: how many steps of the next segment an env may collect before
             ``get``; defaults to ``num_steps``.
+        image_compression: store image observations compressed (as for :class:`ReplayBuffer`:
+            ``True``/``"zlib"`` lossless, ``"quantize"``/``"jpeg"`` lossy); ``get`` decodes them.
 
     Example:
         >>> import numpy as np
@@ -115,6 +119,7 @@ class RolloutStore:
         action_space: spaces.Space,
         *,
         max_steps_ahead: int | None = None,
+        image_compression: bool | str | ImageCompression | None = None,
     ) -> None:
         for field, value in (("num_steps", num_steps), ("num_envs", num_envs)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -131,14 +136,15 @@ class RolloutStore:
         self.max_steps_ahead = int(max_steps_ahead)
         self.observation_space = observation_space
         self.action_space = action_space
-        self._obs = SpaceCodec(observation_space, "obs")
+        self.image_compression = resolve_image_compression(image_compression)
+        self._obs = SpaceCodec(observation_space, "obs", self.image_compression)
         self._action = SpaceCodec(action_space, "action")
-        self._next_obs = SpaceCodec(observation_space, "next_obs")
+        self._next_obs = SpaceCodec(observation_space, "next_obs", self.image_compression)
         rows = self.num_steps + self.max_steps_ahead
         self._columns: dict[str, np.ndarray] = {}
         for codec in (self._obs, self._action, self._next_obs):
-            for name, leaf in zip(codec.column_names(), codec.leaves):
-                self._columns[name] = np.zeros((rows, self.num_envs, *leaf.shape), leaf.dtype)
+            for name, (shape, dtype) in zip(codec.column_names(), codec.storage()):
+                self._columns[name] = np.zeros((rows, self.num_envs, *shape), dtype)
         for name, dtype in _SCALARS.items():
             self._columns[name] = np.zeros((rows, self.num_envs), dtype)
         self._cursor = np.zeros(self.num_envs, dtype=np.int64)
@@ -203,7 +209,7 @@ class RolloutStore:
         data["fallback"] = as_column("fallback", fallback, n, np.bool_)
         next_columns = None if next_obs is None else self._next_obs.encode(next_obs, n, row_label)
         if next_columns is None:  # clear what an earlier segment left in these rows
-            next_columns = [np.zeros((n, *leaf.shape), leaf.dtype) for leaf in self._next_obs.leaves]
+            next_columns = [np.zeros((n, *shape), dtype) for shape, dtype in self._next_obs.storage()]
         data.update(zip(self._next_obs.column_names(), next_columns))
         data["has_next_obs"] = np.full(n, next_obs is not None)
         # The k-th occurrence of an env in this batch goes k steps past its cursor.
@@ -291,6 +297,12 @@ class RolloutStore:
             next_obs=self._next_obs.decode([segment[name] for name in self._next_obs.column_names()]),
             fallback=segment["fallback"],
         )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the store's columns hold (compressed images: their blobs and Python's overhead)."""
+        with self._cond:
+            return sum(column_nbytes(column) for column in self._columns.values())
 
     @property
     def steps_per_env(self) -> list[int]:

@@ -50,6 +50,13 @@ _LAZY = {
     "checkpoint_shapes": "asyncvec.inference.weights",
     "build_tiny_lm": "asyncvec.inference.tiny_models",
     "DEFAULT_VOCAB": "asyncvec.inference.tiny_models",
+    "ActionTokenizer": "asyncvec.inference.action_tokens",
+    "TinyVLAConfig": "asyncvec.inference.vla",
+    "TinyVLAModel": "asyncvec.inference.vla",
+    "TinyVLAPolicy": "asyncvec.inference.vla",
+    "build_tiny_vla": "asyncvec.inference.vla",
+    "load_tiny_vla": "asyncvec.inference.vla",
+    "per_action_logps": "asyncvec.inference.vla",
 }
 
 __all__ = sorted(_LAZY)
