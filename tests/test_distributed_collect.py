@@ -211,6 +211,32 @@ def test_a_dead_node_loses_no_committed_sample_and_its_collector_restarts_elsewh
                 cluster.remove_node(index)
 
 
+def test_collectors_that_cannot_be_placed_fail_at_once_naming_the_resource(cluster):
+    """No node offers the resource; or each collector holds 2 CPUs on the one 2-CPU node both are
+    pinned to, so the second never fits beside the first: a CollectorError at once, not a
+    GetTimeoutError after start_timeout_s."""
+    start = time.monotonic()
+    with pytest.raises(
+        CollectorError,
+        match=r"collector 0 \(envs \(0, 2\)\) cannot start: Unschedulable: no alive node of the Ray cluster can "
+        r"host it: it needs \{'nowhere': 1.0\}",
+    ):
+        RayCollectors(
+            [CARTPOLE] * 2, num_collectors=1, actor_options={"num_cpus": 0, "resources": {"nowhere": 1}}, start_timeout_s=60
+        )
+    nowhere = time.monotonic() - start
+    start = time.monotonic()
+    with pytest.raises(
+        CollectorError,
+        match=r"collector [01] .*cannot start: Unschedulable: it needs \{'CPU': 2.0, 'node_1': 1.0\}.*"
+        r"\{'CPU': 0.0\} left beside collector [01]",
+    ):
+        RayCollectors([CARTPOLE] * 2, num_collectors=2, actor_options={"num_cpus": 2, **cluster.pin(1)})
+    crowded = time.monotonic() - start
+    print(f"errors in {nowhere:.1f} s (no node) and {crowded:.1f} s (the first collector started meanwhile)")
+    assert nowhere < 30 and crowded < 150, "the errors came before start_timeout_s (60 s and 180 s)"
+
+
 def test_ppo_with_the_ray_backend_learns_from_honestly_versioned_segments(cluster):
     from agents.ppo import PPO, Args
 
