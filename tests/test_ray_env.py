@@ -169,44 +169,6 @@ def test_reserved_actor_options():
     assert options["max_task_retries"] == 0, "a step is never retried"
 
 
-def test_node_removal_moves_envs_or_says_why(cluster):
-    """Envs on a removed node restart on the others; an env pinned to it gets a clear error."""
-    node = cluster.add_node()
-    node_id = cluster.node_id(node)
-    movable = AsyncLLMVectorEnv(
-        [partial(CounterEnv, max_len=50)] * 2,
-        backend=RayBackend(
-            num_cpus=0.25,
-            actor_options={"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)},
-        ),
-        max_restarts=1,
-    )
-    pinned = AsyncLLMVectorEnv([CounterEnv], backend=RayBackend(num_cpus=0.25, resources={f"node_{node}": 1}), max_restarts=1)
-    try:
-        assert set(movable.worker_nodes) == {node_id} == set(pinned.worker_nodes)
-        movable.reset(seed=0)
-        pinned.reset(seed=0)
-        for _ in range(2):
-            obs, *_ = movable.step(np.ones(2, dtype=np.int64))
-        cluster.remove_node(node)
-        start = time.monotonic()
-        moved, _, _, trunc, info = movable.step(np.ones(2, dtype=np.int64))
-        recovery = time.monotonic() - start
-        assert trunc.all() and info["env_restarted"].all(), "both envs lost their episode with the node"
-        np.testing.assert_array_equal(moved, obs)
-        assert node_id not in movable.worker_nodes
-        obs, rewards, _, trunc, _ = movable.step(np.ones(2, dtype=np.int64))
-        assert (obs[:, 0] == 0).all() and not trunc.any(), "then they reset and go on"
-        print(f"recovery after node removal: {recovery:.1f} s")
-        with pytest.raises(WorkerError, match=rf"env 0 failed in .*Unschedulable: no alive node .* 'node_{node}': 1") as err:
-            pinned.step(np.ones(1, dtype=np.int64))
-        assert f"while restarting its worker after: NodeLost: the Ray actor's node {node_id}" in str(err.value)
-        assert pinned.closed
-    finally:
-        movable.close()
-        pinned.close()
-
-
 def test_default_workers_hold_no_cpu_even_when_pinned(cluster):
     """Two workers pinned to one 1-CPU node by a custom resource start (Ray alone would hold a
     CPU for each pinned actor's life, and the second would wait for ever)."""
@@ -273,13 +235,14 @@ def test_an_actor_rebuilt_between_messages_is_a_restart_not_a_silent_reset(clust
         envs.close()
 
 
-def test_a_node_crash_moves_envs_to_a_new_actor_and_says_so(cluster):
-    """The node's raylet is killed: the actors' processes there are orphans that may still answer
-    until Ray's health checks notice (~15 s). Only the rebuilt actors are accepted: the moved envs
-    restart once, with a reason naming the node loss, on another node with new processes."""
+def test_a_node_crash_moves_envs_to_new_actors_or_says_why(cluster):
+    """A node's raylet is killed (a crash): its actor processes are orphans that may still answer
+    until Ray's health checks notice (~15 s). Only rebuilt actors are accepted: the movable envs
+    restart once, with a reason naming the node loss, on another node with new processes, and
+    go on; an env pinned to the node gets a clear error."""
     node = cluster.add_node()
     node_id = cluster.node_id(node)
-    envs = AsyncLLMVectorEnv(
+    movable = AsyncLLMVectorEnv(
         [order_enforced_counter] * 2,
         backend=RayBackend(
             num_cpus=0.25, actor_options={"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
@@ -287,32 +250,43 @@ def test_a_node_crash_moves_envs_to_a_new_actor_and_says_so(cluster):
         autoreset_mode=AutoresetMode.SAME_STEP,
         max_restarts=3,
     )
+    pinned = AsyncLLMVectorEnv([CounterEnv], backend=RayBackend(num_cpus=0.25, resources={f"node_{node}": 1}), max_restarts=1)
     try:
-        assert set(envs.worker_nodes) == {node_id}
-        pids = envs.worker_pids
-        envs.reset(seed=0)
+        assert set(movable.worker_nodes) == {node_id} == set(pinned.worker_nodes)
+        pids = movable.worker_pids
+        movable.reset(seed=0)
+        pinned.reset(seed=0)
         for _ in range(2):
-            envs.step(np.ones(2, dtype=np.int64))
+            obs, *_ = movable.step(np.ones(2, dtype=np.int64))
         cluster.remove_node(node, graceful=False)
         reasons = {}
         start = time.monotonic()
         while len(reasons) < 2:
             assert time.monotonic() - start < 120, f"the envs moved within 120 s: {reasons}"
-            _, _, _, trunc, info = envs.step(np.ones(2, dtype=np.int64))
+            last = obs
+            obs, _, _, trunc, info = movable.step(np.ones(2, dtype=np.int64))
             for index in np.flatnonzero(info.get("_env_restarted", np.zeros(2, bool))):
                 assert trunc[index] and index not in reasons, info["restart_reason"]
                 reasons[int(index)] = info["restart_reason"][index]
-        print(f"moved in {time.monotonic() - start:.1f} s: {reasons}")
+                np.testing.assert_array_equal(info["final_obs"][index], last[index])  # the episode ends where it was
+                assert obs[index][0] == 0.0  # SAME_STEP: the new env's first observation
+        print(f"recovery after a node crash: {time.monotonic() - start:.1f} s: {reasons}")
         assert all(f"NodeLost: the Ray actor's node {node_id}" in reason for reason in reasons.values()), reasons
-        assert envs.restarts == [1, 1]
-        assert node_id not in envs.worker_nodes and set(envs.worker_nodes) <= set(cluster.node_ids)
-        assert not set(envs.worker_pids) & set(pids) and all(os.path.exists(f"/proc/{p}") for p in envs.worker_pids)
+        assert movable.restarts == [1, 1]
+        assert node_id not in movable.worker_nodes and set(movable.worker_nodes) <= set(cluster.node_ids)
+        assert not set(movable.worker_pids) & set(pids) and all(os.path.exists(f"/proc/{p}") for p in movable.worker_pids)
         for _ in range(3):
-            _, _, _, _, info = envs.step(np.ones(2, dtype=np.int64))
-            assert "_env_restarted" not in info or not info["_env_restarted"].any(), info.get("restart_reason")
-        assert envs.restarts == [1, 1]
+            _, _, _, _, info = movable.step(np.ones(2, dtype=np.int64))
+            assert not info.get("_env_restarted", np.zeros(2, bool)).any(), info.get("restart_reason")
+        assert movable.restarts == [1, 1]
+        with pytest.raises(WorkerError, match=rf"env 0 failed in .*Unschedulable: no alive node .* 'node_{node}': 1") as err:
+            while True:  # the pinned actor's orphan may answer a last step
+                pinned.step(np.ones(1, dtype=np.int64))
+        assert f"while restarting its worker after: NodeLost: the Ray actor's node {node_id}" in str(err.value)
+        assert pinned.closed
     finally:
-        envs.close()
+        movable.close()
+        pinned.close()
 
 
 def test_local_ray_started_by_the_env_is_shut_down_by_close():

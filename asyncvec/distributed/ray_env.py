@@ -224,7 +224,7 @@ class RayTransport(Transport):
                 problem = placement_problem(self._options[worker], self._placed(exclude=worker))
                 if problem is not None:
                     options = {k: v for k, v in self._options[worker].items() if k not in _RESERVED}
-                    return False, ("Unschedulable", f"cannot place this worker's Ray actor (options {options}): {problem}", "", None)
+                    return False, ("Unschedulable", f"{problem} (the worker's actor options: {options})", "", None)
             if time.monotonic() >= deadline:
                 need = required_resources(self._options[worker], placement=True)
                 return False, (

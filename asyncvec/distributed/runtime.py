@@ -135,6 +135,6 @@ def placement_problem(
         short = {name: round(free.get(name, 0.0), 6) for name, amount in need.items() if free.get(name, 0.0) < amount - 1e-9}
         reasons.append(f"node {node['NodeID'][:8]} has {short} left beside {', '.join(holders)}")
     return (
-        f"it needs {need}, and the actors it was started with hold that much, for as long as they run, on "
-        f"every node that could host it: {'; '.join(reasons)}"
+        f"it needs {need}, and on every node that could host it the actors started with it hold what it "
+        f"lacks, for as long as they run: {'; '.join(reasons)}"
     )
