@@ -211,10 +211,11 @@ def test_a_dead_node_loses_no_committed_sample_and_its_collector_restarts_elsewh
                 cluster.remove_node(index)
 
 
-def test_collectors_that_cannot_be_placed_fail_at_once_naming_the_resource(cluster):
-    """No node offers the resource; or each collector holds 2 CPUs on the one 2-CPU node both are
-    pinned to, so the second never fits beside the first: a CollectorError at once, not a
-    GetTimeoutError after start_timeout_s."""
+def test_collectors_that_no_node_can_host_fail_at_once_naming_the_resource(cluster):
+    """A CollectorError at once, as the env backend's Unschedulable, not a GetTimeoutError
+    naming nothing after start_timeout_s. (Collectors that crowd each other out of their nodes
+    are caught by the same check once the first ones run, as Ray env workers are in
+    tests/test_ray_env.py; that costs a collector's start-up, so it is not repeated here.)"""
     start = time.monotonic()
     with pytest.raises(
         CollectorError,
@@ -224,17 +225,7 @@ def test_collectors_that_cannot_be_placed_fail_at_once_naming_the_resource(clust
         RayCollectors(
             [CARTPOLE] * 2, num_collectors=1, actor_options={"num_cpus": 0, "resources": {"nowhere": 1}}, start_timeout_s=60
         )
-    nowhere = time.monotonic() - start
-    start = time.monotonic()
-    with pytest.raises(
-        CollectorError,
-        match=r"collector [01] .*cannot start: Unschedulable: it needs \{'CPU': 2.0, 'node_1': 1.0\}.*"
-        r"\{'CPU': 0.0\} left beside collector [01]",
-    ):
-        RayCollectors([CARTPOLE] * 2, num_collectors=2, actor_options={"num_cpus": 2, **cluster.pin(1)})
-    crowded = time.monotonic() - start
-    print(f"errors in {nowhere:.1f} s (no node) and {crowded:.1f} s (the first collector started meanwhile)")
-    assert nowhere < 30 and crowded < 150, "the errors came before start_timeout_s (60 s and 180 s)"
+    assert time.monotonic() - start < 30, "the error came before start_timeout_s"
 
 
 def test_ppo_with_the_ray_backend_learns_from_honestly_versioned_segments(cluster):
