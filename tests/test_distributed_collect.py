@@ -211,6 +211,23 @@ def test_a_dead_node_loses_no_committed_sample_and_its_collector_restarts_elsewh
                 cluster.remove_node(index)
 
 
+def test_collectors_that_no_node_can_host_fail_at_once_naming_the_resource(cluster):
+    """A CollectorError at once, as the env backend's Unschedulable, not a GetTimeoutError
+    naming nothing after start_timeout_s. (Collectors that crowd each other out of their nodes
+    are caught by the same check once the first ones run, as Ray env workers are in
+    tests/test_ray_env.py; that costs a collector's start-up, so it is not repeated here.)"""
+    start = time.monotonic()
+    with pytest.raises(
+        CollectorError,
+        match=r"collector 0 \(envs \(0, 2\)\) cannot start: Unschedulable: no alive node of the Ray cluster can "
+        r"host it: it needs \{'nowhere': 1.0\}",
+    ):
+        RayCollectors(
+            [CARTPOLE] * 2, num_collectors=1, actor_options={"num_cpus": 0, "resources": {"nowhere": 1}}, start_timeout_s=60
+        )
+    assert time.monotonic() - start < 30, "the error came before start_timeout_s"
+
+
 def test_ppo_with_the_ray_backend_learns_from_honestly_versioned_segments(cluster):
     from agents.ppo import PPO, Args
 

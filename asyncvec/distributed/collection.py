@@ -35,7 +35,7 @@ from gymnasium.vector import AutoresetMode
 
 from asyncvec.buffers import ReplayBuffer, RolloutStore
 from asyncvec.collector import Collector, CollectorError, Transitions
-from asyncvec.distributed.runtime import connect, feasible_nodes, required_resources
+from asyncvec.distributed.runtime import connect, feasible_nodes, placement_problem, required_resources
 from asyncvec.inference.types import Policy
 from asyncvec.metrics import EpisodeStats
 from asyncvec.versioning import VersionManager
@@ -185,7 +185,9 @@ class RayCollectors:
         autoreset_mode: NEXT_STEP or SAME_STEP (default, what the agents use).
         env_options: more `AsyncLLMVectorEnv` arguments for every collector (``max_restarts``,
             ``step_timeout``, ``context``...).
-        start_timeout_s: how long the actors may take to start.
+        start_timeout_s: how long the actors may take to start. A collector that no alive node
+            can host (or whose nodes are taken by the other collectors, each holding its CPUs
+            while it runs) is a `CollectorError` at once, naming the resources it needs.
 
     Example:
         >>> import gymnasium as gym  # doctest: +SKIP
@@ -232,6 +234,8 @@ class RayCollectors:
         #: collectors that died for good (close() does not wait for them)
         self.lost: set[int] = set()
         try:
+            for index, options in enumerate(self.actor_options):
+                self._check_placeable(index)
             remote = ray.remote(_CollectorActor)
             for (start, stop), options in zip(self.slices, self.actor_options, strict=True):
                 size = stop - start
@@ -242,7 +246,7 @@ class RayCollectors:
                 }
                 # A threaded actor: take() may block while weights and versions keep arriving.
                 self.actors.append(remote.options(max_concurrency=4, **options).remote(env_fns[start:stop], local))
-            infos = ray.get([actor.describe.remote() for actor in self.actors], timeout=self.start_timeout_s)
+            infos = self._await_started()
         except BaseException:
             self.close()
             raise
@@ -259,6 +263,42 @@ class RayCollectors:
                     f"collector 0 has {self.single_observation_space}, {self.single_action_space}"
                 )
         self.infos = infos
+
+    def _check_placeable(self, index: int, placed: Sequence[tuple[str, str, Mapping[str, Any]]] = ()) -> None:
+        problem = placement_problem(self.actor_options[index], placed)
+        if problem is not None:
+            raise CollectorError(
+                f"collector {index} (envs {self.slices[index]}) cannot start: Unschedulable: {problem}"
+            )
+
+    def _await_started(self) -> list[dict[str, Any]]:
+        """Every collector's `describe()` once its actor runs; checks every second that the
+        ones still waiting can be placed at all."""
+        import ray
+
+        pending = {actor.describe.remote(): index for index, actor in enumerate(self.actors)}
+        infos: list[dict[str, Any] | None] = [None] * len(self.actors)
+        deadline = time.monotonic() + self.start_timeout_s
+        while pending:
+            timeout = max(0.0, min(1.0, deadline - time.monotonic()))
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
+            for ref in done:
+                infos[pending.pop(ref)] = ray.get(ref)
+            if not pending:
+                break
+            placed = [
+                (f"collector {i}", info["node_id"], self.actor_options[i]) for i, info in enumerate(infos) if info
+            ]
+            for index in sorted(pending.values()):
+                self._check_placeable(index, placed)
+            if time.monotonic() >= deadline:
+                waiting = sorted(pending.values())
+                needs = {i: required_resources(self.actor_options[i], placement=True) for i in waiting}
+                raise CollectorError(
+                    f"collectors {waiting} did not start within start_timeout_s={self.start_timeout_s} s: they need "
+                    f"{needs} on a node, the cluster has {ray.available_resources()} free now"
+                )
+        return infos
 
     @property
     def num_collectors(self) -> int:

@@ -13,6 +13,13 @@ as with worker processes; ``max_restarts`` of the vector env bounds how often. I
 node can host the actor any more (e.g. it was pinned to the removed node), the vector env
 raises a ``WorkerError`` saying which resources are missing, instead of waiting.
 
+Each constructor run (incarnation) draws a token; every message carries the token of the
+incarnation it is meant for, and an actor refuses a message meant for another one. So an
+actor that Ray rebuilt between two messages is a worker loss (its envs are new), never a
+silent reset; and after a loss only a new incarnation is accepted as ready, not a process
+left running on a crashed node (Ray sees a crash only through its health checks, ~15 s).
+A loss whose node is gone is reported as ``NodeLost``, otherwise ``WorkerDied``.
+
 Example:
     >>> import gymnasium as gym
     >>> from asyncvec import AsyncLLMVectorEnv
@@ -27,6 +34,9 @@ Example:
 from __future__ import annotations
 
 import os
+import socket
+import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +45,7 @@ from typing import Any
 from gymnasium import Env
 from gymnasium.vector.vector_env import AutoresetMode
 
-from asyncvec.distributed.runtime import connect, feasible_nodes, required_resources
+from asyncvec.distributed.runtime import connect, placement_problem, required_resources
 from asyncvec.vector.transport import Backend, Transport, WorkerSpec
 from asyncvec.vector.worker import BuildFailureError, EnvGroup
 
@@ -44,12 +54,21 @@ __all__ = ["RayBackend", "RayTransport"]
 # Options the backend owns: restarts are counted by the vector env and a step is never retried.
 _RESERVED = ("max_restarts", "max_task_retries")
 _POLL_S = 1.0  # how often a worker that is not ready yet is checked for being unschedulable
+_PROBE_S = 1.0  # how long a node's raylet may take to accept a connection before it counts as lost
+
+
+class _Rebuilt:
+    """An actor's answer to a message meant for an earlier incarnation: nothing was run."""
+
+    def __init__(self, incarnation: str) -> None:
+        self.incarnation = incarnation
 
 
 class _EnvWorker:
     """The actor: an :class:`EnvGroup` of envs; build failures are answered by ``ready``."""
 
     def __init__(self, env_fns: Sequence[Callable[[], Env]], indices: Sequence[int], autoreset_mode: AutoresetMode):
+        self.incarnation = uuid.uuid4().hex
         self.group: EnvGroup | None = None
         self.failure = None
         try:
@@ -62,9 +81,12 @@ class _EnvWorker:
 
         if self.failure is not None:
             return False, self.failure
-        return True, {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
+        node_id = ray.get_runtime_context().get_node_id()
+        return True, {"pid": os.getpid(), "node_id": node_id, "incarnation": self.incarnation}
 
-    def handle(self, items: list[tuple[int, str, Any]]) -> list[Any]:
+    def handle(self, incarnation: str, items: list[tuple[int, str, Any]]) -> list[Any] | _Rebuilt:
+        if incarnation != self.incarnation:
+            return _Rebuilt(self.incarnation)
         return self.group.handle(items)
 
     def close(self) -> None:
@@ -80,8 +102,10 @@ class RayBackend(Backend):
         address: the cluster to join (``"auto"``, ``"ray://host:10001"``, a GCS address). ``None``:
             the Ray already initialized in this process, else ``$RAY_ADDRESS`` if set, else a
             new local Ray, which the last env using it shuts down on ``close()``.
-        num_cpus: CPUs each worker reserves (``None``: Ray's actor default, 1 CPU to be placed
-            and 0 while running, so any number of workers fit on a node with a CPU).
+        num_cpus: CPUs each worker holds while it runs. ``None``: none, so any number of
+            workers fit on a node (Ray's actor default: 1 CPU to be placed, 0 while running;
+            when ``resources``, ``num_gpus`` or a pin by custom resource is set, where Ray would
+            hold 1 CPU for the actor's life, the backend asks for ``num_cpus=0`` instead).
         resources: custom resources each worker needs (e.g. ``{"simulator": 1}``).
         actor_options: more ``.options(...)`` per worker: a dict for all, or a function of
             the worker index (``scheduling_strategy`` for node affinity or spreading,
@@ -116,6 +140,10 @@ class RayBackend(Backend):
         resources = {**(self.resources or {}), **(extra.get("resources") or {})}
         if resources:
             options["resources"] = resources
+        if options.get("num_cpus") is None and (resources or options.get("num_gpus")):
+            # Ray holds 1 CPU for the life of an actor that asks for any resource but no CPUs:
+            # keep the documented default (no CPU while running) in that case too.
+            options["num_cpus"] = 0
         return options
 
     def create(self, spec: WorkerSpec) -> RayTransport:
@@ -139,6 +167,11 @@ class RayTransport(Transport):
         self._actors: list[Any] = []
         self._refs: list[deque[Any]] = [deque() for _ in spec.groups]
         self._info: list[dict[str, Any]] = [{} for _ in spec.groups]
+        # The incarnation each worker's messages are meant for (None until it is ready), the
+        # ones never to accept again, and each worker's outstanding ``ready`` call.
+        self._incarnation: list[str | None] = [None] * len(spec.groups)
+        self._stale: list[set[str]] = [set() for _ in spec.groups]
+        self._ready_refs: list[Any] = [None] * len(spec.groups)
         self._closed = False
         try:
             self._options = [backend.options(w) for w in range(len(spec.groups))]
@@ -146,45 +179,86 @@ class RayTransport(Transport):
             for w, group in enumerate(spec.groups):
                 options = actor_class.options(**self._options[w])
                 self._actors.append(options.remote([spec.env_fns[i] for i in group], list(group), spec.autoreset_mode))
+                self._ready_refs[w] = self._actors[w].ready.remote()
         except BaseException:
             self.close(timeout=0, terminate=True)
             raise
 
     def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
-        import time
-
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
         deadline = time.monotonic() + timeout
-        ref = self._actors[worker].ready.remote()
+        checked_at = float("-inf")
+        killed_stale = False
         while True:
+            if self._ready_refs[worker] is None:
+                self._ready_refs[worker] = self._actors[worker].ready.remote()
             try:
-                ok, info = ray.get(ref, timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
+                ok, info = ray.get(self._ready_refs[worker], timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
             except GetTimeoutError:
                 ok, info = None, None
             except RayActorError:  # still restarting: ask the next incarnation
                 ok, info = None, None
+                self._ready_refs[worker] = None
                 time.sleep(0.1)
-                ref = self._actors[worker].ready.remote()
             if ok is not None:
-                if ok:
-                    self._info[worker] = info
-                return ok, info
-            if not feasible_nodes(self._options[worker]):
+                self._ready_refs[worker] = None
+                if not (ok and info["incarnation"] in self._stale[worker]):
+                    if ok:
+                        self._incarnation[worker] = info["incarnation"]
+                        self._info[worker] = info
+                    return ok, info
+                # The incarnation that failed still answers: a process left on a crashed node
+                # (until Ray's health checks notice), or one that was only unreachable. Its envs
+                # are not to be trusted: end it, so that Ray builds a new one.
+                if not killed_stale:
+                    killed_stale = True
+                    try:
+                        ray.kill(self._actors[worker], no_restart=False)
+                    except Exception:
+                        pass
+                time.sleep(0.2)
+            if time.monotonic() - checked_at >= _POLL_S:
+                checked_at = time.monotonic()
+                problem = placement_problem(self._options[worker], self._placed(exclude=worker))
+                if problem is not None:
+                    options = {k: v for k, v in self._options[worker].items() if k not in _RESERVED}
+                    return False, ("Unschedulable", f"{problem} (the worker's actor options: {options})", "", None)
+            if time.monotonic() >= deadline:
+                need = required_resources(self._options[worker], placement=True)
                 return False, (
-                    "Unschedulable",
-                    f"no alive node of the Ray cluster can host this worker: it needs "
-                    f"{required_resources(self._options[worker])} and "
-                    f"options {({k: v for k, v in self._options[worker].items() if k not in _RESERVED})}",
+                    "StartTimeout",
+                    f"the Ray actor did not build its envs within {timeout} s; it needs {need} on a node, "
+                    f"the cluster has {ray.available_resources()} free now",
                     "",
                     None,
                 )
-            if time.monotonic() >= deadline:
-                return False, ("StartTimeout", f"the Ray actor did not build its envs within {timeout} s", "", None)
+
+    def _placed(self, exclude: int) -> list[tuple[str, str, dict[str, Any]]]:
+        """(label, node id, options) of the other workers' actors known to run (they hold their
+        resources while they do), looking at the answers of those still starting without waiting."""
+        import ray
+
+        placed = []
+        for other, options in enumerate(self._options):
+            if other == exclude:
+                continue
+            node = self._info[other].get("node_id") if self._incarnation[other] is not None else None
+            ref = self._ready_refs[other]
+            if node is None and ref is not None and ray.wait([ref], timeout=0)[0]:
+                try:
+                    ok, info = ray.get(ref)
+                except Exception:
+                    ok, info = False, None
+                if ok and info["incarnation"] not in self._stale[other]:
+                    node = info["node_id"]
+            if node is not None:
+                placed.append((f"worker {other}", node, options))
+        return placed
 
     def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
-        self._refs[worker].append(self._actors[worker].handle.remote(message))
+        self._refs[worker].append(self._actors[worker].handle.remote(self._incarnation[worker], message))
 
     def wait(self, workers: Sequence[int], timeout: float | None) -> list[int]:
         import ray
@@ -202,13 +276,26 @@ class RayTransport(Transport):
 
         ref = self._refs[worker].popleft()
         try:
-            return True, ray.get(ref)
+            return self._reply(worker, ray.get(ref))
         except RayActorError as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return False, ("WorkerDied", f"Ray actor died ({type(exc).__name__}: {reason})", "", None)
+            return False, self._loss(worker, f"{type(exc).__name__}: {reason}")
         except RayTaskError as exc:  # the actor raised outside any env (e.g. an unpicklable answer)
             cause = exc.cause if exc.cause is not None else exc
             return False, (type(cause).__name__, str(cause), str(exc), None)
+
+    def _reply(self, worker: int, reply: Any) -> tuple[bool, Any]:
+        if isinstance(reply, _Rebuilt):
+            return False, self._loss(worker, "Ray rebuilt it since its last message, so its envs are new")
+        return True, reply
+
+    def _loss(self, worker: int, what: str) -> tuple[str, str, str, None]:
+        """The failure payload of a lost actor, naming its node if the node is gone."""
+        node = self._info[worker].get("node_id")
+        gone = _node_gone(node) if node is not None else None
+        if gone is not None:
+            return "NodeLost", f"the Ray actor's node {node} {gone} ({what})", "", None
+        return "WorkerDied", f"Ray actor died ({what})", "", None
 
     def read_many(self, workers: Sequence[int]) -> list[tuple[bool, Any]]:
         import ray
@@ -222,7 +309,7 @@ class RayTransport(Transport):
             return [self.read(worker) for worker in workers]  # find out which one failed, and how
         for worker in workers:
             self._refs[worker].popleft()
-        return [(True, reply) for reply in replies]
+        return [self._reply(worker, reply) for worker, reply in zip(workers, replies, strict=True)]
 
     def kill(self, worker: int) -> None:
         import ray
@@ -231,10 +318,14 @@ class RayTransport(Transport):
         self._refs[worker].clear()
 
     def restart(self, worker: int) -> None:
-        # Ray re-runs the constructor of a dead actor by itself. An actor that was only
-        # unreachable keeps its envs, which is still consistent: the vector env restarts every
-        # env of the worker with commands that end or redo its episode.
+        # Ray re-runs the constructor of a dead actor by itself; await_ready accepts only a new
+        # incarnation (and ends the old one if it still answers).
         self._refs[worker].clear()
+        if self._incarnation[worker] is not None:
+            self._stale[worker].add(self._incarnation[worker])
+        self._incarnation[worker] = None
+        self._info[worker] = {}
+        self._ready_refs[worker] = None
 
     def close(self, timeout: float | None, terminate: bool) -> None:
         global _local_ray_users
@@ -265,3 +356,25 @@ class RayTransport(Transport):
 
     def node(self, worker: int) -> str | None:
         return self._info[worker].get("node_id")
+
+
+def _node_gone(node_id: str) -> str | None:
+    """How node ``node_id`` left the cluster, or ``None`` if it is still there.
+
+    Ray marks a crashed node dead only after its health checks fail (about 15 s by default);
+    meanwhile a raylet that refuses connections tells the loss at once.
+    """
+    import ray
+
+    for node in ray.nodes():
+        if node["NodeID"] != node_id:
+            continue
+        if not node.get("Alive"):
+            return f"left the cluster ({node.get('DeathReasonMessage') or 'marked dead by Ray'})"
+        address = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+        try:
+            socket.create_connection(address, timeout=_PROBE_S).close()
+        except OSError as exc:
+            return f"is lost: its raylet at {address[0]}:{address[1]} does not answer ({exc})"
+        return None
+    return "left the cluster"
