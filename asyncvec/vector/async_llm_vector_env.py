@@ -156,7 +156,14 @@ class AsyncLLMVectorEnv(VectorEnv):
     rebuilt in place instead: the interrupted episode comes back truncated with
     ``info["env_restarted"] = True`` and every other env keeps running. (When a worker hosting
     several envs dies, all its envs are rebuilt: those with an episode running come back
-    truncated on their next step.)
+    truncated on their next step.) A rebuilt env's next reset without a seed of its own is
+    seeded with :func:`restart_seed` of its last seed and its restart count, so runs with
+    restarts are reproducible.
+
+    A failed call never leaves the env pending: an env method that raises is a ``WorkerError``
+    with the env idle after it; a payload that cannot be sent raises with nothing left in flight;
+    any other error while waiting closes the env (the next call says why). Only a wait given a
+    ``timeout`` that runs out leaves its call pending, to be waited for again.
 
     Example:
         >>> import gymnasium as gym
@@ -179,7 +186,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         context: multiprocessing start method (``"fork"``, ``"spawn"``, ``"forkserver"``).
         step_timeout: seconds a reset or step may take before its worker is treated as hung
             (killed, then restarted or reported); a message to a worker hosting ``k`` envs may
-            take ``k * step_timeout``. ``None`` waits forever.
+            take ``k * step_timeout``. ``None`` waits forever. Method calls and attributes
+            (``call``, ``get_attr``, ``set_attr``, ``render``) have no such deadline.
         max_restarts: how many times each env may be rebuilt after a fault.
         copy: return copies of observations from ``reset``/``step`` (``recv`` always copies).
         validate_actions: check each action against ``single_action_space`` before sending.
@@ -699,7 +707,12 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._state = _LockstepState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None):
-        """Waits for :meth:`reset_async`; returns the batched observations and infos."""
+        """Waits for :meth:`reset_async`; returns the batched observations and infos.
+
+        Raises:
+            multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
+                reset stays pending (call ``reset_wait`` again).
+        """
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_RESET:
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.", "reset")
@@ -726,7 +739,12 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._state = _LockstepState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None):
-        """Waits for :meth:`step_async` (at most ``timeout`` seconds) and returns the batch."""
+        """Waits for :meth:`step_async` (at most ``timeout`` seconds) and returns the batch.
+
+        Raises:
+            multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
+                step stays pending (call ``step_wait`` again).
+        """
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
@@ -848,7 +866,13 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._state = _LockstepState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
-        """Waits for :meth:`call_async` and returns one result per sub-environment."""
+        """Waits for :meth:`call_async` and returns one result per sub-environment.
+
+        Raises:
+            WorkerError: the method raised in an env (the env is idle again).
+            multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
+                call stays pending (call ``call_wait`` again).
+        """
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_CALL:
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", "call")
