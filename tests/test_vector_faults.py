@@ -330,11 +330,11 @@ def test_observation_of_the_wrong_shape_names_the_env():
 # ---------------------------------------------------------------- reproducible restarts
 
 
-def run_with_a_fault(marker, fault, mode, envs_per_worker, steps=12):
+def run_with_a_fault(marker, fault, mode, envs_per_worker, steps=12, **kwargs):
     """Steps 4 envs (env 1 faults once at its step 3) and returns everything they answered."""
     fns = [partial(CounterEnv, max_len=50) for _ in range(4)]
     fns[1] = partial(FaultyEnv, fault, 3, str(marker), max_len=50)
-    envs = AsyncLLMVectorEnv(fns, max_restarts=1, autoreset_mode=mode, envs_per_worker=envs_per_worker)
+    envs = AsyncLLMVectorEnv(fns, max_restarts=1, autoreset_mode=mode, envs_per_worker=envs_per_worker, **kwargs)
     try:
         obs, _ = envs.reset(seed=10)
         trace = [obs.copy()]

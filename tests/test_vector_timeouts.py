@@ -248,3 +248,18 @@ def test_lockstep_reset_autoreset_modes_with_step_timeout(backend):
             assert envs.get_attr("max_len") == (50, 50, 50)
         finally:
             envs.close()
+
+
+def test_a_killed_worker_reseeds_its_envs(backend, tmp_path):
+    """Env 1 kills its worker (process or actor) at step 3, taking env 0 with it; both come back
+    truncated and reset on the next step with ``restart_seed(seed, 1)``, on either transport."""
+    from asyncvec.vector.async_llm_vector_env import restart_seed
+    from test_vector_faults import run_with_a_fault
+
+    trace, restarts = run_with_a_fault(tmp_path / "fault-once", "kill", AutoresetMode.NEXT_STEP, 2, steps=5,
+                                       backend=backend, step_timeout=10.0)
+    assert restarts == [1, 1, 0, 0]
+    truncated_at_3, obs_at_4 = trace[1 + 4 * 2 + 3], trace[1 + 4 * 3]
+    assert truncated_at_3.tolist() == [True, True, False, False]
+    for i in (0, 1):
+        np.testing.assert_array_equal(obs_at_4[i], CounterEnv(max_len=50).reset(seed=restart_seed(10 + i, 1))[0])

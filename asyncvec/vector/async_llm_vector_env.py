@@ -553,9 +553,11 @@ class AsyncLLMVectorEnv(VectorEnv):
             self._await_ready(worker)
         except WorkerError as error:
             error.args = (f"{error.args[0]}\n(while restarting its worker after: {payload[0]}: {payload[1]})",)
+            self._closed_reason = str(error).split("\n", 1)[0]
             self.close(terminate=True)
             raise
-        except BaseException:
+        except BaseException as exc:
+            self._closed_reason = f"{type(exc).__name__}: {exc}"
             self.close(terminate=True)
             raise
         reason = f"{payload[0]}: {payload[1]}"
