@@ -235,10 +235,11 @@ def test_tianshou_vector_env_with_step_timeout():
         envs.close()
 
 
-def test_lockstep_reset_autoreset_modes_with_step_timeout(backend):
-    """SAME_STEP and DISABLED (with a reset mask) under step_timeout, then a call."""
+def test_lockstep_reset_autoreset_modes_with_step_timeout():
+    """SAME_STEP and DISABLED (with a reset mask) under step_timeout, then a call (the core's
+    logic, the same on both transports: worker processes only, to keep the module short)."""
     for mode in (AutoresetMode.SAME_STEP, AutoresetMode.DISABLED):
-        envs = make_envs(backend, 3.0, autoreset_mode=mode)
+        envs = make_envs("process", 3.0, autoreset_mode=mode)
         try:
             envs.reset(seed=0)
             envs.step(np.ones(3, dtype=np.int64))
