@@ -53,9 +53,13 @@ class CallEnv(CounterEnv):
 @pytest.fixture(scope="module")
 def ray_started():
     ray = pytest.importorskip("ray")
-    # Actors import this module and toy_envs from here, and asyncvec from where the driver does.
+    if ray.is_initialized():  # left by an earlier module in this process: use it as it is
+        yield
+        return
+    # A Ray of its own (never one that $RAY_ADDRESS names). Actors import this module and
+    # toy_envs from here, and asyncvec from where the driver does.
     path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     yield
     ray.shutdown()
