@@ -93,12 +93,23 @@ class Collector:
         sink: a :class:`RolloutStore` (on-policy: the collector waits when an env is as far
             ahead as the store allows), a :class:`ReplayBuffer`, or a callable taking
             :class:`Transitions`.
-        version_manager: if given, observations are submitted only while the policy's version
-            is within ``max_lag`` of the learner's (the semi-asynchronous gate).
+        version_manager: if given, the max-lag rule below holds (the semi-asynchronous gate).
         seed: seed of the first ``async_reset``.
         pace: called with the number of env steps written so far after each write; it may
             block to hold the collector back (e.g. to keep an update-to-data ratio).
         episode_window: how many recent episodes the return/length statistics cover.
+
+    The max-lag rule (with a ``version_manager`` whose ``max_lag`` is set): an action is sent to
+    its env only if ``current_version - action_version <= max_lag`` at that moment (checked
+    immediately before ``send``). An answer that fails the check (computed before the learner
+    moved on) is discarded, counted in ``stale_actions_dropped`` and in the manager's dropped
+    count, and its observation is submitted again. An observation is submitted only while the
+    policy's own version passes the same check; otherwise it waits, counted in ``gate_waits``,
+    without blocking the loop: the steps the envs already finished are still written to the
+    sink at once (every one of them was sent under the rule), and the envs whose action was
+    sent keep stepping. So a written transition's version was within ``max_lag`` of the
+    learner's when its action was sent; its staleness when the learner reads it also counts
+    the versions published while the env stepped.
 
     Example:
         >>> import gymnasium as gym, torch
@@ -150,13 +161,14 @@ class Collector:
         self._waiting_policy = np.zeros(n, dtype=bool)
         self._resetting = np.zeros(n, dtype=bool)  # NEXT_STEP: the env's next step is its reset
         self._parked: dict[int, PolicyOutput] = {}  # answers held back by the sink's capacity
+        self._gated: dict[int, Any] = {}  # observations held back by the max-lag gate, in arrival order
         self._sent: dict[int, PolicyOutput] = {}  # the answer each stepping env is executing
         self._episodes = EpisodeStats(n, episode_window)
         self._episode_id = np.arange(n, dtype=np.int64)
         self._next_episode_id = n
         self._lock = threading.Lock()
         self._latencies: deque[float] = deque(maxlen=10_000)
-        self._counts = {"fallbacks": 0, "gate_waits": 0}
+        self._counts = {"fallbacks": 0, "gate_waits": 0, "stale_actions_dropped": 0}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -200,8 +212,9 @@ class Collector:
 
     def metrics(self) -> dict[str, float]:
         """Counters and rates: env_steps, env_steps_per_s, episodes, episodic return/length over
-        the recent window, policy latency p50/p99 (ms), fallback rate, and the policy's own
-        stats (batch size, queue depth) prefixed with ``policy/``."""
+        the recent window, policy latency p50/p99 (ms), fallback rate, gate_waits and
+        stale_actions_dropped (the max-lag rule), and the policy's own stats (batch size, queue
+        depth) prefixed with ``policy/``."""
         with self._lock:
             counts = {**self._counts, "env_steps": self._episodes.steps, "episodes": self._episodes.episodes}
             returns = np.array(self._episodes.returns())
@@ -238,15 +251,25 @@ class Collector:
         try:
             self.env.async_reset(seed=self.seed)
             while not self._stop.is_set():
-                self._send_ready_actions(block=not self.env.in_flight)
+                self._submit_gated()
+                # With nothing stepping, wait for answers (0.05 s at most), or for the gate when
+                # only gated observations are left.
+                wait_for_gate = bool(self._gated) and not self.env.in_flight and not self._waiting_policy.any()
+                self._send_ready_actions(block=not self.env.in_flight and not wait_for_gate)
                 if self.env.in_flight:
                     try:
                         # Short waits while answers may come back; the policy side needs us too.
-                        timeout = 0.002 if self._waiting_policy.any() or self._parked else 0.1
-                        result = self.env.recv(timeout=timeout)
+                        busy = self._waiting_policy.any() or self._parked or self._gated
+                        result = self.env.recv(timeout=0.002 if busy else 0.1)
                     except multiprocessing.TimeoutError:
                         continue
                     self._handle_results(*result)
+                elif wait_for_gate:
+                    vm = self.version_manager
+                    if vm.closed:  # no publish will come: only the policy's own version can move
+                        self._stop.wait(0.1)
+                    else:
+                        vm.wait_for_lag(lambda: self.policy.policy_version, timeout=0.1)
         except BaseException as exc:  # surfaced to the learner by check()
             self._error = exc
             if isinstance(self.sink, RolloutStore):
@@ -286,6 +309,7 @@ class Collector:
                     self._parked[env_id] = output
         except queue.Empty:
             pass
+        ready = [(env_id, output) for env_id, output in ready if self._within_lag(env_id, output)]
         if not ready:
             return
         ids = np.array([env_id for env_id, _ in ready], dtype=np.int64)
@@ -302,14 +326,36 @@ class Collector:
     def _batch_actions(self, actions: list[Any]) -> Any:
         return concatenate(self._action_space, actions, create_empty_array(self._action_space, len(actions)))
 
-    def _submit(self, env_id: int, obs: Any) -> None:
+    def _within_lag(self, env_id: int, output: PolicyOutput) -> bool:
+        """The send-time check of the max-lag rule; a stale answer is dropped and its observation
+        submitted again (see the class docstring)."""
         vm = self.version_manager
-        if vm is not None and not vm.within_lag(self.policy.policy_version):
+        if vm is None or vm.within_lag(output.policy_version):
+            return True
+        vm.record_dropped(1)
+        with self._lock:
+            self._counts["stale_actions_dropped"] += 1
+        self._submit(env_id, self._obs[env_id])
+        return False
+
+    def _gate_open(self) -> bool:
+        vm = self.version_manager
+        return vm is None or vm.within_lag(self.policy.policy_version)
+
+    def _submit_gated(self) -> None:
+        """Submits the observations the gate held back, once the policy is within the lag."""
+        if self._gated and self._gate_open():
+            gated, self._gated = self._gated, {}
+            for env_id, obs in gated.items():
+                self._submit(env_id, obs)
+
+    def _submit(self, env_id: int, obs: Any) -> None:
+        """Asks the policy for env ``env_id``'s next action, or holds ``obs`` while the gate is closed."""
+        if not self._gate_open():
             with self._lock:
                 self._counts["gate_waits"] += 1
-            while not vm.wait_for_lag(lambda: self.policy.policy_version, timeout=0.1):
-                if self._stop.is_set() or vm.closed:
-                    return
+            self._gated[env_id] = obs
+            return
         self._obs[env_id] = obs
         self._waiting_policy[env_id] = True
         future = self.policy.submit(obs, env_id=env_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from functools import partial
 
@@ -14,7 +15,7 @@ from gymnasium.vector import AutoresetMode
 from asyncvec import AsyncLLMVectorEnv, Collector, ReplayBuffer, RolloutStore, VersionManager
 from asyncvec.collector import CollectorError
 from asyncvec.inference import LatencyModel, TorchPolicy
-from toy_envs import CounterEnv
+from toy_envs import CounterEnv, SleepyEnv
 
 
 def cartpole_envs(n=4, mode=AutoresetMode.SAME_STEP, batch_size=1):
@@ -219,3 +220,136 @@ def test_constructor_errors():
     finally:
         policy.close()
         envs.close()
+
+
+# ---------------------------------------------------------------- the max-lag rule
+
+
+class RecordingSends:
+    """Wraps ``envs.send``: for each env, the learner's version at each send of an action."""
+
+    def __init__(self, envs, versions, after_send=None):
+        self.envs, self.versions, self.after_send = envs, versions, after_send
+        self.original = envs.send
+        self.at_send = {i: [] for i in range(envs.num_envs)}
+        envs.send = self
+
+    def __call__(self, actions, env_ids):
+        current = self.versions.current_version
+        self.original(actions, env_ids)
+        for env_id in np.asarray(env_ids).tolist():
+            self.at_send[env_id].append(current)
+        if self.after_send is not None:
+            self.after_send(sum(len(v) for v in self.at_send.values()))
+
+
+class PublishesOnSubmit:
+    """A policy whose ``n``-th request, once submitted, makes the learner publish twice: an
+    answer computed with the old version is then on its way while the gate is closed."""
+
+    def __init__(self, policy, versions, n):
+        self.policy, self.versions, self.n, self.submits = policy, versions, n, 0
+        self.published = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def submit(self, obs, **kwargs):
+        future = self.policy.submit(obs, **kwargs)
+        self.submits += 1
+        if self.submits == self.n:
+            self.versions.publish(None)
+            self.versions.publish(None)  # lag 2 > max_lag 1
+            self.published.set()
+        return future
+
+
+def rows_by_env(seen, num_envs):
+    versions = {i: [] for i in range(num_envs)}
+    for t in list(seen):
+        for env_id, version in zip(t.env_ids.tolist(), t.policy_version.tolist()):
+            versions[env_id].append(version)
+    return versions
+
+
+def assert_every_action_within_lag(sends, seen, num_envs, max_lag):
+    """The k-th action sent to an env is the one its k-th written transition carries (SAME_STEP)."""
+    checked = 0
+    for env_id, versions in rows_by_env(seen, num_envs).items():
+        for k, (current, version) in enumerate(zip(sends.at_send[env_id], versions)):
+            assert current - version <= max_lag, (
+                f"env {env_id}'s action {k} (version {version}) was sent when version {current} was published"
+            )
+            checked += 1
+    return checked
+
+
+def test_an_action_computed_before_the_gate_closed_is_not_executed_after(one_torch_thread):
+    """max_lag=1: the learner publishes twice while a version-0 answer is being computed. That
+    answer must not run (not while the gate is closed, nor once it reopens): it is dropped and
+    the observation asked again with version 2."""
+    envs = cartpole_envs(n=1)
+    versions = VersionManager(max_lag=1)  # the policy is not registered: it stays at version 0
+    inner = LatencyModel(linear_policy(envs.single_action_space), a_ms=300, b_ms=0)
+    policy = PublishesOnSubmit(inner, versions, n=3)
+    sends = RecordingSends(envs, versions)
+    seen = []
+    try:
+        with Collector(envs, policy, seen.append, version_manager=versions, seed=0) as collector:
+            assert policy.published.wait(30)
+            time.sleep(1.0)  # the version-0 answer arrives meanwhile (300 ms)
+            collector.check()
+            held = sum(len(t.env_ids) for t in seen)
+            inner.load_weights(inner.policy.module.state_dict(), 2)  # the policy catches up: the gate reopens
+            deadline = time.monotonic() + 30
+            while rows_by_env(seen, 1)[0].count(2) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+                collector.check()
+            m = collector.metrics()
+        written = rows_by_env(seen, 1)[0]
+        assert held == 2 and written[:2] == [0, 0], "two version-0 steps before the publish"
+        assert set(written[2:]) == {2}, f"after the publish only version-2 actions ran: {written}"
+        assert assert_every_action_within_lag(sends, seen, 1, max_lag=1) >= 5
+        assert m["stale_actions_dropped"] == 1 and versions.staleness_stats().dropped == 1
+        assert m["gate_waits"] >= 1
+    finally:
+        inner.close()
+        envs.close()
+        versions.close()
+
+
+def test_steps_already_made_reach_the_sink_while_the_gate_is_closed(one_torch_thread):
+    """The gate closes while an env steps (0.5 s) an action sent within the lag: that transition is
+    written at once, not when the gate reopens; the next action waits for the gate."""
+    envs = AsyncLLMVectorEnv([partial(SleepyEnv, 0.5, max_len=50)], autoreset_mode=AutoresetMode.SAME_STEP)
+    versions = VersionManager(max_lag=1)
+    policy = TorchPolicy(torch.nn.Linear(3, 3), envs.single_action_space, max_wait_ms=1)
+
+    def close_the_gate(sent):
+        if sent == 2:
+            versions.publish(None)
+            versions.publish(None)
+
+    sends = RecordingSends(envs, versions, after_send=close_the_gate)
+    seen = []
+    try:
+        with Collector(envs, policy, seen.append, version_manager=versions, seed=0) as collector:
+            deadline = time.monotonic() + 20
+            while len(seen) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+                collector.check()
+            assert len(seen) == 2, "the second step, sent before the gate closed, was withheld"
+            time.sleep(1.2)  # two more steps' time: the gate holds the next action
+            assert len(seen) == 2 and sum(len(v) for v in sends.at_send.values()) == 2
+            assert collector.metrics()["gate_waits"] >= 1
+            policy.load_weights(policy.module.state_dict(), 2)
+            deadline = time.monotonic() + 20
+            while len(seen) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+                collector.check()
+        assert rows_by_env(seen, 1)[0][:4] == [0, 0, 2, 2]
+        assert_every_action_within_lag(sends, seen, 1, max_lag=1)
+    finally:
+        policy.close()
+        envs.close()
+        versions.close()

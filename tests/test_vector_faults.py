@@ -325,3 +325,65 @@ def test_observation_of_the_wrong_shape_names_the_env():
     with pytest.raises(WorkerError, match=r"env 1 failed in step\(\): ValueError: observation of env 1 has shape \(2,\), expected \(3,\)"):
         envs.step(np.ones(2, dtype=np.int64))
     assert envs.closed
+
+
+# ---------------------------------------------------------------- reproducible restarts
+
+
+def run_with_a_fault(marker, fault, mode, envs_per_worker, steps=12, **kwargs):
+    """Steps 4 envs (env 1 faults once at its step 3) and returns everything they answered."""
+    fns = [partial(CounterEnv, max_len=50) for _ in range(4)]
+    fns[1] = partial(FaultyEnv, fault, 3, str(marker), max_len=50)
+    envs = AsyncLLMVectorEnv(fns, max_restarts=1, autoreset_mode=mode, envs_per_worker=envs_per_worker, **kwargs)
+    try:
+        obs, _ = envs.reset(seed=10)
+        trace = [obs.copy()]
+        for _ in range(steps):
+            obs, rewards, term, trunc, info = envs.step(np.ones(4, dtype=np.int64))
+            trace += [obs.copy(), rewards.copy(), term.copy(), trunc.copy()]
+            if "final_obs" in info:
+                trace.append(np.stack([o if o is not None else np.zeros(3, np.float32) for o in info["final_obs"]]))
+        return trace, envs.restarts
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize(
+    "fault, mode, envs_per_worker",
+    [("raise", AutoresetMode.NEXT_STEP, 1), ("kill", AutoresetMode.SAME_STEP, 2), ("kill", AutoresetMode.NEXT_STEP, 2)],
+    ids=lambda v: getattr(v, "value", str(v)),
+)
+def test_runs_with_a_restart_are_reproducible(tmp_path, fault, mode, envs_per_worker):
+    """Two runs with the same seeds, actions and fault give the same episodes, also after the
+    restart: a rebuilt env's next reset is seeded with ``restart_seed(its seed, its restart count)``."""
+    first, restarts = run_with_a_fault(tmp_path / "first", fault, mode, envs_per_worker)
+    second, _ = run_with_a_fault(tmp_path / "second", fault, mode, envs_per_worker)
+    rebuilt = [1] if fault == "raise" else [0, 1]  # a killed worker takes env 0, its neighbour, with it
+    assert restarts == [1 if i in rebuilt else 0 for i in range(4)]
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fault", ["raise", "kill"])
+def test_a_rebuilt_env_resets_with_its_restart_seed(tmp_path, fault):
+    """Env 1 (seed 11) faults on its first step; the next step is its rebuilt env's reset,
+    seeded with ``restart_seed(11, 1)``, and the episode goes on as a fresh env's would."""
+    from asyncvec.vector.async_llm_vector_env import restart_seed
+
+    marker = str(tmp_path / "fault-once")
+    envs = AsyncLLMVectorEnv([CounterEnv, partial(FaultyEnv, fault, 1, marker)], max_restarts=1)
+    reference = CounterEnv()
+    try:
+        envs.reset(seed=10)
+        _, _, _, trunc, info = envs.step(np.ones(2, dtype=np.int64))
+        assert trunc[1] and info["env_restarted"][1]
+        obs, rewards, *_ = envs.step(np.ones(2, dtype=np.int64))  # NEXT_STEP: the reset step
+        want, _ = reference.reset(seed=restart_seed(11, 1))
+        np.testing.assert_array_equal(obs[1], want)
+        obs, rewards, *_ = envs.step(np.ones(2, dtype=np.int64))
+        want, reward, *_ = reference.step(1)
+        np.testing.assert_array_equal(obs[1], want)
+        assert rewards[1] == reward
+    finally:
+        envs.close()

@@ -6,7 +6,8 @@ import multiprocessing
 import pickle
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import dataclass, field
 from enum import Enum
@@ -27,7 +28,7 @@ from asyncvec.vector.split_obs import merge_row, shared_subspace
 from asyncvec.vector.transport import Backend, ProcessBackend, Transport, WorkerSpec
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
-__all__ = ["AsyncLLMVectorEnv"]
+__all__ = ["AsyncLLMVectorEnv", "restart_seed"]
 
 _ENV_COMMANDS = ("step", "reset")  # commands that run an env forward: they time out, fail over and restart
 
@@ -38,6 +39,9 @@ class _LockstepState(Enum):
     WAITING_STEP = "step"
     WAITING_CALL = "call"
 
+
+# A timed-out wait leaves its call pending (the answers are still coming): waiting again resumes it.
+_PENDING = "not every env answered (the call stays pending: `{call}` again waits for the rest)"
 
 _NO_RESULT = object()  # a worker's answer can be None, so "no answer yet" needs its own marker
 
@@ -69,8 +73,26 @@ class _Slot:
     result: Any = _NO_RESULT  # answer received, not yet delivered
     info_extra: dict = field(default_factory=dict)
     restarts: int = 0
+    seed: int | None = None  # the last seed the caller gave this env's reset
+    reseed: int | None = None  # a rebuilt env's restart_seed, until a message hands it to the worker
     episode: str = "none"  # "none" (never reset), "live", or "ended" (its last step ended it)
     after_restart: tuple[str, str] | None = None  # ("truncate" | "autoreset", reason): its next step after a rebuild
+
+
+def restart_seed(seed: int, restarts: int) -> int:
+    """The seed of an env rebuilt for the ``restarts``-th time, whose last reset had ``seed``.
+
+    A rebuilt env starts with a fresh random generator; its next reset that has no seed of its
+    own (the autoreset after the truncated episode, or a ``reset()`` without a seed) uses this
+    seed, so a run with restarts is reproducible. It is the first 32-bit word of
+    ``numpy.random.SeedSequence(seed, spawn_key=(restarts,))``: distinct for every restart and
+    unrelated to the seeds ``seed + i`` of the other envs.
+
+    Example:
+        >>> restart_seed(0, 1) == restart_seed(0, 1) != restart_seed(0, 2)
+        True
+    """
+    return int(np.random.SeedSequence(int(seed), spawn_key=(int(restarts),)).generate_state(1, np.uint32)[0])
 
 
 def _take(batch: Any, rows: np.ndarray | int) -> Any:
@@ -126,7 +148,14 @@ class AsyncLLMVectorEnv(VectorEnv):
     rebuilt in place instead: the interrupted episode comes back truncated with
     ``info["env_restarted"] = True`` and every other env keeps running. (When a worker hosting
     several envs dies, all its envs are rebuilt: those with an episode running come back
-    truncated on their next step.)
+    truncated on their next step.) A rebuilt env's next reset without a seed of its own is
+    seeded with :func:`restart_seed` of its last seed and its restart count, so runs with
+    restarts are reproducible.
+
+    A failed call never leaves the env pending: an env method that raises is a ``WorkerError``
+    with the env idle after it; a payload that cannot be sent raises with nothing left in flight;
+    any other error while waiting closes the env (the next call says why). Only a wait given a
+    ``timeout`` that runs out leaves its call pending, to be waited for again.
 
     Example:
         >>> import gymnasium as gym
@@ -150,7 +179,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         context: multiprocessing start method (``"fork"``, ``"spawn"``, ``"forkserver"``).
         step_timeout: seconds a reset or step may take before its worker is treated as hung
             (killed, then restarted or reported); a message to a worker hosting ``k`` envs may
-            take ``k * step_timeout``. ``None`` waits forever.
+            take ``k * step_timeout``. ``None`` waits forever. Method calls and attributes
+            (``call``, ``get_attr``, ``set_attr``, ``render``) have no such deadline.
         max_restarts: how many times each env may be rebuilt after a fault.
         copy: return copies of observations from ``reset``/``step`` (``recv`` always copies).
         validate_actions: check each action against ``single_action_space`` before sending.
@@ -184,6 +214,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         backend: str | Backend = "process",
     ) -> None:
         self.closed = True  # until the workers exist; makes __del__ safe on early errors
+        self._closed_reason: str | None = None  # set when an error closed the env
         self.env_fns = list(env_fns)
         if not self.env_fns:
             raise ValueError("env_fns is empty: AsyncLLMVectorEnv needs at least one env function")
@@ -311,15 +342,31 @@ class AsyncLLMVectorEnv(VectorEnv):
         item_command = command
         if command == "reset":
             slot.after_restart = None  # a reset starts afresh anyway
+            payload = self._reset_payload(index, payload)
         if command == "step" and slot.after_restart is not None:
             # Its worker was rebuilt while it waited: this step ends the lost episode instead
             # (or, if that episode had ended, is the reset step NEXT_STEP owes it).
             then, reason = slot.after_restart
             if then == "truncate":
                 slot.info_extra = {"env_restarted": True, "restart_reason": reason}
-            payload = {"rebuild": False, "then": then, "arg": self._single_obs(index)}
-            item_command, slot.after_restart = "restart", None
+            payload = {"rebuild": False, "then": then, "arg": self._single_obs(index), "seed": slot.reseed}
+            item_command, slot.after_restart, slot.reseed = "restart", None, None
         self._queue(index, item_command, payload)
+
+    def _reset_payload(self, index: int, payload: dict[str, Any]) -> dict[str, Any]:
+        """A reset with a seed makes it the env's seed; one without takes a rebuilt env's restart seed."""
+        slot = self._slots[index]
+        if payload["seed"] is not None:
+            slot.seed, slot.reseed = payload["seed"], None
+        elif slot.reseed is not None:
+            payload, slot.reseed = {**payload, "seed": slot.reseed}, None
+        return payload
+
+    def _rebuilt(self, index: int) -> None:
+        """Counts a rebuild of env ``index`` and derives the seed of its next reset (:func:`restart_seed`)."""
+        slot = self._slots[index]
+        slot.restarts += 1
+        slot.reseed = None if slot.seed is None else restart_seed(slot.seed, slot.restarts)
 
     def _queue(self, index: int, command: str, payload: Any) -> None:
         slot = self._slots[index]
@@ -328,13 +375,39 @@ class AsyncLLMVectorEnv(VectorEnv):
         items.append((slot.position, command, payload))
 
     def _flush(self) -> None:
+        """Sends each worker its queued items as one message.
+
+        A message that cannot be sent (a payload that does not pickle) raises; its envs and
+        those of the messages after it go back to idle, as if never asked. Earlier messages
+        stay sent: lockstep calls take their answers back with :meth:`_flush_or_discard`.
+        """
         outbox, self._outbox = self._outbox, {}
         now = time.monotonic()
-        for worker, (ids, items) in outbox.items():
+        messages = list(outbox.items())
+        for k, (worker, (ids, items)) in enumerate(messages):
+            try:
+                self._transport.send(worker, items)
+            except BaseException:
+                for _, (unsent, _) in messages[k:]:
+                    for index in unsent:
+                        self._slots[index].command = self._slots[index].payload = None
+                raise
             queue = self._queues[worker]
             timed = any(command in ("step", "reset", "restart") for _, command, _ in items)
             queue.append(_Message(ids, timed, None if queue else now))
-            self._transport.send(worker, items)
+
+    def _flush_or_discard(self, ids: Sequence[int]) -> None:
+        """:meth:`_flush` for a lockstep call over ``ids``: if a message cannot be sent, the
+        answers to those that were sent are awaited and dropped, so the call fails whole and
+        the env is idle again."""
+        try:
+            self._flush()
+        except BaseException:
+            sent = [i for i in ids if self._slots[i].command is not None]
+            if sent:
+                self._collect(sent, None)
+                self._deliver(sent)
+            raise
 
     # ------------------------------------------------------------------ core loop
 
@@ -365,16 +438,18 @@ class AsyncLLMVectorEnv(VectorEnv):
         busy = [w for w, queue in enumerate(self._queues) if queue]
         if not busy:
             return
-        wait_until = deadline
-        if self.step_timeout is not None:
-            hang_at = min(self._hang_deadline(w) for w in busy)
-            wait_until = hang_at if wait_until is None else min(wait_until, hang_at)
-        timeout = None if wait_until is None else max(0.0, wait_until - time.monotonic())
+        # The earliest of the caller's deadline and the hang deadlines of timed messages; None
+        # waits for the next reply (a call, setattr... has no hang deadline: it may take its time).
+        deadlines = [d for d in (self._hang_deadline(w) for w in busy) if d is not None]
+        if deadline is not None:
+            deadlines.append(deadline)
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         self._receive(self._transport.wait(busy, timeout))
         if self.step_timeout is not None:
             now = time.monotonic()
             for worker, queue in enumerate(self._queues):
-                if queue and now > self._hang_deadline(worker):
+                hang_at = self._hang_deadline(worker) if queue else None
+                if hang_at is not None and now > hang_at:
                     culprit = self._transport.culprit(worker)
                     self._transport.kill(worker)
                     self._worker_failed(
@@ -383,18 +458,36 @@ class AsyncLLMVectorEnv(VectorEnv):
                         culprit,
                     )
 
-    def _hang_deadline(self, worker: int) -> float:
+    def _hang_deadline(self, worker: int) -> float | None:
+        """When the worker's running message counts as hung; ``None``: never (no ``step_timeout``,
+        or the message holds no step or reset, or it has not started)."""
         head = self._queues[worker][0]
-        if not head.timed or head.started_at is None:
-            return float("inf")
+        if self.step_timeout is None or not head.timed or head.started_at is None:
+            return None
         return head.started_at + self.step_timeout * len(head.env_ids)
 
     def _wait_until(self, done: Callable[[], bool], timeout: float | None, what: str) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not done():
-            if deadline is not None and time.monotonic() >= deadline:
-                raise multiprocessing.TimeoutError(f"{what} within {timeout} s")
-            self._poll(deadline)
+        with self._closing_on_error():
+            while not done():
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise multiprocessing.TimeoutError(f"{what} within {timeout} s")
+                self._poll(deadline)
+
+    @contextmanager
+    def _closing_on_error(self) -> Iterator[None]:
+        """While waiting for workers, any error but a timeout closes the env: after one, which
+        worker answered what is unknown, and a call left half-waiting would make every later
+        call fail with ``AlreadyPendingCallError``. The next call says why the env closed."""
+        try:
+            yield
+        except multiprocessing.TimeoutError:
+            raise
+        except BaseException as exc:
+            if not self.closed:
+                self._closed_reason = f"{type(exc).__name__}: {exc}"
+                self.close(terminate=True)
+            raise
 
     def _accept(self, index: int, result: Any) -> None:
         slot = self._slots[index]
@@ -414,9 +507,10 @@ class AsyncLLMVectorEnv(VectorEnv):
         """How an env whose step or reset was lost to a fault starts again on its rebuilt env."""
         slot = self._slots[index]
         if slot.command == "reset":
-            return {"then": "reset", "arg": slot.payload}
+            return {"then": "reset", "arg": self._reset_payload(index, slot.payload)}
         then = "autoreset" if slot.episode == "ended" and self.autoreset_mode == AutoresetMode.NEXT_STEP else "truncate"
-        return {"then": then, "arg": self._single_obs(index)}
+        seed, slot.reseed = slot.reseed, None
+        return {"then": then, "arg": self._single_obs(index), "seed": seed}
 
     def _give_up(self, index: int, command: str, payload: Any, note: str = "") -> None:
         slot = self._slots[index]
@@ -425,6 +519,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             note += f"\n(after {slot.restarts} restart(s); max_restarts={self.max_restarts})"
         if note:
             error.args = (f"{error.args[0]}{note}",)
+        self._closed_reason = str(error).split("\n", 1)[0]
         self.close(terminate=True)
         raise error
 
@@ -437,7 +532,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             return
         if slot.restarts >= self.max_restarts:
             self._give_up(index, slot.command, payload)
-        slot.restarts += 1
+        self._rebuilt(index)
         slot.info_extra = {"env_restarted": True, "restart_reason": f"{payload[0]}: {payload[1]}"}
         self._queue(index, "restart", {"rebuild": True, **self._restart_item(index)})
 
@@ -461,15 +556,17 @@ class AsyncLLMVectorEnv(VectorEnv):
             self._await_ready(worker)
         except WorkerError as error:
             error.args = (f"{error.args[0]}\n(while restarting its worker after: {payload[0]}: {payload[1]})",)
+            self._closed_reason = str(error).split("\n", 1)[0]
             self.close(terminate=True)
             raise
-        except BaseException:
+        except BaseException as exc:
+            self._closed_reason = f"{type(exc).__name__}: {exc}"
             self.close(terminate=True)
             raise
         reason = f"{payload[0]}: {payload[1]}"
         for index in group:
             slot = self._slots[index]
-            slot.restarts += 1
+            self._rebuilt(index)
             if index in lost:
                 slot.info_extra = {"env_restarted": True, "restart_reason": reason}
                 self._queue(index, "restart", {"rebuild": False, **self._restart_item(index)})
@@ -484,21 +581,22 @@ class AsyncLLMVectorEnv(VectorEnv):
             return self._env_obs[index]
         return _take(self._observations, index)
 
-    def _collect(self, indices: list[int], timeout: float | None) -> None:
-        """Wait until every env in ``indices`` has answered."""
+    def _collect(self, indices: list[int], timeout: float | None, what: str = "not every env answered") -> None:
+        """Wait until every env in ``indices`` has answered (see :meth:`_closing_on_error`)."""
         slots = self._slots
         if timeout is None and self.step_timeout is None:
             # Nothing to time out: read each worker in turn, as gymnasium does (no selector per call).
             # A dead worker reads as a failure, so this never blocks on a dead env.
-            while True:
-                waiting = [i for i in indices if slots[i].result is _NO_RESULT]
-                if not waiting:
-                    return
-                busy = [w for w in dict.fromkeys(slots[i].worker for i in waiting) if self._queues[w]]
-                if not busy:
-                    raise RuntimeError(f"envs {waiting} wait for an answer but nothing was sent to them")
-                self._receive(busy)
-        self._wait_until(lambda: all(slots[i].result is not _NO_RESULT for i in indices), timeout, "not every env answered")
+            with self._closing_on_error():
+                while True:
+                    waiting = [i for i in indices if slots[i].result is _NO_RESULT]
+                    if not waiting:
+                        return
+                    busy = [w for w in dict.fromkeys(slots[i].worker for i in waiting) if self._queues[w]]
+                    if not busy:
+                        raise RuntimeError(f"envs {waiting} wait for an answer but nothing was sent to them")
+                    self._receive(busy)
+        self._wait_until(lambda: all(slots[i].result is not _NO_RESULT for i in indices), timeout, what)
 
     def _deliver(self, indices: Sequence[int]) -> list[Any]:
         """Pop the answers of ``indices``; the envs become free for the next command."""
@@ -554,7 +652,8 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _assert_is_running(self) -> None:
         if self.closed:
-            raise ClosedEnvironmentError(f"Trying to operate on {type(self).__name__} after close().")
+            why = f" (it closed itself after {self._closed_reason})" if self._closed_reason else ""
+            raise ClosedEnvironmentError(f"Trying to operate on {type(self).__name__} after close(){why}.")
 
     def _assert_idle(self, call: str) -> None:
         self._assert_is_running()
@@ -605,18 +704,24 @@ class AsyncLLMVectorEnv(VectorEnv):
         options = None if options is None else dict(options)
         seeds = self._seeds(seed)
         mask = self._reset_mask(options)
-        self._lockstep_ids = [i for i in range(self.num_envs) if mask is None or mask[i]]
-        for i in self._lockstep_ids:
+        ids = [i for i in range(self.num_envs) if mask is None or mask[i]]
+        for i in ids:
             self._send(i, "reset", {"seed": seeds[i], "options": options})
-        self._flush()
+        self._flush_or_discard(ids)
+        self._lockstep_ids = ids
         self._state = _LockstepState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None):
-        """Waits for :meth:`reset_async`; returns the batched observations and infos."""
+        """Waits for :meth:`reset_async`; returns the batched observations and infos.
+
+        Raises:
+            multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
+                reset stays pending (call ``reset_wait`` again).
+        """
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_RESET:
             raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.", "reset")
-        self._collect(self._lockstep_ids, timeout)
+        self._collect(self._lockstep_ids, timeout, _PENDING.format(call="reset_wait"))
         infos: dict[str, Any] = {}
         for index, (observation, info) in zip(self._lockstep_ids, self._deliver(self._lockstep_ids)):
             infos = self._add_info(infos, self._with_extra(index, info), index)
@@ -634,17 +739,22 @@ class AsyncLLMVectorEnv(VectorEnv):
         ids = list(range(self.num_envs))
         for i, action in zip(ids, self._split_actions(actions, ids)):
             self._send(i, "step", action)
-        self._flush()
+        self._flush_or_discard(ids)
         self._lockstep_ids = ids
         self._state = _LockstepState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None):
-        """Waits for :meth:`step_async` (at most ``timeout`` seconds) and returns the batch."""
+        """Waits for :meth:`step_async` (at most ``timeout`` seconds) and returns the batch.
+
+        Raises:
+            multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
+                step stays pending (call ``step_wait`` again).
+        """
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
         ids = self._lockstep_ids
-        self._collect(ids, timeout)
+        self._collect(ids, timeout, _PENDING.format(call="step_wait"))
         rewards = np.zeros(self.num_envs, dtype=np.float64)
         terminations = np.zeros(self.num_envs, dtype=np.bool_)
         truncations = np.zeros(self.num_envs, dtype=np.bool_)
@@ -757,11 +867,17 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._assert_idle("call_async")
         for i in range(self.num_envs):
             self._send(i, "call", (name, args, kwargs))
-        self._flush()
+        self._flush_or_discard(range(self.num_envs))
         self._state = _LockstepState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
-        """Waits for :meth:`call_async` and returns one result per sub-environment."""
+        """Waits for :meth:`call_async` and returns one result per sub-environment.
+
+        Raises:
+            WorkerError: the method raised in an env (the env is idle again).
+            multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
+                call stays pending (call ``call_wait`` again).
+        """
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_CALL:
             raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", "call")
@@ -769,8 +885,8 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _finish_calls(self, command: str, timeout: float | None, ids: list[int] | None = None) -> tuple[Any, ...]:
         ids = list(range(self.num_envs)) if ids is None else ids
-        self._flush()
-        self._collect(ids, timeout)  # on timeout the call stays pending: call_wait again
+        self._flush_or_discard(ids)
+        self._collect(ids, timeout, _PENDING.format(call="call_wait"))  # a timeout leaves the call pending
         results = self._deliver(ids)
         self._state = _LockstepState.DEFAULT
         for index, result in zip(ids, results):

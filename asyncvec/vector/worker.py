@@ -11,10 +11,12 @@ Commands (per env):
 * ``"step"``: the action; answers ``(obs, reward, terminated, truncated, info)`` and applies
   the autoreset mode (as ``gymnasium.vector.SyncVectorEnv`` does).
 * ``"reset"``: ``{"seed": ..., "options": ...}``; answers ``(obs, info)``.
-* ``"restart"``: ``{"rebuild": bool, "then": "truncate" | "autoreset" | "reset", "arg": ...}``;
-  rebuilds the env from its function if asked, then ends the episode that the fault
-  interrupted as truncated (``arg`` = the last observation the caller saw), or runs the
-  NEXT_STEP reset step, or resets with ``arg`` as keyword arguments.
+* ``"restart"``: ``{"rebuild": bool, "then": "truncate" | "autoreset" | "reset", "arg": ...,
+  "seed": int | None}``; rebuilds the env from its function if asked, then ends the episode
+  that the fault interrupted as truncated (``arg`` = the last observation the caller saw), or
+  runs the NEXT_STEP reset step, or resets with ``arg`` as keyword arguments. ``seed`` seeds
+  the env's next reset that has no seed of its own (an autoreset, or a reset without a seed):
+  a rebuilt env's episodes are reproducible.
 * ``"call"`` ``(name, args, kwargs)``, ``"setattr"`` ``(name, value)``,
   ``"check_spaces"`` ``(observation_mode, observation_space, action_space)``,
   ``"spaces"`` (answers the env's spaces, metadata and render mode).
@@ -143,6 +145,7 @@ class EnvGroup:
                 raise BuildFailureError(BuildFailure(position, error_payload(exc))) from exc
         self._mark(None)
         self.autoreset = [False] * len(self.envs)  # NEXT_STEP: the env's next "step" resets it
+        self.next_seed: list[int | None] = [None] * len(self.envs)  # seeds the next unseeded reset
 
     def _mark(self, position: int | None) -> None:
         if self.marker is not None:
@@ -183,7 +186,7 @@ class EnvGroup:
         if command == "step":
             return self._step(position, payload)
         if command == "reset":
-            observation, info = env.reset(**payload)
+            observation, info = self._reset(position, **payload)
             self.autoreset[position] = False
             return observation, info
         if command == "restart":
@@ -211,18 +214,25 @@ class EnvGroup:
     def _step(self, position: int, action: Any) -> tuple:
         env = self.envs[position]
         if self.autoreset_mode == AutoresetMode.NEXT_STEP and self.autoreset[position]:
-            observation, info = env.reset()
+            observation, info = self._reset(position)
             reward, terminated, truncated = 0.0, False, False
         else:
             observation, reward, terminated, truncated, info = env.step(action)
             if self.autoreset_mode == AutoresetMode.SAME_STEP and (terminated or truncated):
                 final_observation, final_info = observation, info
-                observation, reset_info = env.reset()
+                observation, reset_info = self._reset(position)
                 info = {"final_obs": final_observation, "final_info": final_info, **reset_info}
         self.autoreset[position] = bool(terminated or truncated)
         return observation, reward, terminated, truncated, info
 
-    def _restart(self, position: int, rebuild: bool, then: str, arg: Any) -> Any:
+    def _reset(self, position: int, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple:
+        """Resets one env; without a ``seed``, with the one a restart left for it, if any."""
+        if seed is None:
+            seed = self.next_seed[position]
+        self.next_seed[position] = None
+        return self.envs[position].reset(seed=seed, options=options)
+
+    def _restart(self, position: int, rebuild: bool, then: str, arg: Any, seed: int | None = None) -> Any:
         if rebuild:
             try:
                 self.envs[position].close()
@@ -230,6 +240,8 @@ class EnvGroup:
                 pass  # the env is being replaced because it failed
             self.envs[position] = self.env_fns[position]()
             self.autoreset[position] = False
+        if seed is not None:
+            self.next_seed[position] = seed
         if then == "reset":
             return self._run(position, "reset", arg)
         if then == "autoreset":  # the episode had ended: this step is NEXT_STEP's reset step
@@ -237,7 +249,7 @@ class EnvGroup:
             return self._step(position, None)
         # "truncate": the interrupted episode ends at the last observation the caller saw.
         if self.autoreset_mode == AutoresetMode.SAME_STEP:
-            observation, reset_info = self.envs[position].reset()
+            observation, reset_info = self._reset(position)
             return observation, 0.0, False, True, {"final_obs": arg, "final_info": {}, **reset_info}
         self.autoreset[position] = True
         return arg, 0.0, False, True, {}
