@@ -114,8 +114,8 @@ def _run(args: argparse.Namespace) -> int:
         print(free_port())
         return 0
     if args.command == "wait-ready":
-        from asyncvec.inference.server_process import ServerStartError, wait_until_ready
         from asyncvec.extras import check_installed
+        from asyncvec.inference.server_process import ServerStartError, wait_until_ready
 
         try:
             check_installed("httpx", extra="serve", feature="asyncvec wait-ready")
