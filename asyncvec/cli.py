@@ -97,16 +97,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``asyncvec`` console script."""
+    """Entry point of the ``asyncvec`` console script: 0 on success, 1 on a reported error,
+    130 when stopped with Ctrl-C (one line, no traceback)."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"asyncvec {args.command}: stopped (Ctrl-C)", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "free-port":
         from asyncvec.inference.server_process import free_port
 
         print(free_port())
         return 0
     if args.command == "wait-ready":
+        from asyncvec.extras import check_installed
         from asyncvec.inference.server_process import ServerStartError, wait_until_ready
 
+        try:
+            check_installed("httpx", extra="serve", feature="asyncvec wait-ready")
+        except ImportError as exc:
+            print(f"asyncvec wait-ready: {exc}", file=sys.stderr)
+            return 1
         try:
             waited = wait_until_ready(args.url, timeout_s=args.timeout, health_path=args.health_path)
         except ServerStartError as exc:
@@ -115,7 +130,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"asyncvec wait-ready: {args.url} is ready after {waited:.1f} s", file=sys.stderr)
         return 0
     if args.command == "serve":
-        from asyncvec.inference.server import bind_socket, serve
+        try:
+            from asyncvec.inference.server import bind_socket, serve
+        except ImportError as exc:  # a missing extra: the message names the install command
+            print(f"asyncvec serve: {exc}", file=sys.stderr)
+            return 1
 
         token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
         if args.host not in ("127.0.0.1", "localhost", "::1"):

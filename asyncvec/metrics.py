@@ -89,12 +89,16 @@ class RunLogger:
         self._last_step = 0
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
-        """Writes finite scalars to TensorBoard and advances the progress bar to ``step``."""
+        """Writes finite scalars to TensorBoard and advances the progress bar to ``step`` (a step past
+        the total raises the total, so the bar stays drawn, full)."""
         if self.writer is not None:
             for name, value in scalars.items():
                 if isinstance(value, (int, float, np.floating, np.integer)) and math.isfinite(value):
                     self.writer.add_scalar(name, float(value), step)
         if self.bar is not None:
+            if self.bar.total is not None and step > self.bar.total:
+                # past the planned total (the last batch overshoots it): tqdm would drop the bar
+                self.bar.total = step
             self.bar.update(max(0, step - self._last_step))
             shown = {_BAR_KEYS[k]: f"{v:.3g}" for k, v in scalars.items() if k in _BAR_KEYS and math.isfinite(v)}
             if shown:

@@ -73,6 +73,8 @@ HEAVY_UNITS = {
     "tests/test_docs.py::test_doc_blocks_run[docs/integrations.md]": 135,
     "tests/test_distributed_collect.py": 130,
     "tests/test_integrations_gymnasium.py": 110,
+    "tests/test_agents_cli.py": 130,  # the agents' CLIs in subprocesses, on a user's package
+    "tests/test_extras.py": 115,  # fresh interpreters without an extra; asyncvec serve and Ctrl-C
     "tests/test_distributed_router.py": 75,
     "tests/test_integrations_tianshou.py": 65,
     "tests/test_vector_faults.py": 45,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from asyncvec.extras import check_installed
+
 # public name -> module that defines it
 _LAZY = {
     "RoutedPolicy": "asyncvec.distributed.router",
@@ -29,11 +31,16 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
+# the names that run on Ray; the router runs without it
+_NEEDS_RAY = set(_LAZY) - {"RoutedPolicy", "EndpointStats"}
+
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'asyncvec.distributed' has no attribute {name!r}")
+    if name in _NEEDS_RAY:
+        check_installed("ray", extra="ray", feature=f"asyncvec.distributed.{name}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from asyncvec.extras import check_installed, check_torch_libraries, hide_unloadable_torch_libraries
+
 # public name -> module that defines it
 _LAZY = {
     "Policy": "asyncvec.inference.types",
@@ -61,11 +63,31 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
+# public name -> (library it needs, extra installing it): checked on first access (asyncvec.extras)
+_NEEDS = {
+    "HFTextPolicy": ("transformers", "hf"),
+    "build_tiny_lm": ("transformers", "hf"),
+    "write_checkpoint": ("safetensors", "hf"),
+    "OpenAIPolicy": ("httpx", "serve"),
+    "ServerProcess": ("httpx", "serve"),
+    "VLLMServer": ("httpx", "serve"),
+    "AsyncvecServer": ("httpx", "serve"),
+    "wait_until_ready": ("httpx", "serve"),
+    "VLLMPolicy": ("vllm", "vllm"),
+}
+
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'asyncvec.inference' has no attribute {name!r}")
+    if name in _NEEDS:
+        library, extra = _NEEDS[name]
+        check_installed(library, extra=extra, feature=f"asyncvec.inference.{name}")
+        if library == "transformers":
+            hide_unloadable_torch_libraries()
+    if name in ("VLLMPolicy", "VLLMServer"):
+        check_torch_libraries(f"asyncvec.inference.{name}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -21,15 +21,21 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from asyncvec.extras import check_installed, hide_unloadable_torch_libraries
 
-from asyncvec.inference.hf_policy import HFTextPolicy
-from asyncvec.inference.text import MAX_STOP_STRINGS
-from asyncvec.inference.types import BackendResult, PolicyError, PolicyOutput, TextPrompt
+for _library in ("fastapi", "uvicorn", "transformers"):
+    check_installed(_library, extra="serve", feature="asyncvec serve (asyncvec.inference.server)")
+hide_unloadable_torch_libraries()
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field, field_validator  # noqa: E402
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+
+from asyncvec.inference.hf_policy import HFTextPolicy  # noqa: E402
+from asyncvec.inference.text import MAX_STOP_STRINGS  # noqa: E402
+from asyncvec.inference.types import BackendResult, PolicyError, PolicyOutput, TextPrompt  # noqa: E402
 
 MAX_PROMPTS_PER_REQUEST = 256
 MAX_N = 64

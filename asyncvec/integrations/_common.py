@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable, Collection, Sequence
 from types import ModuleType
 from typing import Any
@@ -13,19 +12,15 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.wrappers.vector import DictInfoToList
 
+from asyncvec import extras
+
 # Spaces every array-based RL library takes (observations and actions).
 ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
 
 def require(module: str, library: str, extra: str) -> ModuleType:
     """Imports an optional dependency, or raises an ImportError saying which extra installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(
-            f"asyncvec.integrations.{extra} needs {library}, which is not installed "
-            f"(import {module!r} failed: {exc}); install it with: pip install 'asyncvec[{extra}]'"
-        ) from exc
+    return extras.require(module, extra=extra, feature=f"asyncvec.integrations.{extra}", library=library)
 
 
 def check_space(library: str, what: str, space: gym.Space, allowed: tuple[type[gym.Space], ...]) -> None:
