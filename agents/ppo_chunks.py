@@ -67,7 +67,7 @@ RESET = SOURCES.index("reset")
 class Args:
     env_id: str = "asyncvec/PixelCartPole-v0"
     """a registered env with Dict(image, instruction) observations and a Box action space"""
-    image_size: int = 32
+    image_size: int = 16
     """height and width of the camera image in pixels (passed to the env as ``size``)"""
     max_episode_steps: int = 200
     """time limit of an episode (0: the env's own)"""
@@ -83,15 +83,15 @@ class Args:
     """control period while learning (seconds); a robot would use e.g. 0.02"""
     request_at: int | None = None
     """ask for the next chunk when this many actions remain (None: from the measured latency)"""
-    ticks_per_rollout: int = 128
+    ticks_per_rollout: int = 64
     """control ticks per rollout; a rollout gives ticks_per_rollout * num_envs samples"""
     iterations: int = 20
     """rollout + update rounds"""
     learning_rate: float = 1e-3
     """Adam learning rate"""
-    update_epochs: int = 8
+    update_epochs: int = 10
     """passes over each rollout"""
-    num_minibatches: int = 4
+    num_minibatches: int = 1
     """minibatches per pass"""
     gamma: float = 0.98
     """discount"""
@@ -109,7 +109,7 @@ class Args:
     """gradient clipping"""
     init_log_std: float = -0.5
     """initial log standard deviation of every chunk action"""
-    eval_rounds: int = 1
+    eval_rounds: int = 2
     """evaluation: rounds of one episode per env, from reset (0: no evaluation)"""
     seed: int = 1
     """seed of torch, numpy and the envs"""
@@ -154,8 +154,9 @@ class ChunkActorCritic(nn.Module):
         return self.chunk_mean(self.features(images)), self.log_std
 
     def chunk_mean(self, features: torch.Tensor) -> torch.Tensor:
-        mean = torch.tanh(self.actor_mean(features)).reshape(-1, self.horizon, self.action_dim)
-        return self.center + self.scale * mean
+        """Unsquashed, as CleanRL's continuous PPO: the executor clips what it executes, and a mean
+        past a bound lets the policy become sure of a saturated action without shrinking sigma."""
+        return self.center + self.scale * self.actor_mean(features).reshape(-1, self.horizon, self.action_dim)
 
     def value(self, images: torch.Tensor) -> torch.Tensor:
         return self.critic(self.critic_encoder(images.permute(0, 3, 1, 2) / 255.0)).squeeze(-1)
@@ -229,7 +230,7 @@ class PPOChunks:
     def evaluate(self, executor: ChunkExecutor, seed: int) -> float:
         """Mean return of the first episode of every env, from reset (``eval_rounds`` rounds)."""
         returns = []
-        limit = self.args.max_episode_steps or self.make_env().spec.max_episode_steps
+        limit = self.args.max_episode_steps or gym.spec(self.args.env_id).max_episode_steps or 1000
         for round_ in range(self.args.eval_rounds):
             executor.reset(seed=seed + 1000 * round_)
             rollout = executor.run(limit + 1)
@@ -251,7 +252,7 @@ class PPOChunks:
             loss.backward()
             self.optimizer.step()
         self.publish()
-        return float(loss)
+        return float(loss.detach())
 
     def prepare(self, rollout: ChunkRollout) -> ChunkBatch:
         """Flattens a rollout: masks, each action's own behavior log-prob and version, GAE."""
