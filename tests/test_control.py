@@ -146,6 +146,8 @@ def test_executor_plays_chunks_and_records_each_action(pixel_envs) -> None:
     assert (rollout.policy_version[missed] == -1).all() and (rollout.chunk_id[missed] == -1).all()
     np.testing.assert_array_equal(rollout.replaced, ~played)
     np.testing.assert_array_equal(rollout.actions, rollout.proposed)  # no safety filter
+    assert np.isnan(rollout.action_logp).all()  # no per-action log-probs reported (token_logps=None)
+    assert rollout.observations is None and set(rollout.chunk_obs) == set(rollout.chunk_id[played].tolist())
     # the policy saw image + instruction observations
     assert policy.seen[0]["image"].shape == (64, 64, 3) and isinstance(policy.seen[0]["instruction"], str)
     assert stats["requests"] >= stats["chunks"] >= 2 and stats["chunk_latency_p50_ms"] >= 55

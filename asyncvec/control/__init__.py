@@ -22,6 +22,7 @@ Example:
 
 from asyncvec.control.chunks import (
     SOURCES,
+    action_logps_from_tokens,
     Chunk,
     ChunkExecutor,
     ChunkRollout,
@@ -43,6 +44,17 @@ __all__ = [
     "RollbackGuard",
     "SafetyFilter",
     "SafetyWrapper",
+    "GaussianChunkPolicy",
+    "action_logps_from_tokens",
     "request_threshold",
     "ticks_met_bound",
 ]
+
+
+def __getattr__(name: str):
+    """`GaussianChunkPolicy` imports torch: loaded on first use."""
+    if name == "GaussianChunkPolicy":
+        from asyncvec.control.chunk_policy import GaussianChunkPolicy
+
+        return GaussianChunkPolicy
+    raise AttributeError(f"module 'asyncvec.control' has no attribute {name!r}")

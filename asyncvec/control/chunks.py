@@ -38,6 +38,14 @@ Every executed action is recorded in a `ChunkRollout` with the policy version, t
 behavior log-prob, the chunk id and index, its source and the safety flag, so a learner can
 train on the policy's own choices only (`ChunkRollout.policy_choice`).
 
+**Per-action log-probs.** A policy may report the log-prob of each action of its chunk in
+``PolicyOutput.token_logps``: ``H`` entries (one per action, e.g. a factorized Gaussian,
+`GaussianChunkPolicy`) or ``H * m`` entries (``m`` action tokens per action, summed per
+action). The executed action's own log-prob is then in ``ChunkRollout.action_logp`` (NaN where
+the policy reported none), and ``ChunkRollout.chunk_obs`` holds the observation each chunk was
+requested with, so a learner can recompute the log-prob of action ``j`` of a chunk
+(agents/ppo_chunks.py). ``record_obs=True`` also keeps every tick's observation.
+
 Example:
     >>> import gymnasium as gym, numpy as np, torch
     >>> from asyncvec.inference import LatencyModel, TorchPolicy
@@ -63,10 +71,11 @@ from __future__ import annotations
 import logging
 import math
 import time
+import copy
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
@@ -79,6 +88,7 @@ from asyncvec.inference.types import Policy, PolicyOutput
 
 __all__ = [
     "SOURCES",
+    "action_logps_from_tokens",
     "Chunk",
     "ChunkExecutor",
     "ChunkRollout",
@@ -113,6 +123,24 @@ def request_threshold(latencies_s: Sequence[float], period_s: float, horizon: in
     return int(min(horizon, math.ceil(p95 / period_s - 1e-9) + margin))
 
 
+def action_logps_from_tokens(token_logps: Sequence[float] | None, horizon: int) -> np.ndarray | None:
+    """Per-action log-probs of a chunk from a policy's ``token_logps``, or None.
+
+    ``H`` entries are one log-prob per action; ``H * m`` entries are ``m`` tokens per action,
+    summed per action. Any other length (or none) gives None: the chunk has only its joint
+    log-prob.
+
+    Example:
+        >>> action_logps_from_tokens([-1.0, -2.0, -0.5, -0.5], horizon=2).tolist()
+        [-3.0, -1.0]
+        >>> action_logps_from_tokens(None, horizon=2) is None
+        True
+    """
+    if token_logps is None or len(token_logps) == 0 or len(token_logps) % horizon:
+        return None
+    return np.asarray(token_logps, dtype=np.float64).reshape(horizon, -1).sum(axis=1)
+
+
 def ticks_met_bound(latencies_s: Sequence[float], period_s: float, horizon: int) -> float:
     """The largest fraction of ticks that can get a policy action: ``min(1, H / mean(ceil(L / period)))``.
 
@@ -142,6 +170,9 @@ class Chunk:
         chunk_id: a running number per executor.
         start_tick: the tick of its first action (the tick it arrived at).
         policy_fallback: the policy answered with its own fallback (deadline, error).
+        action_logps: ``(H,)`` log-prob of each action on its own (`action_logps_from_tokens`),
+            or None when the policy reported only the joint one.
+        obs: the observation the chunk was requested with.
     """
 
     actions: np.ndarray
@@ -150,6 +181,8 @@ class Chunk:
     chunk_id: int
     start_tick: int
     policy_fallback: bool = False
+    action_logps: np.ndarray | None = None
+    obs: Any = None
 
     @property
     def end_tick(self) -> int:
@@ -223,6 +256,13 @@ class ChunkRollout:
     before it (the chunk's action, the blend or the fallback). ``policy_version``,
     ``chunk_id`` and ``chunk_index`` are -1 where no chunk supplied the action;
     ``behavior_logp`` is the chunk's log-prob (0.0 there). ``source`` indexes `SOURCES`.
+
+    For learners: ``action_logp`` is the behavior log-prob of the executed action on its own
+    (action ``chunk_index`` of its chunk; NaN where the policy reported no per-action
+    log-probs or no chunk supplied the action), ``chunk_obs`` maps each chunk id in the rollout
+    to the (single env's) observation it was requested with, and with
+    ``ChunkExecutor(record_obs=True)`` ``observations[t]`` is the batched observation the envs
+    were in at tick ``t`` and ``next_obs`` the one after the last tick.
     """
 
     actions: np.ndarray
@@ -238,6 +278,10 @@ class ChunkRollout:
     safety_replaced: np.ndarray
     late: np.ndarray  # (T,): the tick's step ended after the next tick was due
     tick_time: np.ndarray  # (T,): when each tick started (time.perf_counter() seconds)
+    action_logp: np.ndarray | None = None  # (T, num_envs)
+    chunk_obs: dict[int, Any] = field(default_factory=dict)
+    observations: list[Any] | None = None
+    next_obs: Any = None
 
     @property
     def replaced(self) -> np.ndarray:
@@ -274,6 +318,8 @@ class ChunkExecutor:
         safety: a `SafetyFilter` every executed action passes.
         on_bad_chunk: ``"raise"`` (ValueError naming the env, the shape and the expected
             shape) or ``"fallback"`` (drop it, count it in ``bad_chunks``, ask again).
+        record_obs: keep every tick's observation in ``ChunkRollout.observations`` (for a
+            learner's value targets); off by default (images cost memory).
 
     Raises:
         ValueError: bad arguments, or a chunk of the wrong shape with ``on_bad_chunk="raise"``.
@@ -294,6 +340,7 @@ class ChunkExecutor:
         latency_window: int = 100,
         safety: SafetyFilter | None = None,
         on_bad_chunk: str = "raise",
+        record_obs: bool = False,
     ) -> None:
         space = envs.single_action_space
         if not isinstance(space, gym.spaces.Box):
@@ -323,6 +370,8 @@ class ChunkExecutor:
         self.request_margin = int(request_margin)
         self.safety = safety
         self.on_bad_chunk = on_bad_chunk
+        self.record_obs = bool(record_obs)
+        self._pending_obs: list[Any] = [None] * self.num_envs
         self._zero = zero_action(space)
         self._streams = [ChunkStream(overlap, ensemble_decay) for _ in range(self.num_envs)]
         self._pending: list[Future | None] = [None] * self.num_envs
@@ -387,6 +436,9 @@ class ChunkExecutor:
         safety_replaced = np.zeros((ticks, n), dtype=bool)
         late = np.zeros(ticks, dtype=bool)
         tick_time = np.zeros(ticks)
+        action_logp = np.full((ticks, n), np.nan)
+        chunk_obs: dict[int, Any] = {}
+        observations: list[Any] | None = [] if self.record_obs else None
         next_time = time.perf_counter()
         for row in range(ticks):
             delay = next_time - time.perf_counter()
@@ -394,11 +446,13 @@ class ChunkExecutor:
                 time.sleep(delay)
             tick_time[row] = time.perf_counter()
             tick = self._tick
-            observations = split_batch(self._obs)
+            if observations is not None:
+                observations.append(copy.deepcopy(self._obs))
+            per_env_obs = split_batch(self._obs)
             resetting = [env_id for env_id in range(n) if self._reset_step[env_id]]
             k = self.threshold
             for env_id in range(n):
-                obs = observations[env_id]
+                obs = per_env_obs[env_id]
                 self._receive(env_id, tick)
                 if self._reset_step[env_id]:  # NEXT_STEP: this step only resets the env; its action is ignored
                     source[row, env_id] = RESET
@@ -419,6 +473,9 @@ class ChunkExecutor:
                     chunk, index = pick[1], pick[2]
                     versions[row, env_id], logps[row, env_id] = chunk.policy_version, chunk.behavior_logp
                     chunk_ids[row, env_id], chunk_index[row, env_id] = chunk.chunk_id, index
+                    chunk_obs[chunk.chunk_id] = chunk.obs
+                    if chunk.action_logps is not None:
+                        action_logp[row, env_id] = chunk.action_logps[index]
                 proposed[row, env_id] = action
                 if self.safety is not None:
                     action, reason = self.safety(obs, action, env_id=env_id)
@@ -447,7 +504,8 @@ class ChunkExecutor:
                 next_time = now
         return ChunkRollout(
             actions, proposed, rewards, terminated, truncated, versions, logps, chunk_ids, chunk_index, source,
-            safety_replaced, late, tick_time,
+            safety_replaced, late, tick_time, action_logp, chunk_obs, observations,
+            copy.deepcopy(self._obs) if self.record_obs else None,
         )
 
     def stats(self) -> dict[str, float]:
@@ -479,6 +537,7 @@ class ChunkExecutor:
     # ------------------------------------------------------------------ internals
     def _request(self, obs: Any, env_id: int) -> None:
         self._pending[env_id] = self.policy.submit(obs, env_id=env_id)
+        self._pending_obs[env_id] = copy.deepcopy(obs)  # the env's buffers may be reused by later steps
         self._counts["requests"] += 1
 
     def _receive(self, env_id: int, tick: int) -> None:
@@ -486,6 +545,7 @@ class ChunkExecutor:
         if future is None or not future.done():
             return
         self._pending[env_id] = None
+        requested_with, self._pending_obs[env_id] = self._pending_obs[env_id], None
         try:
             output: PolicyOutput = future.result()
         except Exception as exc:
@@ -499,7 +559,8 @@ class ChunkExecutor:
         else:
             self._counts["policy_fallbacks"] += 1
         chunk = Chunk(actions, int(output.policy_version), float(output.behavior_logp), self._next_chunk_id, tick,
-                      bool(output.fallback))
+                      bool(output.fallback), action_logps_from_tokens(output.token_logps, self.horizon),
+                      requested_with)
         self._next_chunk_id += 1
         self._counts["chunks"] += 1
         self._counts["overlap_dropped"] += self._streams[env_id].install(chunk)
@@ -539,6 +600,7 @@ class ChunkExecutor:
         """The episode ended (or the envs were reset): its chunks and pending answer are stale."""
         if self._pending[env_id] is not None:  # left to resolve on its own: the policy owns the future
             self._pending[env_id] = None
+            self._pending_obs[env_id] = None
             self._counts["discarded_chunks"] += 1
         self._streams[env_id].clear()
         self._last_action[env_id] = None

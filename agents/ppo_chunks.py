@@ -1,0 +1,399 @@
+"""PPO on action chunks: a pixel policy plays H-action chunks at a control rate and learns from what was executed.
+
+Run:   python agents/ppo_chunks.py --env-id asyncvec/PixelCartPole-v0 --iterations 30
+Import: from agents.ppo_chunks import PPOChunks, Args; history = PPOChunks(Args(iterations=30)).train()
+
+The policy maps the camera image to a factorized Gaussian over the next ``H`` actions
+(`GaussianChunkPolicy`); a `ChunkExecutor` plays the chunks one action per control tick and
+asks for the next chunk while the current one runs (docs/robots.md). The learner trains on the
+EXECUTED actions, one sample per tick and env:
+
+* **Whose choice.** Only the actions that are exactly a chunk's own sample
+  (``rollout.policy_choice``) enter the policy loss. An action that the overlap rule blended
+  (``ensemble``), the fallback supplied (the chunk ran out, or the policy missed its deadline),
+  the safety layer replaced, or an autoreset step ignored is masked out: it is never trained on
+  as the policy's choice.
+* **Value targets.** Every env transition except the NEXT_STEP reset steps feeds the value
+  targets and GAE, replaced actions included: the critic estimates the return of what the
+  robot really does (fallbacks and safety replacements are part of that), and the advantage of
+  a policy action sees the rewards that followed it, whoever chose the later actions.
+* **Per-action log-probs.** The log-prob of action ``j`` of a chunk is ``log N(a_j; mu_j(o), sigma_j)``
+  on its own, with ``o`` the observation the chunk was requested with
+  (``rollout.chunk_obs``). The behavior log-prob of an executed action is its own chunk's
+  (``rollout.action_logp``), and so is its version.
+* **Staleness.** A chunk computed with version ``v`` may still be playing after the learner
+  published ``v + 1`` (chunks in flight cross updates). Decoupled PPO (Hilton et al. 2022)
+  corrects it: clip against the learner's policy at the start of the update (``pi_prox``), weight
+  by ``min(pi_prox / mu, C)`` with ``mu`` the action's own chunk's log-prob (``--behavior-cap``).
+  Actions older than ``--max-policy-lag`` versions are masked out.
+* **Advantage.** GAE over the ticks with ``V`` of each tick's image: the action played at tick
+  ``t`` is credited with the rewards from ``t`` on, compared with ``V(o_t)``.
+
+The instruction is ignored (each pixel env has one task in a few phrasings); the network reads
+the image only (``obs_key="image"``). The control period for learning is short
+(``--period-s 0.005``; a chunk of 8 covers 40 ms): ticks are not paced at a robot's 20 ms, but
+chunks still arrive after a real policy latency, overlap and run out as they would on the robot.
+A chunk should cover the policy's latency: with a period far below it, most ticks play the
+fallback (measured: 1 ms ticks and chunks of 4 trained on 77% of the actions, against 97% at a
+higher machine load, where ticks ran late; the learning result followed that fraction).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn as nn
+import tyro
+from gymnasium.vector import AutoresetMode
+
+from agents.common import check_env_id, layer_init, seed_everything
+from asyncvec import AsyncLLMVectorEnv
+from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout
+from asyncvec.control.chunk_policy import GaussianChunkPolicy
+from asyncvec.losses import decoupled_ppo_loss, gae, masked_mean
+
+RESET = SOURCES.index("reset")
+
+
+@dataclass
+class Args:
+    env_id: str = "asyncvec/PixelCartPole-v0"
+    """a registered env with Dict(image, instruction) observations and a Box action space"""
+    image_size: int = 16
+    """height and width of the camera image in pixels (passed to the env as ``size``)"""
+    max_episode_steps: int = 200
+    """time limit of an episode (0: the env's own)"""
+    num_envs: int = 8
+    """envs stepped in lockstep by the chunk executor"""
+    async_envs: bool = False
+    """step the envs in worker processes (AsyncLLMVectorEnv) instead of in this process"""
+    horizon: int = 8
+    """H: actions per chunk"""
+    overlap: Literal["newest", "ensemble"] = "newest"
+    """rule for overlapping chunks (ensembled actions are never trained on)"""
+    period_s: float = 0.005
+    """control period while learning (seconds); a robot would use e.g. 0.02"""
+    request_at: int | None = None
+    """ask for the next chunk when this many actions remain (None: from the measured latency)"""
+    ticks_per_rollout: int = 64
+    """control ticks per rollout; a rollout gives ticks_per_rollout * num_envs samples"""
+    iterations: int = 20
+    """rollout + update rounds"""
+    learning_rate: float = 1e-3
+    """Adam learning rate"""
+    update_epochs: int = 10
+    """passes over each rollout"""
+    num_minibatches: int = 1
+    """minibatches per pass"""
+    gamma: float = 0.98
+    """discount"""
+    gae_lambda: float = 0.8
+    """GAE lambda"""
+    clip_coef: float = 0.2
+    """PPO clip range, against the learner's policy at the start of the update"""
+    target_kl: float | None = 0.02
+    """stop the update's epochs early once the approximate KL to pi_prox exceeds this (None: never)"""
+    behavior_cap: float = 2.0
+    """C: truncation of the behavior weight pi_prox / mu"""
+    max_policy_lag: int = 2
+    """actions from chunks more than this many versions old are masked out"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    max_grad_norm: float = 0.5
+    """gradient clipping"""
+    init_log_std: float = -0.5
+    """initial log standard deviation of every chunk action"""
+    eval_rounds: int = 2
+    """evaluation: rounds of one episode per env, from reset (0: no evaluation)"""
+    seed: int = 1
+    """seed of torch, numpy and the envs"""
+    torch_threads: int = 1
+    """torch.set_num_threads"""
+
+
+def image_encoder(image_size: int) -> nn.Sequential:
+    """Two stride-2 convolutions and a linear layer: ``[B, 3, S, S]`` in 0-1 -> ``[B, 128]``."""
+    side = image_size // 4
+    return nn.Sequential(
+        layer_init(nn.Conv2d(3, 16, 4, stride=2, padding=1)), nn.ReLU(),
+        layer_init(nn.Conv2d(16, 32, 4, stride=2, padding=1)), nn.ReLU(),
+        nn.Flatten(), layer_init(nn.Linear(32 * side * side, 128)), nn.ReLU(),
+    )
+
+
+class ChunkActorCritic(nn.Module):
+    """Two small CNNs on the image (actor and critic apart, as CleanRL's continuous PPO: the value
+    loss, large at first, never washes out a warm-started actor); heads: a Gaussian over H
+    actions, and a value.
+
+    ``forward(images)`` is the policy's view (``(mean [B, H, d], log_std [H, d])``), as
+    `GaussianChunkPolicy` calls it; images are ``[B, S, S, 3]`` floats in 0-255.
+    """
+
+    def __init__(self, image_size: int, horizon: int, action_space: gym.spaces.Box, init_log_std: float) -> None:
+        super().__init__()
+        self.horizon, self.action_dim = horizon, int(np.prod(action_space.shape))
+        self.actor_encoder, self.critic_encoder = image_encoder(image_size), image_encoder(image_size)
+        self.actor_mean = layer_init(nn.Linear(128, horizon * self.action_dim), std=0.01)
+        self.critic = layer_init(nn.Linear(128, 1), std=1.0)
+        self.log_std = nn.Parameter(torch.full((horizon, self.action_dim), float(init_log_std)))
+        low, high = (torch.as_tensor(b, dtype=torch.float32).reshape(-1) for b in (action_space.low, action_space.high))
+        self.register_buffer("center", (high + low) / 2)
+        self.register_buffer("scale", (high - low) / 2)
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.actor_encoder(images.permute(0, 3, 1, 2) / 255.0)
+
+    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chunk_mean(self.features(images)), self.log_std
+
+    def chunk_mean(self, features: torch.Tensor) -> torch.Tensor:
+        """Unsquashed, as CleanRL's continuous PPO: the executor clips what it executes, and a mean
+        past a bound lets the policy become sure of a saturated action without shrinking sigma."""
+        return self.center + self.scale * self.actor_mean(features).reshape(-1, self.horizon, self.action_dim)
+
+    def value(self, images: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.critic_encoder(images.permute(0, 3, 1, 2) / 255.0)).squeeze(-1)
+
+    def action_logp(self, chunk_images: torch.Tensor, which: torch.Tensor, index: torch.Tensor,
+                    actions: torch.Tensor) -> torch.Tensor:
+        """log-prob of action ``index`` of the chunk requested with ``chunk_images[which]``, on its own.
+
+        (Several executed actions share a chunk: its image goes through the network once.)
+        """
+        unique, inverse = torch.unique(which, return_inverse=True)
+        mean = self.chunk_mean(self.features(chunk_images[unique]))[inverse, index]
+        std = self.log_std[index].exp()
+        return torch.distributions.Normal(mean, std).log_prob(actions).sum(-1)
+
+
+@dataclass
+class ChunkBatch:
+    """One rollout flattened to ``T * num_envs`` samples (one per tick and env)."""
+
+    images: torch.Tensor  # the tick's observation: value targets
+    chunk_images: torch.Tensor  # [num_chunks + 1]: the observation each chunk was requested with (last: zeros)
+    chunk_row: torch.Tensor  # per sample: the row of its chunk in chunk_images (the zeros row: no chunk)
+    chunk_index: torch.Tensor  # j: the action's index in its chunk
+    actions: torch.Tensor  # the chunk's own sample (unclipped), to which the log-prob belongs
+    behavior_logp: torch.Tensor  # mu: the action's log-prob under its own chunk's policy version
+    versions: torch.Tensor  # that version (-1: no chunk)
+    prox_logp: torch.Tensor  # pi_prox: under the learner's weights at the start of the update
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    policy_mask: torch.Tensor  # trained on as the policy's choice
+    value_mask: torch.Tensor  # an env transition (not a reset step)
+
+
+class PPOChunks:
+    """PPO from executed chunk actions (module docstring). ``train()`` returns a history dict."""
+
+    def __init__(self, args: Args) -> None:
+        self.args = args
+        torch.set_num_threads(args.torch_threads)
+        seed_everything(args.seed)
+        check_env_id(args.env_id)
+        probe = self.make_env()
+        self.observation_space, self.action_space = probe.observation_space, probe.action_space
+        probe.close()
+        if not isinstance(self.action_space, gym.spaces.Box):
+            raise ValueError(f"{args.env_id}: PPOChunks needs a Box action space, got {self.action_space}")
+        self.chunk_space = gym.spaces.Box(
+            np.broadcast_to(self.action_space.low, (args.horizon, *self.action_space.shape)),
+            np.broadcast_to(self.action_space.high, (args.horizon, *self.action_space.shape)),
+            dtype=np.float32,
+        )
+        self.agent = ChunkActorCritic(args.image_size, args.horizon, self.action_space, args.init_log_std)
+        self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=args.learning_rate, eps=1e-5)
+        self.version = 0
+        self.policy: GaussianChunkPolicy | None = None
+
+    def make_env(self) -> gym.Env:
+        kwargs: dict[str, Any] = {"size": self.args.image_size}
+        if self.args.max_episode_steps > 0:
+            kwargs["max_episode_steps"] = self.args.max_episode_steps
+        return gym.make(self.args.env_id, **kwargs)
+
+    # ------------------------------------------------------------------ acting
+    def publish(self) -> None:
+        """A new version of the learner's weights for the acting policy."""
+        self.version += 1
+        if self.policy is not None:
+            self.policy.load_weights(copy.deepcopy(self.agent.state_dict()), self.version)
+
+    def evaluate(self, executor: ChunkExecutor, seed: int) -> float:
+        """Mean return of the first episode of every env, from reset (``eval_rounds`` rounds)."""
+        returns = []
+        limit = self.args.max_episode_steps or gym.spec(self.args.env_id).max_episode_steps or 1000
+        for round_ in range(self.args.eval_rounds):
+            executor.reset(seed=seed + 1000 * round_)
+            rollout = executor.run(limit + 1)
+            ended = np.cumsum(rollout.terminated | rollout.truncated, axis=0)
+            first = (ended - (rollout.terminated | rollout.truncated)) == 0  # up to and with the first end
+            returns.extend((rollout.rewards * first).sum(axis=0).tolist())
+        return float(np.mean(returns))
+
+    # ------------------------------------------------------------------ learning
+    def behavior_clone(self, images: np.ndarray, chunks: np.ndarray, steps: int, batch_size: int = 128) -> float:
+        """A warm start: regress the chunk mean on demonstration chunks ``[N, H, *action_shape]``; returns the last loss."""
+        images_t = torch.as_tensor(images, dtype=torch.float32)
+        targets = torch.as_tensor(chunks, dtype=torch.float32).reshape(len(chunks), self.args.horizon, -1)
+        loss = torch.zeros(())
+        for _ in range(steps):
+            idx = torch.randint(len(images_t), (batch_size,))
+            loss = ((self.agent(images_t[idx])[0] - targets[idx]) ** 2).mean()
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+        self.publish()
+        return float(loss.detach())
+
+    def prepare(self, rollout: ChunkRollout) -> ChunkBatch:
+        """Flattens a rollout: masks, each action's own behavior log-prob and version, GAE."""
+        args, agent = self.args, self.agent
+        if rollout.observations is None:
+            raise ValueError("prepare needs a rollout from ChunkExecutor(record_obs=True)")
+        T, n = rollout.rewards.shape
+        images = torch.as_tensor(np.stack([obs["image"] for obs in rollout.observations]), dtype=torch.float32)
+        chunk_ids = sorted(rollout.chunk_obs)
+        chunk_images = torch.as_tensor(np.stack(
+            [rollout.chunk_obs[c]["image"] for c in chunk_ids] + [np.zeros(images.shape[2:], dtype=np.float32)]
+        ), dtype=torch.float32)
+        row_of = {c: row for row, c in enumerate(chunk_ids)}
+        chunk_row = torch.as_tensor([row_of.get(int(c), len(chunk_ids)) for c in rollout.chunk_id.reshape(-1)])
+        index = torch.as_tensor(rollout.chunk_index.reshape(-1)).clamp(min=0)
+        actions = torch.as_tensor(rollout.proposed.reshape(T * n, -1), dtype=torch.float32)
+        behavior = torch.as_tensor(rollout.action_logp.reshape(-1), dtype=torch.float32)
+        versions = torch.as_tensor(rollout.policy_version.reshape(-1))
+        policy_mask = (
+            torch.as_tensor(rollout.policy_choice.reshape(-1))
+            & torch.isfinite(behavior)
+            & (versions >= self.version - args.max_policy_lag)
+        )
+        value_mask = torch.as_tensor(rollout.source.reshape(-1) != RESET)
+        with torch.no_grad():
+            values = agent.value(images.flatten(0, 1)).reshape(T, n)
+            bootstrap = agent.value(torch.as_tensor(rollout.next_obs["image"], dtype=torch.float32))
+            # NEXT_STEP autoreset: the observation after a truncated step is its final observation
+            next_values = torch.cat([values[1:], bootstrap.unsqueeze(0)])
+            advantages, returns = gae(
+                torch.as_tensor(rollout.rewards, dtype=torch.float32), values, bootstrap,
+                torch.as_tensor(rollout.terminated), torch.as_tensor(rollout.truncated),
+                gamma=args.gamma, lam=args.gae_lambda, final_values=next_values,
+            )
+            prox = agent.action_logp(chunk_images, chunk_row, index, actions)
+        return ChunkBatch(
+            images.flatten(0, 1), chunk_images, chunk_row, index, actions, torch.nan_to_num(behavior), versions, prox,
+            advantages.reshape(-1), returns.reshape(-1), policy_mask, value_mask,
+        )
+
+    def loss(self, batch: ChunkBatch, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Decoupled PPO on the policy's own actions plus the value loss on every env transition."""
+        mask = batch.policy_mask[idx]
+        advantages = batch.advantages[idx]
+        if mask.any():
+            mean, std = advantages[mask].mean(), advantages[mask].std().nan_to_num(0.0)
+            advantages = (advantages - mean) / (std + 1e-8)
+        logp = self.agent.action_logp(batch.chunk_images, batch.chunk_row[idx], batch.chunk_index[idx], batch.actions[idx])
+        policy_loss, stats = decoupled_ppo_loss(
+            logp, batch.prox_logp[idx], batch.behavior_logp[idx], advantages,
+            clip_coef=self.args.clip_coef, behavior_cap=self.args.behavior_cap, mask=mask,
+        )
+        if not mask.any():
+            policy_loss = 0.0 * logp.sum()
+        values = self.agent.value(batch.images[idx])
+        value_loss = 0.5 * masked_mean((values - batch.returns[idx]) ** 2, batch.value_mask[idx])
+        stats = {**stats, "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach()}
+        return policy_loss + self.args.vf_coef * value_loss, stats
+
+    def update(self, batch: ChunkBatch) -> dict[str, float]:
+        size = len(batch.advantages)
+        minibatch = max(1, size // self.args.num_minibatches)
+        stats: dict[str, torch.Tensor] = {}
+        for _ in range(self.args.update_epochs):
+            order = torch.randperm(size)
+            for start in range(0, size, minibatch):
+                loss, stats = self.loss(batch, order[start : start + minibatch])
+                self.optimizer.zero_grad()
+                loss.backward()
+                nn.utils.clip_grad_norm_(self.agent.parameters(), self.args.max_grad_norm)
+                self.optimizer.step()
+            if self.args.target_kl is not None and stats["approx_kl"] > self.args.target_kl:
+                break
+        return {key: float(value) for key, value in stats.items()}
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict[str, Any]:
+        """Evaluates, runs ``iterations`` rounds of rollout + update, evaluates again.
+
+        Returns ``{"eval_start", "eval_end", "episode_returns" (per iteration, the mean of the
+        episodes that ended in it; NaN if none), "trained_fraction" (share of executed actions
+        trained on as the policy's choice), "sources" (executed actions per source), "stats"
+        (the executor's), "seconds"}``.
+        """
+        args = self.args
+        env_fns = [self.make_env] * args.num_envs
+        if args.async_envs:
+            envs = AsyncLLMVectorEnv(env_fns, autoreset_mode=AutoresetMode.NEXT_STEP)
+        else:
+            envs = gym.vector.SyncVectorEnv(env_fns, autoreset_mode=AutoresetMode.NEXT_STEP)
+        self.policy = GaussianChunkPolicy(
+            copy.deepcopy(self.agent), self.chunk_space, obs_key="image", max_batch_size=args.num_envs, max_wait_ms=1.0
+        )
+        self.policy.load_weights(copy.deepcopy(self.agent.state_dict()), self.version + 1)
+        self.version += 1
+        executor = ChunkExecutor(
+            envs, self.policy, period_s=args.period_s, horizon=args.horizon, overlap=args.overlap,
+            request_at=args.request_at, record_obs=True,
+        )
+        start = time.perf_counter()
+        history: dict[str, Any] = {"episode_returns": [], "sources": dict.fromkeys(SOURCES, 0)}
+        try:
+            history["eval_start"] = self.evaluate(executor, args.seed) if args.eval_rounds else float("nan")
+            executor.reset(seed=args.seed)
+            running = np.zeros(args.num_envs)
+            trained = executed = 0
+            for _ in range(args.iterations):
+                tick = time.perf_counter()
+                rollout = executor.run(args.ticks_per_rollout)
+                history["act_seconds"] = history.get("act_seconds", 0.0) + time.perf_counter() - tick
+                ended = []
+                for row in range(len(rollout.rewards)):
+                    running += rollout.rewards[row]
+                    for env_id in np.flatnonzero(rollout.terminated[row] | rollout.truncated[row]):
+                        ended.append(running[env_id])
+                        running[env_id] = 0.0
+                history["episode_returns"].append(float(np.mean(ended)) if ended else float("nan"))
+                for name in SOURCES:
+                    history["sources"][name] += rollout.count(name)
+                batch = self.prepare(rollout)
+                trained += int(batch.policy_mask.sum())
+                executed += int(batch.value_mask.sum())
+                tick = time.perf_counter()
+                history["last_update"] = self.update(batch)
+                history["learn_seconds"] = history.get("learn_seconds", 0.0) + time.perf_counter() - tick
+                self.publish()
+            history["trained_fraction"] = trained / max(1, executed)
+            history["stats"] = executor.stats()
+            history["eval_end"] = self.evaluate(executor, args.seed) if args.eval_rounds else float("nan")
+        finally:
+            self.policy.close()
+            envs.close()
+        history["seconds"] = time.perf_counter() - start
+        return history
+
+
+if __name__ == "__main__":
+    result = PPOChunks(tyro.cli(Args)).train()
+    print({key: value for key, value in result.items() if key != "stats"})

@@ -1,0 +1,84 @@
+"""`GaussianChunkPolicy`: a torch module's factorized Gaussian over a chunk of ``H`` actions.
+
+A learner that trains on executed actions needs the log-prob of each action of a chunk on its
+own (the overlap rule may play only the first few). With a factorized Gaussian,
+``log p(chunk) = sum_j log p(a_j)``, and each ``log p(a_j)`` is reported in
+``PolicyOutput.token_logps`` (``H`` entries), which `ChunkExecutor` records per executed action
+(``ChunkRollout.action_logp``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch.distributions import Normal
+
+from asyncvec.inference.torch_policy import TorchPolicy
+from asyncvec.inference.types import BackendResult
+
+__all__ = ["GaussianChunkPolicy"]
+
+
+class GaussianChunkPolicy(TorchPolicy):
+    """A `TorchPolicy` over chunks ``Box((H, *action_shape))`` that reports per-action log-probs.
+
+    The module maps a float32 batch ``[B, *obs_shape]`` to ``(mean, log_std)`` with ``mean``
+    ``[B, H, d]`` (or ``[B, H * d]``) and ``log_std`` broadcastable to it (``[H, d]`` or
+    ``[B, H, d]``). The chunk is sampled unclipped; ``behavior_logp`` is the chunk's joint
+    log-prob and ``token_logps`` the ``H`` per-action ones (each summed over the action's ``d``
+    dimensions).
+
+    Args:
+        module: the network (put in eval mode; give the policy its own copy).
+        chunk_space: ``Box`` of shape ``(H, *action_shape)``.
+        obs_key: with dict observations, the module sees only ``obs[obs_key]`` (e.g.
+            ``"image"``: the instruction is not read); None flattens the whole observation as
+            `TorchPolicy` does.
+        **kwargs: as `TorchPolicy` (``observation_space``, ``deterministic``,
+            ``max_batch_size``, ``max_wait_ms``...).
+
+    Example:
+        >>> import gymnasium as gym, torch
+        >>> class Net(torch.nn.Module):
+        ...     def forward(self, obs):
+        ...         return torch.zeros(obs.shape[0], 4, 1), torch.zeros(4, 1)
+        >>> with GaussianChunkPolicy(Net(), gym.spaces.Box(-1, 1, (4, 1)), obs_key="image") as policy:
+        ...     out = policy.submit({"image": [[0.0]], "instruction": "go"}, env_id=0).result(timeout=10)
+        >>> out.action.shape, len(out.token_logps), abs(sum(out.token_logps) - out.behavior_logp) < 1e-9
+        ((4, 1), 4, True)
+    """
+
+    def __init__(self, module: torch.nn.Module, chunk_space: gym.spaces.Box, *, obs_key: str | None = None,
+                 **kwargs: Any) -> None:
+        if not isinstance(chunk_space, gym.spaces.Box) or len(chunk_space.shape) < 1:
+            raise ValueError(f"GaussianChunkPolicy: chunk_space must be a Box of shape (H, *action_shape), got {chunk_space!r}")
+        super().__init__(module, chunk_space, **kwargs)
+        self.obs_key = obs_key
+        self.horizon = int(chunk_space.shape[0])
+
+    def _check_obs(self, obs: Any, env_id: int | None) -> np.ndarray:
+        if self.obs_key is not None and isinstance(obs, Mapping):
+            if self.obs_key not in obs:
+                raise ValueError(f"{self._label}: env_id={env_id}: observation has no key {self.obs_key!r} (obs_key)")
+            obs = obs[self.obs_key]
+        return super()._check_obs(obs, env_id)
+
+    def _forward_batch(self, obs_list: list[np.ndarray]) -> list[BackendResult]:
+        batch = torch.as_tensor(np.stack(obs_list), dtype=torch.float32, device=self.device)
+        size = batch.shape[0]
+        with torch.no_grad():
+            mean, log_std = self.module(batch)
+            mean = mean.float().reshape(size, self.horizon, -1)
+            dist = Normal(mean, log_std.float().reshape(-1, *mean.shape[1:]).exp().expand_as(mean))
+            action = mean if self.deterministic else dist.sample()
+            per_action = dist.log_prob(action).sum(-1)  # [B, H]
+        actions = action.cpu().numpy()
+        logps = per_action.cpu().numpy().astype(np.float64)
+        return [
+            BackendResult(action=self._to_action(actions[i]), logp=float(logps[i].sum()), token_logps=tuple(logps[i].tolist()))
+            for i in range(size)
+        ]

@@ -1,0 +1,218 @@
+"""agents/ppo_chunks.py: PPO from executed chunk actions on a pixel task.
+
+* Replaced actions (overlap blend, fallback, safety, reset step) get zero policy-loss weight.
+* Each executed action's behavior log-prob is its own chunk's action log-prob under its own
+  chunk's policy version (checked against the weights of that version), and the IS weight
+  ``min(pi_prox / mu, C)`` uses it.
+* Learning: on PixelCartPole at 16x16 pixels, returns improve over a behavior-cloning warm start
+  (a scripted controller on the state, 800 noisy steps, 150 BC steps) by a margin, on each of
+  3 seeds (the margins measured are above the test).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.vector import AutoresetMode
+
+import envs  # noqa: F401  (registers the pixel envs)
+from agents.ppo_chunks import Args, PPOChunks
+from asyncvec.control import SOURCES, ChunkExecutor, SafetyFilter, action_logps_from_tokens
+from asyncvec.control.chunk_policy import GaussianChunkPolicy
+from asyncvec.losses import truncated_importance_weights
+
+torch.set_num_threads(1)
+HORIZON = 4
+
+
+def demonstrations(size: int, horizon: int, samples: int, seed: int, noise: float = 0.5):
+    """A scripted controller on CartPole's state (a push toward the pole's lean and spin), executed
+    with Gaussian noise; each image is paired with the controller's next ``horizon`` actions."""
+    env = gym.make("asyncvec/PixelCartPole-v0", size=size, max_episode_steps=200)
+    rng = np.random.default_rng(seed)
+    images, chunks, episode_images, episode_actions = [], [], [], []
+    obs, _ = env.reset(seed=seed)
+    while len(images) < samples:
+        _, _, angle, spin = env.unwrapped.state
+        action = float(np.clip(3.0 * angle + 0.5 * spin, -1.0, 1.0))
+        episode_images.append(obs["image"])
+        episode_actions.append(action)
+        obs, _, terminated, truncated, _ = env.step(np.array([action + rng.normal(0.0, noise)], dtype=np.float32))
+        if terminated or truncated:
+            for t in range(len(episode_actions) - horizon + 1):
+                images.append(episode_images[t])
+                chunks.append(np.asarray(episode_actions[t : t + horizon], dtype=np.float32)[:, None])
+            episode_images, episode_actions = [], []
+            obs, _ = env.reset()
+    env.close()
+    return np.stack(images), np.stack(chunks)
+
+
+def small_args(**overrides) -> Args:
+    settings = dict(image_size=16, num_envs=4, horizon=HORIZON, ticks_per_rollout=32, iterations=1, eval_rounds=0)
+    return Args(**{**settings, **overrides})
+
+
+def test_action_logps_from_tokens() -> None:
+    np.testing.assert_allclose(action_logps_from_tokens([-1.0, -2.0], horizon=2), [-1.0, -2.0])
+    np.testing.assert_allclose(action_logps_from_tokens([-1, -1, -2, -2, -3, -3], horizon=3), [-2, -4, -6])
+    assert action_logps_from_tokens([-1.0, -2.0, -3.0], horizon=2) is None
+    assert action_logps_from_tokens((), horizon=2) is None
+
+
+def test_gaussian_chunk_policy_reports_each_action() -> None:
+    algo = PPOChunks(small_args())
+    net = copy.deepcopy(algo.agent)
+    obs = {"image": np.full((16, 16, 3), 100, np.uint8), "instruction": "balance"}
+    with GaussianChunkPolicy(net, algo.chunk_space, obs_key="image", max_wait_ms=1) as policy:
+        out = policy.submit(obs, env_id=0).result(timeout=30)
+    with GaussianChunkPolicy(net, algo.chunk_space, obs_key="camera") as wrong_key:
+        with pytest.raises(ValueError, match="no key 'camera'"):
+            wrong_key.submit(obs, env_id=3)
+    assert out.action.shape == (HORIZON, 1) and len(out.token_logps) == HORIZON
+    assert math.isclose(sum(out.token_logps), out.behavior_logp, rel_tol=1e-6)
+    image = torch.as_tensor(obs["image"][None], dtype=torch.float32).repeat(HORIZON, 1, 1, 1)
+    with torch.no_grad():
+        expected = algo.agent.action_logp(image, torch.zeros(HORIZON, dtype=torch.long), torch.arange(HORIZON),
+                                          torch.as_tensor(out.action))
+    np.testing.assert_allclose(out.token_logps, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def mixed_rollout():
+    """A real rollout whose chunks come from two policy versions with different weights, a safety
+    filter that replaces some actions, and short episodes (reset steps, fallbacks)."""
+    algo = PPOChunks(small_args(max_episode_steps=12))
+    envs_ = gym.vector.SyncVectorEnv([algo.make_env] * 4, autoreset_mode=AutoresetMode.NEXT_STEP)
+    weights = {0: copy.deepcopy(algo.agent.state_dict())}
+    policy = GaussianChunkPolicy(copy.deepcopy(algo.agent), algo.chunk_space, obs_key="image", max_wait_ms=1)
+    safety = SafetyFilter(envs_.single_action_space, max_delta=1.0)
+    executor = ChunkExecutor(envs_, policy, period_s=0.005, horizon=HORIZON, safety=safety, record_obs=True)
+    with torch.no_grad():  # version 1: other weights, still sane actions
+        algo.agent.actor_mean.weight.add_(0.05 * torch.randn_like(algo.agent.actor_mean.weight))
+        algo.agent.actor_mean.bias.add_(0.2)
+        algo.agent.log_std.add_(0.1)
+    weights[1] = copy.deepcopy(algo.agent.state_dict())
+
+    def publish_midway() -> None:  # as an asynchronous learner does: new weights while chunks play
+        while executor.stats()["chunks"] < 8:
+            time.sleep(0.001)
+        policy.load_weights(copy.deepcopy(weights[1]), 1)
+
+    executor.reset(seed=0)
+    publisher = threading.Thread(target=publish_midway)
+    publisher.start()
+    rollout = executor.run(60)
+    publisher.join(timeout=60)
+    policy.close()
+    envs_.close()
+    algo.version = 1
+    yield algo, weights, rollout
+
+
+def test_rollout_records_each_actions_own_chunk(mixed_rollout) -> None:
+    algo, weights, rollout = mixed_rollout
+    played = rollout.policy_choice
+    assert played.sum() > 20 and rollout.safety_replaced.any() and rollout.count("reset") > 0
+    versions = set(rollout.policy_version[played].tolist())
+    assert versions == {0, 1}, versions  # chunks of version 0 still play after version 1 was published
+    assert np.isfinite(rollout.action_logp[played]).all()
+    assert len(rollout.observations) == 60 and rollout.next_obs["image"].shape == (4, 16, 16, 3)
+    net = copy.deepcopy(algo.agent)
+    for version in (0, 1):  # mu of each executed action = its chunk's action j, under its version's weights
+        rows = played & (rollout.policy_version == version)
+        net.load_state_dict(weights[version])
+        images = torch.as_tensor(np.stack([rollout.chunk_obs[c]["image"] for c in rollout.chunk_id[rows]]),
+                                 dtype=torch.float32)
+        with torch.no_grad():
+            recomputed = net.action_logp(images, torch.arange(len(images)), torch.as_tensor(rollout.chunk_index[rows]),
+                                         torch.as_tensor(rollout.proposed[rows], dtype=torch.float32))
+        np.testing.assert_allclose(rollout.action_logp[rows], recomputed.numpy(), rtol=1e-4, atol=1e-4)
+        assert not np.allclose(rollout.action_logp[rows], rollout.behavior_logp[rows])  # not the joint one
+
+
+def test_replaced_actions_get_zero_policy_loss_weight(mixed_rollout) -> None:
+    algo, _, rollout = mixed_rollout
+    batch = algo.prepare(rollout)
+    replaced = torch.as_tensor(rollout.replaced.reshape(-1))
+    assert not (batch.policy_mask & replaced).any()
+    np.testing.assert_array_equal(batch.value_mask.numpy(), rollout.source.reshape(-1) != SOURCES.index("reset"))
+    everything = torch.arange(len(batch.advantages))
+
+    def loss_and_grads(b):
+        algo.agent.zero_grad()
+        loss, _ = algo.loss(b, everything)
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in algo.agent.actor_encoder.parameters()]
+
+    base_loss, base_grads = loss_and_grads(batch)
+    wild = copy.copy(batch)
+    wild.advantages = torch.where(replaced, torch.full_like(batch.advantages, 1e3), batch.advantages)
+    wild.actions = torch.where(replaced[:, None], torch.full_like(batch.actions, 5.0), batch.actions)
+    wild.behavior_logp = torch.where(replaced, torch.full_like(batch.behavior_logp, -50.0), batch.behavior_logp)
+    wild_loss, wild_grads = loss_and_grads(wild)
+    assert wild_loss == pytest.approx(base_loss, rel=1e-5, abs=1e-6)
+    for a, b in zip(base_grads, wild_grads, strict=True):
+        torch.testing.assert_close(a, b)
+    # and a policy action's advantage does move the loss
+    moved = copy.copy(batch)
+    moved.advantages = torch.where(batch.policy_mask, batch.advantages + torch.randn_like(batch.advantages),
+                                   batch.advantages)
+    assert algo.loss(moved, everything)[0].item() != pytest.approx(base_loss, rel=1e-4)
+
+
+def test_importance_weights_use_each_actions_own_chunk(mixed_rollout) -> None:
+    algo, _, rollout = mixed_rollout
+    batch = algo.prepare(rollout)
+    played = torch.as_tensor(rollout.policy_choice.reshape(-1))
+    torch.testing.assert_close(batch.behavior_logp[played],
+                               torch.as_tensor(rollout.action_logp.reshape(-1)[played.numpy()], dtype=torch.float32))
+    torch.testing.assert_close(batch.versions, torch.as_tensor(rollout.policy_version.reshape(-1)))
+    # the learner holds version 1's weights: its actions have weight 1, version 0's have pi_1/mu_0 != 1
+    weights, _ = truncated_importance_weights(batch.prox_logp, batch.behavior_logp, cap=algo.args.behavior_cap,
+                                              mask=batch.policy_mask)
+    fresh = batch.policy_mask & (batch.versions == 1)
+    stale = batch.policy_mask & (batch.versions == 0)
+    torch.testing.assert_close(weights[fresh], torch.ones(int(fresh.sum())), atol=1e-3, rtol=1e-3)
+    assert ((weights[stale] - 1.0).abs() > 1e-3).float().mean() > 0.9
+    expected = torch.exp((batch.prox_logp - batch.behavior_logp).clamp(max=math.log(algo.args.behavior_cap)))
+    torch.testing.assert_close(weights[stale], expected[stale])
+    # staleness: with max_policy_lag=0 the version-0 actions leave the loss
+    algo.args.max_policy_lag = 0
+    try:
+        strict = algo.prepare(rollout)
+    finally:
+        algo.args.max_policy_lag = Args.max_policy_lag
+    assert not (strict.policy_mask & (strict.versions == 0)).any() and (strict.policy_mask == fresh).all()
+
+
+# Measured here, 2 cores at load 2-7, in three runs of this test (67 s, 94 s and 66 s for all 3
+# seeds): mean return of 32 episodes from reset, after 20 PPO iterations minus after the warm
+# start, per seed 1, 2, 3: +33.8, +44.9, +13.4; +17.8, +27.0, +31.4; +39.4, +42.3, +34.7 (warm
+# start 35-53, end 64-87); 90-98% of the executed actions trained on. The threshold sits well
+# below the worst seed (+13.4).
+LEARNING_SEEDS = (1, 2, 3)
+MIN_MARGIN = 5.0
+
+
+def test_returns_improve_over_a_warm_start() -> None:
+    results = []
+    for seed in LEARNING_SEEDS:
+        args = Args(seed=seed, image_size=16, num_envs=8, ticks_per_rollout=64, iterations=20, update_epochs=10,
+                    num_minibatches=1, init_log_std=-0.5, eval_rounds=4)
+        algo = PPOChunks(args)
+        images, chunks = demonstrations(16, args.horizon, 800, seed)
+        algo.behavior_clone(images, chunks, steps=150, batch_size=64)
+        history = algo.train()
+        results.append((seed, history["eval_start"], history["eval_end"], history["trained_fraction"]))
+        assert 0.5 < history["trained_fraction"] < 1.0, history
+    margins = [end - start for _, start, end, _ in results]
+    print("seed, eval_start, eval_end, trained_fraction:", results, "margins:", margins)
+    assert min(margins) > MIN_MARGIN, results
