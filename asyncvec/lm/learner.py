@@ -3,7 +3,7 @@
 with their teacher-forced log-probs.
 
 The acting side (policies, engines, servers) lives in :mod:`asyncvec.inference`; the groups
-come from :class:`asyncvec.group_collector.GroupCollector`.
+come from :class:`asyncvec.lm.groups.GroupCollector`.
 """
 
 from __future__ import annotations
@@ -217,13 +217,13 @@ class LMBatch:
     ) -> LMBatch:
         """Selects the trainable completions of ``batch`` (see the class docstring) as tensors.
 
-        ``batch.completions`` holds :class:`~asyncvec.group_collector.ScoredCompletion`\\ s.
+        ``batch.completions`` holds :class:`~asyncvec.lm.groups.ScoredCompletion`\\ s.
         The result may have no rows (``len(batch) == 0``): then there is nothing to train on.
 
         Example:
             >>> import tempfile
             >>> from asyncvec.buffers import CompletionGroups
-            >>> from asyncvec.group_collector import ScoredCompletion
+            >>> from asyncvec.lm.groups import ScoredCompletion
             >>> from asyncvec.inference import PolicyOutput, build_tiny_lm
             >>> _, tokenizer = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
             >>> groups = CompletionGroups(group_size=2)
@@ -307,7 +307,7 @@ def minibatch_updates(
     Example:
         >>> import tempfile
         >>> from asyncvec.buffers import CompletionGroups
-        >>> from asyncvec.group_collector import ScoredCompletion
+        >>> from asyncvec.lm.groups import ScoredCompletion
         >>> from asyncvec.inference import PolicyOutput, build_tiny_lm
         >>> model, tokenizer = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
         >>> groups = CompletionGroups(group_size=2)
