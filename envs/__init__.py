@@ -13,6 +13,8 @@ _ENVS = {
     "asyncvec/Arithmetic-v0": ("envs.text:ArithmeticEnv", {}),
     "asyncvec/SingleDigitSums-v0": ("envs.text:ArithmeticEnv", {"single_digit": True}),
     "asyncvec/GuessNumber-v0": ("envs.text:GuessNumberEnv", {}),
+    "asyncvec/FrozenLakeText-v0": ("envs.text:make_frozen_lake_text", {}),
+    "asyncvec/CalculatorTool-v0": ("envs.text:CalculatorToolEnv", {}),
 }
 
 for _env_id, (_entry_point, _kwargs) in _ENVS.items():

@@ -351,8 +351,9 @@ class EpisodeCollector:
 
     def stats(self) -> dict[str, float]:
         """Counters: groups, episodes, turns, terminated, truncated, context_overflows, env_errors,
-        missed_deadlines, rejected (the policy's parser), empty_completions, actions_clipped."""
-        return dict(self._counts)
+        missed_deadlines, rejected (the policy's parser), empty_completions, actions_clipped; ``samples``
+        (= turns) and ``flagged`` (0: rewards come from the env) as in ``GroupCollector.stats``."""
+        return {**self._counts, "samples": self._counts["turns"], "flagged": 0}
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops collecting; turns and steps in flight are abandoned."""
