@@ -14,6 +14,8 @@ from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fi
 
 import asyncvec.group_collector
 import asyncvec.lm
+import asyncvec.lm.groups
+import asyncvec.lm.learner
 from agents import lm_setup, reinforce_pp, rloo
 from agents.lm_setup import solved_prompts
 from asyncvec import rewards
@@ -468,7 +470,9 @@ def test_completion_logps_use_the_sampling_temperature(tiny_dir):
     assert got[0, 2].item() == 0.0
 
 
-@pytest.mark.parametrize("module", [lm_setup, rloo, reinforce_pp, asyncvec.lm, asyncvec.group_collector])
+@pytest.mark.parametrize(
+    "module", [lm_setup, rloo, reinforce_pp, asyncvec.lm, asyncvec.lm.learner, asyncvec.group_collector, asyncvec.lm.groups]
+)
 def test_docstring_examples_run(module):
     failures, tried = doctest.testmod(module, verbose=False)
     assert tried > 0 and failures == 0

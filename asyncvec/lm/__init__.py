@@ -47,6 +47,7 @@ _LAZY = {
     "TextEnv": "asyncvec.lm.text_env",
     "StringEnv": "asyncvec.lm.text_env",
     "check_text_env": "asyncvec.lm.text_env",
+    "text_space": "asyncvec.lm.text_env",
     "GroupCollector": "asyncvec.lm.groups",
     "ScoredCompletion": "asyncvec.lm.groups",
     "score_completions": "asyncvec.lm.groups",
