@@ -308,6 +308,37 @@ def test_agents_train_on_a_multi_turn_env(tiny_dir, agent, args_cls):
     assert result.history[0]["samples_used"] > 0
 
 
+@pytest.mark.parametrize("agent, args_cls", [(rloo.RLOO, rloo.Args), (reinforce_pp.ReinforcePP, reinforce_pp.Args)])
+def test_an_update_raises_the_better_episodes_likelihood(tiny_dir, agent, args_cls):
+    """The objective's direction on real episodes: in each group the rewarded episode's model
+    tokens gain log-likelihood, the other's lose it."""
+    args = args_cls(
+        model=str(tiny_dir), env="asyncvec/GuessNumber-v0", env_kwargs='{"max_number": 8, "max_turns": 3, '
+        '"transcript": false}', group_size=2, num_envs=2, eval_prompts=0, progress=False, mode="sync",
+        learning_rate=1e-2, max_new_tokens=3,
+    )  # fmt: skip
+    learner = agent(args)
+    try:
+        batch = learner.collector.collect(2, timeout=120)
+        version = learner.versions.current_version
+        for group in batch.episodes:
+            for i, episode in enumerate(group):
+                for turn in episode.turns:
+                    turn.reward, turn.policy_version = 0.0, version
+                episode.turns[-1].reward = 1.0 if i == 0 else 0.0
+        data = EpisodeBatch.from_episodes(batch, version, 2)
+        with torch.no_grad():
+            before = (data.logps(learner.learner, 1.0) * data.mask).sum(-1)
+        for _ in range(3):
+            learner.update(batch)
+        with torch.no_grad():
+            change = (data.logps(learner.learner, 1.0) * data.mask).sum(-1) - before
+    finally:
+        learner.close()
+    assert data.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert (change[data.rewards > 0] > 0).all() and (change[data.rewards == 0] < 0).all(), change.tolist()
+
+
 def test_multi_turn_options_are_checked():
     with pytest.raises(ValueError, match="--gamma"):
         rloo.Args(gamma=1.5)
