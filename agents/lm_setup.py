@@ -696,4 +696,7 @@ def summary(name: str, result: LMTrainResult) -> str:
         f"flagged {result.flagged_fraction:.1%}, unparsable {result.fallback_fraction:.1%}, "
         f"missed deadlines {result.missed_deadline_fraction:.1%}, "
         f"mean staleness {result.staleness_mean:.2f}, final version {result.final_version}"
+    ) + "".join(
+        f"\n  eval {when}: success {d['success']:.3f}, mean turns {d['turns_mean']:.2f}"
+        for when, d in zip(("before RL", "after RL"), result.eval_details)
     )
