@@ -406,8 +406,9 @@ def test_training_through_an_asyncvec_server(asyncvec_server, tmp_path):
     "options, error, message",
     [
         ({"env": "asyncvec/SingleDigitSum-v0"}, ValueError, "did you mean asyncvec/SingleDigitSums-v0"),
-        ({"env": "CartPole-v1"}, ValueError, "gymnasium.spaces.Text observation space"),
-        ({"env": "asyncvec/GuessNumber-v0"}, ValueError, "did not end after one step"),
+        ({"env": "CartPole-v1"}, ValueError, "not gymnasium.spaces.Text; wrap the env in asyncvec.lm.TextEnv"),
+        ({"env": "Pendulum-v1"}, ValueError, "not gymnasium.spaces.Text; wrap it in a gymnasium wrapper"),
+        ({"env": "asyncvec/GuessNumber-v0", "is_level": "sequence"}, ValueError, "multi-turn episodes use --is-level token"),
         ({"reward": "no_such_plugin"}, ValueError, "no reward plugin named 'no_such_plugin'"),
         ({"model": "/nonexistent/model"}, FileNotFoundError, "--model /nonexistent/model"),
         ({"backend": "openai", "base_url": "http://127.0.0.1:9"}, ValueError, "--base-url http://127.0.0.1:9"),
