@@ -259,7 +259,9 @@ class EpisodeCollector:
         if self.tokenizer is None:
             raise TypeError("EpisodeCollector: pass tokenizer= (the policy has no .tokenizer)")
         self.system_prompt = system_prompt
-        self.max_new_tokens = max_new_tokens or policy.defaults.max_new_tokens
+        self.max_new_tokens = max_new_tokens or getattr(getattr(policy, "defaults", None), "max_new_tokens", None)
+        if not self.max_new_tokens:
+            raise TypeError("EpisodeCollector: pass max_new_tokens= (the policy has no sampling defaults)")
         self.max_context_tokens = max_context_tokens or getattr(policy, "max_positions", None) or getattr(
             policy, "max_model_len", None
         )
