@@ -175,10 +175,13 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
         with make_policy(args) as policy, EpisodeCollector(
             vec, policy, args.group_size, lockstep=lockstep, seed=args.seed
         ) as collector:
-            collector.collect(args.num_envs // args.group_size, timeout=600)  # warm-up: workers, first batches
+            per_round, measured = args.num_envs // args.group_size, episodes // args.group_size
+            # steady state: groups keep starting while the measured ones run (no tail of idle envs)
+            collector.start(per_round * (args.rounds + 3), ahead=measured + per_round)
+            collector.pop(per_round, timeout=600)  # warm-up: workers, first batches
             before = policy.stats()
             start = time.perf_counter()
-            batch = collector.collect(episodes // args.group_size, timeout=600)
+            batch = collector.pop(measured, timeout=600)
             elapsed = time.perf_counter() - start
             after = policy.stats()
     finally:
@@ -201,7 +204,8 @@ def main(args: Args) -> dict[str, Any]:
         f"{args.env_latency_ms:g} ms sigma {args.env_sigma:g}; simulated LM a={args.a_ms:g} ms + "
         f"{args.per_token_ms:g} ms x longest completion (lognormal, median {args.median_tokens:g} tokens), "
         f"{args.inflight_batches} calls at once; "
-        f"groups of {args.group_size}; {args.rounds * args.num_envs} episodes per mode after a warm-up round"
+        f"groups of {args.group_size}; {args.rounds * args.num_envs} episodes per mode in steady state (groups keep "
+        f"starting while they are measured) after a warm-up round"
     )
     print(f"{setting}\nMachine: {machine_line()}", flush=True)
     stages = measure_stages(args)

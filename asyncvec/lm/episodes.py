@@ -285,6 +285,7 @@ class EpisodeCollector:
         self._quota = 0
         self._total: int | None = None
         self._refill = False
+        self._ahead = 0
         self._error: BaseException | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -321,13 +322,18 @@ class EpisodeCollector:
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead: expected an int >= 1 (groups collected ahead of the learner), got {ahead!r}")
         with self._cond:
-            self._total, self._refill = total_groups, True
+            self._total, self._refill, self._ahead = total_groups, True, ahead
             self._quota = min(ahead, total_groups)
         self._ensure_thread()
         return self
 
     def pop(self, num_groups: int, timeout: float) -> EpisodeGroups:
         """Waits (at most ``timeout`` s) for ``num_groups`` complete groups, in the order they completed."""
+        if self._refill and num_groups > self._ahead:
+            raise ValueError(
+                f"pop({num_groups}): at most ahead={self._ahead} groups run before a pop returns; "
+                "pop fewer at a time or start with a larger ahead"
+            )
         deadline = time.monotonic() + timeout
         with self._cond:
             while len(self._complete) < num_groups:
