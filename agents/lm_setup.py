@@ -27,6 +27,10 @@ from asyncvec import VersionManager, rewards
 from asyncvec.group_collector import GroupCollector, score_completions
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import load_causal_lm, sft_warm_start
+from asyncvec.lm.chat import Conversation
+from asyncvec.lm.episodes import EpisodeCollector, EpisodeGroups, make_text_vector_env
+from asyncvec.lm.learner import EpisodeBatch
+from asyncvec.lm.text_env import check_text_env, text_space
 from asyncvec.rewards import RewardService
 
 TARGET_WINDOW = 10
@@ -38,7 +42,19 @@ class LMArgs:
     """Options shared by the language-model agents (each agent's ``Args`` adds its own)."""
 
     env: str = "asyncvec/SingleDigitSums-v0"
-    """one-step text env id: its reset() observations are the prompts"""
+    """text env id: a one-step env's reset() observations are the prompts; a multi-turn env (its
+    episode goes on after a step, e.g. asyncvec/GuessNumber-v0) is played in an AsyncLLMVectorEnv"""
+    env_kwargs: str = "{}"
+    """keyword arguments of gym.make(--env) as JSON, e.g. '{"max_number": 8, "transcript": false}'"""
+    num_envs: int = 8
+    """multi-turn envs: envs stepping at once (their turns reach the policy batched)"""
+    gamma: float = 1.0
+    """multi-turn envs: discount of the episode return sum_t gamma^t r_t"""
+    per_turn: bool = False
+    """multi-turn envs: each turn's advantage is its discounted return-to-go normalized over the batch
+    (for dense rewards) instead of the episode return with the agent's baseline"""
+    system_prompt: str | None = None
+    """multi-turn envs: the conversation's first message"""
     model: str | None = None
     """save_pretrained folder of the model (default: a fresh tiny GPT-2 from build_tiny_lm)"""
     sft_steps: int = 0
@@ -137,6 +153,7 @@ class LMArgs:
             "policy_batch_size",
             "torch_threads",
             "prefetch_updates",
+            "num_envs",
         ):
             _check_int(name, getattr(self, name), 1)
         for name in ("sft_steps", "max_staleness", "policy_lag", "eval_prompts"):
@@ -148,6 +165,14 @@ class LMArgs:
             _check_number(name, getattr(self, name), positive=False)
         if self.deadline_ms is not None:
             _check_number("deadline_ms", self.deadline_ms, positive=True)
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"--gamma must be in [0, 1], got {self.gamma!r}")
+        try:
+            env_kwargs = json.loads(self.env_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}: {exc}") from None
+        if not isinstance(env_kwargs, dict):
+            raise ValueError(f"--env-kwargs must be a JSON object of gym.make keyword arguments, got {self.env_kwargs!r}")
         if self.temperature == 0:
             raise ValueError("--temperature must be > 0: policy-gradient learning needs sampled completions")
         if self.backend == "openai":
@@ -349,7 +374,13 @@ def served_model_name(base_url: str, model_dir: Path) -> str:
 
 
 
-def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space, weights_dir: Path | None = None) -> Any:
+def make_text_policy(
+    args: LMArgs,
+    model_dir: Path,
+    action_space: gym.Space,
+    weights_dir: Path | None = None,
+    action_parser: Any = completion_with_answer,
+) -> Any:
     """The policy sampling completions: HFTextPolicy, VLLMPolicy or OpenAIPolicy (``--backend``).
 
     ``--backend openai`` writes each published version to ``weights_dir`` (``--weights-dir``
@@ -374,19 +405,19 @@ def make_text_policy(args: LMArgs, model_dir: Path, action_space: gym.Space, wei
     if args.backend == "hf":
         from asyncvec.inference import HFTextPolicy
 
-        return HFTextPolicy(*load_causal_lm(model_dir, args.device), completion_with_answer, **options)
+        return HFTextPolicy(*load_causal_lm(model_dir, args.device), action_parser, **options)
     if args.backend == "vllm":
         from asyncvec.inference import VLLMPolicy
 
         engine = {"seed": args.seed, **json.loads(args.vllm_engine)}
-        return VLLMPolicy(model_dir, completion_with_answer, engine_kwargs=engine, **options)
+        return VLLMPolicy(model_dir, action_parser, engine_kwargs=engine, **options)
     from asyncvec.inference import OpenAIPolicy
 
     token = args.update_token if args.update_token is not None else os.environ.get("ASYNCVEC_SERVE_TOKEN")
     policy = OpenAIPolicy(
         args.base_url,
         args.served_model or served_model_name(args.base_url, model_dir),
-        completion_with_answer,
+        action_parser,
         server_kind=args.server_kind,
         update_token=token,
         checkpoint_dir=args.weights_dir or weights_dir,
@@ -419,16 +450,119 @@ class LMParts:
     tokenizer: Any
     reference: Any | None
     """the frozen starting model, for the KL penalty (None when ``--kl-coef`` is 0)"""
-    rewarder: RewardService
+    rewarder: RewardService | None
+    """None for multi-turn envs (their rewards are the env's)"""
     policy: Any
     versions: VersionManager
     start_version: int
     """the version of the learner's starting weights on the policy"""
-    collector: GroupCollector
-    eval_env: gym.Env
+    collector: GroupCollector | EpisodeCollector
+    eval_env: gym.Env | None
     resources: contextlib.ExitStack
     """closes the collector, the version manager, the policy (when built here), the reward
     service, the scratch folder and the envs, in that order"""
+    multi_turn: bool = False
+    """--env is multi-turn: the collector is an EpisodeCollector over ``envs``"""
+    eval_envs: Any = None
+    """multi-turn: the vector env evaluation episodes run in"""
+    eval_log: list[dict[str, float]] = field(default_factory=list)
+    """multi-turn: each evaluation's mean reward, success rate and mean turns"""
+
+
+def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:
+    """Whether ``env_id`` is a text env whose episode goes on after one step.
+
+    Raises ``ValueError`` naming the wrapper to use when it is not a text env.
+
+    Example:
+        >>> is_multi_turn("asyncvec/GuessNumber-v0", {}), is_multi_turn("asyncvec/SingleDigitSums-v0", {})
+        (True, False)
+    """
+    check_env_id(env_id)
+    with contextlib.closing(gym.make(env_id, **env_kwargs)) as env:
+        try:
+            check_text_env(env, env_id)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        env.reset(seed=0)
+        _, _, terminated, truncated, _ = env.step("0")
+        return not (terminated or truncated)
+
+
+def expert_conversations(args: LMArgs, tokenizer: Any) -> Iterator[tuple[list[int], str]]:
+    """Endless ``(prompt ids, answer)`` pairs of a multi-turn env played by its own expert
+    (``env.unwrapped.expert_completion()``), rendered as the collector renders them, for
+    :func:`asyncvec.lm.sft_warm_start`."""
+    env = gym.make(args.env, **json.loads(args.env_kwargs))
+    try:
+        expert = env.get_wrapper_attr("expert_completion")
+    except AttributeError:
+        expert = None
+    if not callable(expert):
+        env.close()
+        raise ValueError(f"--sft-steps: {args.env} has no expert_completion() to imitate (multi-turn warm start)")
+    with contextlib.closing(env):
+        for episode in itertools.count():
+            obs, _ = env.reset(seed=args.seed * 1_000_003 + episode + 10**7)
+            chat = Conversation(tokenizer, args.system_prompt)
+            done = False
+            while not done:
+                ids = chat.add_observation(obs)
+                answer = expert()
+                yield ids, answer
+                chat.add_completion(tokenizer(answer).input_ids + [tokenizer.eos_token_id], answer)
+                obs, _, terminated, truncated, _ = env.step(answer)
+                done = terminated or truncated
+
+
+def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
+    """:func:`build_parts` for a multi-turn env: an ``AsyncLLMVectorEnv`` of ``--num-envs`` envs
+    and an ``EpisodeCollector`` (``--group-size`` episodes per reset seed) instead of prompts,
+    a reward service and a ``GroupCollector``. The rewards are the env's."""
+    if args.is_level == "sequence":
+        raise ValueError("--is-level sequence weighs whole completions; multi-turn episodes use --is-level token")
+    if args.per_turn and args.kl_coef > 0:
+        raise ValueError("--per-turn advantages carry no KL penalty: use --kl-coef 0 with --per-turn")
+    env_kwargs = json.loads(args.env_kwargs)
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"asyncvec-{run_name}-")))
+        if args.model:
+            model_dir = Path(args.model)
+            if not model_dir.is_dir():
+                raise FileNotFoundError(f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)")
+        else:  # conversations need a longer context than one-step prompts
+            model_dir = build_tiny_lm(workdir / "tiny-lm", seed=args.seed, max_positions=512)
+        if args.sft_steps:
+            tokenizer = load_causal_lm(model_dir)[1]
+            examples = expert_conversations(args, tokenizer)
+            model_dir = sft_warm_start(model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed)
+        learner, tokenizer = load_causal_lm(model_dir, args.device)
+        reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
+        envs = stack.enter_context(make_text_vector_env(args.env, args.num_envs, env_kwargs=env_kwargs))
+        eval_envs = stack.enter_context(make_text_vector_env(args.env, min(args.num_envs, 8), env_kwargs=env_kwargs))
+        sync = policy is not None or args.backend == "openai"
+        if policy is None:
+            policy = stack.enter_context(
+                make_text_policy(args, model_dir, text_space(), workdir / "weights", action_parser=str)
+            )
+        versions = stack.enter_context(
+            VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)
+        )
+        if sync:
+            policy.load_weights(
+                {k: v.detach().clone() for k, v in learner.state_dict().items()}, versions.current_version
+            )
+        versions.register(LaggedWeights(policy, args.policy_lag))
+        collector = stack.enter_context(
+            EpisodeCollector(
+                envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
+                max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003,
+            )
+        )  # fmt: skip
+        return LMParts(
+            model_dir, learner, tokenizer, reference, None, policy, versions, versions.current_version,
+            collector, None, stack.pop_all(), multi_turn=True, eval_envs=eval_envs,
+        )  # fmt: skip
 
 
 def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
@@ -440,6 +574,8 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMPar
     (another run's, or the model before the warm start), so the learner's starting weights are
     sent to it first, as its newest version + 1.
     """
+    if is_multi_turn(args.env, json.loads(args.env_kwargs)):
+        return build_episode_parts(args, run_name, policy)
     with contextlib.ExitStack() as stack:
         env = stack.enter_context(make_prompt_env(args.env))
         eval_env = stack.enter_context(make_prompt_env(args.env))
@@ -486,9 +622,34 @@ def mean_reward(parts: LMParts, num_prompts: int, seed: int, timeout_s: float) -
     (the same prompts for a given ``seed``); nan when ``num_prompts`` is 0."""
     if num_prompts == 0:
         return float("nan")
+    if parts.multi_turn:
+        return evaluate_episodes(parts, num_prompts, seed, timeout_s)["reward"]
     prompts = list(itertools.islice(iter_prompts(parts.eval_env, seed), num_prompts))
     scored = score_completions(parts.policy, parts.rewarder, prompts, timeout_s)
     return float(np.mean(scored)) if scored else float("nan")
+
+
+def evaluate_episodes(parts: LMParts, num_episodes: int, seed: int, timeout_s: float) -> dict[str, float]:
+    """Multi-turn: ``num_episodes`` held-out episodes (the same for a given ``seed``) played by the
+    policy; their mean return, success rate (terminated with a positive last reward) and mean
+    turns, also appended to ``parts.eval_log``."""
+    collector = EpisodeCollector(
+        parts.eval_envs, parts.policy, 1, tokenizer=parts.tokenizer, system_prompt=parts.collector.system_prompt,
+        max_new_tokens=parts.collector.max_new_tokens, seed=10**9 + seed * 10_007,
+    )  # fmt: skip
+    with collector:
+        batch = collector.collect(num_episodes, timeout=timeout_s * max(1, num_episodes // 8))
+    data = EpisodeBatch.from_episodes(batch, parts.policy.policy_version, max_staleness=10**9)
+    stats = {key: data.info[key] for key in ("reward", "success", "turns_mean")}
+    parts.eval_log.append(stats)
+    return stats
+
+
+def batch_sizes(groups: Any) -> tuple[int, int]:
+    """``(groups, samples)`` of a popped batch: completions, or turns of multi-turn episodes."""
+    if isinstance(groups, EpisodeGroups):
+        return len(groups), groups.num_turns
+    return len(groups.prompt_ids), int(groups.rewards.size)
 
 
 # ------------------------------------------------------------------------------------ results
@@ -523,6 +684,8 @@ class LMTrainResult:
     final_version: int
     reached_target: bool
     history: list[dict] = field(default_factory=list)
+    eval_details: list[dict[str, float]] = field(default_factory=list)
+    """multi-turn envs: each evaluation's reward, success rate and mean turns (before, after)"""
 
     @classmethod
     def from_run(
@@ -592,4 +755,7 @@ def summary(name: str, result: LMTrainResult) -> str:
         f"flagged {result.flagged_fraction:.1%}, unparsable {result.fallback_fraction:.1%}, "
         f"missed deadlines {result.missed_deadline_fraction:.1%}, "
         f"mean staleness {result.staleness_mean:.2f}, final version {result.final_version}"
+    ) + "".join(
+        f"\n  eval {when}: success {d['success']:.3f}, mean turns {d['turns_mean']:.2f}"
+        for when, d in zip(("before RL", "after RL"), result.eval_details)
     )

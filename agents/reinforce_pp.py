@@ -41,9 +41,9 @@ import torch
 import tyro
 
 from agents.common import seed_everything
-from agents.lm_setup import LMArgs, LMTrainResult, build_parts, mean_reward, summary, target_reached
+from agents.lm_setup import LMArgs, LMTrainResult, batch_sizes, build_parts, mean_reward, summary, target_reached
 from asyncvec.buffers import GroupBatch
-from asyncvec.lm import LMBatch, minibatch_updates, quiet_model_libraries
+from asyncvec.lm import EpisodeBatch, EpisodeGroups, LMBatch, minibatch_updates, quiet_model_libraries
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages, truncated_importance_weights
 from asyncvec.metrics import RunLogger
 
@@ -100,8 +100,11 @@ class ReinforcePP:
 
     # ------------------------------------------------------------------ the objective
     def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
-        """Globally normalized returns-to-go ``[N, L]`` (0 off the mask)."""
+        """Globally normalized returns-to-go ``[N, L]`` (0 off the mask); multi-turn: the episode
+        return at its last trained token. ``--per-turn``: each turn's normalized return-to-go."""
         args = self.args
+        if isinstance(data, EpisodeBatch) and args.per_turn:
+            return data.turn_advantages()
         kl = approx_kl(logp, ref_logp, args.kl_estimator) if ref_logp is not None else None
         return reinforce_pp_advantages(
             data.rewards, data.mask, kl, args.kl_coef, baseline=args.baseline, group_ids=data.group_ids
@@ -112,21 +115,29 @@ class ReinforcePP:
         return ppo_clip_loss(logp, prox_logp, advantages, self.args.clip_coef, mask=mask, weights=weights)
 
     # ------------------------------------------------------------------ one update
-    def prepare(self, groups: GroupBatch) -> LMBatch:
-        """The trainable completions of ``groups`` as tensors; records their staleness and the drops."""
+    def prepare(self, groups: GroupBatch | EpisodeGroups) -> LMBatch | EpisodeBatch:
+        """The trainable completions (or episode turns) of ``groups`` as tensors; records their staleness and the drops."""
         current = self.versions.current_version
         self.versions.record_staleness(groups.staleness(current).ravel().tolist())
+        if isinstance(groups, EpisodeGroups):  # multi-turn: a row per episode, stale turns masked one by one
+            data = EpisodeBatch.from_episodes(
+                groups, current, self.args.max_staleness, self.args.gamma, min_group_samples=1,
+                device=self.args.device,
+            )  # fmt: skip
+            self.versions.record_dropped(int(data.info["stale_samples"]))
+            return data
         data = LMBatch.from_groups(
             groups, self.tokenizer, current, self.args.max_staleness, min_group_samples=1, device=self.args.device
         )
         self.versions.record_dropped(int(data.info["stale_samples"]))
         return data
 
-    def update(self, groups: GroupBatch) -> dict[str, float]:
+    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
         """One learner update on complete groups; returns its statistics (no publish)."""
         args = self.args
         data = self.prepare(groups)
-        stats = {**data.info, "groups": len(groups.prompt_ids), "samples_received": groups.rewards.size}
+        num_groups, received = batch_sizes(groups)
+        stats = {**data.info, "groups": num_groups, "samples_received": received}
         if not len(data):
             return stats
         # pi_prox: the learner at update start. One pass over one minibatch reuses its graph.
@@ -229,13 +240,14 @@ class ReinforcePP:
             wall = time.monotonic() - start
             self.collector.stop()
             eval_after = self.evaluate(args.eval_prompts)
+            eval_details = list(self.parts.eval_log)
             if args.output_dir:
                 self.learner.save_pretrained(args.output_dir)
                 self.tokenizer.save_pretrained(args.output_dir)
         finally:
             logger.close()
             self.close()
-        return LMTrainResult.from_run(
+        result = LMTrainResult.from_run(
             history,
             self.collector.stats(),
             wall,
@@ -244,6 +256,8 @@ class ReinforcePP:
             (self.parts.start_version, self.versions.current_version),
             reached,
         )
+        result.eval_details = eval_details
+        return result
 
     def close(self) -> None:
         """Stops generation; closes the policy, the reward service and the envs (reverse order)."""

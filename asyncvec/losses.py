@@ -27,10 +27,12 @@ __all__ = [
     "approx_kl",
     "clipped_fraction",
     "decoupled_ppo_loss",
+    "discounted_returns",
     "effective_sample_size",
     "gae",
     "kl_penalized_rewards",
     "masked_mean",
+    "masked_normalize",
     "ppo_clip_loss",
     "reinforce_pp_advantages",
     "rloo_advantages",
@@ -332,6 +334,50 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     k = rewards.shape[1]
     rewards = rewards.detach()
     return k / (k - 1) * (rewards - rewards.mean(dim=1, keepdim=True))
+
+
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Discounted returns-to-go along the last dim: ``G_t = sum_{i >= t} gamma^(i-t) r_i``.
+
+    Used per turn of multi-turn episodes (``rewards[e, t]``: turn ``t``'s reward). Entries
+    where ``mask`` is False (past an episode's end) count as reward 0 and get return 0.
+
+    Args:
+        rewards: ``[B, T]`` rewards.
+        mask: ``[B, T]`` bool, True on the steps that exist.
+        gamma: discount in ``[0, 1]``.
+
+    Example:
+        >>> discounted_returns(torch.tensor([[0.0, 0.0, 1.0], [1.0, 5.0, 0.0]]),
+        ...                    torch.tensor([[True, True, True], [True, False, False]]), gamma=0.5)
+        tensor([[0.2500, 0.5000, 1.0000],
+                [1.0000, 0.0000, 0.0000]])
+    """
+    _check_same_shape(rewards=rewards, mask=mask)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    rewards = torch.where(mask.bool(), rewards.detach(), torch.zeros_like(rewards))
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for t in range(rewards.shape[-1] - 1, -1, -1):
+        running = rewards[..., t] + gamma * running
+        returns[..., t] = running
+    return torch.where(mask.bool(), returns, torch.zeros_like(returns))
+
+
+def masked_normalize(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over the entries where ``mask`` is True; 0 elsewhere.
+
+    Example:
+        >>> masked_normalize(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([True, True, False]))
+        tensor([-1.,  1.,  0.])
+    """
+    _check_same_shape(values=values, mask=mask)
+    mask = mask.bool()
+    values = values.detach()
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    return torch.where(mask, (values - mean) / torch.sqrt(var + eps), torch.zeros_like(values))
 
 
 def approx_kl(logp: Tensor, ref_logp: Tensor, estimator: Literal["k1", "k2", "k3"] = "k1") -> Tensor:

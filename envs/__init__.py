@@ -16,6 +16,8 @@ _ENVS = {
     "asyncvec/PixelPendulum-v0": ("envs.pixels:make_pixel_env", {"task": "pendulum"}),
     "asyncvec/PixelMountainCarContinuous-v0": ("envs.pixels:make_pixel_env", {"task": "mountain_car"}),
     "asyncvec/PixelCartPole-v0": ("envs.pixels:make_pixel_env", {"task": "cartpole"}),
+    "asyncvec/FrozenLakeText-v0": ("envs.text:make_frozen_lake_text", {}),
+    "asyncvec/CalculatorTool-v0": ("envs.text:CalculatorToolEnv", {}),
 }
 
 for _env_id, (_entry_point, _kwargs) in _ENVS.items():

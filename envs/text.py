@@ -17,16 +17,27 @@ Example:
 
 from __future__ import annotations
 
+import re
 import string
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 from gymnasium import spaces
 
 from asyncvec.rewards import ARITHMETIC_OPERATIONS, exact_answer, parse_leading_int
 
-__all__ = ["COMPLETION_CHARSET", "ArithmeticEnv", "GuessNumberEnv"]
+__all__ = [
+    "COMPLETION_CHARSET",
+    "ArithmeticEnv",
+    "CalculatorToolEnv",
+    "FROZEN_LAKE_ACTIONS",
+    "GuessNumberEnv",
+    "frozen_lake_board",
+    "make_frozen_lake_text",
+]
 
 COMPLETION_CHARSET = string.printable
 """Characters of the completion (action) spaces: printable ASCII, including whitespace."""
@@ -223,6 +234,7 @@ class GuessNumberEnv(gym.Env[str, str]):
         """Draw a new secret number and return the intro."""
         super().reset(seed=seed)
         self._secret = int(self.np_random.integers(1, self.max_number + 1))
+        self._low, self._high = 1, self.max_number  # what the feedback so far allows
         self._turn = 0
         self._lines = [self.intro]
         self._done = False
@@ -246,6 +258,10 @@ class GuessNumberEnv(gym.Env[str, str]):
                 if guess < self._secret
                 else "lower"
             )
+        if feedback == "higher":
+            self._low = max(self._low, guess + 1)
+        elif feedback == "lower":
+            self._high = min(self._high, guess - 1)
         self._lines.append(f"{shown}: {feedback}")
         terminated = feedback == "correct"
         truncated = not terminated and self._turn >= self.max_turns
@@ -253,4 +269,175 @@ class GuessNumberEnv(gym.Env[str, str]):
         reward = (1.0 if terminated else 0.0) - self.step_penalty
         observation = "\n".join(self._lines) if self.transcript else feedback
         info = {"turn": self._turn, "guess": guess, "feedback": feedback}
+        return observation, reward, terminated, truncated, info
+
+    def expert_completion(self) -> str:
+        """Binary search: the middle of the range the feedback so far allows (a warm start's teacher)."""
+        return str((self._low + self._high) // 2)
+
+
+# ----------------------------------------------------------------------------- FrozenLake as text
+FROZEN_LAKE_ACTIONS = ("left", "down", "right", "up")
+"""FrozenLake's actions 0-3 by name."""
+
+
+def frozen_lake_board(env: gym.Env, state: int) -> str:
+    """The map, one row per line, the player's cell shown as ``P``.
+
+    Example:
+        >>> print(frozen_lake_board(gym.make("FrozenLake-v1", is_slippery=False), 5))
+        SFFF
+        FPFH
+        FFFH
+        HFFG
+    """
+    rows = [[cell.decode() for cell in row] for row in env.unwrapped.desc]
+    width = len(rows[0])
+    rows[state // width][state % width] = "P"
+    return "\n".join("".join(row) for row in rows)
+
+
+class _FrozenLakeExpert(gym.Wrapper):
+    """Adds ``expert_completion()``: the first move of a shortest path to the goal (a warm start's teacher)."""
+
+    def expert_completion(self) -> str:
+        lake = self.env.unwrapped
+        desc, (rows, cols) = lake.desc, lake.desc.shape
+        goal = next(r * cols + c for r in range(rows) for c in range(cols) if desc[r, c] == b"G")
+        start = int(lake.s)
+        first_move: dict[int, int] = {start: -1}
+        frontier = [start]
+        while frontier:  # breadth-first search over the deterministic moves
+            nxt = []
+            for state in frontier:
+                for action in range(4):
+                    target = lake.P[state][action][0][1]
+                    r, c = divmod(target, cols)
+                    if target in first_move or desc[r, c] == b"H":
+                        continue
+                    first_move[target] = action if state == start else first_move[state]
+                    if target == goal:
+                        return FROZEN_LAKE_ACTIONS[first_move[target]]
+                    nxt.append(target)
+            frontier = nxt
+        return FROZEN_LAKE_ACTIONS[0]
+
+
+def make_frozen_lake_text(max_turns: int = 12, **kwargs: Any) -> gym.Env:
+    """Deterministic 4x4 FrozenLake (``is_slippery=False``) as a text env: the map with ``P`` for
+    the player, one of ``left/down/right/up`` per turn, reward 1 at the goal, an episode ends
+    in a hole, at the goal or after ``max_turns`` turns. ``kwargs`` go to
+    :class:`asyncvec.lm.TextEnv` (e.g. ``invalid_action="end"``).
+
+    Example:
+        >>> env = make_frozen_lake_text()
+        >>> obs, _ = env.reset(seed=0)
+        >>> print(obs)
+        Actions: left, down, right, up.
+        PFFF
+        FHFH
+        FFFH
+        HFFG
+        >>> env.expert_completion()
+        'down'
+    """
+    from gymnasium.wrappers import TimeLimit
+
+    from asyncvec.lm.text_env import TextEnv
+
+    lake = gym.make("FrozenLake-v1", is_slippery=False, map_name="4x4").unwrapped
+    text = TextEnv(
+        lake,
+        action_names=FROZEN_LAKE_ACTIONS,
+        format_observation=lambda state: frozen_lake_board(lake, int(state)),
+        **kwargs,
+    )
+    return _FrozenLakeExpert(TimeLimit(text, max_episode_steps=max_turns))
+
+
+# ---------------------------------------------------------------------------------- a tool env
+class CalculatorToolEnv(gym.Env[str, str]):
+    """Arithmetic with a calculator tool: the model may call it before it answers.
+
+    The first observation asks e.g. ``"What is 12*7+5? Reply 'call: <expr>' to use the
+    calculator, or 'answer: <n>'."``. A completion ``"call: 12*7"`` runs the calculator: after
+    a heavy-tailed latency (lognormal, median ``tool_median_ms``, ``tool_sigma``; the step
+    sleeps, as a remote tool would) the next observation is ``"result: 84"``. Outcomes:
+
+    * an expression the calculator cannot evaluate: ``"error: cannot evaluate"``;
+    * a call slower than ``tool_timeout_ms``: the step returns after the timeout with
+      ``"error: timeout"`` (``info["tool_timeout"]``);
+    * ``"answer: <n>"`` (or a completion starting with an integer): reward 1.0 if right, 0.0
+      otherwise, ``terminated``;
+    * anything else: ``"error: say 'call: <expr>' or 'answer: <n>'"``, reward 0.
+
+    After ``max_turns`` turns the episode is ``truncated``. ``info`` counts ``tool_calls``.
+
+    Example:
+        >>> env = CalculatorToolEnv(tool_median_ms=1.0)
+        >>> obs, _ = env.reset(seed=0)
+        >>> obs.split("?")[0]
+        'What is 18*13+11'
+        >>> env.step("call: 18*13")[0], env.step("answer: 245")[1:3]
+        ('result: 234', (1.0, True))
+    """
+
+    metadata = {"render_modes": []}
+    _CALL = re.compile(r"^\s*call:\s*(.*)$", re.S)
+    _ANSWER = re.compile(r"^\s*(?:answer:)?\s*(-?\d+)")
+    _SAFE = re.compile(r"^[\d\s+\-*()]{1,40}$")
+
+    def __init__(
+        self,
+        *,
+        max_operand: int = 20,
+        max_turns: int = 4,
+        tool_median_ms: float = 20.0,
+        tool_sigma: float = 1.0,
+        tool_timeout_ms: float = 1000.0,
+    ) -> None:
+        self.max_operand = _check_int("max_operand", max_operand, 1)
+        self.max_turns = _check_int("max_turns", max_turns, 1)
+        self.tool_median_ms, self.tool_sigma, self.tool_timeout_ms = tool_median_ms, tool_sigma, tool_timeout_ms
+        self.observation_space = spaces.Text(min_length=0, max_length=256, charset=COMPLETION_CHARSET)
+        self.action_space = spaces.Text(min_length=0, max_length=256, charset=COMPLETION_CHARSET)
+        self._answer = 0
+        self._turn = 0
+        self.tool_calls = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
+        super().reset(seed=seed)
+        a, b, c = (int(x) for x in self.np_random.integers(1, self.max_operand + 1, size=3))
+        self._answer, self._turn = a * b + c, 0
+        return f"What is {a}*{b}+{c}? Reply 'call: <expr>' to use the calculator, or 'answer: <n>'.", {}
+
+    def _calculate(self, expression: str) -> tuple[str, bool]:
+        latency = self.tool_median_ms * float(np.exp(self.tool_sigma * self.np_random.standard_normal()))
+        timed_out = latency > self.tool_timeout_ms
+        time.sleep(min(latency, self.tool_timeout_ms) / 1000.0)
+        if timed_out:
+            return "error: timeout", True
+        if not self._SAFE.match(expression):
+            return "error: cannot evaluate", False
+        try:
+            return f"result: {eval(expression, {'__builtins__': {}}, {})}", False  # digits and + - * ( ) only
+        except Exception:
+            return "error: cannot evaluate", False
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        completion = _check_action(action)
+        self._turn += 1
+        info: dict[str, Any] = {"tool_timeout": False}
+        call = self._CALL.match(completion)
+        reward, terminated = 0.0, False
+        if call:
+            self.tool_calls += 1
+            observation, info["tool_timeout"] = self._calculate(call.group(1).strip())
+        elif (answer := self._ANSWER.match(completion)) is not None:
+            reward, terminated = float(int(answer.group(1)) == self._answer), True
+            observation = "correct" if reward else "wrong"
+        else:
+            observation = "error: say 'call: <expr>' or 'answer: <n>'"
+        info["tool_calls"] = self.tool_calls
+        truncated = not terminated and self._turn >= self.max_turns
         return observation, reward, terminated, truncated, info

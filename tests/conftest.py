@@ -65,6 +65,8 @@ HEAVY_UNITS = {
     "tests/test_lm_agents_vllm.py": 550,
     "tests/test_learning.py": 330,
     "tests/test_lm_agents.py": 320,
+    "tests/test_multiturn_learning.py": 300,
+    "tests/test_multiturn.py": 100,
     "tests/test_docs.py::test_doc_blocks_run[docs/lm_agents.md]": 220,
     "tests/test_docs.py::test_doc_blocks_run[README.md]": 215,
     "tests/test_ray_env.py": 155,

@@ -14,6 +14,8 @@ from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fi
 
 import asyncvec.group_collector
 import asyncvec.lm
+import asyncvec.lm.groups
+import asyncvec.lm.learner
 from agents import lm_setup, reinforce_pp, rloo
 from agents.lm_setup import solved_prompts
 from asyncvec import rewards
@@ -404,8 +406,9 @@ def test_training_through_an_asyncvec_server(asyncvec_server, tmp_path):
     "options, error, message",
     [
         ({"env": "asyncvec/SingleDigitSum-v0"}, ValueError, "did you mean asyncvec/SingleDigitSums-v0"),
-        ({"env": "CartPole-v1"}, ValueError, "gymnasium.spaces.Text observation space"),
-        ({"env": "asyncvec/GuessNumber-v0"}, ValueError, "did not end after one step"),
+        ({"env": "CartPole-v1"}, ValueError, "not gymnasium.spaces.Text; wrap the env in asyncvec.lm.TextEnv"),
+        ({"env": "Pendulum-v1"}, ValueError, "not gymnasium.spaces.Text; wrap it in a gymnasium wrapper"),
+        ({"env": "asyncvec/GuessNumber-v0", "is_level": "sequence"}, ValueError, "multi-turn episodes use --is-level token"),
         ({"reward": "no_such_plugin"}, ValueError, "no reward plugin named 'no_such_plugin'"),
         ({"model": "/nonexistent/model"}, FileNotFoundError, "--model /nonexistent/model"),
         ({"backend": "openai", "base_url": "http://127.0.0.1:9"}, ValueError, "--base-url http://127.0.0.1:9"),
@@ -468,7 +471,9 @@ def test_completion_logps_use_the_sampling_temperature(tiny_dir):
     assert got[0, 2].item() == 0.0
 
 
-@pytest.mark.parametrize("module", [lm_setup, rloo, reinforce_pp, asyncvec.lm, asyncvec.group_collector])
+@pytest.mark.parametrize(
+    "module", [lm_setup, rloo, reinforce_pp, asyncvec.lm, asyncvec.lm.learner, asyncvec.group_collector, asyncvec.lm.groups]
+)
 def test_docstring_examples_run(module):
     failures, tried = doctest.testmod(module, verbose=False)
     assert tried > 0 and failures == 0

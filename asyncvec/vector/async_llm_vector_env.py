@@ -814,6 +814,36 @@ class AsyncLLMVectorEnv(VectorEnv):
             self._send(i, "step", action)
         self._flush()
 
+    def send_reset(
+        self, env_ids: Sequence[int], seeds: Sequence[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> None:
+        """Resets the envs in ``env_ids`` (each with its seed) and returns at once; the reset
+        observations come out of :meth:`recv` like :meth:`async_reset`'s. The other envs keep
+        stepping: an env whose episode ended (or was abandoned) starts its next one when its
+        driver chooses, with the seed it chooses (e.g. k episodes of one seed for a group).
+
+        Raises:
+            ValueError: an env id is out of range, repeated, or still busy; or ``seeds`` has
+                another length than ``env_ids``.
+        """
+        self._assert_is_running()
+        if self._state != _LockstepState.DEFAULT:
+            raise AlreadyPendingCallError(f"Calling `send_reset` while waiting for `{self._state.value}`.", self._state.value)
+        ids = [int(i) for i in np.asarray(env_ids).reshape(-1)]
+        seeds = [None] * len(ids) if seeds is None else list(seeds)
+        if len(seeds) != len(ids):
+            raise ValueError(f"send_reset: {len(seeds)} seeds for {len(ids)} env ids")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"env_ids has repeated ids: {ids}")
+        for i in ids:
+            if not 0 <= i < self.num_envs:
+                raise ValueError(f"env id {i} is out of range [0, {self.num_envs})")
+            if self._slots[i].command is not None:
+                raise ValueError(f"env {i} is still busy with its previous send (or its answer was not received yet)")
+        for i, seed in zip(ids, seeds):
+            self._send(i, "reset", {"seed": seed, "options": options})
+        self._flush()
+
     def recv(self, timeout: float | None = None):
         """Returns the first ``batch_size`` envs to finish, in arrival order.
 

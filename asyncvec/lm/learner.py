@@ -3,7 +3,7 @@
 with their teacher-forced log-probs.
 
 The acting side (policies, engines, servers) lives in :mod:`asyncvec.inference`; the groups
-come from :class:`asyncvec.group_collector.GroupCollector`.
+come from :class:`asyncvec.lm.groups.GroupCollector`.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import torch
 from asyncvec.buffers import GroupBatch
 
 __all__ = [
+    "EpisodeBatch",
     "LMBatch",
     "completion_logps",
     "load_causal_lm",
     "minibatch_updates",
     "quiet_model_libraries",
+    "sequence_logps",
     "sft_warm_start",
 ]
 
@@ -121,6 +123,9 @@ def sft_warm_start(
 ) -> Path:
     """Supervised warm start: teaches ``prompt -> answer<eos>`` on ``(prompt, answer)`` pairs.
 
+    A prompt is a str or its token ids (e.g. a rendered multi-turn conversation,
+    :class:`asyncvec.lm.chat.Conversation`'s ``ids``).
+
     The model in ``model_dir`` is left untouched; the trained one is saved to ``out_dir``.
     The loss covers the answer tokens only. Training uses ``torch_threads`` CPU threads (a
     tiny model is no faster on two, and a second thread spins against other work on a small
@@ -146,7 +151,7 @@ def sft_warm_start(
             for step in range(steps):
                 sequences, starts = [], []
                 for prompt, answer in itertools.islice(examples, batch_size):
-                    prompt_ids = tokenizer(prompt).input_ids
+                    prompt_ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
                     sequences.append(prompt_ids + tokenizer(answer).input_ids + [tokenizer.eos_token_id])
                     starts.append(len(prompt_ids))
                 if not sequences:
@@ -217,13 +222,13 @@ class LMBatch:
     ) -> LMBatch:
         """Selects the trainable completions of ``batch`` (see the class docstring) as tensors.
 
-        ``batch.completions`` holds :class:`~asyncvec.group_collector.ScoredCompletion`\\ s.
+        ``batch.completions`` holds :class:`~asyncvec.lm.groups.ScoredCompletion`\\ s.
         The result may have no rows (``len(batch) == 0``): then there is nothing to train on.
 
         Example:
             >>> import tempfile
             >>> from asyncvec.buffers import CompletionGroups
-            >>> from asyncvec.group_collector import ScoredCompletion
+            >>> from asyncvec.lm.groups import ScoredCompletion
             >>> from asyncvec.inference import PolicyOutput, build_tiny_lm
             >>> _, tokenizer = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
             >>> groups = CompletionGroups(group_size=2)
@@ -284,6 +289,183 @@ class LMBatch:
         )
 
 
+def sequence_logps(
+    model: torch.nn.Module, sequences: Sequence[Sequence[int]], mask: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Teacher-forced log-probs ``[N, W]`` of each token of ``sequences`` given the tokens before it,
+    where ``mask`` (``[N, W]`` bool) is True; 0 elsewhere (and always at position 0).
+
+    Example:
+        >>> import tempfile
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> model, tok = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
+        >>> mask = torch.tensor([[False, False, True, True]])
+        >>> (sequence_logps(model, [[6, 13, 7, 17]], mask)[0, :2] == 0).all().item()
+        True
+    """
+    width = mask.shape[1]
+    device = next(model.parameters()).device
+    input_ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    attention = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, sequence in enumerate(sequences):
+        input_ids[i, : len(sequence)] = torch.tensor(list(sequence), dtype=torch.long)
+        attention[i, : len(sequence)] = 1
+    input_ids, attention, mask = input_ids.to(device), attention.to(device), mask.to(device)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float() / temperature
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logps = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    return torch.where(mask, logps, torch.zeros_like(logps))
+
+
+@dataclass
+class EpisodeBatch:
+    """Multi-turn episodes (:class:`~asyncvec.lm.episodes.EpisodeGroups`) as learner tensors: a row per
+    episode, its whole conversation as one sequence of ``W`` tokens, the loss on model tokens only.
+
+    The conversation is prefix-stable, so the last turn's prompt plus its completion holds every
+    turn; ``mask`` is True on the completion tokens of the turns that are trained on, False on
+    the system prompt, the observations (user turns) and the template's text around turns.
+    Each token keeps its own turn's behavior log-prob, so importance weights and staleness are
+    per turn. :meth:`from_episodes` decides what is trained on:
+
+    * an episode whose env raised (``env_error``) is left out, also of its group's baseline;
+    * a turn more than ``max_staleness`` versions older than the learner is masked out
+      (``stale_samples`` counts them); its reward still counts in the episode's return;
+    * a turn that missed the policy's deadline (nothing sampled) is masked out;
+    * a group left with fewer than ``min_group_samples`` episodes is skipped.
+
+    Attributes:
+        sequences: ``N`` token-id sequences (the whole conversation).
+        rewards: ``[N]`` episode returns ``sum_t gamma^t r_t``.
+        group_ids: ``[N]`` index of each row's group.
+        behavior_logp: ``[N, W]`` the engine's log-prob of each completion token.
+        mask: ``[N, W]`` True on the trained completion tokens.
+        turn_ids: ``[N, W]`` the turn index of each completion token (-1 elsewhere).
+        turn_rewards: ``[N, T]`` each turn's reward; ``turn_mask`` ``[N, T]`` True where the turn exists.
+        gamma: the discount of ``rewards``.
+        info: ``reward`` (mean undiscounted return), ``turns_mean``, ``success`` (share of
+            episodes terminated with a positive last reward), ``stale_samples`` (turns),
+            ``stale_groups`` (0: turns are dropped one by one), ``flagged`` (0), ``missed_deadlines``,
+            ``env_errors``, ``context_overflows``, ``samples_used`` (turns trained on), ``staleness_mean``.
+    """
+
+    sequences: list[list[int]]
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    behavior_logp: torch.Tensor
+    mask: torch.Tensor
+    turn_ids: torch.Tensor
+    turn_rewards: torch.Tensor
+    turn_mask: torch.Tensor
+    gamma: float
+    info: dict[str, float]
+
+    @classmethod
+    def from_episodes(
+        cls,
+        batch: Any,
+        current_version: int,
+        max_staleness: int,
+        gamma: float = 1.0,
+        min_group_samples: int = 1,
+        device: str | torch.device = "cpu",
+    ) -> EpisodeBatch:
+        """Selects what is trained on in ``batch`` (see the class docstring) as tensors.
+
+        Example:
+            >>> from asyncvec.lm.episodes import Episode, EpisodeGroups, Turn
+            >>> turns = [Turn((5, 6), (7, 1), (-0.1, -0.2), "7", 0, 0.0, reward=0.0),
+            ...          Turn((5, 6, 7, 1, 8), (9, 1), (-0.3, -0.4), "9", 1, 0.0, reward=1.0)]
+            >>> data = EpisodeBatch.from_episodes(EpisodeGroups([[Episode(0, 0, 0, turns, terminated=True)]], [0]),
+            ...                                   current_version=1, max_staleness=0, gamma=0.5)
+            >>> data.mask.int().tolist(), data.rewards.tolist(), data.info["stale_samples"]
+            ([[0, 0, 0, 0, 0, 1, 1]], [0.5], 1.0)
+        """
+        episodes = [e for group in batch.episodes for e in group]
+        rows: list[tuple[int, Any]] = []
+        for g, group in enumerate(batch.episodes):
+            usable = [e for e in group if e.trainable]
+            if len(usable) >= min_group_samples:
+                rows.extend((g, e) for e in usable)
+        sequences = [list(e.turns[-1].prompt_ids) + list(e.turns[-1].completion_ids) for _, e in rows]
+        width = max(map(len, sequences), default=0)
+        max_turns = max((e.num_turns for _, e in rows), default=0)
+        behavior = torch.zeros(len(rows), width)
+        mask = torch.zeros(len(rows), width, dtype=torch.bool)
+        turn_ids = torch.full((len(rows), width), -1, dtype=torch.long)
+        turn_rewards = torch.zeros(len(rows), max_turns)
+        turn_mask = torch.zeros(len(rows), max_turns, dtype=torch.bool)
+        stale = used = 0
+        for i, (_, episode) in enumerate(rows):
+            for t, turn in enumerate(episode.turns):
+                turn_rewards[i, t] = turn.reward
+                turn_mask[i, t] = True
+                start, stop = len(turn.prompt_ids), len(turn.prompt_ids) + len(turn.completion_ids)
+                if not turn.trainable:
+                    continue
+                if current_version - turn.policy_version > max_staleness:
+                    stale += 1
+                    continue
+                used += 1
+                behavior[i, start:stop] = torch.tensor(turn.completion_logps, dtype=torch.float32)
+                mask[i, start:stop] = True
+                turn_ids[i, start:stop] = t
+        sampled = [t for e in episodes for t in e.turns if t.trainable]
+        finished = [e for e in episodes if not e.env_error]
+        info = {
+            "reward": float(np.mean([e.total_reward for e in finished])) if finished else float("nan"),
+            "turns_mean": float(np.mean([e.num_turns for e in finished])) if finished else float("nan"),
+            "success": float(np.mean([_succeeded(e) for e in finished])) if finished else float("nan"),
+            "stale_groups": 0.0,
+            "stale_samples": float(stale),
+            "flagged": 0.0,
+            "missed_deadlines": float(sum(t.missed_deadline for e in episodes for t in e.turns)),
+            "env_errors": float(sum(e.env_error for e in episodes)),
+            "context_overflows": float(sum(e.context_overflow for e in episodes)),
+            "samples_used": float(used),
+            "staleness_mean": float(np.mean([current_version - t.policy_version for t in sampled])) if sampled else 0.0,
+        }
+        return cls(
+            sequences=sequences,
+            rewards=torch.tensor([e.discounted_return(gamma) for _, e in rows], dtype=torch.float32, device=device),
+            group_ids=torch.tensor([g for g, _ in rows], dtype=torch.long, device=device),
+            behavior_logp=behavior.to(device),
+            mask=mask.to(device),
+            turn_ids=turn_ids.to(device),
+            turn_rewards=turn_rewards.to(device),
+            turn_mask=turn_mask.to(device),
+            gamma=gamma,
+            info=info,
+        )
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def logps(self, model: torch.nn.Module, temperature: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced log-probs ``[n, W]`` of the trained tokens (all rows, or ``rows``) under ``model``."""
+        index = range(len(self)) if rows is None else rows.tolist()
+        mask = self.mask if rows is None else self.mask[rows]
+        return sequence_logps(model, [self.sequences[i] for i in index], mask, temperature)
+
+    def turn_advantages(self) -> torch.Tensor:
+        """Per-turn advantages ``[N, W]`` on the trained tokens: each turn's discounted return-to-go
+        ``G_t = sum_{i >= t} gamma^(i-t) r_i``, normalized over the trained turns of the batch."""
+        from asyncvec.losses import discounted_returns, masked_normalize
+
+        returns = discounted_returns(self.turn_rewards, self.turn_mask, self.gamma)
+        trained = torch.zeros_like(self.turn_mask)
+        rows, columns = (self.turn_ids >= 0).nonzero(as_tuple=True)
+        trained[rows, self.turn_ids[rows, columns]] = True
+        per_turn = masked_normalize(returns, trained)
+        gathered = per_turn.gather(1, self.turn_ids.clamp(min=0)) if per_turn.numel() else torch.zeros_like(self.behavior_logp)
+        return torch.where(self.mask, gathered, torch.zeros_like(gathered))
+
+
+def _succeeded(episode: Any) -> bool:
+    """Terminated with a positive last reward (GuessNumber's correct guess, FrozenLake's goal)."""
+    return bool(episode.terminated and episode.turns and episode.turns[-1].reward > 0)
+
+
 def minibatch_updates(
     data: LMBatch,
     model: torch.nn.Module,
@@ -307,7 +489,7 @@ def minibatch_updates(
     Example:
         >>> import tempfile
         >>> from asyncvec.buffers import CompletionGroups
-        >>> from asyncvec.group_collector import ScoredCompletion
+        >>> from asyncvec.lm.groups import ScoredCompletion
         >>> from asyncvec.inference import PolicyOutput, build_tiny_lm
         >>> model, tokenizer = load_causal_lm(build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32))
         >>> groups = CompletionGroups(group_size=2)

@@ -1,0 +1,73 @@
+"""Language-model policies acting and learning (the ``asyncvec/lm/`` room).
+
+* :mod:`asyncvec.lm.learner`: ``LMBatch`` (one-step completions as learner tensors),
+  ``EpisodeBatch`` (multi-turn episodes, model tokens only), teacher-forced log-probs, the
+  supervised warm start;
+* :mod:`asyncvec.lm.chat`: ``Conversation``, the prefix-stable rendering of a multi-turn
+  episode (chat template, or the plain format);
+* :mod:`asyncvec.lm.episodes`: ``EpisodeCollector``, episodes of a text policy in an
+  ``AsyncLLMVectorEnv``, k per reset seed;
+* :mod:`asyncvec.lm.text_env`: ``TextEnv`` (any Discrete-action env as a text env),
+  ``StringEnv`` (a plain ``reset()/step(str)`` object with Text spaces);
+* :mod:`asyncvec.lm.groups`: ``GroupCollector`` (k scored completions per prompt);
+* :mod:`asyncvec.lm.rewards`: reward plugins and the ``RewardService``.
+
+Names are imported lazily (an env worker importing ``asyncvec.lm.text_env`` never pays for
+torch). ``asyncvec.group_collector`` and ``asyncvec.rewards`` are the same modules as
+``asyncvec.lm.groups`` and ``asyncvec.lm.rewards``.
+
+Example:
+    >>> from asyncvec.lm import Conversation, LMBatch
+    >>> LMBatch.__module__
+    'asyncvec.lm.learner'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_LAZY = {
+    "LMBatch": "asyncvec.lm.learner",
+    "EpisodeBatch": "asyncvec.lm.learner",
+    "completion_logps": "asyncvec.lm.learner",
+    "sequence_logps": "asyncvec.lm.learner",
+    "load_causal_lm": "asyncvec.lm.learner",
+    "minibatch_updates": "asyncvec.lm.learner",
+    "quiet_model_libraries": "asyncvec.lm.learner",
+    "sft_warm_start": "asyncvec.lm.learner",
+    "Conversation": "asyncvec.lm.chat",
+    "PlainChatFormat": "asyncvec.lm.chat",
+    "Turn": "asyncvec.lm.episodes",
+    "Episode": "asyncvec.lm.episodes",
+    "EpisodeGroups": "asyncvec.lm.episodes",
+    "EpisodeCollector": "asyncvec.lm.episodes",
+    "make_text_vector_env": "asyncvec.lm.episodes",
+    "TextEnv": "asyncvec.lm.text_env",
+    "StringEnv": "asyncvec.lm.text_env",
+    "check_text_env": "asyncvec.lm.text_env",
+    "text_space": "asyncvec.lm.text_env",
+    "GroupCollector": "asyncvec.lm.groups",
+    "ScoredCompletion": "asyncvec.lm.groups",
+    "score_completions": "asyncvec.lm.groups",
+    "RewardService": "asyncvec.lm.rewards",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:  # every other name the old asyncvec/lm.py module had
+        try:
+            value = getattr(importlib.import_module("asyncvec.lm.learner"), name)
+        except AttributeError:
+            raise AttributeError(f"module 'asyncvec.lm' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

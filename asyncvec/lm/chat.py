@@ -1,0 +1,150 @@
+"""``Conversation``: a multi-turn episode as the token ids a causal LM reads, built by appending.
+
+The prompt of turn ``t`` is the rendered history: the system prompt, every observation as a
+user turn, every completion as an assistant turn, then the opening of the next assistant turn.
+It is **prefix-stable**: turn ``t``'s prompt ids are a prefix of turn ``t+1``'s, because each
+turn only appends ids: the sampled completion's own token ids (never re-tokenized) and the
+tokenization of the new text around them. An engine with a prefix cache reuses the history,
+and the learner scores exactly the ids the engine saw.
+
+Two renderings:
+
+* **chat template** (the tokenizer has ``chat_template``): the new text of a turn is the
+  difference between ``apply_chat_template`` of the conversation after and before it. A
+  template that rewrites earlier turns (no longer a prefix) raises ``ValueError``.
+* **plain format** (no template, e.g. the tiny char-level models): :class:`PlainChatFormat`::
+
+      {system}\\n                      (only with a system prompt)
+      User: {observation}\\n
+      Assistant: {completion}\\n       (the completion's sampled ids, eos included when sampled)
+      User: {observation}\\n
+      Assistant:  ...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Conversation", "PlainChatFormat"]
+
+
+@dataclass(frozen=True)
+class PlainChatFormat:
+    """The text around turns when the tokenizer has no chat template (see the module docstring).
+
+    Attributes:
+        user: text before each observation.
+        assistant: text after each observation, opening the assistant's turn (the prompt ends here).
+        turn_end: text after each completion (and after the system prompt).
+    """
+
+    user: str = "User: "
+    assistant: str = "\nAssistant: "
+    turn_end: str = "\n"
+
+
+class Conversation:
+    """One episode's conversation as token ids, built by appending (prefix-stable).
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer; its ``chat_template`` is used when it has one
+            and ``use_chat_template`` is not False.
+        system_prompt: the first message (None: none).
+        plain: the plain format used without a chat template.
+        use_chat_template: None (default): when the tokenizer has one; False: the plain format.
+
+    Example:
+        >>> from asyncvec.inference.tiny_models import build_char_tokenizer
+        >>> tok = build_char_tokenizer()
+        >>> chat = Conversation(tok, system_prompt="Play.")
+        >>> first = chat.add_observation("8?")
+        >>> tok.decode(first)
+        'Play.\\nUser: 8?\\nAssistant: '
+        >>> chat.add_completion(tok("7").input_ids + [tok.eos_token_id])
+        >>> second = chat.add_observation("higher")
+        >>> second[: len(first)] == first, tok.decode(second, skip_special_tokens=True)[len('Play.'):]
+        (True, '\\nUser: 8?\\nAssistant: 7\\nUser: higher\\nAssistant: ')
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        system_prompt: str | None = None,
+        plain: PlainChatFormat = PlainChatFormat(),
+        use_chat_template: bool | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.plain = plain
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if use_chat_template and not has_template:
+            raise ValueError("use_chat_template=True, but the tokenizer has no chat_template")
+        self.uses_template = has_template if use_chat_template is None else bool(use_chat_template)
+        self.messages: list[dict[str, str]] = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        self.ids: list[int] = []
+        """the token ids so far (after :meth:`add_observation`: the prompt of the next turn)"""
+        self.num_turns = 0
+        """completions added"""
+        self._rendered = ""  # chat template: the text self.ids stand for
+        self._pending_suffix = ""  # chat template: the text the template puts after the last completion
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _encode(self, text: str, first: bool) -> list[int]:
+        if not text:
+            return []
+        special = first and not self.uses_template  # a BOS the tokenizer adds, once, at the start
+        return list(self.tokenizer(text, add_special_tokens=special).input_ids)
+
+    def _render(self, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            self.messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def add_observation(self, observation: str) -> list[int]:
+        """Appends ``observation`` as a user turn and opens the assistant's; returns the prompt ids."""
+        if not isinstance(observation, str):
+            raise TypeError(f"Conversation: an observation must be a str, got {type(observation).__name__}")
+        first = not self.ids
+        if self.uses_template:
+            self.messages.append({"role": "user", "content": observation})
+            after = self._render(generation_prompt=True)
+            before = self._rendered + self._pending_suffix
+            if not after.startswith(before):
+                raise ValueError(
+                    "Conversation: the tokenizer's chat template is not prefix-stable (rendering a new turn "
+                    "changed the text of earlier ones); pass use_chat_template=False for the plain format"
+                )
+            new_text = self._pending_suffix + after[len(before):]
+            self._rendered = after
+        else:
+            plain = self.plain
+            head = f"{self.system_prompt}{plain.turn_end}" if first and self.system_prompt is not None else ""
+            new_text = f"{head}{plain.user}{observation}{plain.assistant}"
+            self.messages.append({"role": "user", "content": observation})
+        self._pending_suffix = ""
+        self.ids.extend(self._encode(new_text, first))
+        return list(self.ids)
+
+    def add_completion(self, token_ids: list[int] | tuple[int, ...], text: str | None = None) -> None:
+        """Appends the sampled completion's ids as they are (``text``: its decoded text, for the template)."""
+        token_ids = [int(t) for t in token_ids]
+        if text is None:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        self.ids.extend(token_ids)
+        self.messages.append({"role": "assistant", "content": text})
+        self.num_turns += 1
+        if self.uses_template:
+            full = self._render(generation_prompt=False)
+            head = self._rendered + text
+            suffix = full[len(head):] if full.startswith(head) else ""
+            eos = self.tokenizer.eos_token
+            if token_ids and token_ids[-1] == self.tokenizer.eos_token_id and eos and suffix.startswith(eos):
+                suffix = suffix[len(eos):]  # the sampled eos already closed the turn
+            self._rendered = full[: len(full) - len(suffix)] if suffix else full
+            self._pending_suffix = suffix
+        else:
+            self._pending_suffix = ""
+            self.ids.extend(self._encode(self.plain.turn_end, False))

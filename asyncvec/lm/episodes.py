@@ -1,0 +1,612 @@
+"""``EpisodeCollector``: multi-turn episodes of a text policy in an ``AsyncLLMVectorEnv``.
+
+::
+
+    env i: reset(seed of its group) ─► obs ─► Conversation.add_observation ─► policy.submit(prompt ids)
+              ▲                                                                   │ (batched with the
+              │   reward, done                                                    ▼  other envs' turns)
+    env i: step(completion text) ◄── Turn(prompt ids, completion ids, log-probs, version, ...) ◄┘
+
+**Async** (default): each env asks for its next turn the moment its step returns; the turns of
+all envs waiting on the model reach the engine batched by the policy's ``DynamicBatcher``; an env
+whose episode ends starts the next one at once. **Lockstep** (``lockstep=True``, what
+batch-rollout trainers do): all envs generate turn ``t``, then all step, and a round of episodes
+ends when its last episode ends.
+
+Groups: ``group_size`` episodes from the same reset seed (one seed per group), for group
+baselines. A group is handed out (:meth:`EpisodeCollector.pop`) once all its episodes ended.
+
+Outcomes that are counted in :meth:`EpisodeCollector.stats` and never crash the run:
+
+* context overflow (prompt + ``max_new_tokens`` over ``max_context_tokens``): the episode ends
+  ``truncated`` with ``context_overflow=True`` (its turns so far are kept and trained on);
+* an empty completion, or a deadline miss (``missed_deadline``: the policy never sampled,
+  the turn is never trained on): the env receives ``""`` and its own rule applies (``TextEnv``:
+  penalty and no-op);
+* a completion outside the env's ``Text`` action space is cut to its length and charset
+  (``actions_clipped``);
+* an env that raises mid-episode, with ``max_restarts > 0`` on the vector env: the episode ends
+  truncated with ``env_error=True`` and is never trained on (nor counted in its group's baseline).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+
+from asyncvec.inference.types import PolicyOutput, TextPrompt
+from asyncvec.lm.chat import Conversation, PlainChatFormat
+from asyncvec.lm.text_env import check_text_env
+
+__all__ = ["Episode", "EpisodeCollector", "EpisodeGroups", "Turn", "make_text_vector_env"]
+
+
+@dataclass
+class Turn:
+    """One assistant turn: the policy call and the env step that followed it.
+
+    Attributes:
+        prompt_ids: the rendered history the model read (a prefix of the next turn's prompt).
+        completion_ids: the sampled token ids (eos included when sampled); empty on a deadline miss.
+        completion_logps: the behavior log-prob of each completion token.
+        text: the completion's text (what the env received, before any clipping).
+        policy_version: the weights' version that sampled it.
+        policy_latency_s: seconds from the request to the answer.
+        fallback: the policy flagged the answer (deadline miss, or its action parser rejected it).
+        missed_deadline: the policy's deadline passed: nothing was sampled (never trained on).
+        reward: the env's reward for this turn.
+        env_latency_s: seconds the env step took (as seen by the collector).
+    """
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    completion_logps: tuple[float, ...]
+    text: str
+    policy_version: int
+    policy_latency_s: float
+    fallback: bool = False
+    missed_deadline: bool = False
+    reward: float = 0.0
+    env_latency_s: float = 0.0
+
+    @property
+    def trainable(self) -> bool:
+        """A sampled completion (not a deadline miss, not empty)."""
+        return not self.missed_deadline and len(self.completion_ids) > 0
+
+
+@dataclass
+class Episode:
+    """A whole conversation: its turns and how it ended.
+
+    Attributes:
+        env_id, seed, group: where it ran, its reset seed, its group's index.
+        turns: the assistant turns in order.
+        terminated, truncated: how the episode ended (``truncated`` also for context overflow and env errors).
+        context_overflow: the next prompt would not fit the context: the episode was cut there.
+        env_error: the env raised (it was rebuilt): the episode is never trained on.
+    """
+
+    env_id: int
+    seed: int
+    group: int
+    turns: list[Turn] = field(default_factory=list)
+    terminated: bool = False
+    truncated: bool = False
+    context_overflow: bool = False
+    env_error: bool = False
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def total_reward(self) -> float:
+        return float(sum(t.reward for t in self.turns))
+
+    def discounted_return(self, gamma: float = 1.0) -> float:
+        """``sum_t gamma^t r_t`` over its turns."""
+        return float(sum(gamma**t * turn.reward for t, turn in enumerate(self.turns)))
+
+    @property
+    def trainable(self) -> bool:
+        """No env error and at least one trainable turn."""
+        return not self.env_error and any(turn.trainable for turn in self.turns)
+
+
+@dataclass
+class EpisodeGroups:
+    """Complete groups popped from an :class:`EpisodeCollector`: ``episodes[g]`` holds group ``g``'s ``k`` episodes."""
+
+    episodes: list[list[Episode]]
+    seeds: list[int]
+
+    def __len__(self) -> int:
+        return len(self.episodes)
+
+    @property
+    def num_turns(self) -> int:
+        return sum(e.num_turns for group in self.episodes for e in group)
+
+    def staleness(self, current_version: int) -> np.ndarray:
+        """Versions behind ``current_version`` of every sampled turn (flat)."""
+        return np.asarray(
+            [current_version - t.policy_version for g in self.episodes for e in g for t in e.turns if t.trainable],
+            dtype=np.int64,
+        )
+
+
+def make_text_vector_env(
+    env: str | Callable[[], gym.Env] | Sequence[Callable[[], gym.Env]],
+    num_envs: int | None = None,
+    *,
+    env_kwargs: dict[str, Any] | None = None,
+    max_restarts: int = 100,
+    **kwargs: Any,
+) -> Any:
+    """An ``AsyncLLMVectorEnv`` for :class:`EpisodeCollector`: ``batch_size=1`` (every env is
+    received the moment it is done) and ``max_restarts`` (an env that raises is rebuilt and its
+    episode ends truncated instead of failing the run).
+
+    ``env``: a registered id (made with ``env_kwargs``), an env function (``num_envs`` copies), or
+    a list of env functions.
+
+    Example:
+        >>> import envs  # registers asyncvec/GuessNumber-v0
+        >>> vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2)
+        >>> vec.num_envs, vec.batch_size
+        (2, 1)
+        >>> vec.close()
+    """
+    from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
+
+    if isinstance(env, str):
+        env_id, options = env, dict(env_kwargs or {})
+        fns = [lambda: gym.make(env_id, **options)] * (num_envs or 1)
+    elif callable(env):
+        fns = [env] * (num_envs or 1)
+    else:
+        fns = list(env)
+    kwargs.setdefault("batch_size", 1)
+    return AsyncLLMVectorEnv(fns, max_restarts=max_restarts, **kwargs)
+
+
+def _clip_to_space(text: str, space: gym.Space) -> tuple[str, bool]:
+    if not isinstance(space, gym.spaces.Text) or space.contains(text):
+        return text, False
+    kept = "".join(ch for ch in text if ch in space.character_set)[: space.max_length]
+    return kept + " " * max(space.min_length - len(kept), 0), True
+
+
+class _Group:
+    def __init__(self, index: int, seed: int, size: int) -> None:
+        self.index, self.seed = index, seed
+        self.unassigned = size
+        self.episodes: list[Episode] = []
+
+
+class EpisodeCollector:
+    """Episodes of a text policy in a vector env of text envs, ``group_size`` per reset seed.
+
+    It runs in a background thread (started by :meth:`submit` or :meth:`start`) and drives
+    ``envs`` through ``send_reset``/``send``/``recv``. Two ways for the learner to drive it,
+    as :class:`~asyncvec.lm.groups.GroupCollector`:
+
+    * :meth:`collect` (or :meth:`submit` then :meth:`pop`): exactly the groups taken next;
+    * :meth:`start` ``(total_groups, ahead)``: keeps ``ahead`` groups started but not yet popped.
+
+    Args:
+        envs: an ``AsyncLLMVectorEnv`` of text envs (``gymnasium.spaces.Text`` observations
+            and actions; :func:`make_text_vector_env` builds one with ``batch_size=1``).
+        policy: a text policy (``HFTextPolicy``, ``VLLMPolicy``, ``OpenAIPolicy``) whose
+            answers carry token ids and log-probs; it receives token-id prompts.
+        group_size: ``k``, episodes per reset seed.
+        tokenizer: the model's tokenizer (default: ``policy.tokenizer``).
+        system_prompt: the conversation's first message (None: none).
+        max_new_tokens: completion limit per turn (default: the policy's).
+        max_context_tokens: prompt + ``max_new_tokens`` must fit (default: the policy's
+            ``max_positions``/``max_model_len`` when it has one).
+        seed: group ``g``'s episodes reset with seed ``seed + g``.
+        lockstep: turn-level lockstep instead of per-env turns (see the module docstring).
+        use_chat_template, plain_format: how turns are rendered (:class:`~asyncvec.lm.chat.Conversation`).
+
+    Example:
+        >>> import tempfile, gymnasium as gym, envs
+        >>> from asyncvec.inference import HFTextPolicy, build_tiny_lm
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32, max_positions=256)
+        >>> vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs={"max_turns": 2, "transcript": False})
+        >>> with HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(16), max_new_tokens=3) as policy, \\
+        ...         EpisodeCollector(vec, policy, group_size=2) as collector:
+        ...     batch = collector.collect(1, timeout=60)
+        >>> [len(e.turns) for e in batch.episodes[0]], batch.episodes[0][0].seed == batch.episodes[0][1].seed
+        ([2, 2], True)
+        >>> vec.close()
+    """
+
+    def __init__(
+        self,
+        envs: Any,
+        policy: Any,
+        group_size: int,
+        *,
+        tokenizer: Any = None,
+        system_prompt: str | None = None,
+        max_new_tokens: int | None = None,
+        max_context_tokens: int | None = None,
+        seed: int = 0,
+        lockstep: bool = False,
+        use_chat_template: bool | None = None,
+        plain_format: PlainChatFormat = PlainChatFormat(),
+        poll_s: float = 0.002,
+    ) -> None:
+        check_text_env(_Spaces(envs), "EpisodeCollector: envs")
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
+        self.envs = envs
+        self.policy = policy
+        self.group_size = group_size
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(policy, "tokenizer", None)
+        if self.tokenizer is None:
+            raise TypeError("EpisodeCollector: pass tokenizer= (the policy has no .tokenizer)")
+        self.system_prompt = system_prompt
+        self.max_new_tokens = max_new_tokens or getattr(getattr(policy, "defaults", None), "max_new_tokens", None)
+        if not self.max_new_tokens:
+            raise TypeError("EpisodeCollector: pass max_new_tokens= (the policy has no sampling defaults)")
+        self.max_context_tokens = max_context_tokens or getattr(policy, "max_positions", None) or getattr(
+            policy, "max_model_len", None
+        )
+        self.seed = int(seed)
+        self.lockstep = bool(lockstep)
+        self.use_chat_template = use_chat_template
+        self.plain_format = plain_format
+        self.poll_s = float(poll_s)
+        n = envs.num_envs
+        self._conversations: list[Conversation | None] = [None] * n
+        self._episodes: list[Episode | None] = [None] * n
+        self._env_group: list[_Group | None] = [None] * n
+        self._sent_at = [0.0] * n
+        self._idle: list[int] = list(range(n))
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting_policy = 0
+        self._open: deque[_Group] = deque()
+        self._next_group = 0
+        self._complete: deque[_Group] = deque()
+        self._cond = threading.Condition()
+        self._quota = 0
+        self._total: int | None = None
+        self._refill = False
+        self._ahead = 0
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._counts = dict.fromkeys(
+            (
+                "groups", "episodes", "turns", "terminated", "truncated", "context_overflows", "env_errors",
+                "missed_deadlines", "rejected", "empty_completions", "actions_clipped",
+            ),
+            0,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the learner's side
+    @property
+    def samples(self) -> int:
+        """Turns sampled so far (completions)."""
+        return self._counts["turns"]
+
+    def submit(self, num_groups: int) -> None:
+        """Allows ``num_groups`` more groups to start (the thread starts on the first call)."""
+        with self._cond:
+            self._quota += num_groups
+            self._cond.notify_all()
+        self._ensure_thread()
+
+    def collect(self, num_groups: int, timeout: float) -> EpisodeGroups:
+        """Sync mode: ``num_groups`` new groups of complete episodes."""
+        self.submit(num_groups)
+        return self.pop(num_groups, timeout)
+
+    def start(self, total_groups: int, ahead: int) -> EpisodeCollector:
+        """Async mode: keeps ``ahead`` groups started but not popped, ``total_groups`` in all."""
+        if self._thread is not None:
+            raise RuntimeError("EpisodeCollector.start: already started")
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+            raise ValueError(f"ahead: expected an int >= 1 (groups collected ahead of the learner), got {ahead!r}")
+        with self._cond:
+            self._total, self._refill, self._ahead = total_groups, True, ahead
+            self._quota = min(ahead, total_groups)
+        self._ensure_thread()
+        return self
+
+    def pop(self, num_groups: int, timeout: float) -> EpisodeGroups:
+        """Waits (at most ``timeout`` s) for ``num_groups`` complete groups, in the order they completed."""
+        if self._refill and num_groups > self._ahead:
+            raise ValueError(
+                f"pop({num_groups}): at most ahead={self._ahead} groups run before a pop returns; "
+                "pop fewer at a time or start with a larger ahead"
+            )
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._complete) < num_groups:
+                self.check()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"no {num_groups} complete groups within {timeout} s ({len(self._complete)} complete, "
+                        f"{len(self._open)} open; collector stats {self.stats()}, policy stats {self.policy.stats()})"
+                    )
+                self._cond.wait(min(remaining, 0.25))
+            groups = [self._complete.popleft() for _ in range(num_groups)]
+            if self._refill:
+                started = self._next_group + self._quota
+                self._quota += max(0, min(num_groups, self._total - started))
+                self._cond.notify_all()
+        return EpisodeGroups([g.episodes for g in groups], [g.seed for g in groups])
+
+    def check(self) -> None:
+        """Raises the first error of the collection thread, if any."""
+        if self._error is not None:
+            raise RuntimeError(f"episode collection failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    def stats(self) -> dict[str, float]:
+        """Counters: groups, episodes, turns, terminated, truncated, context_overflows, env_errors,
+        missed_deadlines, rejected (the policy's parser), empty_completions, actions_clipped; ``samples``
+        (= turns) and ``flagged`` (0: rewards come from the env) as in ``GroupCollector.stats``."""
+        return {**self._counts, "samples": self._counts["turns"], "flagged": 0}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops collecting; turns and steps in flight are abandoned."""
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the episode collector thread did not stop within {timeout} s")
+
+    close = stop
+
+    def __enter__(self) -> EpisodeCollector:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ the thread
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            target = self._run_lockstep if self.lockstep else self._run_async
+            self._thread = threading.Thread(target=self._guarded, args=(target,), name="asyncvec-episodes", daemon=True)
+            self._thread.start()
+
+    def _guarded(self, target: Callable[[], None]) -> None:
+        try:
+            target()
+        except Exception as exc:  # re-raised in the learner by check() / pop()
+            if not self._stopping.is_set():
+                with self._cond:
+                    self._error = self._error or exc
+                    self._cond.notify_all()
+
+    def _assign(self, env_ids: list[int]) -> list[int]:
+        """Gives each env the next episode slot (opening groups while the quota allows); resets them."""
+        assigned, seeds = [], []
+        with self._cond:
+            for env_id in env_ids:
+                while self._open and self._open[0].unassigned == 0:
+                    self._open.popleft()
+                if not self._open:
+                    if self._quota <= 0:
+                        break
+                    self._quota -= 1
+                    self._open.append(_Group(self._next_group, self.seed + self._next_group, self.group_size))
+                    self._next_group += 1
+                    self._counts["groups"] += 1
+                group = self._open[0]
+                group.unassigned -= 1
+                self._env_group[env_id] = group
+                assigned.append(env_id)
+                seeds.append(group.seed)
+        if assigned:
+            now = time.monotonic()
+            for env_id, seed in zip(assigned, seeds):
+                self._episodes[env_id] = Episode(env_id, seed, self._env_group[env_id].index)
+                self._conversations[env_id] = None
+                self._sent_at[env_id] = now
+            self.envs.send_reset(assigned, seeds)
+        return assigned
+
+    def _ask(self, env_id: int, observation: str) -> bool:
+        """Renders the observation and requests the next turn; False when the context would overflow."""
+        conversation = self._conversations[env_id]
+        if conversation is None:
+            conversation = self._conversations[env_id] = Conversation(
+                self.tokenizer, self.system_prompt, self.plain_format, self.use_chat_template
+            )
+        prompt_ids = conversation.add_observation(observation)
+        if self.max_context_tokens is not None and len(prompt_ids) + self.max_new_tokens > self.max_context_tokens:
+            episode = self._episodes[env_id]
+            episode.truncated = episode.context_overflow = True
+            self._counts["context_overflows"] += 1
+            self._finish(env_id)
+            return False
+        future = self.policy.submit(TextPrompt(tuple(prompt_ids), max_new_tokens=self.max_new_tokens), env_id=env_id)
+        self._waiting_policy += 1
+        future.add_done_callback(lambda f, e=env_id: self._answers.put((e, f)))
+        return True
+
+    def _on_answer(self, env_id: int, future: Future) -> str:
+        """Records the turn; returns the action text for the env."""
+        self._waiting_policy -= 1
+        output: PolicyOutput = future.result()  # a backend failure fails the run
+        conversation = self._conversations[env_id]
+        missed = output.fallback and output.text is None
+        ids = () if missed else tuple(output.token_ids or ())
+        if not missed and not ids and output.text:
+            raise ValueError(
+                f"{type(self.policy).__name__} returned no token ids; the learner needs them "
+                "(OpenAIPolicy: return_token_ids=True against vLLM or asyncvec serve)"
+            )
+        text = "" if missed else (output.text or "")
+        turn = Turn(
+            prompt_ids=tuple(conversation.ids),
+            completion_ids=ids,
+            completion_logps=() if missed else tuple(output.token_logps or ()),
+            text=text,
+            policy_version=output.policy_version,
+            policy_latency_s=output.latency_s,
+            fallback=output.fallback,
+            missed_deadline=missed,
+        )
+        conversation.add_completion(ids, text)
+        self._episodes[env_id].turns.append(turn)
+        counts = self._counts
+        counts["turns"] += 1
+        counts["missed_deadlines"] += missed
+        counts["rejected"] += output.fallback and not missed
+        counts["empty_completions"] += not text.strip() and not missed
+        action, clipped = _clip_to_space(text, self.envs.single_action_space)
+        counts["actions_clipped"] += clipped
+        return action
+
+    def _send(self, env_ids: list[int], actions: list[str]) -> None:
+        now = time.monotonic()
+        for env_id in env_ids:
+            self._sent_at[env_id] = now
+        self.envs.send(tuple(actions), env_ids)
+
+    def _on_env(self, env_id: int, observation: str, reward: float, terminated: bool, truncated: bool,
+                restarted: bool) -> bool:  # fmt: skip
+        """Files a reset or step result; True when the env needs a turn from the policy next."""
+        episode = self._episodes[env_id]
+        if episode.turns:  # a step's result (a reset's has no turn before it)
+            turn = episode.turns[-1]
+            turn.reward = float(reward)
+            turn.env_latency_s = time.monotonic() - self._sent_at[env_id]
+        if restarted:
+            episode.env_error = episode.truncated = True
+            self._counts["env_errors"] += 1
+            self._finish(env_id)
+            return False
+        if terminated or truncated:
+            episode.terminated, episode.truncated = bool(terminated), bool(truncated)
+            self._finish(env_id)
+            return False
+        return True
+
+    def _finish(self, env_id: int) -> None:
+        episode, group = self._episodes[env_id], self._env_group[env_id]
+        self._episodes[env_id] = self._conversations[env_id] = self._env_group[env_id] = None
+        self._idle.append(env_id)
+        counts = self._counts
+        counts["episodes"] += 1
+        counts["terminated"] += episode.terminated
+        counts["truncated"] += episode.truncated
+        with self._cond:
+            group.episodes.append(episode)
+            if len(group.episodes) == self.group_size:
+                self._complete.append(group)
+                self._cond.notify_all()
+
+    def _receive(self, timeout: float) -> list[tuple[int, Any, float, bool, bool, bool]]:
+        """Whatever envs finished within ``timeout`` (then whatever else is already there)."""
+        results = []
+        while self.envs.in_flight:
+            try:
+                obs, rewards, terminations, truncations, info = self.envs.recv(timeout=timeout)
+            except multiprocessing.TimeoutError:
+                break
+            restarted = np.asarray(info.get("env_restarted", np.zeros(len(rewards), bool)), dtype=bool)
+            if "_env_restarted" in info:
+                restarted &= np.asarray(info["_env_restarted"], dtype=bool)
+            for k, env_id in enumerate(info["env_id"]):
+                results.append((int(env_id), obs[k], float(rewards[k]), bool(terminations[k]),
+                                bool(truncations[k]), bool(restarted[k])))  # fmt: skip
+            timeout = 0.0005
+        return results
+
+    def _handle_env_results(self, results: list) -> None:
+        for env_id, observation, reward, terminated, truncated, restarted in results:
+            if self._on_env(env_id, observation, reward, terminated, truncated, restarted):
+                self._ask(env_id, observation)
+
+    def _run_async(self) -> None:
+        while not self._stopping.is_set():
+            if self._idle:
+                assigned = set(self._assign(list(self._idle)))
+                self._idle = [e for e in self._idle if e not in assigned]
+            ready_ids, actions = [], []
+            while True:
+                try:
+                    env_id, future = self._answers.get_nowait()
+                except queue.Empty:
+                    break
+                actions.append(self._on_answer(env_id, future))
+                ready_ids.append(env_id)
+            if ready_ids:
+                self._send(ready_ids, actions)
+            if self.envs.in_flight:
+                self._handle_env_results(self._receive(self.poll_s if self._waiting_policy else 0.05))
+            elif self._waiting_policy:
+                try:
+                    self._answers.put(self._answers.get(timeout=0.05))  # wait for an answer, handle it next loop
+                except queue.Empty:
+                    pass
+            else:
+                with self._cond:
+                    self._cond.wait(0.05)
+
+    def _run_lockstep(self) -> None:
+        per_round = max(self.envs.num_envs // self.group_size, 1)
+        while not self._stopping.is_set():
+            with self._cond:
+                if self._quota <= 0:
+                    self._cond.wait(0.05)
+                    continue
+            active = self._assign(list(range(min(per_round * self.group_size, self.envs.num_envs))))
+            self._idle = []
+            results = []
+            while len(results) < len(active) and not self._stopping.is_set():
+                results += self._receive(0.05)
+            live = []
+            for env_id, observation, reward, terminated, truncated, restarted in results:
+                if self._on_env(env_id, observation, reward, terminated, truncated, restarted) and self._ask(
+                    env_id, observation
+                ):
+                    live.append(env_id)
+            while live and not self._stopping.is_set():
+                answers = {}
+                while len(answers) < len(live) and not self._stopping.is_set():
+                    try:
+                        env_id, future = self._answers.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    answers[env_id] = self._on_answer(env_id, future)
+                self._send(live, [answers[e] for e in live])
+                results = []
+                while len(results) < len(live) and not self._stopping.is_set():
+                    results += self._receive(0.05)
+                live = []
+                for env_id, observation, reward, terminated, truncated, restarted in results:
+                    if self._on_env(env_id, observation, reward, terminated, truncated, restarted) and self._ask(
+                        env_id, observation
+                    ):
+                        live.append(env_id)
+            self._idle = list(range(self.envs.num_envs))
+
+
+class _Spaces:
+    """The single spaces of a vector env, for :func:`check_text_env`."""
+
+    def __init__(self, envs: Any) -> None:
+        self.observation_space = getattr(envs, "single_observation_space", None)
+        self.action_space = getattr(envs, "single_action_space", None)

@@ -1,0 +1,273 @@
+"""``GroupCollector``: k scored completions per prompt from a text policy, in a background thread.
+
+What the RLOO / GRPO / REINFORCE++ family needs from the acting side::
+
+    prompts ──► k x policy.submit(prompt) ──► completion (token ids, log-probs, version)
+                                                   │
+                    RewardService.submit(prompt, text) ◄┘   (scores while generation goes on)
+                                                   ▼
+                            CompletionGroups (k per prompt) ──► learner: pop(num_groups)
+
+Each completion keeps the policy version that sampled it (``GroupBatch.policy_version``), so
+the learner can measure staleness and correct for it. A completion whose policy deadline
+passed (``fallback=True`` and no text: the policy never sampled it) is not scored; it joins
+its group marked :attr:`ScoredCompletion.missed_deadline`, and the learner must leave it out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from asyncvec.buffers import CompletionGroups, GroupBatch
+from asyncvec.inference.types import PolicyOutput
+from asyncvec.lm.rewards import RewardService
+
+__all__ = ["GroupCollector", "ScoredCompletion", "score_completions"]
+
+
+@dataclass(frozen=True)
+class ScoredCompletion:
+    """One completion and its reward, as :class:`GroupCollector` stores it in its groups.
+
+    Attributes:
+        prompt: the prompt it answers.
+        output: the policy's answer (text, token ids, token log-probs, version, fallback flag).
+        reward: the scorer's reward (a stand-in when ``flagged``; 0.0 for a deadline miss).
+        flagged: the reward is unknown (the RewardService timed out or the scorer raised).
+
+    Example:
+        >>> out = PolicyOutput(action=None, behavior_logp=0.0, policy_version=2, latency_s=1.0, fallback=True)
+        >>> sample = ScoredCompletion("3+4=", out, reward=0.0, flagged=False)
+        >>> sample.missed_deadline, sample.trainable
+        (True, False)
+    """
+
+    prompt: str
+    output: PolicyOutput
+    reward: float
+    flagged: bool
+
+    @property
+    def missed_deadline(self) -> bool:
+        """The policy delivered its fallback action after the deadline: nothing was sampled."""
+        return self.output.fallback and self.output.text is None
+
+    @property
+    def trainable(self) -> bool:
+        """A sampled completion with a measured reward (neither flagged nor a deadline miss)."""
+        return not self.flagged and not self.missed_deadline
+
+
+class GroupCollector:
+    """Prompts -> ``group_size`` completions each (policy) -> rewards (RewardService) -> groups.
+
+    Completions are requested from the policy as futures; each finished completion goes to
+    the reward service at once, so scoring overlaps generation, and each scored one joins its
+    prompt's group in a :class:`CompletionGroups`. Two ways to drive it:
+
+    * **sync**: :meth:`collect` (or :meth:`submit` then :meth:`pop`) generates exactly the
+      groups the learner takes next;
+    * **async**: :meth:`start` runs a thread that keeps ``ahead`` prompts requested but not
+      yet popped, so generation goes on while the learner trains; :meth:`pop` takes the
+      oldest complete groups.
+
+    Errors of the policy, the reward service or the callbacks are re-raised (as RuntimeError
+    with the original chained) by :meth:`check`, :meth:`pop` and :meth:`collect`; a pop that
+    waits longer than its timeout raises TimeoutError naming what is pending. It never hangs.
+
+    Args:
+        policy: a text policy (``HFTextPolicy``, ``VLLMPolicy``, ``OpenAIPolicy``) whose
+            answers carry ``token_ids`` and ``token_logps``; each prompt's ``k`` completions are
+            requested together with ``submit_group`` (one engine request with ``n = k``).
+        reward_service: scores ``(prompt, completion text)``.
+        prompts: the prompts, in order (an endless iterator is fine).
+        group_size: ``k``, completions per prompt.
+
+    Example:
+        >>> import tempfile, gymnasium as gym
+        >>> from asyncvec.inference import HFTextPolicy, build_tiny_lm
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> with HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(8), max_new_tokens=3) as policy, \\
+        ...         RewardService("exact_answer") as rewarder, \\
+        ...         GroupCollector(policy, rewarder, ["1+2=", "3+4=", "5+1="], group_size=2) as collector:
+        ...     batch = collector.collect(3, timeout=60)
+        >>> batch.rewards.shape, batch.policy_version.tolist()
+        ((3, 2), [[0, 0], [0, 0], [0, 0]])
+    """
+
+    def __init__(self, policy: Any, reward_service: RewardService, prompts: Iterable[str], group_size: int) -> None:
+        self.policy = policy
+        self.reward_service = reward_service
+        self.prompts: Iterator[str] = iter(prompts)
+        self.groups = CompletionGroups(group_size)
+        self.group_size = self.groups.group_size
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._slots: threading.Semaphore | None = None
+        self._thread: threading.Thread | None = None
+        self.submitted_prompts = 0
+        self.samples = 0
+        """completions received (scored, flagged or missed)"""
+        self.flagged = 0
+        """completions whose reward is unknown (RewardService timeout or scorer error)"""
+        self.rejected = 0
+        """sampled completions the policy's action parser rejected (``fallback=True`` with text)"""
+        self.missed_deadlines = 0
+        """requests answered with the fallback action after the policy's deadline (not sampled)"""
+
+    # ------------------------------------------------------------------ driving it
+    def submit(self, num_prompts: int) -> None:
+        """Requests ``group_size`` completions for each of the next ``num_prompts`` prompts."""
+        for prompt in itertools.islice(self.prompts, num_prompts):
+            prompt_id = next(self._ids)
+            for future in self.policy.submit_group(prompt, self.group_size):  # one engine request with n = k
+                future.add_done_callback(partial(self._on_completion, prompt_id, prompt))
+            with self._lock:
+                self.submitted_prompts += 1
+
+    def collect(self, num_prompts: int, timeout: float) -> GroupBatch:
+        """Sync mode: ``num_prompts`` new prompts, ``group_size`` scored completions each."""
+        self.submit(num_prompts)
+        return self.pop(num_prompts, timeout)
+
+    def start(self, total_prompts: int, ahead: int) -> GroupCollector:
+        """Async mode: a thread requests prompts (``total_prompts`` in all) while fewer than
+        ``ahead`` are requested and not yet popped."""
+        if self._thread is not None:
+            raise RuntimeError("GroupCollector.start: already started")
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
+            raise ValueError(f"ahead: expected an int >= 1 (prompts generated ahead of the learner), got {ahead!r}")
+        self._slots = threading.Semaphore(ahead)
+        self._thread = threading.Thread(
+            target=self._run, args=(total_prompts,), name="asyncvec-group-collector", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def _run(self, total_prompts: int) -> None:
+        try:
+            while not self._stopping.is_set() and self.submitted_prompts < total_prompts:
+                if self._slots.acquire(timeout=0.1):
+                    self.submit(1)
+        except Exception as exc:  # re-raised in the learner by check()
+            self._fail(exc)
+
+    def pop(self, num_groups: int, timeout: float) -> GroupBatch:
+        """Waits (at most ``timeout`` seconds) for ``num_groups`` complete groups, oldest first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            try:
+                batch = self.groups.pop(num_groups, timeout=min(0.25, max(deadline - time.monotonic(), 0.0)))
+                break
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"no {num_groups} complete groups within {timeout} s ({self.groups.num_pending} prompts "
+                        f"pending, policy stats {self.policy.stats()}, reward stats {self.reward_service.stats()})"
+                    ) from None
+        if self._slots is not None:
+            for _ in range(num_groups):
+                self._slots.release()
+        return batch
+
+    def check(self) -> None:
+        """Raises the first error of the generation or scoring path, if any."""
+        if self._error is not None:
+            raise RuntimeError(f"generation failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    def stats(self) -> dict[str, float]:
+        """Counters: prompts requested, completions received, flagged, rejected, missed deadlines."""
+        with self._lock:
+            return {
+                "prompts": self.submitted_prompts,
+                "samples": self.samples,
+                "flagged": self.flagged,
+                "rejected": self.rejected,
+                "missed_deadlines": self.missed_deadlines,
+            }
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops requesting; completions still in flight are ignored from now on."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the group collector thread did not stop within {timeout} s")
+
+    close = stop
+
+    def __enter__(self) -> GroupCollector:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # Callbacks run on the policy's and the reward service's threads: quick, never raising.
+    def _fail(self, exc: BaseException) -> None:
+        if not self._stopping.is_set():
+            with self._lock:
+                self._error = self._error or exc
+
+    def _on_completion(self, prompt_id: int, prompt: str, future: Future) -> None:
+        try:
+            output: PolicyOutput = future.result()
+            if output.fallback and output.text is None:  # deadline miss: nothing sampled, nothing to score
+                self._add(prompt_id, ScoredCompletion(prompt, output, 0.0, False))
+                return
+            if not output.token_ids:
+                raise ValueError(
+                    f"{type(self.policy).__name__} returned no token ids for {prompt!r}; the learner needs them "
+                    "(OpenAIPolicy: return_token_ids=True against vLLM or asyncvec serve)"
+                )
+            scored = self.reward_service.submit(prompt, output.text or "")
+            scored.add_done_callback(partial(self._on_reward, prompt_id, prompt, output))
+        except Exception as exc:
+            self._fail(exc)
+
+    def _on_reward(self, prompt_id: int, prompt: str, output: PolicyOutput, future: Future) -> None:
+        try:
+            result = future.result()
+            self._add(prompt_id, ScoredCompletion(prompt, output, result.reward, result.flagged))
+        except Exception as exc:
+            self._fail(exc)
+
+    def _add(self, prompt_id: int, sample: ScoredCompletion) -> None:
+        with self._lock:
+            self.samples += 1
+            self.flagged += sample.flagged
+            self.missed_deadlines += sample.missed_deadline
+            self.rejected += sample.output.fallback and not sample.missed_deadline
+        logps = np.asarray(sample.output.token_logps or (), dtype=np.float32)
+        self.groups.add(prompt_id, sample, sample.reward, logps, sample.output.policy_version)
+
+
+def score_completions(policy: Any, reward_service: RewardService, prompts: list[str], timeout: float) -> list[float]:
+    """One completion per prompt, scored: the rewards that are known (flagged ones and deadline
+    misses left out). Their mean is the usual evaluation of a text policy.
+
+    Example:
+        >>> import tempfile, gymnasium as gym
+        >>> from asyncvec.inference import HFTextPolicy, build_tiny_lm
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> with HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(8), max_new_tokens=2) as policy, \\
+        ...         RewardService("exact_answer") as rewarder:
+        ...     len(score_completions(policy, rewarder, ["1+2=", "3+4="], timeout=60))
+        2
+    """
+    outputs = policy.act(prompts, timeout=timeout)
+    sampled = [(p, o) for p, o in zip(prompts, outputs, strict=True) if not (o.fallback and o.text is None)]
+    futures = [reward_service.submit(p, o.text or "") for p, o in sampled]
+    results = [f.result(timeout=reward_service.timeout_s + 5.0) for f in futures]
+    return [r.reward for r in results if not r.flagged]

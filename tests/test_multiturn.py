@@ -1,0 +1,354 @@
+"""Multi-turn LM episodes: prefix-stable conversations, the episode collector (async and lockstep,
+groups of one reset seed, context overflow, env errors, deadline misses), text-env wrappers and
+their bad input, EpisodeBatch masking and per-turn advantages, and the agents on multi-turn envs."""
+
+from __future__ import annotations
+
+import doctest
+import math
+import tempfile
+
+import gymnasium as gym
+import pytest
+import torch
+
+import asyncvec.lm
+import asyncvec.lm.chat
+import asyncvec.lm.episodes
+import asyncvec.lm.text_env
+import envs  # noqa: F401  (registers the ids)
+import envs.text
+from agents import lm_setup, reinforce_pp, rloo
+from asyncvec.inference import HFTextPolicy, build_tiny_lm
+from asyncvec.inference.tiny_models import build_char_tokenizer
+from asyncvec.lm import (
+    Conversation,
+    Episode,
+    EpisodeBatch,
+    EpisodeCollector,
+    EpisodeGroups,
+    StringEnv,
+    TextEnv,
+    Turn,
+    load_causal_lm,
+    make_text_vector_env,
+)
+from asyncvec.losses import discounted_returns, masked_normalize
+
+pytestmark = pytest.mark.timeout(240)
+GUESS8 = {"max_number": 8, "max_turns": 3, "transcript": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir():
+    return build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32, max_positions=256, seed=0)
+
+
+def _policy(folder, **kwargs):
+    return HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(64), max_new_tokens=3, **kwargs)
+
+
+# ------------------------------------------------------------------------------ conversations
+def test_plain_conversation_is_prefix_stable_and_keeps_sampled_ids():
+    tok = build_char_tokenizer()
+    chat = Conversation(tok, system_prompt="Guess.")
+    prompts = []
+    for obs, completion in [("start", [13, 1]), ("higher", [14, 1]), ("lower", [])]:
+        prompts.append(chat.add_observation(obs))
+        chat.add_completion(completion)
+    for before, after in zip(prompts, prompts[1:]):
+        assert after[: len(before)] == before
+    assert prompts[1][len(prompts[0]) : len(prompts[0]) + 2] == [13, 1]  # the sampled ids, eos kept
+
+
+def test_chat_template_conversation_appends_only_new_text():
+    tok = build_char_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}<eos>\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    chat = Conversation(tok, system_prompt="Play")
+    first = chat.add_observation("hi")
+    assert chat.uses_template
+    assert tok.decode(first) == "<system>Play<eos>\n<user>hi<eos>\n<assistant>"
+    chat.add_completion(tok("7").input_ids + [tok.eos_token_id], "7")
+    second = chat.add_observation("no")
+    assert second[: len(first)] == first
+    assert tok.decode(second[len(first) :]) == "7<eos>\n<user>no<eos>\n<assistant>"  # the eos is not doubled
+
+
+def test_plain_format_can_be_forced_over_a_template():
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert not Conversation(tok, use_chat_template=False).uses_template
+
+
+# ------------------------------------------------------------------------------ the collector
+@pytest.mark.parametrize("lockstep", [False, True], ids=["async", "lockstep"])
+def test_collector_groups_share_a_seed_and_turns_carry_everything(tiny_dir, lockstep):
+    vec = make_text_vector_env("asyncvec/GuessNumber-v0", 4, env_kwargs=GUESS8)
+    try:
+        with _policy(tiny_dir) as policy, EpisodeCollector(vec, policy, group_size=2, lockstep=lockstep) as collector:
+            batch = collector.collect(3, timeout=120)
+        assert len(batch) == 3 and len(set(batch.seeds)) == 3
+        for group, seed in zip(batch.episodes, batch.seeds):
+            assert len(group) == 2 and all(e.seed == seed for e in group)
+            for episode in group:
+                assert episode.terminated or episode.truncated
+                for turn, nxt in zip(episode.turns, episode.turns[1:]):
+                    assert nxt.prompt_ids[: len(turn.prompt_ids)] == turn.prompt_ids
+                    assert nxt.prompt_ids[len(turn.prompt_ids) :][: len(turn.completion_ids)] == turn.completion_ids
+                for turn in episode.turns:
+                    assert len(turn.completion_logps) == len(turn.completion_ids) > 0
+                    assert turn.policy_version == 0 and turn.env_latency_s > 0 and not turn.missed_deadline
+        stats = collector.stats()
+        assert stats["episodes"] >= 6 and stats["turns"] == stats["samples"] >= 6
+    finally:
+        vec.close()
+
+
+def test_context_overflow_ends_the_episode_truncated(tiny_dir):
+    vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs=GUESS8)
+    try:
+        with _policy(tiny_dir) as policy, EpisodeCollector(
+            vec, policy, group_size=2, max_context_tokens=60
+        ) as collector:
+            batch = collector.collect(2, timeout=120)
+        episodes = [e for g in batch.episodes for e in g]
+        assert all(e.context_overflow and e.truncated and not e.terminated for e in episodes)
+        assert all(len(t.prompt_ids) + 3 <= 60 for e in episodes for t in e.turns)
+        assert collector.stats()["context_overflows"] == len(episodes)
+    finally:
+        vec.close()
+
+
+class _Exploding(gym.Env):
+    """A text env that raises on its second step."""
+
+    observation_space = action_space = asyncvec.lm.text_env.text_space(64)
+
+    def reset(self, *, seed=None, options=None):
+        self.turn = 0
+        return "go", {}
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 2:
+            raise RuntimeError("the env broke")
+        return "again", 1.0, False, False, {}
+
+
+def test_an_env_that_raises_ends_its_episode_and_is_never_trained_on(tiny_dir):
+    vec = make_text_vector_env(_Exploding, 2)
+    try:
+        with _policy(tiny_dir) as policy, EpisodeCollector(vec, policy, group_size=2) as collector:
+            batch = collector.collect(1, timeout=120)
+        episodes = batch.episodes[0]
+        assert all(e.env_error and e.truncated for e in episodes)
+        assert collector.stats()["env_errors"] == 2
+        assert len(EpisodeBatch.from_episodes(batch, 0, max_staleness=0)) == 0
+    finally:
+        vec.close()
+
+
+def test_deadline_misses_send_an_empty_completion_and_are_not_trained_on(tiny_dir):
+    vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs=GUESS8)
+    try:
+        from asyncvec.inference import LatencyModel
+
+        with LatencyModel(_policy(tiny_dir), a_ms=300, b_ms=0, deadline_ms=50) as slow, EpisodeCollector(
+            vec, slow, group_size=2, tokenizer=build_char_tokenizer(), max_new_tokens=3
+        ) as collector:
+            batch = collector.collect(1, timeout=120)
+        turns = [t for e in batch.episodes[0] for t in e.turns]
+        assert turns and all(t.missed_deadline and not t.trainable for t in turns)
+        assert collector.stats()["missed_deadlines"] == len(turns)
+        assert len(EpisodeBatch.from_episodes(batch, 0, max_staleness=0)) == 0
+    finally:
+        vec.close()
+
+
+def test_collector_rejects_envs_that_are_not_text():
+    vec = make_text_vector_env(lambda: gym.make("FrozenLake-v1"), 1)
+    try:
+        with pytest.raises(TypeError, match="TextEnv"):
+            EpisodeCollector(vec, object(), group_size=1, tokenizer=build_char_tokenizer())
+    finally:
+        vec.close()
+
+
+# ------------------------------------------------------------------------------ text envs
+def test_text_env_invalid_rules():
+    lake = lambda: gym.make("FrozenLake-v1", is_slippery=False)  # noqa: E731
+    env = TextEnv(lake(), action_names=envs.text.FROZEN_LAKE_ACTIONS, max_invalid=2)
+    env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step("")
+    assert obs.startswith("Invalid action.") and reward == -0.1 and not (terminated or truncated)
+    assert env.step("???")[3]  # the second invalid turn in a row ends it
+    env = TextEnv(lake(), action_names=envs.text.FROZEN_LAKE_ACTIONS, invalid_action="end")
+    env.reset(seed=0)
+    assert env.step("fly")[3]
+    assert env.step("DOWN please")[4]["invalid_action"] is False
+    with pytest.raises(TypeError, match="Discrete"):
+        TextEnv(gym.make("Pendulum-v1"))
+
+
+def test_frozen_lake_text_expert_reaches_the_goal():
+    env = gym.make("asyncvec/FrozenLakeText-v0")
+    env.reset(seed=0)
+    expert = env.get_wrapper_attr("expert_completion")
+    total, turns, done = 0.0, 0, False
+    while not done:
+        _, reward, terminated, truncated, _ = env.step(expert())
+        total, turns, done = total + reward, turns + 1, terminated or truncated
+    assert total == 1.0 and turns == 6
+
+
+def test_string_env_gives_text_spaces_and_rejects_non_text():
+    class Counter:
+        def reset(self):
+            self.n = 0
+            return "count"
+
+        def step(self, text):
+            self.n += 1
+            return str(self.n), 1.0, self.n >= 2
+
+    vec = make_text_vector_env(lambda: StringEnv(Counter()), 1)
+    try:
+        vec.async_reset()
+        assert vec.recv(timeout=30)[0][0] == "count"
+    finally:
+        vec.close()
+
+    class Numbers:
+        def reset(self):
+            return 3
+
+        def step(self, text):
+            return 3, 0.0, True
+
+    with pytest.raises(TypeError, match="expected str"):
+        StringEnv(Numbers()).reset()
+
+
+def test_calculator_tool_env_outcomes():
+    env = envs.text.CalculatorToolEnv(tool_median_ms=1.0, tool_sigma=0.0, tool_timeout_ms=0.5)
+    env.reset(seed=0)
+    obs, _, _, _, info = env.step("call: 2*3")
+    assert obs == "error: timeout" and info["tool_timeout"]
+    env = envs.text.CalculatorToolEnv(tool_median_ms=1.0)
+    env.reset(seed=0)
+    assert env.step("call: import os")[0] == "error: cannot evaluate"
+    assert env.step("hm")[0].startswith("error: say")
+    assert env.step("answer: 1")[1:3] == (0.0, True)
+
+
+# ------------------------------------------------------------------------------ learner side
+def _turn(prompt, completion, version, reward, missed=False):
+    logps = tuple(-0.5 for _ in completion)
+    return Turn(tuple(prompt), tuple(completion), logps, "x", version, 0.0, missed, missed, reward)
+
+
+def test_episode_batch_masks_observations_stale_and_missed_turns():
+    turns = [
+        _turn([1, 2], [3, 4], version=0, reward=0.0),  # stale at version 2 with max_staleness 1
+        _turn([1, 2, 3, 4, 5], [], version=2, reward=0.0, missed=True),  # deadline miss
+        _turn([1, 2, 3, 4, 5, 6], [7, 8], version=2, reward=1.0),
+    ]
+    other = [_turn([1, 2], [9], version=2, reward=0.0)]
+    batch = EpisodeGroups([[Episode(0, 0, 0, turns, terminated=True), Episode(1, 0, 0, other, truncated=True)]], [0])
+    data = EpisodeBatch.from_episodes(batch, current_version=2, max_staleness=1, gamma=0.5)
+    assert data.mask[0].int().tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    assert data.mask[1].int().tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
+    assert data.rewards.tolist() == [0.25, 0.0]  # gamma^2 * 1 for the third turn
+    assert data.info["stale_samples"] == 1 and data.info["missed_deadlines"] == 1 and data.info["samples_used"] == 2
+    assert data.behavior_logp[0, 6].item() == -0.5 and data.behavior_logp[0, 2].item() == 0.0
+    per_turn = data.turn_advantages()
+    expected = masked_normalize(torch.tensor([1.0, 0.0]), torch.tensor([True, True]))  # G of turn 2 vs turn 0
+    assert per_turn[0, 6].item() == pytest.approx(expected[0].item())
+    assert per_turn[1, 2].item() == pytest.approx(expected[1].item())
+    assert per_turn[0, 2].item() == 0.0
+
+
+def test_episode_logps_score_only_model_tokens(tiny_dir):
+    model, _ = load_causal_lm(tiny_dir)
+    turns = [_turn([5, 6], [7, 1], 0, 0.0), _turn([5, 6, 7, 1, 8], [9, 1], 0, 1.0)]
+    data = EpisodeBatch.from_episodes(EpisodeGroups([[Episode(0, 0, 0, turns)]], [0]), 0, 0)
+    with torch.no_grad():
+        got = data.logps(model, 1.0)
+        logits = model(torch.tensor([data.sequences[0]])).logits[0]
+    want = torch.log_softmax(logits[5], -1)[data.sequences[0][6]]  # token 6 (9) after positions 0..5
+    assert got[0, 6].item() == pytest.approx(want.item(), abs=1e-5)
+    assert (got[0, ~data.mask[0]] == 0).all() and data.mask[0].int().tolist() == [0, 0, 1, 1, 0, 1, 1]
+
+
+def test_discounted_returns_against_a_loop():
+    rewards = torch.randn(3, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    got = discounted_returns(rewards, mask, 0.9)
+    for b in range(3):
+        n = int(mask[b].sum())
+        for t in range(5):
+            want = sum(0.9 ** (i - t) * rewards[b, i].item() for i in range(t, n)) if t < n else 0.0
+            assert got[b, t].item() == pytest.approx(want, abs=1e-5)
+
+
+# ------------------------------------------------------------------------------ agents
+@pytest.mark.parametrize("agent, args_cls", [(rloo.RLOO, rloo.Args), (reinforce_pp.ReinforcePP, reinforce_pp.Args)])
+def test_agents_train_on_a_multi_turn_env(tiny_dir, agent, args_cls):
+    args = args_cls(
+        model=str(tiny_dir), env="asyncvec/GuessNumber-v0", env_kwargs='{"max_number": 8, "max_turns": 3, '
+        '"transcript": false}', total_prompts=4, prompts_per_update=2, group_size=2, num_envs=4,
+        eval_prompts=4, progress=False, mode="async", max_new_tokens=3, gamma=0.9,
+    )  # fmt: skip
+    result = agent(args).train()
+    assert result.updates == 2 and result.final_version == 2 and result.samples >= 8
+    assert len(result.eval_details) == 2 and not math.isnan(result.eval_details[0]["turns_mean"])
+    assert result.history[0]["samples_used"] > 0
+
+
+@pytest.mark.parametrize("agent, args_cls", [(rloo.RLOO, rloo.Args), (reinforce_pp.ReinforcePP, reinforce_pp.Args)])
+def test_an_update_raises_the_better_episodes_likelihood(tiny_dir, agent, args_cls):
+    """The objective's direction on real episodes: in each group the rewarded episode's model
+    tokens gain log-likelihood, the other's lose it."""
+    args = args_cls(
+        model=str(tiny_dir), env="asyncvec/GuessNumber-v0", env_kwargs='{"max_number": 8, "max_turns": 3, '
+        '"transcript": false}', group_size=2, num_envs=2, eval_prompts=0, progress=False, mode="sync",
+        learning_rate=1e-2, max_new_tokens=3,
+    )  # fmt: skip
+    learner = agent(args)
+    try:
+        batch = learner.collector.collect(2, timeout=120)
+        version = learner.versions.current_version
+        for group in batch.episodes:
+            for i, episode in enumerate(group):
+                for turn in episode.turns:
+                    turn.reward, turn.policy_version = 0.0, version
+                episode.turns[-1].reward = 1.0 if i == 0 else 0.0
+        data = EpisodeBatch.from_episodes(batch, version, 2)
+        with torch.no_grad():
+            before = (data.logps(learner.learner, 1.0) * data.mask).sum(-1)
+        for _ in range(3):
+            learner.update(batch)
+        with torch.no_grad():
+            change = (data.logps(learner.learner, 1.0) * data.mask).sum(-1) - before
+    finally:
+        learner.close()
+    assert data.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert (change[data.rewards > 0] > 0).all() and (change[data.rewards == 0] < 0).all(), change.tolist()
+
+
+def test_multi_turn_options_are_checked():
+    with pytest.raises(ValueError, match="--gamma"):
+        rloo.Args(gamma=1.5)
+    with pytest.raises(ValueError, match="TextEnv"):
+        lm_setup.is_multi_turn("FrozenLake-v1", {})
+
+
+@pytest.mark.parametrize(
+    "module", [asyncvec.lm, asyncvec.lm.chat, asyncvec.lm.episodes, asyncvec.lm.text_env, envs.text, lm_setup]
+)
+def test_docstring_examples_run(module):
+    failures, tried = doctest.testmod(module, verbose=False)
+    assert tried > 0 and failures == 0
