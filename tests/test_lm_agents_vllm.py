@@ -9,7 +9,11 @@ a weight reload with the server paused, several times an update in process, so t
 are shorter: 80 updates, where the reward has risen by 0.16-0.24 in every run measured (1,000
 completions before and after; a standard error of 0.016 each), against a threshold of 0.08. A
 run first sends the learner's starting weights (the server or engine still holds the previous
-run's), so every run starts from the same warm-started model and versions keep increasing."""
+run's), so every run starts from the same warm-started model and versions keep increasing.
+
+Multi-turn (a few seconds on the engine): EpisodeCollector plays GuessNumber with token-id
+prompts, then 3 RLOO updates on its episodes publish through vLLM; it runs after the engine's
+learning runs, since it leaves the engine with GuessNumber-trained weights."""
 
 import json
 
@@ -81,6 +85,64 @@ def test_agent_learns_single_digit_sums_on_an_in_process_vllm_engine(name, engin
     assert after >= 0.7 and after - before >= 0.15, (before, after)
     check_versions(result)
     assert engine.policy_version == result.final_version and not engine.closed  # a given policy stays open
+
+
+# Multi-turn on the module's engine: GuessNumber (feedback only, 3 turns) fits its 128-token context.
+MULTI_TURN_ENV = ("asyncvec/GuessNumber-v0", {"max_turns": 3, "transcript": False})
+
+
+def test_multi_turn_episodes_and_rloo_updates_on_an_in_process_vllm_engine(engine, warm_dir):
+    """EpisodeCollector drives 4 envs on the engine (token-id prompts, async); then 3 RLOO updates of
+    multi-turn episodes publish through vLLM, and turns begun after a publish carry the new version."""
+    import envs  # noqa: F401  (registers the ids)
+    from asyncvec.lm import EpisodeCollector, make_text_vector_env
+
+    env_id, env_kwargs = MULTI_TURN_ENV
+    with make_text_vector_env(env_id, 4, env_kwargs=env_kwargs) as vec, \
+            EpisodeCollector(vec, engine, group_size=2, max_new_tokens=3, seed=5) as collector:  # fmt: skip
+        batch = collector.collect(2, timeout=120)
+    episodes = [episode for group in batch.episodes for episode in group]
+    assert len(episodes) == 4 and all(group[0].seed == group[1].seed for group in batch.episodes)
+    assert max(episode.num_turns for episode in episodes) >= 2, [e.num_turns for e in episodes]
+    for episode in episodes:
+        assert not episode.env_error and (episode.terminated or episode.truncated)
+        for turn, later in zip(episode.turns, episode.turns[1:]):
+            # the next prompt is this prompt + this completion + the next observation, never re-tokenized
+            history = turn.prompt_ids + turn.completion_ids
+            assert later.prompt_ids[: len(history)] == history and len(later.prompt_ids) > len(history)
+        for turn in episode.turns:
+            assert turn.trainable and 0 < len(turn.completion_ids) <= 3
+            assert len(turn.completion_logps) == len(turn.completion_ids)
+            assert np.all(np.isfinite(turn.completion_logps)) and max(turn.completion_logps) <= 0.0
+            assert turn.policy_version == engine.policy_version
+    assert collector.stats()["missed_deadlines"] == 0
+
+    args = rloo.Args(
+        model=str(warm_dir), backend="vllm", env=env_id, env_kwargs=json.dumps(env_kwargs), mode="async",
+        total_prompts=6, prompts_per_update=2, group_size=2, num_envs=4, max_new_tokens=3, eval_prompts=0,
+        progress=False, seed=0, timeout_s=300,
+    )  # fmt: skip
+    agent = rloo.RLOO(args, policy=engine)
+    versions_seen = []  # per update: the versions of each episode's turns
+    update = agent.update
+
+    def recording_update(groups):
+        versions_seen.append([[t.policy_version for t in e.turns] for group in groups.episodes for e in group])
+        return update(groups)
+
+    agent.update = recording_update
+    result = agent.train()
+    print(f"multi-turn on vLLM: turns {[e.num_turns for e in episodes]}, versions per update {versions_seen}")
+    assert result.updates == 3 and result.final_version == result.start_version + 3  # every update published
+    assert engine.policy_version == result.final_version and engine.engine_version() == str(result.final_version)
+    for per_episode in (v for update_versions in versions_seen for v in update_versions):
+        assert per_episode == sorted(per_episode)  # an episode's turns never go back a version
+    first = min(v for episode in versions_seen[0] for v in episode)
+    assert first == result.start_version, versions_seen
+    # The third update's episodes began after the first publish (popped groups start the next ones):
+    # vLLM sampled each of their turns with newer weights.
+    assert min(v for episode in versions_seen[2] for v in episode) > result.start_version, versions_seen
+    assert not engine.closed
 
 
 # RLOO learns on the server (minutes); REINFORCE++ takes the same server path in a short run below.
