@@ -36,7 +36,7 @@ def check_env_id(env_id: str) -> None:
 
     Example:
         >>> check_env_id("gymnasium.envs.classic_control:CartPole-v1")
-        >>> check_env_id("CartPol-v1")
+        >>> check_env_id("CartPol-v1")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         ValueError: unknown env id 'CartPol-v1'; did you mean CartPole-v1, CartPole-v0, ...
