@@ -6,12 +6,70 @@ import copy
 import dataclasses
 import glob
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
 from agents import ppo, sac
+from asyncvec import Collector
 from asyncvec.buffers.rollout import Segment
+from asyncvec.metrics import EpisodeStats
+
+
+class ActionEchoEnv(gym.Env):
+    """Rewards the action it executed and refuses actions outside its bounds (as a strict simulator)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        if not self.action_space.contains(np.asarray(action, np.float32)):
+            raise ValueError(f"action {action} is outside {self.action_space}")
+        self.t += 1
+        return np.zeros(1, np.float32), float(action[0]), False, self.t >= 8, {}
+
+
+ECHO_ID = "test_agents/ActionEcho-v0"
+if ECHO_ID not in gym.registry:  # worker processes are forked: they inherit the registration
+    gym.register(ECHO_ID, entry_point=ActionEchoEnv)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ppo_stores_the_sampled_action_and_sends_the_env_the_clipped_one(mode, no_leftover_children):
+    agent = ppo.PPO(ppo.Args(env=ECHO_ID, mode=mode, num_envs=2, num_steps=16, progress=False))
+    try:
+        with torch.no_grad():
+            agent.actor.log_std.fill_(float(np.log(3.0)))  # std 3: most samples fall outside [-1, 1]
+        agent.versions.publish(agent._actor_weights())
+        if mode == "sync":
+            obs, _ = agent.envs.reset(seed=0)
+            agent._sync_segment(EpisodeStats(2), obs)
+            segment = agent.store.get(timeout=0)
+        else:
+            with Collector(agent.envs, agent.policy, agent.store, seed=0):
+                segment = agent.store.get(timeout=60)
+        actions = segment.actions[..., 0]
+        assert np.abs(actions).max() > 1.0, "the store keeps the unclipped sample"
+        np.testing.assert_allclose(segment.rewards, np.clip(actions, -1.0, 1.0), rtol=1e-6)  # the env executed the clipped one
+        with torch.no_grad():  # the behavior log-prob belongs to the stored (unclipped) action
+            logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.actions))
+        np.testing.assert_allclose(segment.behavior_logp, logp.numpy(), rtol=1e-4, atol=1e-4)
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("env", ["Pendulum-v1", "MountainCarContinuous-v0"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ppo_runs_on_continuous_actions(env, mode, no_leftover_children):
+    result = ppo.train(ppo.Args(env=env, mode=mode, num_envs=4, num_steps=32, total_timesteps=512, progress=False))
+    assert result.global_step == 512 and result.updates == 4
+    assert np.isfinite(result.history[-1]["losses/value_loss"])
 
 
 def test_unknown_env_id_names_close_matches():
@@ -105,6 +163,7 @@ def learner():
         agent.critic.load_state_dict(initial["critic"])
         agent.optimizer.load_state_dict(initial["optimizer"])
         agent.max_staleness = agent.versions.max_lag = agent.args.max_staleness
+        agent.reward_scaler = ppo.RewardScaler(agent.args.num_envs, agent.args.gamma) if agent.args.normalize_rewards else None
         torch.manual_seed(0)
         return agent
 
