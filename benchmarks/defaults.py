@@ -105,7 +105,7 @@ class Args:
     """sync and/or async"""
     variant: str = "{}"
     """JSON object of Args fields changed from the agent's defaults (empty: the defaults); its rows are kept
-    apart from the defaults' rows"""
+    apart from the defaults' rows ("all" with --report: one table of every variant's runs)"""
     budget_scale: float = 1.0
     """multiply every run budget by this"""
     name: str = "defaults"
@@ -269,7 +269,25 @@ def plot(rows: list[dict]):
     return fig
 
 
+def variants_table(rows: list[dict]) -> str:
+    """One line per run, whatever its variant (for comparisons of single settings)."""
+    return markdown_table(
+        ["variant", "task", "mode", "seed", "run budget", "steps to reference", "final mean return", "env-steps/s", "load"],
+        [[variant_label(r["variant"]), r["task"], r["mode"], r["seed"], f"{r['budget']:,}", _k(r["reached_at"]),
+          r["final"], r["steps_per_s"], r["load_mean"]] for r in rows],
+    )
+
+
 def report(path: Path, args: Args) -> None:
+    if args.variant == "all":
+        rows = load_rows(path)
+        table = variants_table(rows)
+        print(f"\n{table}\n")
+        command = "python benchmarks/defaults.py " + " ".join(sys.argv[1:])
+        for out in save_report(args.name, table, plot(rows), out_dir=args.out_dir, command=command.strip(),
+                               notes=f"Rows: {path.name} ({len(rows)} runs, one process each)."):
+            print(f"wrote {out}")
+        return
     rows = [r for r in load_rows(path) if variant_label(r["variant"]) == variant_label(json.loads(args.variant))]
     if not rows:
         raise SystemExit(f"no rows for variant {args.variant} in {path}")
