@@ -232,8 +232,8 @@ def summarize(rows: list[dict]) -> tuple[str, str]:
                 key, mode, f"{task.reference:g}", f"{task.budget:,}", task.source,
                 f"{budget:,}" + (" (capped)" if budget < 2 * task.budget else ""),
                 ", ".join(_k(r["reached_at"]) if r["reached_at"] else f"never ({r['best']:.0f})" for r in runs),
-                f"{len(reached)}/{len(runs)}", f"{min(r['load_mean'] for r in runs):.1f}-{max(r['load_max'] for r in runs):.1f}",
-                "",
+                f"{len(reached)}/{len(runs)}", f"{sum(r['final'] <= task.floor for r in runs)}/{len(runs)}",
+                f"{min(r['load_mean'] for r in runs):.1f}-{max(r['load_max'] for r in runs):.1f}", "",
             ])
         if medians.get("sync") and medians.get("async"):
             task_rows[-1][-1] = f"{medians['async'] / medians['sync']:.2f}"
@@ -243,7 +243,7 @@ def summarize(rows: list[dict]) -> tuple[str, str]:
          "best mean return", "ended at floor", "env-steps/s", "load (mean)"], per_seed)
     verdict_table = markdown_table(
         ["task", "mode", "reference score", "reference budget", "source", "run budget", "steps to reference per seed "
-         "(best mean if never)", "seeds reached", "load", "async/sync median steps"], verdicts)
+         "(best mean if never)", "seeds reached", "ended at floor", "load", "async/sync median steps"], verdicts)
     return verdict_table, seed_table
 
 
