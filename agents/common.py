@@ -59,6 +59,31 @@ def check_env_id(env_id: str) -> None:
     raise ValueError(f"unknown env id {env_id!r}{hint}")
 
 
+def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
+    """The single-env observation and action spaces of ``env_id``, from one env built and closed here
+    (so an agent can refuse unsupported spaces before it starts any worker)."""
+    check_env_id(env_id)
+    env = gym.make(env_id)
+    try:
+        return env.observation_space, env.action_space
+    finally:
+        env.close()
+
+
+def stored_action_space(action_space: gym.Space) -> gym.Space:
+    """The space a rollout stores actions in: a Box becomes unbounded (same shape and dtype), because
+    the stored action is the policy's unclipped sample, the one its log-prob belongs to; the env
+    executes it clipped into ``action_space``. Other spaces are kept.
+
+    Example:
+        >>> stored_action_space(gym.spaces.Box(-2.0, 2.0, (1,)))
+        Box(-inf, inf, (1,), float32)
+    """
+    if isinstance(action_space, gym.spaces.Box):
+        return gym.spaces.Box(-np.inf, np.inf, action_space.shape, action_space.dtype)
+    return action_space
+
+
 def make_env_fn(
     env_id: str,
     env_latency_ms: float = 0.0,

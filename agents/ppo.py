@@ -22,7 +22,7 @@ Off-policy corrections (``--correction``), with ``mu`` the behavior policy that 
 
 Samples older than ``--max-staleness`` versions are masked out of the loss (and counted), and so
 are deadline fallbacks. Time-limit truncations bootstrap from the final observation. Settings
-left at None come from ``PRESETS`` by env id (docs/agents.md has the measurement behind them).
+One default for every env (chosen on a wide suite, docs/agents.md); ``--preset`` opts into named settings.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
@@ -42,10 +42,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 import tyro
+from gymnasium.wrappers.utils import RunningMeanStd
 from torch.distributions import Categorical, Normal
 
 from agents.common import (
     LaggedWeights,
+    env_spaces,
     final_observations,
     layer_init,
     load_checkpoint,
@@ -55,6 +57,7 @@ from agents.common import (
     make_vector_env,
     save_checkpoint,
     seed_everything,
+    stored_action_space,
 )
 from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
@@ -62,19 +65,17 @@ from asyncvec.metrics import EpisodeStats, RunLogger
 from asyncvec.versioning import adapt_max_staleness
 
 
-# Settings that an Args field left at None takes, by env id; "default" for every other env.
-# Chosen by measurement (benchmarks/ppo_defaults.py, table in docs/agents.md).
+# Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
+# left at their default; anything passed with another value wins.
 PRESETS: dict[str, dict[str, object]] = {
-    # SB3-zoo's tuned CartPole settings: a return of 475 in about 40k steps.
-    "CartPole-v1": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
-                        update_epochs=20, ent_coef=0.0, normalize_obs=False),
-    # The same, on normalized observations: every seed leaves the floor (-200) within 17k steps and
-    # reaches -110; SB3-zoo's MountainCar settings got only to -155..-171 in 200k steps.
-    "MountainCar-v0": dict(num_steps=32, learning_rate=1e-3, gamma=0.98, gae_lambda=0.8, num_minibatches=1,
-                           update_epochs=20, ent_coef=0.0, normalize_obs=True),
-    # CleanRL-like settings with an entropy bonus, on normalized observations (measured on LunarLander-v3).
-    "default": dict(num_steps=128, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                    update_epochs=4, ent_coef=0.01, normalize_obs=True),
+    # CleanRL's ppo.py (classic control): 128 steps/env, 4 minibatches x 4 epochs, an entropy bonus.
+    "cleanrl": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
+                    update_epochs=4, ent_coef=0.01, target_kl=None, normalize_obs=False, normalize_rewards=False,
+                    clip_vloss=True),
+    # CleanRL's ppo_continuous_action.py (MuJoCo): 2,048 steps per update, 32 minibatches x 10 epochs.
+    "cleanrl-continuous": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
+                               update_epochs=10, ent_coef=0.0, target_kl=None, normalize_obs=True,
+                               normalize_rewards=True, clip_vloss=True),
 }
 
 
@@ -116,7 +117,7 @@ class Args:
     seed: int = 1
     """seed of torch, numpy and the envs"""
     track: bool = False
-    """write TensorBoard logs to runs/"""
+    """write TensorBoard logs to --log-dir"""
     log_dir: str = "runs"
     """TensorBoard log root"""
     progress: bool = True
@@ -125,27 +126,38 @@ class Args:
     """save a checkpoint here after every update"""
     resume: bool = False
     """continue from the checkpoint in --checkpoint-dir"""
-    # Algorithm. None: the value of the env's preset (PRESETS below, chosen by benchmarks/ppo_defaults.py).
-    num_steps: int | None = None
-    """steps per env per rollout segment"""
-    learning_rate: float | None = None
+    preset: Literal["none", "cleanrl", "cleanrl-continuous"] = "none"
+    """opt-in named settings (PRESETS): they replace the algorithm fields left at their defaults"""
+    # Algorithm: one default for every env, chosen on benchmarks/defaults.py's suite (docs/agents.md).
+    num_steps: int = 32
+    """steps per env per rollout segment (the batch is num_envs * num_steps)"""
+    learning_rate: float = 1e-3
     """Adam learning rate (annealed linearly to 0)"""
     anneal_lr: bool = True
     """anneal the learning rate and the clip coefficient"""
-    gamma: float | None = None
+    gamma: float = 0.98
     """discount"""
-    gae_lambda: float | None = None
+    gae_lambda: float = 0.8
     """GAE lambda"""
-    num_minibatches: int | None = None
+    num_minibatches: int = 1
     """minibatches per epoch"""
-    update_epochs: int | None = None
-    """epochs per update"""
+    update_epochs: int = 20
+    """epochs per update (at most: --target-kl may stop earlier)"""
+    target_kl: float | None = 0.03
+    """stop an update's epochs once the approximate KL between the policy being trained and the policy at
+    the start of the update exceeds this (CleanRL's rule; None: always run every epoch)"""
     clip_coef: float = 0.2
     """PPO clip coefficient"""
-    ent_coef: float | None = None
+    clip_vloss: bool = False
+    """clip the value loss around the values at the start of the update (CleanRL's clip_vloss)"""
+    ent_coef: float = 0.0
     """entropy bonus"""
-    normalize_obs: bool | None = None
-    """normalize observations with running statistics in each env (gymnasium's NormalizeObservation)"""
+    normalize_obs: bool = True
+    """normalize observations by running mean and variance (clipped to +-10), kept in the actor and sent to the
+    envs' policy with every version (the learner updates them from each segment it trains on)"""
+    normalize_rewards: bool = True
+    """scale rewards by the running standard deviation of the discounted return (clipped to +-10), in the
+    learner: logged returns stay raw"""
     vf_coef: float = 0.5
     """value loss coefficient"""
     max_grad_norm: float = 0.5
@@ -156,14 +168,19 @@ class Args:
     """torch CPU threads for the learner (small nets run faster on one)"""
 
     def __post_init__(self) -> None:
-        for name, value in PRESETS.get(self.env, PRESETS["default"]).items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+        if self.preset != "none":
+            defaults = {f.name: f.default for f in fields(Args)}
+            for name, value in PRESETS[self.preset].items():
+                if getattr(self, name) == defaults[name]:
+                    setattr(self, name, value)
         if self.backend == "ray" and self.mode != "async":
             raise ValueError("--backend ray runs remote collectors: it needs --mode async")
         for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("policy_latency_ms", "env_latency_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (milliseconds), got {getattr(self, name)}")
         if self.policy_lag > self.max_staleness:
             raise ValueError(
                 f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}: every sample "
@@ -171,15 +188,86 @@ class Args:
             )
         if self.is_cap <= 0:
             raise ValueError(f"--is-cap must be > 0, got {self.is_cap}")
+        if self.target_kl is not None and self.target_kl <= 0:
+            raise ValueError(f"--target-kl must be > 0 (or None), got {self.target_kl}")
+
+
+class RunningNorm(nn.Module):
+    """``(x - mean) / std`` by running statistics, clipped to ``+-clip``; an identity until ``update``.
+
+    The statistics are buffers: they travel with ``state_dict`` (so with every published version and
+    every checkpoint), and the policy acting in the envs normalizes as the learner does.
+
+    Example:
+        >>> norm = RunningNorm(1)
+        >>> norm.update(torch.tensor([[1.0], [3.0]]))
+        >>> norm(torch.tensor([[3.0]])).item()
+        1.0
+    """
+
+    def __init__(self, dim: int, clip: float = 10.0, enabled: bool = True) -> None:
+        super().__init__()
+        self.clip, self.enabled = clip, enabled
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("var", torch.ones(dim))
+        self.register_buffer("count", torch.tensor(0.0))
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        """Merges the batch ``x`` ``[B, dim]`` into the statistics (parallel variance formula)."""
+        if not self.enabled or x.shape[0] == 0:
+            return
+        n, mean, var = x.shape[0], x.mean(0), x.var(0, unbiased=False)
+        total = self.count + n
+        delta = mean - self.mean
+        m2 = self.var * self.count + var * n + delta**2 * self.count * n / total
+        self.mean.add_(delta * n / total)
+        self.var.copy_(m2 / total)
+        self.count.copy_(total)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or self.count == 0:
+            return x
+        return ((x - self.mean) / torch.sqrt(self.var + 1e-8)).clamp(-self.clip, self.clip)
+
+
+class RewardScaler:
+    """Divides rewards by the running std of each env's discounted return, clipped to ``+-clip``
+    (what gymnasium's NormalizeReward does in an env, done here in the learner on ``[T, N]`` segments,
+    whose columns are each env's consecutive steps)."""
+
+    def __init__(self, num_envs: int, gamma: float, clip: float = 10.0) -> None:
+        self.gamma, self.clip = gamma, clip
+        self.returns = np.zeros(num_envs)
+        self.stats = RunningMeanStd(shape=())
+
+    def __call__(self, rewards: np.ndarray, dones: np.ndarray) -> np.ndarray:
+        discounted = np.empty_like(rewards, dtype=np.float64)
+        for t in range(rewards.shape[0]):
+            self.returns = self.returns * self.gamma + rewards[t]
+            discounted[t] = self.returns
+            self.returns[dones[t]] = 0.0
+        self.stats.update(discounted.reshape(-1))
+        return np.clip(rewards / np.sqrt(self.stats.var + 1e-8), -self.clip, self.clip).astype(np.float32)
+
+    def state_dict(self) -> dict:
+        return {"returns": self.returns, "mean": self.stats.mean, "var": self.stats.var, "count": self.stats.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.returns = np.asarray(state["returns"], dtype=np.float64)
+        self.stats.mean, self.stats.var, self.stats.count = state["mean"], state["var"], state["count"]
 
 
 class Actor(nn.Module):
-    """Logits (Discrete) or (mean, log_std) (Box): what TorchPolicy samples from."""
+    """Logits (Discrete: Categorical) or (mean, log_std) (Box: a Gaussian with a state-independent
+    log_std, as CleanRL's continuous PPO): what TorchPolicy samples from. The choice follows the
+    action space's type, never the env id. Observations pass through ``obs_norm`` first."""
 
-    def __init__(self, obs_dim: int, action_space: gym.Space, hidden: int) -> None:
+    def __init__(self, obs_dim: int, action_space: gym.Space, hidden: int, normalize_obs: bool = True) -> None:
         super().__init__()
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         out = action_space.n if self.discrete else int(np.prod(action_space.shape))
+        self.obs_norm = RunningNorm(obs_dim, enabled=normalize_obs)
         self.body = nn.Sequential(
             layer_init(nn.Linear(obs_dim, hidden)), nn.Tanh(),
             layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
@@ -189,7 +277,7 @@ class Actor(nn.Module):
             self.log_std = nn.Parameter(torch.zeros(out))
 
     def forward(self, obs: torch.Tensor):
-        out = self.body(obs)
+        out = self.body(self.obs_norm(obs))
         return out if self.discrete else (out, self.log_std.expand_as(out))
 
     def distribution(self, obs: torch.Tensor):
@@ -204,8 +292,11 @@ class Actor(nn.Module):
 
 
 class Critic(nn.Module):
-    def __init__(self, obs_dim: int, hidden: int) -> None:
+    """State value; it normalizes observations with the actor's statistics (``obs_norm``, shared)."""
+
+    def __init__(self, obs_dim: int, hidden: int, obs_norm: RunningNorm | None = None) -> None:
         super().__init__()
+        self.obs_norm = obs_norm if obs_norm is not None else RunningNorm(obs_dim, enabled=False)
         self.body = nn.Sequential(
             layer_init(nn.Linear(obs_dim, hidden)), nn.Tanh(),
             layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
@@ -213,7 +304,7 @@ class Critic(nn.Module):
         )
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.body(obs).squeeze(-1)
+        return self.body(self.obs_norm(obs)).squeeze(-1)
 
 
 @dataclass
@@ -239,32 +330,34 @@ class PPO:
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
+        # The spaces first, from one env here: a clear error before any worker starts.
+        obs_space, self.action_space = env_spaces(args.env)
+        flat_box = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
+        if not flat_box or not isinstance(self.action_space, (gym.spaces.Discrete, gym.spaces.Box)):
+            raise ValueError(
+                f"PPO needs a flat Box observation space and a Discrete or Box action space; {args.env} has "
+                f"observation space {obs_space} and action space {self.action_space}"
+            )
         if args.backend == "ray":
             self.envs = make_ray_collectors(args.env, args.num_envs, args.env_latency_ms, args.env_latency_dist,
-                                            address=args.ray_address, num_collectors=args.ray_collectors,
-                                            normalize_obs=args.normalize_obs)
+                                            address=args.ray_address, num_collectors=args.ray_collectors)
         else:
             self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4),
-                                        distribution=args.env_latency_dist, normalize_obs=args.normalize_obs)
-        obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
-        if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-            self.envs.close()
-            raise ValueError(f"PPO here takes flat Box observations, {args.env} has {obs_space}")
-        if not isinstance(self.action_space, (gym.spaces.Discrete, gym.spaces.Box)):
-            self.envs.close()
-            raise ValueError(f"PPO needs a Discrete or Box action space, {args.env} has {self.action_space}")
+                                        distribution=args.env_latency_dist)
         obs_dim = obs_space.shape[0]
-        self.actor = Actor(obs_dim, self.action_space, args.hidden)
-        self.critic = Critic(obs_dim, args.hidden)
+        self.actor = Actor(obs_dim, self.action_space, args.hidden, normalize_obs=args.normalize_obs)
+        self.critic = Critic(obs_dim, args.hidden, obs_norm=self.actor.obs_norm)
         self.optimizer = torch.optim.Adam([*self.actor.parameters(), *self.critic.parameters()], lr=args.learning_rate, eps=1e-5)
+        self.reward_scaler = RewardScaler(args.num_envs, args.gamma) if args.normalize_rewards else None
         self.policy = make_policy(copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms)
         self.max_staleness = args.max_staleness  # lowered and raised by --adaptive-staleness
         self.versions = VersionManager(max_lag=args.max_staleness)
         self.versions.register(LaggedWeights(self.policy, args.policy_lag))
-        self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, self.action_space)
+        self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, stored_action_space(self.action_space))
         self.global_step = 0
         self.updates = 0
         self.run_name = f"{args.env.replace('/', '_')}__ppo__{args.mode}__{args.seed}__{int(time.time())}"
+        self.log_path = Path(args.log_dir) / self.run_name
         self.checkpoint_path = Path(args.checkpoint_dir) / "ppo.pt" if args.checkpoint_dir else None
         if args.resume:
             self._resume()
@@ -279,6 +372,8 @@ class PPO:
         self.critic.load_state_dict(state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step, self.updates = state["global_step"], state["updates"]
+        if self.reward_scaler is not None and state.get("reward_scaler") is not None:
+            self.reward_scaler.load_state_dict(state["reward_scaler"])
         # Bring the version counter and the actors' weights to the checkpoint's version.
         while self.versions.current_version < state["version"]:
             self.versions.publish(self._actor_weights())
@@ -289,6 +384,7 @@ class PPO:
                 self.checkpoint_path,
                 actor=self.actor.state_dict(), critic=self.critic.state_dict(), optimizer=self.optimizer.state_dict(),
                 version=self.versions.current_version, global_step=self.global_step, updates=self.updates,
+                reward_scaler=self.reward_scaler.state_dict() if self.reward_scaler is not None else None,
                 args=asdict(self.args),
             )
 
@@ -298,15 +394,16 @@ class PPO:
     # ------------------------------------------------------------------ learning
 
     def advantages_and_returns(
-        self, segment, values: torch.Tensor, prox_logp: torch.Tensor
+        self, segment, values: torch.Tensor, prox_logp: torch.Tensor, rewards: np.ndarray | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """GAE (or V-trace) advantages and value targets of a ``[T, N]`` segment, detached.
 
+        ``rewards`` replaces ``segment.rewards`` (the scaled rewards of ``--normalize-rewards``).
         An episode that ended by ``terminated`` has no future value; one cut off by a time limit
         (``truncated``) bootstraps from the value of its final observation, ``segment.next_obs[t]``.
         """
         args = self.args
-        rewards = torch.as_tensor(segment.rewards)
+        rewards = torch.as_tensor(segment.rewards if rewards is None else rewards)
         terminated = torch.as_tensor(segment.terminated)
         truncated = torch.as_tensor(segment.truncated) & ~terminated
         with torch.no_grad():
@@ -340,16 +437,22 @@ class PPO:
         if (~fresh).any():
             self.versions.record_dropped(int((~fresh).sum()))
 
+        # Guards that need no per-task setting: observation statistics (used by the actors from the next
+        # version on) and reward scale follow the data; the epochs stop early on a large policy change.
+        self.actor.obs_norm.update(obs[valid])
+        rewards = segment.rewards
+        if self.reward_scaler is not None:
+            rewards = self.reward_scaler(segment.rewards, segment.terminated | segment.truncated)
         with torch.no_grad():
             values = self.critic(obs)
             prox_logp, _ = self.actor.log_prob_entropy(obs, actions)
-            advantages, returns = self.advantages_and_returns(segment, values, prox_logp)
+            advantages, returns = self.advantages_and_returns(segment, values, prox_logp, rewards)
             # How off-policy the data is, whatever the correction: weights pi_prox/mu on the valid samples.
             _, offpolicy = truncated_importance_weights(prox_logp, behavior_logp, args.is_cap, mask=valid)
 
         b = {
             "obs": obs.reshape(T * N, -1), "actions": actions.reshape(T * N, *actions.shape[2:]),
-            "behavior_logp": behavior_logp.reshape(-1), "prox_logp": prox_logp.reshape(-1),
+            "behavior_logp": behavior_logp.reshape(-1), "prox_logp": prox_logp.reshape(-1), "values": values.reshape(-1),
             "advantages": advantages.reshape(-1), "returns": returns.reshape(-1), "valid": valid.reshape(-1),
         }
         frac = 1.0 - self.global_step / args.total_timesteps if args.anneal_lr else 1.0
@@ -359,6 +462,8 @@ class PPO:
         batch_size = T * N
         minibatch = max(1, batch_size // args.num_minibatches)
         stats: dict[str, list[float]] = {}
+        epochs = 0
+        stopped_early = False
         for _ in range(args.update_epochs):
             order = torch.randperm(batch_size)
             for start in range(0, batch_size, minibatch):
@@ -367,21 +472,36 @@ class PPO:
                 if not mask.any():
                     continue
                 logp, entropy = self.actor.log_prob_entropy(b["obs"][idx], b["actions"][idx])
+                with torch.no_grad():  # k3 estimator of KL(pi_prox || pi), as CleanRL's approx_kl
+                    log_ratio = (logp - b["prox_logp"][idx])[mask]
+                    approx_kl = float((log_ratio.exp() - 1 - log_ratio).mean())
+                if args.target_kl is not None and approx_kl > args.target_kl:
+                    stopped_early = True
+                    break
                 adv = b["advantages"][idx]
                 adv = (adv - adv[mask].mean()) / (adv[mask].std() + 1e-8) if mask.sum() > 1 else adv
                 pg_loss, pg_stats = self._policy_loss(logp, b["prox_logp"][idx], b["behavior_logp"][idx], adv, clip, mask)
                 value = self.critic(b["obs"][idx])
-                v_loss = 0.5 * ((value - b["returns"][idx])[mask] ** 2).mean()
+                v_error = (value - b["returns"][idx]) ** 2
+                if args.clip_vloss:
+                    clipped = b["values"][idx] + (value - b["values"][idx]).clamp(-clip, clip)
+                    v_error = torch.max(v_error, (clipped - b["returns"][idx]) ** 2)
+                v_loss = 0.5 * v_error[mask].mean()
                 ent = entropy[mask].mean()
                 loss = pg_loss - args.ent_coef * ent + args.vf_coef * v_loss
                 self.optimizer.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_([*self.actor.parameters(), *self.critic.parameters()], args.max_grad_norm)
                 self.optimizer.step()
-                for key, value in {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": ent, **pg_stats}.items():
+                for key, value in {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": ent, "approx_kl": approx_kl,
+                                   **pg_stats}.items():
                     stats.setdefault(key, []).append(float(value.detach()) if torch.is_tensor(value) else float(value))
+            if stopped_early:
+                break
+            epochs += 1
         self.updates += 1
         out = {f"losses/{k}": float(np.mean(v)) for k, v in stats.items()}
+        out["losses/epochs"] = float(epochs)
         out["staleness/mean"] = float(staleness.float().mean())
         out["staleness/max"] = float(staleness.max())
         out["staleness/dropped_fraction"] = float((~fresh).float().mean())
@@ -448,6 +568,7 @@ class PPO:
         history: list[dict] = []
         reached_at = None
         start = time.monotonic()
+        start_step = self.global_step  # after --resume: steps/s counts this run's steps only
         collector = None
         episodes = EpisodeStats(args.num_envs)
         try:
@@ -469,7 +590,7 @@ class PPO:
                 returns = collector.recent_returns() if collector is not None else episodes.returns()
                 mean20 = float(np.mean(returns[-20:])) if returns else float("nan")
                 elapsed = time.monotonic() - start
-                row = {**stats, "charts/episodic_return": mean20, "charts/env_steps_per_s": self.global_step / elapsed,
+                row = {**stats, "charts/episodic_return": mean20, "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
                        "charts/version": self.versions.current_version, "time/wall_s": elapsed, "global_step": self.global_step}
                 if collector is not None:
                     m = collector.metrics()
@@ -495,7 +616,7 @@ class PPO:
         returns = collector.recent_returns() if collector is not None else episodes.returns()
         staleness = self.versions.staleness_stats()
         return TrainResult(
-            global_step=self.global_step, updates=self.updates, wall_time_s=wall, env_steps_per_s=self.global_step / wall,
+            global_step=self.global_step, updates=self.updates, wall_time_s=wall, env_steps_per_s=(self.global_step - start_step) / wall,
             episodic_returns=returns, final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
             reached_target_s=reached_at, staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
         )
@@ -523,10 +644,33 @@ def train(args: Args) -> TrainResult:
     return PPO(args).train()
 
 
-if __name__ == "__main__":
-    result = train(tyro.cli(Args))
+def main(args: Args) -> TrainResult | None:
+    """The command line: trains, then says where the logs and the checkpoint went. Ctrl-C stops the run
+    cleanly (envs, workers and threads closed) and says at which step and where its checkpoint is."""
+    agent = None
+    try:
+        agent = PPO(args)
+        result = agent.train()
+    except KeyboardInterrupt:
+        step = agent.global_step if agent is not None else 0
+        print(f"\nstopped at step {step}, checkpoint at {checkpoint_line(agent)}")
+        return None
     print(
         f"PPO {result.global_step} steps in {result.wall_time_s:.1f} s ({result.env_steps_per_s:.0f} steps/s), "
         f"final return (last 20 episodes) {result.final_return:.1f}, mean staleness {result.staleness_mean:.2f}"
         + (f", reached the target after {result.reached_target_s:.1f} s" if result.reached_target_s is not None else "")
     )
+    logs = f"{agent.log_path} (TensorBoard)" if args.track else f"not written (--track writes them to {args.log_dir}/)"
+    print(f"logs: {logs}; checkpoint: {checkpoint_line(agent)}")
+    return result
+
+
+def checkpoint_line(agent: PPO | None) -> str:
+    path = agent.checkpoint_path if agent is not None else None
+    if path is None:
+        return "none (--checkpoint-dir DIR saves one after every update)"
+    return str(path) if path.exists() else f"none yet ({path} is written after the first update)"
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

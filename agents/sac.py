@@ -145,6 +145,9 @@ class Args:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.utd <= 0:
             raise ValueError(f"--utd must be > 0, got {self.utd}")
+        for name in ("policy_latency_ms", "env_latency_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (milliseconds), got {getattr(self, name)}")
         if self.max_staleness is not None and self.policy_lag > self.max_staleness:
             raise ValueError(f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}")
 
@@ -480,7 +483,7 @@ class SAC:
         collector = None
         episodes = EpisodeStats(args.num_envs)
         ids = np.arange(args.num_envs)
-        next_log = next_checkpoint = self.global_step
+        next_log = next_checkpoint = start_step = self.global_step  # after --resume: steps/s counts this run's steps
         stats: dict[str, float] = {}
         try:
             if args.mode == "async" and args.backend == "ray":
@@ -528,7 +531,7 @@ class SAC:
                     returns = collector.recent_returns() if collector is not None else episodes.returns()
                     mean10 = float(np.mean(returns[-10:])) if returns else float("nan")
                     elapsed = time.monotonic() - start
-                    row = {**stats, "charts/episodic_return": mean10, "charts/env_steps_per_s": self.global_step / elapsed,
+                    row = {**stats, "charts/episodic_return": mean10, "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
                            "charts/gradient_steps": self.gradient_steps, "time/wall_s": elapsed, "global_step": self.global_step}
                     if collector is not None:
                         m = collector.metrics()
@@ -557,7 +560,7 @@ class SAC:
         self.versions.close()
         return TrainResult(
             global_step=self.global_step, gradient_steps=self.gradient_steps, wall_time_s=wall,
-            env_steps_per_s=self.global_step / wall, episodic_returns=returns,
+            env_steps_per_s=(self.global_step - start_step) / wall, episodic_returns=returns,
             final_return=float(np.mean(returns[-10:])) if returns else float("nan"), reached_target_s=reached_at,
             staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
             starved_gradient_steps=self.starved_gradient_steps,
@@ -569,9 +572,33 @@ def train(args: Args) -> TrainResult:
     return SAC(args).train()
 
 
-if __name__ == "__main__":
-    result = train(tyro.cli(Args))
+def main(args: Args) -> TrainResult | None:
+    """The command line: trains, then says where the logs and the checkpoint went. Ctrl-C stops the run
+    cleanly (envs, workers and threads closed) and says at which step and where its checkpoint is."""
+    agent = None
+    try:
+        agent = SAC(args)
+        result = agent.train()
+    except KeyboardInterrupt:
+        step = agent.global_step if agent is not None else 0
+        print(f"\nstopped at step {step}, checkpoint at {checkpoint_line(agent)}")
+        return None
     print(
         f"SAC {result.global_step} steps, {result.gradient_steps} gradient steps in {result.wall_time_s:.1f} s "
         f"({result.env_steps_per_s:.0f} steps/s), final return (last 10 episodes) {result.final_return:.1f}"
     )
+    logs = f"{Path(args.log_dir) / agent.run_name} (TensorBoard)" if args.track else f"not written (--track writes them to {args.log_dir}/)"
+    print(f"logs: {logs}; checkpoint: {checkpoint_line(agent)}")
+    return result
+
+
+def checkpoint_line(agent: SAC | None) -> str:
+    directory = agent.checkpoint_dir if agent is not None else None
+    if directory is None:
+        return "none (--checkpoint-dir DIR saves one every --checkpoint-every env steps)"
+    path = directory / "sac.pt"
+    return str(path) if path.exists() else f"none yet ({path} is written every --checkpoint-every env steps)"
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -137,6 +137,10 @@ PPO_SETTINGS: dict[str, Any] = {
     "vf_coef": 0.5,
     "max_grad_norm": 0.5,
     "torch_threads": 1,
+    # The settings these regimes were measured with, from before PPO's default gained these guards.
+    "normalize_obs": False,
+    "normalize_rewards": False,
+    "target_kl": None,
 }
 
 

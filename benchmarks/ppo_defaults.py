@@ -1,7 +1,9 @@
-"""PPO's default settings across tasks: every seed must leave the task's floor, sync and async.
+"""PPO variants compared across tasks: every seed must leave the task's floor, sync and async.
 
+The one default itself is measured by ``benchmarks/defaults.py`` (the wide suite); this script
+compares variants side by side (e.g. the corrections under a forced lag, ``ppo_lag8``).
 For each variant (the defaults, or Args fields changed from them), task, mode (sync/async) and
-seed, one PPO run (``agents.ppo.PRESETS`` picks the defaults by env id); reported per run: env steps, wall-clock,
+seed, one PPO run (agents/ppo.py's defaults plus the variant's fields); reported per run: env steps, wall-clock,
 env-steps/s, the final and the best 20-episode mean return, the first env step at which the
 20-episode mean left the task's floor (its minimum return) and the step at which it reached
 the task's target. The PNG shows the learning curves, mean and min-max band over seeds.

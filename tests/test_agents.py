@@ -5,13 +5,77 @@ from __future__ import annotations
 import copy
 import dataclasses
 import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
 from agents import ppo, sac
+from asyncvec import Collector
 from asyncvec.buffers.rollout import Segment
+from asyncvec.metrics import EpisodeStats
+
+
+class ActionEchoEnv(gym.Env):
+    """Rewards the action it executed and refuses actions outside its bounds (as a strict simulator)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        if not self.action_space.contains(np.asarray(action, np.float32)):
+            raise ValueError(f"action {action} is outside {self.action_space}")
+        self.t += 1
+        return np.zeros(1, np.float32), float(action[0]), False, self.t >= 8, {}
+
+
+ECHO_ID = "test_agents/ActionEcho-v0"
+if ECHO_ID not in gym.registry:  # worker processes are forked: they inherit the registration
+    gym.register(ECHO_ID, entry_point=ActionEchoEnv)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ppo_stores_the_sampled_action_and_sends_the_env_the_clipped_one(mode, no_leftover_children):
+    agent = ppo.PPO(ppo.Args(env=ECHO_ID, mode=mode, num_envs=2, num_steps=16, progress=False))
+    try:
+        with torch.no_grad():
+            agent.actor.log_std.fill_(float(np.log(3.0)))  # std 3: most samples fall outside [-1, 1]
+        agent.versions.publish(agent._actor_weights())
+        if mode == "sync":
+            obs, _ = agent.envs.reset(seed=0)
+            agent._sync_segment(EpisodeStats(2), obs)
+            segment = agent.store.get(timeout=0)
+        else:
+            with Collector(agent.envs, agent.policy, agent.store, seed=0):
+                segment = agent.store.get(timeout=60)
+        actions = segment.actions[..., 0]
+        assert np.abs(actions).max() > 1.0, "the store keeps the unclipped sample"
+        np.testing.assert_allclose(segment.rewards, np.clip(actions, -1.0, 1.0), rtol=1e-6)  # the env executed the clipped one
+        with torch.no_grad():  # the behavior log-prob belongs to the stored (unclipped) action
+            logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.actions))
+        np.testing.assert_allclose(segment.behavior_logp, logp.numpy(), rtol=1e-4, atol=1e-4)
+    finally:
+        agent.close()
+
+
+@pytest.mark.parametrize("env", ["Pendulum-v1", "MountainCarContinuous-v0"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ppo_runs_on_continuous_actions(env, mode, no_leftover_children):
+    result = ppo.train(ppo.Args(env=env, mode=mode, num_envs=4, num_steps=32, total_timesteps=512, progress=False))
+    assert result.global_step == 512 and result.updates == 4
+    assert np.isfinite(result.history[-1]["losses/value_loss"])
 
 
 def test_unknown_env_id_names_close_matches():
@@ -33,6 +97,72 @@ def test_ppo_argument_errors(kwargs, message):
         ppo.Args(**kwargs)
 
 
+@pytest.mark.parametrize("agent", [ppo, sac])
+@pytest.mark.parametrize("field", ["policy_latency_ms", "env_latency_ms"])
+def test_negative_latencies_are_refused(agent, field):
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ValueError, match=rf"{flag} must be >= 0 \(milliseconds\), got -5"):
+        agent.Args(**{field: -5.0})
+
+
+def test_ppo_names_the_spaces_it_needs_before_starting_workers(no_leftover_children):
+    with pytest.raises(ValueError, match=r"PPO needs a flat Box observation space and a Discrete or Box action space; "
+                                         r"asyncvec/Arithmetic-v0 has observation space Text"):
+        ppo.PPO(ppo.Args(env="asyncvec/Arithmetic-v0"))
+
+
+def test_ppo_presets_are_opt_in_and_explicit_values_win():
+    plain = ppo.Args(env="MountainCar-v0")
+    assert (plain.num_steps, plain.update_epochs, plain.normalize_obs) == (32, 20, True), "no setting by env id"
+    assert ppo.Args(env="CartPole-v1") == dataclasses.replace(plain, env="CartPole-v1")
+    cleanrl = ppo.Args(preset="cleanrl", ent_coef=0.05)
+    assert (cleanrl.num_steps, cleanrl.update_epochs, cleanrl.target_kl, cleanrl.ent_coef) == (128, 4, None, 0.05)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_ppo_script(tmp_path, *flags):
+    return subprocess.Popen(
+        [sys.executable, "agents/ppo.py", "--num-envs", "2", "--num-steps", "16", "--update-epochs", "2", "--no-progress",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "runs"), *flags],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def test_ppo_script_says_where_logs_and_checkpoints_went(tmp_path):
+    proc = run_ppo_script(tmp_path, "--total-timesteps", "64", "--track")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"logs: {tmp_path / 'runs'}/CartPole-v1__ppo__async__1__") and "(TensorBoard)" in last, last
+    assert last.endswith(f"checkpoint: {tmp_path / 'ckpt' / 'ppo.pt'}"), last
+
+
+def test_ppo_ctrl_c_stops_cleanly_with_the_step_and_checkpoint(tmp_path):
+    proc = run_ppo_script(tmp_path, "--total-timesteps", "10000000")
+    checkpoint = tmp_path / "ckpt" / "ppo.pt"
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert checkpoint.exists(), proc.communicate(timeout=60)
+    os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole process group
+    out, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err, err
+    assert f"checkpoint at {checkpoint}" in out and "stopped at step " in out, out
+    step = int(out.split("stopped at step ")[1].split(",")[0])
+    assert step >= 32 and step % 32 == 0, out
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)  # anything left of the run's process group (env workers)?
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("processes of the interrupted run are still alive")
+
+
 def test_ppo_checkpoint_resume_and_tensorboard(tmp_path, no_leftover_children):
     common = dict(num_envs=2, num_steps=16, total_timesteps=64, update_epochs=2, progress=False,
                   checkpoint_dir=str(tmp_path / "ckpt"), log_dir=str(tmp_path / "runs"), track=True)
@@ -51,6 +181,8 @@ def test_ppo_checkpoint_resume_and_tensorboard(tmp_path, no_leftover_children):
     assert resumed.global_step == 64 and resumed.versions.current_version == 2
     result = resumed.train()
     assert result.global_step == 128 and result.updates == 4
+    # Steps/s of the resumed run counts its own 64 steps, not the 64 it restored.
+    assert result.env_steps_per_s * result.wall_time_s == pytest.approx(64, rel=0.01)
 
 
 def test_sac_checkpoint_holds_the_replay_buffer(tmp_path, no_leftover_children):
@@ -105,6 +237,7 @@ def learner():
         agent.critic.load_state_dict(initial["critic"])
         agent.optimizer.load_state_dict(initial["optimizer"])
         agent.max_staleness = agent.versions.max_lag = agent.args.max_staleness
+        agent.reward_scaler = ppo.RewardScaler(agent.args.num_envs, agent.args.gamma) if agent.args.normalize_rewards else None
         torch.manual_seed(0)
         return agent
 
