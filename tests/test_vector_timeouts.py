@@ -52,7 +52,7 @@ class CallEnv(CounterEnv):
 
 @pytest.fixture(scope="module")
 def ray_started():
-    ray = pytest.importorskip("ray")
+    import ray
     if ray.is_initialized():  # left by an earlier module in this process: use it as it is
         yield
         return
@@ -226,7 +226,6 @@ def test_adapters_that_read_attributes_build_with_step_timeout(step_timeout):
 
 
 def test_tianshou_vector_env_with_step_timeout():
-    pytest.importorskip("tianshou")
     from asyncvec.integrations.tianshou import TianshouVectorEnv
 
     envs = TianshouVectorEnv([partial(CounterEnv, max_len=50)] * 2, step_timeout=3.0)
