@@ -257,3 +257,30 @@ def make_ray_collector(
     if versions.current_version > 0:  # resumed from a checkpoint: act with its weights and version
         collector.load_weights({k: v.detach().clone() for k, v in actor.state_dict().items()}, versions.current_version)
     return collector
+
+
+def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], log_path: Callable[[Any], Path],
+                 checkpoint_path: Callable[[Any], Path | None], saves: str, track: bool, log_dir: str) -> Any | None:
+    """The agents' command line: builds the agent, trains it, prints ``summary(result)`` and where the
+    logs and the checkpoint went. Ctrl-C stops the run cleanly (``train`` closes envs, workers and
+    threads) and says at which step and where its checkpoint is. ``saves`` says when a checkpoint is
+    written (e.g. "after every update")."""
+
+    def checkpoint_line(agent: Any) -> str:
+        path = checkpoint_path(agent) if agent is not None else None
+        if path is None:
+            return f"none (--checkpoint-dir DIR saves one {saves})"
+        return str(path) if path.exists() else f"none yet ({path} is written {saves})"
+
+    agent = None
+    try:
+        agent = build()
+        result = agent.train()
+    except KeyboardInterrupt:
+        step = agent.global_step if agent is not None else 0
+        print(f"\nstopped at step {step}, checkpoint at {checkpoint_line(agent)}")
+        return None
+    print(summary(result))
+    logs = f"{log_path(agent)} (TensorBoard)" if track else f"not written (--track writes them to {log_dir}/)"
+    print(f"logs: {logs}; checkpoint: {checkpoint_line(agent)}")
+    return result

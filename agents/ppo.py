@@ -55,6 +55,7 @@ from agents.common import (
     make_ray_collector,
     make_ray_collectors,
     make_vector_env,
+    run_from_cli,
     save_checkpoint,
     seed_everything,
     stored_action_space,
@@ -645,31 +646,17 @@ def train(args: Args) -> TrainResult:
 
 
 def main(args: Args) -> TrainResult | None:
-    """The command line: trains, then says where the logs and the checkpoint went. Ctrl-C stops the run
-    cleanly (envs, workers and threads closed) and says at which step and where its checkpoint is."""
-    agent = None
-    try:
-        agent = PPO(args)
-        result = agent.train()
-    except KeyboardInterrupt:
-        step = agent.global_step if agent is not None else 0
-        print(f"\nstopped at step {step}, checkpoint at {checkpoint_line(agent)}")
-        return None
-    print(
-        f"PPO {result.global_step} steps in {result.wall_time_s:.1f} s ({result.env_steps_per_s:.0f} steps/s), "
-        f"final return (last 20 episodes) {result.final_return:.1f}, mean staleness {result.staleness_mean:.2f}"
-        + (f", reached the target after {result.reached_target_s:.1f} s" if result.reached_target_s is not None else "")
+    """The command line: trains, then says where the logs and the checkpoint went (Ctrl-C stops cleanly)."""
+    return run_from_cli(
+        lambda: PPO(args),
+        lambda result: (
+            f"PPO {result.global_step} steps in {result.wall_time_s:.1f} s ({result.env_steps_per_s:.0f} steps/s), "
+            f"final return (last 20 episodes) {result.final_return:.1f}, mean staleness {result.staleness_mean:.2f}"
+            + (f", reached the target after {result.reached_target_s:.1f} s" if result.reached_target_s is not None else "")
+        ),
+        log_path=lambda agent: agent.log_path, checkpoint_path=lambda agent: agent.checkpoint_path,
+        saves="after every update", track=args.track, log_dir=args.log_dir,
     )
-    logs = f"{agent.log_path} (TensorBoard)" if args.track else f"not written (--track writes them to {args.log_dir}/)"
-    print(f"logs: {logs}; checkpoint: {checkpoint_line(agent)}")
-    return result
-
-
-def checkpoint_line(agent: PPO | None) -> str:
-    path = agent.checkpoint_path if agent is not None else None
-    if path is None:
-        return "none (--checkpoint-dir DIR saves one after every update)"
-    return str(path) if path.exists() else f"none yet ({path} is written after the first update)"
 
 
 if __name__ == "__main__":

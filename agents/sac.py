@@ -47,7 +47,7 @@ import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
 from agents.common import (LaggedWeights, final_observations, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
-                           make_vector_env, save_checkpoint, seed_everything)
+                           make_vector_env, run_from_cli, save_checkpoint, seed_everything)
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec.collector import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger
@@ -573,31 +573,17 @@ def train(args: Args) -> TrainResult:
 
 
 def main(args: Args) -> TrainResult | None:
-    """The command line: trains, then says where the logs and the checkpoint went. Ctrl-C stops the run
-    cleanly (envs, workers and threads closed) and says at which step and where its checkpoint is."""
-    agent = None
-    try:
-        agent = SAC(args)
-        result = agent.train()
-    except KeyboardInterrupt:
-        step = agent.global_step if agent is not None else 0
-        print(f"\nstopped at step {step}, checkpoint at {checkpoint_line(agent)}")
-        return None
-    print(
-        f"SAC {result.global_step} steps, {result.gradient_steps} gradient steps in {result.wall_time_s:.1f} s "
-        f"({result.env_steps_per_s:.0f} steps/s), final return (last 10 episodes) {result.final_return:.1f}"
+    """The command line: trains, then says where the logs and the checkpoint went (Ctrl-C stops cleanly)."""
+    return run_from_cli(
+        lambda: SAC(args),
+        lambda result: (
+            f"SAC {result.global_step} steps, {result.gradient_steps} gradient steps in {result.wall_time_s:.1f} s "
+            f"({result.env_steps_per_s:.0f} steps/s), final return (last 10 episodes) {result.final_return:.1f}"
+        ),
+        log_path=lambda agent: Path(args.log_dir) / agent.run_name,
+        checkpoint_path=lambda agent: agent.checkpoint_dir / "sac.pt" if agent.checkpoint_dir is not None else None,
+        saves="every --checkpoint-every env steps", track=args.track, log_dir=args.log_dir,
     )
-    logs = f"{Path(args.log_dir) / agent.run_name} (TensorBoard)" if args.track else f"not written (--track writes them to {args.log_dir}/)"
-    print(f"logs: {logs}; checkpoint: {checkpoint_line(agent)}")
-    return result
-
-
-def checkpoint_line(agent: SAC | None) -> str:
-    directory = agent.checkpoint_dir if agent is not None else None
-    if directory is None:
-        return "none (--checkpoint-dir DIR saves one every --checkpoint-every env steps)"
-    path = directory / "sac.pt"
-    return str(path) if path.exists() else f"none yet ({path} is written every --checkpoint-every env steps)"
 
 
 if __name__ == "__main__":
