@@ -50,6 +50,26 @@ def build_char_tokenizer(vocab: str = DEFAULT_VOCAB):
     )
 
 
+def check_lm_sizes(arch: str, n_head: int | None, **sizes: int) -> int:
+    """Checks ``arch`` and that every one of ``sizes`` is an int >= 1; returns the head count
+    (``n_embd // 32`` when ``n_head`` is None), which must divide ``sizes["n_embd"]``.
+
+    Example:
+        >>> check_lm_sizes("gpt2", None, n_layer=2, n_embd=64)
+        2
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    for field, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+    n_embd = sizes["n_embd"]
+    heads = max(1, n_embd // 32) if n_head is None else n_head
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or n_embd % heads:
+        raise ValueError(f"n_head must be an int >= 1 dividing n_embd={n_embd}, got {heads!r}")
+    return heads
+
+
 def build_tiny_lm(
     path: str | os.PathLike,
     arch: str = "gpt2",
@@ -89,14 +109,7 @@ def build_tiny_lm(
     import torch
     import transformers
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    for field, value in (("n_layer", n_layer), ("n_embd", n_embd), ("max_positions", max_positions)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field} must be an int >= 1, got {value!r}")
-    heads = max(1, n_embd // 32) if n_head is None else n_head
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or n_embd % heads:
-        raise ValueError(f"n_head must be an int >= 1 dividing n_embd={n_embd}, got {heads!r}")
+    heads = check_lm_sizes(arch, n_head, n_layer=n_layer, n_embd=n_embd, max_positions=max_positions)
     tokenizer = build_char_tokenizer(vocab)
     ids = {
         "pad_token_id": tokenizer.pad_token_id,

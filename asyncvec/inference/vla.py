@@ -35,7 +35,8 @@ from torch import nn
 
 from asyncvec.inference.action_tokens import ActionTokenizer
 from asyncvec.inference.base import BatchedPolicy, split_batch
-from asyncvec.inference.tiny_models import ARCHS, DEFAULT_VOCAB, _make_tokenizer_config_portable, build_char_tokenizer
+from asyncvec.inference.tiny_models import (ARCHS, DEFAULT_VOCAB, _make_tokenizer_config_portable, build_char_tokenizer,
+                                            check_lm_sizes)
 from asyncvec.inference.types import BackendResult, PolicyOutput
 from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
 
@@ -314,26 +315,12 @@ def build_tiny_vla(
         >>> sorted(p.name for p in folder.iterdir() if p.suffix == ".json")[:2]
         ['config.json', 'tokenizer.json']
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    for field, value in (
-        ("image_size", image_size),
-        ("patch_size", patch_size),
-        ("vision_dim", vision_dim),
-        ("n_layer", n_layer),
-        ("n_embd", n_embd),
-        ("max_positions", max_positions),
-        ("num_bins", num_bins),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+    heads = check_lm_sizes(arch, n_head, image_size=image_size, patch_size=patch_size, vision_dim=vision_dim,
+                           n_layer=n_layer, n_embd=n_embd, max_positions=max_positions, num_bins=num_bins)
     if image_size % patch_size:
         raise ValueError(f"image_size {image_size} must be a multiple of patch_size {patch_size}")
     if isinstance(vision_layers, bool) or not isinstance(vision_layers, int) or vision_layers < 0:
         raise ValueError(f"vision_layers must be an int >= 0, got {vision_layers!r}")
-    heads = max(1, n_embd // 32) if n_head is None else n_head
-    if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1 or n_embd % heads:
-        raise ValueError(f"n_head must be an int >= 1 dividing n_embd={n_embd}, got {heads!r}")
     tokenizer = build_char_tokenizer(vocab)
     text_vocab = len(tokenizer)
     ids = {
