@@ -63,11 +63,37 @@ def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
     """The single-env observation and action spaces of ``env_id``, from one env built and closed here
     (so an agent can refuse unsupported spaces before it starts any worker)."""
     check_env_id(env_id)
-    env = gym.make(env_id)
+    env = flat_observations(gym.make(env_id))
     try:
         return env.observation_space, env.action_space
     finally:
         env.close()
+
+
+def flat_observations(env: gym.Env) -> gym.Env:
+    """``env`` with flat vector observations, as the agents' MLPs take them: a 1-D Box is kept, any
+    other space of numbers is flattened (``gym.wrappers.FlattenObservation``: a Discrete observation
+    becomes a one-hot vector, an image a vector, a Tuple or Dict the concatenation of its parts).
+    Anything else (Text, for one) is kept, for the agent to refuse.
+
+    Example:
+        >>> flat_observations(gym.make("FrozenLake-v1")).observation_space
+        Box(0, 1, (16,), int64)
+    """
+    space = env.observation_space
+    if isinstance(space, gym.spaces.Box) and len(space.shape) == 1:
+        return env
+    return gym.wrappers.FlattenObservation(env) if _numeric_leaves(space) else env
+
+
+def _numeric_leaves(space: gym.Space) -> bool:
+    """Whether every leaf of ``space`` is a number array (gymnasium would also "flatten" Text into
+    character indices, which no MLP should read as a vector)."""
+    if isinstance(space, gym.spaces.Tuple):
+        return all(_numeric_leaves(s) for s in space.spaces)
+    if isinstance(space, gym.spaces.Dict):
+        return all(_numeric_leaves(s) for s in space.spaces.values())
+    return isinstance(space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary))
 
 
 def stored_action_space(action_space: gym.Space) -> gym.Space:
@@ -95,7 +121,7 @@ def make_env_fn(
     observations normalized by running statistics (gymnasium's NormalizeObservation) when asked."""
 
     def make() -> gym.Env:
-        env = gym.make(env_id)
+        env = flat_observations(gym.make(env_id))
         if normalize_obs:
             env = gym.wrappers.NormalizeObservation(env)
         if env_latency_ms > 0:
@@ -257,6 +283,18 @@ def make_ray_collector(
     if versions.current_version > 0:  # resumed from a checkpoint: act with its weights and version
         collector.load_weights({k: v.detach().clone() for k, v in actor.state_dict().items()}, versions.current_version)
     return collector
+
+
+def final_return_text(final_return: float, last: int) -> str:
+    """The summary's words for the mean return of the last ``last`` episodes (NaN: none finished).
+
+    Example:
+        >>> final_return_text(float("nan"), 20)
+        'no episode finished yet'
+    """
+    if np.isnan(final_return):
+        return "no episode finished yet"
+    return f"final return (last {last} episodes) {final_return:.1f}"
 
 
 def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], log_path: Callable[[Any], Path],

@@ -49,6 +49,7 @@ from agents.common import (
     LaggedWeights,
     env_spaces,
     final_observations,
+    final_return_text,
     layer_init,
     load_checkpoint,
     make_policy,
@@ -651,7 +652,7 @@ def main(args: Args) -> TrainResult | None:
         lambda: PPO(args),
         lambda result: (
             f"PPO {result.global_step} steps in {result.wall_time_s:.1f} s ({result.env_steps_per_s:.0f} steps/s), "
-            f"final return (last 20 episodes) {result.final_return:.1f}, mean staleness {result.staleness_mean:.2f}"
+            f"{final_return_text(result.final_return, 20)}, mean staleness {result.staleness_mean:.2f}"
             + (f", reached the target after {result.reached_target_s:.1f} s" if result.reached_target_s is not None else "")
         ),
         log_path=lambda agent: agent.log_path, checkpoint_path=lambda agent: agent.checkpoint_path,

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
-from agents.common import (LaggedWeights, final_observations, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
+from agents.common import (LaggedWeights, final_observations, final_return_text, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
                            make_vector_env, run_from_cli, save_checkpoint, seed_everything)
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec.collector import Transitions
@@ -578,7 +578,7 @@ def main(args: Args) -> TrainResult | None:
         lambda: SAC(args),
         lambda result: (
             f"SAC {result.global_step} steps, {result.gradient_steps} gradient steps in {result.wall_time_s:.1f} s "
-            f"({result.env_steps_per_s:.0f} steps/s), final return (last 10 episodes) {result.final_return:.1f}"
+            f"({result.env_steps_per_s:.0f} steps/s), {final_return_text(result.final_return, 10)}"
         ),
         log_path=lambda agent: Path(args.log_dir) / agent.run_name,
         checkpoint_path=lambda agent: agent.checkpoint_dir / "sac.pt" if agent.checkpoint_dir is not None else None,

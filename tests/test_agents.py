@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from agents import ppo, sac
+from agents.common import env_spaces, final_return_text, make_env_fn
 from asyncvec import Collector
 from asyncvec.buffers.rollout import Segment
 from asyncvec.metrics import EpisodeStats
@@ -76,6 +77,20 @@ def test_ppo_runs_on_continuous_actions(env, mode, no_leftover_children):
     result = ppo.train(ppo.Args(env=env, mode=mode, num_envs=4, num_steps=32, total_timesteps=512, progress=False))
     assert result.global_step == 512 and result.updates == 4
     assert np.isfinite(result.history[-1]["losses/value_loss"])
+
+
+@pytest.mark.parametrize("env, size", [("FrozenLake-v1", 16), ("Blackjack-v1", 45)])
+def test_discrete_and_tuple_observations_reach_the_agents_one_hot(env, size, no_leftover_children):
+    assert env_spaces(env)[0].shape == (size,)
+    obs, _ = make_env_fn(env)().reset(seed=0)
+    assert obs.shape == (size,) and set(np.unique(obs)) <= {0, 1} and obs.sum() == (1 if env == "FrozenLake-v1" else 3)
+    result = ppo.train(ppo.Args(env=env, mode="async", num_envs=4, num_steps=32, total_timesteps=512, progress=False))
+    assert result.global_step >= 512
+
+
+def test_the_summary_says_when_no_episode_finished():
+    assert final_return_text(float("nan"), 10) == "no episode finished yet"
+    assert final_return_text(-12.34, 20) == "final return (last 20 episodes) -12.3"
 
 
 def test_unknown_env_id_names_close_matches():
