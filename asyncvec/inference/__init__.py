@@ -59,6 +59,7 @@ _LAZY = {
     "build_tiny_vla": "asyncvec.inference.vla",
     "load_tiny_vla": "asyncvec.inference.vla",
     "per_action_logps": "asyncvec.inference.vla",
+    "VLLMVLAPolicy": "asyncvec.inference.vla_vllm",
 }
 
 __all__ = sorted(_LAZY)
@@ -74,6 +75,7 @@ _NEEDS = {
     "AsyncvecServer": ("httpx", "serve"),
     "wait_until_ready": ("httpx", "serve"),
     "VLLMPolicy": ("vllm", "vllm"),
+    "VLLMVLAPolicy": ("vllm", "vllm"),
 }
 
 

@@ -560,11 +560,17 @@ class TinyVLAPolicy(BatchedPolicy):
             constrained=self.constrained,
             generator=self._generator,
         )
-        token_rows = tokens.cpu().numpy()
-        logp_rows = logps.double().cpu().numpy()
+        return self._action_results(tokens.cpu().numpy(), logps.double().cpu().numpy())
+
+    def _action_results(self, token_rows: Sequence[Any], logp_rows: Sequence[Any]) -> list[BackendResult]:
+        """Decode each row of emitted token ids into an answer. A row that decodes to no action
+        (a non-action token, or not ``chunk_size * D`` tokens) is rejected: the policy answers
+        with its fallback action (counted in ``parse_failures``), keeping the tokens."""
         results = []
         for ids, token_logps in zip(token_rows, logp_rows, strict=True):
-            valid = bool(self.action_tokenizer.is_action_token(ids).all())
+            ids = np.asarray(ids, dtype=np.int64)
+            token_logps = np.asarray(token_logps, dtype=np.float64)
+            valid = len(ids) == self.num_action_tokens and bool(self.action_tokenizer.is_action_token(ids).all())
             action = None
             if valid:
                 action = self.action_tokenizer.decode(ids.reshape(-1, self.action_dim))
