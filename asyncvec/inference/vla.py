@@ -596,8 +596,21 @@ class TinyVLAPolicy(BatchedPolicy):
 
     def score(self, obs_batch: Any, actions: Any) -> np.ndarray:
         """Log-probability under the current weights (temperature 1, constrained) of the
-        action tokens of ``actions`` (``[B, D]`` or chunks ``[B, H, D]``), per observation."""
+        action tokens of ``actions`` (``[B, D]``, or chunks ``[B, chunk_size, D]`` for a chunked
+        policy), per observation.
+
+        Raises:
+            ValueError: ``actions`` is not one action (or one whole chunk) per observation.
+        """
         images, input_ids, mask = self.model_inputs(obs_batch)
+        actions = np.asarray(actions)
+        per_obs = (self.action_dim,) if self.chunk_size is None else (self.chunk_size, self.action_dim)
+        if actions.shape != (images.shape[0], *per_obs):
+            raise ValueError(
+                f"{self._label}.score: actions have shape {actions.shape}, expected {(images.shape[0], *per_obs)}: "
+                f"{'one action' if self.chunk_size is None else f'a chunk of chunk_size={self.chunk_size} actions'} "
+                f"of {self.action_dim} dimensions per observation"
+            )
         ids = self.action_tokenizer.encode(actions)
         ids = torch.as_tensor(ids.reshape(ids.shape[0], -1), device=self.device)
         with self._version_lock.read(), torch.no_grad():
