@@ -88,7 +88,7 @@ def __getattr__(name: str) -> Any:
         check_installed(library, extra=extra, feature=f"asyncvec.inference.{name}")
         if library == "transformers":
             hide_unloadable_torch_libraries()
-    if name in ("VLLMPolicy", "VLLMServer"):
+    if name in ("VLLMPolicy", "VLLMServer", "VLLMVLAPolicy"):
         check_torch_libraries(f"asyncvec.inference.{name}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
