@@ -260,6 +260,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._transport: Transport | None = None
         self._shm = None
         self._shared_rows = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
+        self._row_templates = None  # what the parent checks observations against without shared memory
 
         if self.backend.local:
             # Spaces come from one throwaway env, as in gymnasium: shared memory must exist before
