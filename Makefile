@@ -54,7 +54,7 @@ demo-llm: $(VENV)/.test
 
 # The modules that start an in-process vLLM engine run first, one at a time, each in a fresh interpreter: two engines
 # side by side on 2 cores (or one started after other modules in the same worker) crawled until tests timed out.
-VLLM_IN_PROCESS := tests/test_vllm_policy.py tests/test_lm_agents_vllm.py
+VLLM_IN_PROCESS := tests/test_vllm_policy.py tests/test_lm_agents_vllm.py tests/test_vla_vllm.py
 
 test: $(VENV)/.test
 	@status=0; \

@@ -139,6 +139,7 @@ class _BadImage(gym.Wrapper):
         return (obs, *rest)
 
 
+@pytest.mark.parametrize("shared_memory", [True, False])
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
@@ -146,9 +147,11 @@ class _BadImage(gym.Wrapper):
         ("dtype", r"observation\['image'\] of env 1 has dtype float64, expected uint8"),
     ],
 )
-def test_bad_image_names_field_and_env(kind: str, message: str) -> None:
+def test_bad_image_names_field_and_env(kind: str, message: str, shared_memory: bool) -> None:
+    """Checked in the worker while it writes shared memory, in the parent without it."""
     fns = [_pendulum, lambda: _BadImage(_pendulum(), kind)]
-    with AsyncLLMVectorEnv(fns) as vector_env:
+    with AsyncLLMVectorEnv(fns, shared_memory=shared_memory) as vector_env:
+        assert vector_env.shared_memory is shared_memory
         vector_env.reset(seed=0)
         vector_env.step(np.zeros((2, 1), dtype=np.float32))
         with pytest.raises(WorkerError, match=message):
@@ -183,3 +186,12 @@ def test_restart_keeps_image_and_instruction() -> None:
         assert obs["instruction"][1] == last["instruction"][1]
         obs, *_ = vector_env.step(actions)  # the rebuilt env's new episode
         assert obs["image"][1].shape == (64, 64, 3) and isinstance(obs["instruction"][1], str)
+
+
+def test_split_obs_docstring_examples() -> None:
+    import doctest
+
+    import asyncvec.vector.split_obs as split_obs
+
+    result = doctest.testmod(split_obs)
+    assert result.failed == 0 and result.attempted > 0

@@ -243,3 +243,57 @@ def test_docstring_examples():
 
     for module in (action_tokens, vla):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+# ------------------------------------------------------------------------- bad input (issue 19)
+def test_score_refuses_a_chunk_of_the_wrong_length(folder):
+    with TinyVLAPolicy(folder, SPACE, chunk_size=2) as policy:
+        assert policy.score([_obs()], np.zeros((1, 2, 2), np.float32)).shape == (1,)
+        with pytest.raises(ValueError, match=r"actions have shape \(1, 3, 2\), expected \(1, 2, 2\): a chunk of "
+                                             r"chunk_size=2 actions of 2 dimensions per observation"):
+            policy.score([_obs()], np.zeros((1, 3, 2), np.float32))
+    with TinyVLAPolicy(folder, SPACE) as single, pytest.raises(ValueError, match=r"expected \(2, 2\): one action"):
+        single.score([_obs(), _obs(seed=1)], np.zeros((2, 1, 2), np.float32))
+
+
+def test_too_few_action_tokens_fall_back_and_are_counted(folder):
+    """A backend that emits fewer tokens than a chunk needs: no action, the fallback, counted."""
+    with TinyVLAPolicy(folder, SPACE, chunk_size=2, fallback="zero") as policy:
+        generate = policy.model.generate_actions
+        policy.model.generate_actions = lambda *args, **kwargs: tuple(t[:, :-1] for t in generate(*args, **kwargs))
+        out = policy.submit(_obs(), env_id=0).result(timeout=60)
+        assert out.fallback and len(out.token_ids) == 3 and policy.stats()["parse_failures"] == 1
+        np.testing.assert_array_equal(out.action, np.zeros((2, 2), np.float32))
+
+
+def test_no_action_tokens_are_never_played_as_the_policys_choice():
+    """End to end: a VLA whose every answer decodes to no action, on pixel envs at a control rate.
+    Each answer is the policy's counted fallback, and the chunk executor marks every action it
+    plays as replaced, so a learner on the rollout (policy_choice) trains on none of them."""
+    import tempfile
+
+    import envs  # noqa: F401  (registers the pixel envs)
+    from asyncvec import AsyncLLMVectorEnv
+    from asyncvec.control import ChunkExecutor
+
+    model, tokenizer = load_tiny_vla(build_tiny_vla(tempfile.mkdtemp(), image_size=64, n_layer=1, n_embd=32,
+                                                    vision_dim=32, seed=0))
+    with torch.no_grad():
+        model.language_model.get_output_embeddings().weight.zero_()  # greedy picks id 0: no action token
+    with AsyncLLMVectorEnv([lambda: gym.make("asyncvec/PixelPendulum-v0")] * 2) as vector_env:
+        space = vector_env.single_action_space
+        with TinyVLAPolicy(model, space, tokenizer=tokenizer, chunk_size=4, temperature=0.0, constrained=False,
+                           max_wait_ms=1) as policy:
+            executor = ChunkExecutor(vector_env, policy, period_s=0.02, horizon=4)
+            executor.reset(seed=0)
+            rollouts = []
+            for _ in range(20):  # until answers were played (a loaded machine may take a while)
+                rollouts.append(executor.run(10))
+                if executor.stats()["policy_fallbacks"] >= 2:
+                    break
+            stats, policy_stats = executor.stats(), policy.stats()
+    assert 2 <= stats["policy_fallbacks"] <= policy_stats["parse_failures"], (stats, policy_stats)
+    assert policy_stats["answered"] == policy_stats["fallbacks"]  # every answer was the fallback
+    for rollout in rollouts:
+        assert rollout.policy_choice.sum() == 0 and rollout.count("policy") == 0
+    assert any((rollout.chunk_id >= 0).any() for rollout in rollouts)  # the policy's fallback chunks were played

@@ -59,6 +59,7 @@ _LAZY = {
     "build_tiny_vla": "asyncvec.inference.vla",
     "load_tiny_vla": "asyncvec.inference.vla",
     "per_action_logps": "asyncvec.inference.vla",
+    "VLLMVLAPolicy": "asyncvec.inference.vla_vllm",
 }
 
 __all__ = sorted(_LAZY)
@@ -74,6 +75,7 @@ _NEEDS = {
     "AsyncvecServer": ("httpx", "serve"),
     "wait_until_ready": ("httpx", "serve"),
     "VLLMPolicy": ("vllm", "vllm"),
+    "VLLMVLAPolicy": ("vllm", "vllm"),
 }
 
 
@@ -86,7 +88,7 @@ def __getattr__(name: str) -> Any:
         check_installed(library, extra=extra, feature=f"asyncvec.inference.{name}")
         if library == "transformers":
             hide_unloadable_torch_libraries()
-    if name in ("VLLMPolicy", "VLLMServer"):
+    if name in ("VLLMPolicy", "VLLMServer", "VLLMVLAPolicy"):
         check_torch_libraries(f"asyncvec.inference.{name}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

@@ -560,11 +560,17 @@ class TinyVLAPolicy(BatchedPolicy):
             constrained=self.constrained,
             generator=self._generator,
         )
-        token_rows = tokens.cpu().numpy()
-        logp_rows = logps.double().cpu().numpy()
+        return self._action_results(tokens.cpu().numpy(), logps.double().cpu().numpy())
+
+    def _action_results(self, token_rows: Sequence[Any], logp_rows: Sequence[Any]) -> list[BackendResult]:
+        """Decode each row of emitted token ids into an answer. A row that decodes to no action
+        (a non-action token, or not ``chunk_size * D`` tokens) is rejected: the policy answers
+        with its fallback action (counted in ``parse_failures``), keeping the tokens."""
         results = []
         for ids, token_logps in zip(token_rows, logp_rows, strict=True):
-            valid = bool(self.action_tokenizer.is_action_token(ids).all())
+            ids = np.asarray(ids, dtype=np.int64)
+            token_logps = np.asarray(token_logps, dtype=np.float64)
+            valid = len(ids) == self.num_action_tokens and bool(self.action_tokenizer.is_action_token(ids).all())
             action = None
             if valid:
                 action = self.action_tokenizer.decode(ids.reshape(-1, self.action_dim))
@@ -590,8 +596,21 @@ class TinyVLAPolicy(BatchedPolicy):
 
     def score(self, obs_batch: Any, actions: Any) -> np.ndarray:
         """Log-probability under the current weights (temperature 1, constrained) of the
-        action tokens of ``actions`` (``[B, D]`` or chunks ``[B, H, D]``), per observation."""
+        action tokens of ``actions`` (``[B, D]``, or chunks ``[B, chunk_size, D]`` for a chunked
+        policy), per observation.
+
+        Raises:
+            ValueError: ``actions`` is not one action (or one whole chunk) per observation.
+        """
         images, input_ids, mask = self.model_inputs(obs_batch)
+        actions = np.asarray(actions)
+        per_obs = (self.action_dim,) if self.chunk_size is None else (self.chunk_size, self.action_dim)
+        if actions.shape != (images.shape[0], *per_obs):
+            raise ValueError(
+                f"{self._label}.score: actions have shape {actions.shape}, expected {(images.shape[0], *per_obs)}: "
+                f"{'one action' if self.chunk_size is None else f'a chunk of chunk_size={self.chunk_size} actions'} "
+                f"of {self.action_dim} dimensions per observation"
+            )
         ids = self.action_tokenizer.encode(actions)
         ids = torch.as_tensor(ids.reshape(ids.shape[0], -1), device=self.device)
         with self._version_lock.read(), torch.no_grad():

@@ -139,16 +139,7 @@ class VLLMPolicy(TextPolicy):
         self._vllm = vllm
         self.model_dir = folder
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
-        options = dict(engine_kwargs or {})
-        options.setdefault("logprobs_mode", "processed_logprobs")
-        if (
-            not _cuda_available()
-            and "kv_cache_memory_bytes" not in options
-            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-        ):
-            options["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-        with _in_process_engine():
-            self.llm = vllm.LLM(model=os.fspath(folder), **options)
+        self.llm = start_engine(folder, engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -180,12 +171,7 @@ class VLLMPolicy(TextPolicy):
         for request_output, group in zip(outputs, owners, strict=True):
             completions = sorted(request_output.outputs, key=lambda completion: completion.index)
             for index, completion in zip(group, completions, strict=True):
-                spans = completion.weight_versions or []
-                if any(span.version != version for span in spans):
-                    raise RuntimeError(
-                        f"{self._label}: vLLM sampled tokens under weight versions {[s.version for s in spans]} "
-                        f"while version {version} was published"
-                    )
+                check_weight_versions(completion, version, self._label)
                 results[index] = self._completion_result(completion, prompts[index].top_logprobs)
         return results  # type: ignore[return-value]
 
@@ -218,12 +204,7 @@ class VLLMPolicy(TextPolicy):
     def _apply_weights(self, weights: Any, version: int) -> None:
         state = state_dict_of(weights)
         self.parameters.check({name: tuple(t.shape) for name, t in state.items()}, where=f"{self._label}: weights")
-        state = self.parameters.complete(state)
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True}
-        )
-        self.llm.reset_prefix_cache()
-        self._set_engine_version(version)
+        reload_engine_weights(self.llm, self.parameters.complete(state), version)
 
     def _set_engine_version(self, version: int) -> None:
         self.llm.llm_engine.set_weight_version(str(version))
@@ -233,15 +214,52 @@ class VLLMPolicy(TextPolicy):
         return str(self.llm.llm_engine.get_weight_version())
 
     def _close_backend(self) -> None:
-        llm = self.__dict__.pop("llm", None)
-        if llm is None:
-            return
-        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        shutdown = getattr(engine_core, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
-        del llm, engine_core
-        gc.collect()
+        close_engine(self.__dict__.pop("llm", None))
+
+
+# Engine pieces shared by every in-process vLLM backend (VLLMPolicy, VLLMVLAPolicy)
+def start_engine(folder: str | os.PathLike, engine_kwargs: dict[str, Any] | None = None) -> Any:
+    """An in-process ``vllm.LLM`` on ``folder`` with asyncvec's defaults: processed log-probs
+    (those of the distribution sampled from) and, without CUDA, a `CPU_KV_CACHE_BYTES` KV
+    cache unless ``engine_kwargs`` or ``VLLM_CPU_KVCACHE_SPACE`` set it."""
+    vllm = _import_vllm()
+    options = dict(engine_kwargs or {})
+    options.setdefault("logprobs_mode", "processed_logprobs")
+    sized = "kv_cache_memory_bytes" in options or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if not sized and not _cuda_available():
+        options["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    with _in_process_engine():
+        return vllm.LLM(model=os.fspath(folder), **options)
+
+
+def reload_engine_weights(llm: Any, state: dict[str, Any], version: int) -> None:
+    """Load a checked, complete state dict (HF names, tied names filled in: `ParameterSpec`)
+    through vLLM's in-place reload, reset the prefix cache and set vLLM's weight version."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+    llm.llm_engine.set_weight_version(str(version))
+
+
+def check_weight_versions(completion: Any, version: str, label: str) -> None:
+    """Raise RuntimeError when vLLM sampled any token of ``completion`` under another weight version."""
+    spans = completion.weight_versions or []
+    if any(span.version != version for span in spans):
+        raise RuntimeError(
+            f"{label}: vLLM sampled tokens under weight versions {[s.version for s in spans]} "
+            f"while version {version} was published"
+        )
+
+
+def close_engine(llm: Any) -> None:
+    """Shut an in-process engine down and free it (None: nothing to do)."""
+    if llm is None:
+        return
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    shutdown = getattr(engine_core, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+    del llm, engine_core
+    gc.collect()
 
 
 def _cuda_available() -> bool:

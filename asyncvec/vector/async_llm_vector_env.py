@@ -24,7 +24,7 @@ from asyncvec.vector.errors import (
     NoAsyncCallError,
     WorkerError,
 )
-from asyncvec.vector.split_obs import merge_row, shared_subspace
+from asyncvec.vector.split_obs import check_row, merge_row, row_templates, shared_subspace
 from asyncvec.vector.transport import Backend, ProcessBackend, Transport, WorkerSpec
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
@@ -260,6 +260,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._transport: Transport | None = None
         self._shm = None
         self._shared_rows = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
+        self._row_templates = None  # what the parent checks observations against without shared memory
 
         if self.backend.local:
             # Spaces come from one throwaway env, as in gymnasium: shared memory must exist before
@@ -303,6 +304,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         observation_space = self.single_observation_space
         shared_space = None if self._shm is None else shared_subspace(observation_space)
         self._shared_rows = None
+        # without shared memory the parent checks what the workers' write_row would have (check_row)
+        self._row_templates = row_templates(observation_space) if self._shm is None else None
         if shared_space is not None and shared_space is not observation_space:
             # Split Dict: fixed-shape entries in shared memory, the rest (e.g. Text) by pipe, merged on arrival.
             self._shared_rows = read_from_shared_memory(shared_space, self._shm, n=self.num_envs)
@@ -491,6 +494,12 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _accept(self, index: int, result: Any) -> None:
         slot = self._slots[index]
+        if slot.command in _ENV_COMMANDS and self._row_templates is not None:
+            try:
+                check_row(self._row_templates, index, result[0])
+            except ValueError as exc:  # a bad observation is the env's failure, as with shared memory
+                self._env_failed(index, (type(exc).__name__, str(exc), "", None))
+                return
         if slot.command in _ENV_COMMANDS:
             if self._env_obs is not None:
                 rest = result[0]

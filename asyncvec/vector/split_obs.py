@@ -7,6 +7,11 @@ instruction, is split: its fixed-shape entries (the image) are written to shared
 worker, and only the rest (the short instruction string) is pickled with the step's answer.
 The parent merges both back into one observation when it files the answer.
 
+Every fixed-shape entry is checked on its way (`write_row`, `check_row`): an image of the wrong
+shape or dtype is an error naming the field, the env and what was expected, never broadcast or
+cast. With shared memory the worker checks while it writes; without (``shared_memory=False``,
+Ray workers) the parent checks each answer against `row_templates` of the space.
+
 Why not the Text in shared memory too? Gymnasium can store a ``Text`` there (``max_length``
 int32 character indices per env), but its reader decodes a fresh tuple of strings at each read
 instead of giving a live view, and the buffer costs ``4 * max_length`` bytes per env for an
@@ -23,6 +28,10 @@ Example:
     {'instruction': 'lift'}
     >>> shared_subspace(spaces.Text(32)) is None
     True
+    >>> check_row(row_templates(space), 3, {"image": np.zeros((8, 8)), "instruction": "lift"})
+    Traceback (most recent call last):
+    ...
+    ValueError: observation['image'] of env 3 has shape (8, 8), expected (8, 8, 3)
 """
 
 from __future__ import annotations
@@ -30,9 +39,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from gymnasium import Space, spaces
+from gymnasium.vector.utils import create_empty_array
 
-__all__ = ["is_fixed_shape", "merge_row", "pipe_part", "shared_subspace"]
+__all__ = ["check_row", "is_fixed_shape", "merge_row", "pipe_part", "row_templates", "shared_subspace", "write_row"]
 
 _FIXED_SHAPE_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
@@ -85,3 +96,48 @@ def _copy_row(rows: Any, index: int) -> Any:
     if isinstance(rows, tuple):
         return tuple(_copy_row(value, index) for value in rows)
     return rows[index].copy()
+
+
+def row_templates(space: Space) -> Any:
+    """Arrays of zero rows with the row shape and dtype of each fixed-shape entry of ``space``
+    (what `check_row` compares an observation with when there are no shared views), or None."""
+    shared = shared_subspace(space)
+    return None if shared is None else create_empty_array(shared, n=0, fn=np.empty)
+
+
+def check_row(rows: Any, index: int, value: Any, field: str = "observation") -> None:
+    """Raise ValueError unless ``value`` fits one row of ``rows`` (shared views or `row_templates`):
+    the same keys, each array of the row's shape and of a dtype that casts to the row's within
+    its kind (no float image for uint8 rows). The message names the field, env ``index`` and
+    what was expected."""
+    _visit_row(rows, index, value, field, write=False)
+
+
+def write_row(rows: Any, index: int, value: Any, field: str = "observation") -> None:
+    """Write one env's observation into row ``index`` of the shared views after `check_row`'s checks.
+
+    Unlike numpy assignment it never broadcasts nor casts across kinds.
+    """
+    _visit_row(rows, index, value, field, write=True)
+
+
+def _visit_row(rows: Any, index: int, value: Any, field: str, write: bool) -> None:
+    if isinstance(rows, dict):
+        for key, sub_rows in rows.items():
+            if not hasattr(value, "keys") or key not in value:
+                raise ValueError(f"{field} of env {index} has no key {key!r} (expected keys {sorted(rows)})")
+            _visit_row(sub_rows, index, value[key], f"{field}[{key!r}]", write)
+        return
+    if isinstance(rows, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(rows):
+            raise ValueError(f"{field} of env {index} is not a tuple of {len(rows)} entries: got {type(value).__name__}")
+        for position, (sub_rows, sub_value) in enumerate(zip(rows, value)):
+            _visit_row(sub_rows, index, sub_value, f"{field}[{position}]", write)
+        return
+    value = np.asarray(value)
+    if value.shape != rows.shape[1:]:
+        raise ValueError(f"{field} of env {index} has shape {value.shape}, expected {rows.shape[1:]}")
+    if not np.can_cast(value.dtype, rows.dtype, casting="same_kind"):
+        raise ValueError(f"{field} of env {index} has dtype {value.dtype}, expected {rows.dtype}")
+    if write:
+        rows[index] = value

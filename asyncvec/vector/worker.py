@@ -48,7 +48,7 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
-from asyncvec.vector.split_obs import pipe_part, shared_subspace
+from asyncvec.vector.split_obs import pipe_part, shared_subspace, write_row
 
 # How often a worker process checks that its parent is still alive.
 _PARENT_CHECK_S = 1.0
@@ -174,7 +174,7 @@ class EnvGroup:
             for slot, position in published:
                 result = results[slot]
                 try:
-                    _write_row(self._rows, self.indices[position], result[0])
+                    write_row(self._rows, self.indices[position], result[0])
                 except Exception as exc:
                     results[slot] = EnvFailure(error_payload(exc))
                 else:
@@ -269,31 +269,6 @@ class BuildFailureError(Exception):
     def __init__(self, failure: BuildFailure) -> None:
         self.failure = failure
         super().__init__(f"env at position {failure.position} failed to build: {failure.payload[0]}: {failure.payload[1]}")
-
-
-def _write_row(rows: Any, index: int, value: Any, field: str = "observation") -> None:
-    """Writes one observation into row ``index`` of the shared views (nested dicts / tuples of arrays).
-
-    Unlike numpy assignment it never broadcasts nor casts across kinds: an observation (or a
-    ``field`` of it, e.g. ``observation['image']``) of the wrong shape, or a float image for
-    uint8 rows, is an error naming the field, the env and what was expected.
-    """
-    if isinstance(rows, dict):
-        for key, sub_rows in rows.items():
-            if not hasattr(value, "keys") or key not in value:
-                raise ValueError(f"{field} of env {index} has no key {key!r} (expected keys {sorted(rows)})")
-            _write_row(sub_rows, index, value[key], f"{field}[{key!r}]")
-        return
-    if isinstance(rows, tuple):
-        for position, (sub_rows, sub_value) in enumerate(zip(rows, value)):
-            _write_row(sub_rows, index, sub_value, f"{field}[{position}]")
-        return
-    value = np.asarray(value)
-    if value.shape != rows.shape[1:]:
-        raise ValueError(f"{field} of env {index} has shape {value.shape}, expected {rows.shape[1:]}")
-    if not np.can_cast(value.dtype, rows.dtype, casting="same_kind"):
-        raise ValueError(f"{field} of env {index} has dtype {value.dtype}, expected {rows.dtype}")
-    rows[index] = value
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
