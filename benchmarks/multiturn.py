@@ -35,7 +35,7 @@ Each mode also reports where a turn's time goes (per env, ms per turn): the env 
 collector saw it (IPC included), the model call of the turn's batch, the wait for a batch and a
 call slot, and the rest (the collector's handling, resets, idle envs).
 
-Run (about two minutes): ``python benchmarks/multiturn.py``; writes ``benchmarks/results/multiturn.md``
+Run (about a minute): ``python benchmarks/multiturn.py``; writes ``benchmarks/results/multiturn.md``
 and ``.png``.
 """
 
