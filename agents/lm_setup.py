@@ -55,6 +55,9 @@ class LMArgs:
     (for dense rewards) instead of the episode return with the agent's baseline"""
     system_prompt: str | None = None
     """multi-turn envs: the conversation's first message"""
+    on_overflow: Literal["truncate", "drop_oldest"] = "truncate"
+    """multi-turn envs: a prompt over the context ends the episode truncated, or drops the oldest whole
+    turns from it (a new context segment, each turn trained in the context the engine saw)"""
     model: str | None = None
     """save_pretrained folder of the model (default: a fresh tiny GPT-2 from build_tiny_lm)"""
     sft_steps: int = 0
@@ -557,6 +560,7 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
             EpisodeCollector(
                 envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
                 max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003,
+                on_overflow=args.on_overflow,
             )
         )  # fmt: skip
         return LMParts(
@@ -636,6 +640,7 @@ def evaluate_episodes(parts: LMParts, num_episodes: int, seed: int, timeout_s: f
     collector = EpisodeCollector(
         parts.eval_envs, parts.policy, 1, tokenizer=parts.tokenizer, system_prompt=parts.collector.system_prompt,
         max_new_tokens=parts.collector.max_new_tokens, seed=10**9 + seed * 10_007,
+        on_overflow=parts.collector.on_overflow,
     )  # fmt: skip
     with collector:
         batch = collector.collect(num_episodes, timeout=timeout_s * max(1, num_episodes // 8))

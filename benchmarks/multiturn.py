@@ -15,13 +15,25 @@ with its longest episode. **async**: each env asks for its next turn when its st
 waiting turns are batched, an env whose episode ended starts the next one at once.
 
 The bound on async episodes/s, from stage times measured before the runs (``c(B)``: timed model
-calls of B prompts; ``E[L]``: timed env steps; ``E[T]``: the mean turns per episode of the runs)::
+calls of B prompts, B = 1..N; ``E[L]``: timed env steps; ``E[T]``: the mean turns per episode of
+the async run). A call's cost grows with its batch (it waits for the batch's longest
+completion), so a turn cannot have both the latency of a call of one and the engine's
+throughput with calls of N. Whatever the schedule, with ``x_B`` turns/s served in calls of B::
 
-    async <= min( N / (E[T] * (c(1) + E[L])),      each env cycles turn after turn on its own
-                  K * N / (E[T] * c(N)) )          the engine serves at most K batches of N per c(N)
+    sum_B x_B c(B) / B      <= K     the engine: at most K calls run at once
+    sum_B x_B (c(B) + E[L]) <= N     the envs: each turn waits at least for its call and its step
 
-``K = --inflight-batches`` model calls may run at once (a server with continuous batching or
-several replicas); sync sends one batch per turn, so it cannot use more than one.
+and the bound is ``max sum_B x_B / E[T]`` (a linear program; its optimum mixes at most two batch
+sizes, so every vertex is checked). It is a fluid bound: it assumes turns arrive exactly when a
+call slot frees, never a queue. ``K = --inflight-batches`` model calls may run at once (a server
+with continuous batching or several replicas); sync sends one batch per turn, so it cannot use
+more than one. The earlier bound, ``min(N / (E[T] (c(1) + E[L])), K N / (E[T] c(N)))``, credited
+every turn with the latency of a call of one and the engine with the throughput of calls of N at
+the same time; it is printed too.
+
+Each mode also reports where a turn's time goes (per env, ms per turn): the env step as the
+collector saw it (IPC included), the model call of the turn's batch, the wait for a batch and a
+call slot, and the rest (the collector's handling, resets, idle envs).
 
 Run (about a minute): ``python benchmarks/multiturn.py``; writes ``benchmarks/results/multiturn.md``
 and ``.png``.
@@ -29,6 +41,7 @@ and ``.png``.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -58,8 +71,8 @@ class Args:
     """envs (each a worker process)"""
     group_size: int = 2
     """episodes per reset seed"""
-    rounds: int = 3
-    """episodes per mode: rounds * num_envs"""
+    rounds: int = 8
+    """episodes measured per mode: rounds * num_envs"""
     max_number: int = 16
     """GuessNumber range"""
     max_turns: int = 6
@@ -80,6 +93,8 @@ class Args:
     """lognormal sigma of the env latency (1: p99 about 6x the median)"""
     seed: int = 0
     """seed of the runs"""
+    stage_calls: int = 20
+    """timed model calls per batch size B = 1..num_envs (for the bound)"""
     out_dir: str | None = None
     """where multiturn.md/.png go (default benchmarks/results)"""
 
@@ -104,8 +119,11 @@ class SimulatedLM(TextPolicy):
         self.a_ms, self.per_token_ms, self.median_tokens = a_ms, per_token_ms, median_tokens
         self.max_number = max_number
         self.rng = np.random.default_rng(seed)
+        self.calls: list[tuple[int, float]] = []
+        """(batch size, seconds) of every call"""
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
+        started = time.perf_counter()
         texts = []
         for prompt in prompts:
             guess = str(int(self.rng.integers(1, self.max_number + 1)))
@@ -117,6 +135,7 @@ class SimulatedLM(TextPolicy):
         for text in texts:
             ids = self.tokenizer(text).input_ids
             results.append(self._text_result(text, ids, [-1.0] * len(ids)))
+        self.calls.append((len(prompts), time.perf_counter() - started))
         return results
 
     def _apply_weights(self, weights: Any, version: int) -> None:
@@ -143,14 +162,14 @@ def make_policy(args: Args) -> SimulatedLM:
     )  # fmt: skip
 
 
-def measure_stages(args: Args) -> dict[str, float]:
-    """``c(1)``, ``c(N)`` (mean of timed model calls) and ``E[L]`` (mean of timed env steps)."""
+def measure_stages(args: Args) -> dict[str, Any]:
+    """``c(B)`` for B = 1..N (mean of timed model calls) and ``E[L]`` (mean of timed env steps)."""
     with make_policy(args) as policy:
         prompts = [TextPrompt((5, 6, 7), max_new_tokens=args.max_new_tokens)] * args.num_envs
         calls = {}
-        for batch in (1, args.num_envs):
+        for batch in range(1, args.num_envs + 1):
             times = []
-            for _ in range(15):
+            for _ in range(args.stage_calls):
                 start = time.perf_counter()
                 policy.forward_batch(prompts[:batch])
                 times.append(time.perf_counter() - start)
@@ -165,7 +184,33 @@ def measure_stages(args: Args) -> dict[str, float]:
         if terminated or truncated:
             env.reset()
     env.close()
-    return {"c1_s": calls[1], "cN_s": calls[args.num_envs], "env_s": statistics.mean(steps)}
+    return {"call_s": calls, "c1_s": calls[1], "cN_s": calls[args.num_envs], "env_s": statistics.mean(steps)}
+
+
+def fluid_bound(call_s: dict[int, float], env_s: float, num_envs: int, inflight: int) -> tuple[float, str]:
+    """Most turns/s of any schedule (see the module docstring) and the batch sizes it uses.
+
+    ``max sum_B x_B`` s.t. ``sum_B x_B c(B)/B <= K`` and ``sum_B x_B (c(B) + L) <= N``: two
+    constraints, so an optimal vertex has at most two sizes; every one is checked.
+
+    Example:
+        >>> round(fluid_bound({1: 0.03, 2: 0.036}, env_s=0.03, num_envs=4, inflight=1)[0], 1)
+        55.6
+    """
+    best, how = 0.0, ""
+    for size, c in call_s.items():  # one size, whichever constraint binds
+        turns = min(inflight * size / c, num_envs / (c + env_s))
+        if turns > best:
+            best, how = turns, f"calls of {size}"
+    for (b1, c1), (b2, c2) in itertools.combinations(call_s.items(), 2):  # two sizes, both constraints bind
+        g1, g2, h1, h2 = c1 / b1, c2 / b2, c1 + env_s, c2 + env_s
+        det = g1 * h2 - g2 * h1
+        if det == 0:
+            continue
+        x1, x2 = (inflight * h2 - num_envs * g2) / det, (num_envs * g1 - inflight * h1) / det
+        if x1 >= 0 and x2 >= 0 and x1 + x2 > best:
+            best, how = x1 + x2, f"{x1 / (x1 + x2):.0%} of turns in calls of {b1}, {x2 / (x1 + x2):.0%} in calls of {b2}"
+    return best, how
 
 
 def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
@@ -179,22 +224,34 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
             # steady state: groups keep starting while the measured ones run (no tail of idle envs)
             collector.start(per_round * (args.rounds + 3), ahead=measured + per_round)
             collector.pop(per_round, timeout=600)  # warm-up: workers, first batches
-            before = policy.stats()
+            before, calls_before = policy.stats(), len(policy.calls)
             start = time.perf_counter()
             batch = collector.pop(measured, timeout=600)
             elapsed = time.perf_counter() - start
-            after = policy.stats()
+            after, calls = policy.stats(), policy.calls[calls_before:]
     finally:
         vec.close()
-    turns = [e.num_turns for group in batch.episodes for e in group]
+    episodes = [e for group in batch.episodes for e in group]
+    turns = [e.num_turns for e in episodes]
+    steps = [t for e in episodes for t in e.turns]
     batches = after["batches"] - before["batches"]
     items = after["mean_batch_size"] * after["batches"] - before["mean_batch_size"] * before["batches"]
+    cycle = args.num_envs * elapsed / sum(turns)  # each env's time per turn
+    env_seen = float(np.mean([t.env_latency_s for t in steps]))
+    answered = float(np.mean([t.policy_latency_s for t in steps]))  # submit to answer
+    call = sum(n * s for n, s in calls) / max(sum(n for n, _ in calls), 1)  # a turn's model call (its batch's)
     return {
         "episodes_per_s": len(turns) / elapsed,
         "turns_per_s": sum(turns) / elapsed,
         "mean_turns": float(np.mean(turns)),
         "mean_batch": items / batches if batches else 0.0,
         "seconds": elapsed,
+        "cycle_ms": cycle * 1000,
+        "env_ms": env_seen * 1000,
+        "call_ms": call * 1000,
+        "wait_ms": (answered - call) * 1000,
+        "rest_ms": (cycle - env_seen - answered) * 1000,
+        "slots_busy": sum(s for _, s in calls) / (args.inflight_batches * elapsed),
     }
 
 
@@ -212,10 +269,10 @@ def main(args: Args) -> dict[str, Any]:
     results = {"sync (turn-level lockstep)": run_mode(args, lockstep=True), "async (per env)": run_mode(args, False)}
     sync, asyn = results["sync (turn-level lockstep)"], results["async (per env)"]
     turns = asyn["mean_turns"]
-    n = args.num_envs
-    bound = min(
-        n / (turns * (stages["c1_s"] + stages["env_s"])), args.inflight_batches * n / (turns * stages["cN_s"])
-    )
+    n, k = args.num_envs, args.inflight_batches
+    bound_turns, how = fluid_bound(stages["call_s"], stages["env_s"], n, k)
+    bound = bound_turns / turns
+    old_bound = min(n / (turns * (stages["c1_s"] + stages["env_s"])), k * n / (turns * stages["cN_s"]))
     rows = [
         [name, row["episodes_per_s"], row["turns_per_s"], row["mean_turns"], row["mean_batch"],
          row["episodes_per_s"] / sync["episodes_per_s"], row["episodes_per_s"] / bound]
@@ -224,11 +281,22 @@ def main(args: Args) -> dict[str, Any]:
     table = markdown_table(
         ["mode", "episodes/s", "turns/s", "mean turns", "mean batch", "vs sync", "async bound share"], rows
     )
+    stage_rows = [
+        [name, row["cycle_ms"], row["env_ms"], row["call_ms"], row["wait_ms"], row["rest_ms"], row["slots_busy"]]
+        for name, row in results.items()
+    ]  # fmt: skip
+    stage_table = markdown_table(
+        ["mode (ms per turn, per env)", "turn cycle", "env step seen", "model call (its batch)",
+         "wait for batch/slot", "rest (collector, resets, idle)", "call slots busy"],
+        stage_rows,
+    )  # fmt: skip
+    costs = ", ".join(f"c({b}) = {c * 1000:.1f}" for b, c in stages["call_s"].items() if b in (1, 2, 4, 8, n))
     stage_line = (
-        f"measured stages: c(1) = {stages['c1_s'] * 1000:.1f} ms, c({n}) = {stages['cN_s'] * 1000:.1f} ms, "
-        f"E[L] = {stages['env_s'] * 1000:.1f} ms, E[T] = {turns:.2f} turns; async bound {bound:.2f} episodes/s"
+        f"measured stages: {costs} ms, E[L] = {stages['env_s'] * 1000:.1f} ms, E[T] = {turns:.2f} turns; "
+        f"async bound {bound:.2f} episodes/s ({bound_turns:.0f} turns/s: {how}); the earlier bound formula "
+        f"(c(1) latency with c({n}) throughput) gives {old_bound:.2f}"
     )
-    print(f"\n{table}\n\n{stage_line}", flush=True)
+    print(f"\n{table}\n\n{stage_table}\n\n{stage_line}", flush=True)
     fig, ax = new_figure(width=6.0)
     names = list(results)
     ax.bar(names, [row["episodes_per_s"] for row in results.values()], color=["tab:gray", "tab:blue"])
@@ -236,10 +304,10 @@ def main(args: Args) -> dict[str, Any]:
     ax.set_ylabel("episodes/s")
     ax.legend()
     save_report(
-        "multiturn", table, fig, out_dir=args.out_dir, command="python benchmarks/multiturn.py",
-        notes=f"{setting}.\n\n{stage_line}.",
+        "multiturn", f"{table}\n\n{stage_table}", fig, out_dir=args.out_dir,
+        command="python benchmarks/multiturn.py", notes=f"{setting}.\n\n{stage_line}.",
     )  # fmt: skip
-    return {"results": results, "stages": stages, "bound": bound}
+    return {"results": results, "stages": stages, "bound": bound, "old_bound": old_bound}
 
 
 if __name__ == "__main__":

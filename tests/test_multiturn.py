@@ -122,6 +122,50 @@ def test_context_overflow_ends_the_episode_truncated(tiny_dir):
         vec.close()
 
 
+def test_drop_oldest_goes_on_past_the_context_and_trains_each_turn_in_the_context_it_was_sampled_in(tiny_dir):
+    folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32, max_positions=96, seed=0)  # ~3 turns fit
+    model, _ = load_causal_lm(folder)
+    vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs={**GUESS8, "max_turns": 6})
+    try:
+        with _policy(folder) as policy, EpisodeCollector(
+            vec, policy, group_size=2, on_overflow="drop_oldest"
+        ) as collector:
+            given, submit = [], policy.submit  # the prompts the engine was given
+            policy.submit = lambda prompt, **kwargs: given.append(tuple(prompt.prompt)) or submit(prompt, **kwargs)
+            batch = collector.collect(2, timeout=120)
+        episodes = [e for g in batch.episodes for e in g]
+        assert not any(e.context_overflow for e in episodes)
+        assert all(e.terminated or e.num_turns == 6 for e in episodes)  # the episodes went on
+        assert any(t.segment > 0 for e in episodes for t in e.turns) and all(e.dropped_turns > 0 for e in episodes
+                                                                            if e.num_turns == 6)  # fmt: skip
+        stats = collector.stats()
+        assert stats["dropped_turns"] == sum(e.dropped_turns for e in episodes) > 0 and stats["context_overflows"] == 0
+        for episode in episodes:
+            for turn, nxt in zip(episode.turns, episode.turns[1:]):
+                assert len(turn.prompt_ids) + 3 <= 96 and turn.prompt_ids in given
+                assert nxt.segment in (turn.segment, turn.segment + 1)
+                if nxt.segment == turn.segment:  # prefix-stable within a segment
+                    assert nxt.prompt_ids[: len(turn.prompt_ids)] == turn.prompt_ids
+        data = EpisodeBatch.from_episodes(batch, current_version=0, max_staleness=0)
+        assert len(data) == len(episodes) and data.info["dropped_turns"] == stats["dropped_turns"]
+        with torch.no_grad():
+            learner = data.logps(model, 1.0)
+        for row, episode in enumerate(episodes):
+            starts = data.segment_starts[row]
+            assert len(starts) == episode.turns[-1].segment + 1
+            for turn in episode.turns:
+                start = starts[turn.segment]  # the row's segment: the engine's prompt, then the completion
+                stop = start + len(turn.prompt_ids) + len(turn.completion_ids)
+                assert tuple(data.sequences[row][start:stop]) == turn.prompt_ids + turn.completion_ids
+                completion = slice(start + len(turn.prompt_ids), stop)
+                assert data.mask[row, completion].all()
+                want = torch.tensor(turn.completion_logps)
+                assert torch.allclose(learner[row, completion], want, atol=1e-4)  # scored as the engine saw it
+        assert data.mask.sum() == sum(len(t.completion_ids) for e in episodes for t in e.turns)
+    finally:
+        vec.close()
+
+
 class _Exploding(gym.Env):
     """A text env that raises on its second step."""
 

@@ -19,6 +19,10 @@ Two renderings:
       Assistant: {completion}\\n       (the completion's sampled ids, eos included when sampled)
       User: {observation}\\n
       Assistant:  ...
+
+When the history outgrows the context, :meth:`Conversation.fit` starts a new conversation from
+the system prompt and the most recent whole turns that fit (the oldest user/assistant pairs
+dropped): a new prefix-stable segment, whose prompts are no longer prefixes of the old one's.
 """
 
 from __future__ import annotations
@@ -88,6 +92,8 @@ class Conversation:
         """completions added"""
         self._rendered = ""  # chat template: the text self.ids stand for
         self._pending_suffix = ""  # chat template: the text the template puts after the last completion
+        self._turns: list[tuple[str, list[int], str]] = []  # (observation, completion ids, text) of each turn
+        self._observation: str | None = None  # the observation waiting for its completion
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -125,6 +131,7 @@ class Conversation:
             new_text = f"{head}{plain.user}{observation}{plain.assistant}"
             self.messages.append({"role": "user", "content": observation})
         self._pending_suffix = ""
+        self._observation = observation
         self.ids.extend(self._encode(new_text, first))
         return list(self.ids)
 
@@ -136,6 +143,8 @@ class Conversation:
         self.ids.extend(token_ids)
         self.messages.append({"role": "assistant", "content": text})
         self.num_turns += 1
+        self._turns.append((self._observation or "", token_ids, text))
+        self._observation = None
         if self.uses_template:
             full = self._render(generation_prompt=False)
             head = self._rendered + text
@@ -148,3 +157,35 @@ class Conversation:
         else:
             self._pending_suffix = ""
             self.ids.extend(self._encode(self.plain.turn_end, False))
+
+    def fit(self, max_tokens: int) -> Conversation | None:
+        """A new conversation of at most ``max_tokens`` ids after :meth:`add_observation`: the system
+        prompt, the most recent whole turns of this one that fit (each observation and its sampled
+        completion ids, as they were), and the pending observation. At least the oldest turn is
+        dropped; None when not even the system prompt and the pending observation fit.
+
+        Example:
+            >>> from asyncvec.inference.tiny_models import build_char_tokenizer
+            >>> tok = build_char_tokenizer()
+            >>> chat = Conversation(tok, system_prompt="Play.")
+            >>> for obs in ("8?", "higher", "lower"):
+            ...     _ = chat.add_observation(obs)
+            ...     chat.add_completion(tok("5").input_ids)
+            >>> _ = chat.add_observation("higher")
+            >>> len(chat), len(chat.fit(max_tokens=60))
+            (103, 55)
+            >>> shorter = chat.fit(max_tokens=60)
+            >>> shorter.num_turns, tok.decode(shorter.ids, skip_special_tokens=True)
+            (1, 'Play.\\nUser: lower\\nAssistant: 5\\nUser: higher\\nAssistant: ')
+        """
+        if self._observation is None:
+            raise ValueError("Conversation.fit: call it after add_observation (the prompt it shortens)")
+        for keep in range(self.num_turns - 1, -1, -1):
+            chat = Conversation(self.tokenizer, self.system_prompt, self.plain, self.uses_template)
+            for observation, token_ids, text in self._turns[self.num_turns - keep :]:
+                chat.add_observation(observation)
+                chat.add_completion(token_ids, text)
+            chat.add_observation(self._observation)
+            if len(chat.ids) <= max_tokens:
+                return chat
+        return None

@@ -18,8 +18,13 @@ baselines. A group is handed out (:meth:`EpisodeCollector.pop`) once all its epi
 
 Outcomes that are counted in :meth:`EpisodeCollector.stats` and never crash the run:
 
-* context overflow (prompt + ``max_new_tokens`` over ``max_context_tokens``): the episode ends
-  ``truncated`` with ``context_overflow=True`` (its turns so far are kept and trained on);
+* context overflow (prompt + ``max_new_tokens`` over ``max_context_tokens``): by default
+  (``on_overflow="truncate"``) the episode ends ``truncated`` with ``context_overflow=True`` (its
+  turns so far are kept and trained on); with ``on_overflow="drop_oldest"`` the prompt is
+  rendered again as the system prompt and the most recent whole turns that fit
+  (:meth:`Conversation.fit <asyncvec.lm.chat.Conversation.fit>`), a new context segment
+  (``Turn.segment``; ``dropped_turns`` counts the turns left out), and the episode goes on
+  (it still ends truncated when not even the last observation fits);
 * an empty completion, or a deadline miss (``missed_deadline``: the policy never sampled,
   the turn is never trained on): the env receives ``""`` and its own rule applies (``TextEnv``:
   penalty and no-op);
@@ -50,6 +55,10 @@ from asyncvec.lm.text_env import check_text_env
 
 __all__ = ["Episode", "EpisodeCollector", "EpisodeGroups", "Turn", "make_text_vector_env"]
 
+# After a result, ``recv`` is called again with this timeout to take the results already there
+# (one wait on the workers' pipes reads every ready one) without waiting for more.
+_DRAIN_S = 1e-4
+
 
 @dataclass
 class Turn:
@@ -66,6 +75,9 @@ class Turn:
         missed_deadline: the policy's deadline passed: nothing was sampled (never trained on).
         reward: the env's reward for this turn.
         env_latency_s: seconds the env step took (as seen by the collector).
+        segment: the context segment of the episode it was sampled in: 0, one more each time the
+            oldest turns were dropped (``on_overflow="drop_oldest"``); within a segment each
+            prompt is a prefix of the next.
     """
 
     prompt_ids: tuple[int, ...]
@@ -78,6 +90,7 @@ class Turn:
     missed_deadline: bool = False
     reward: float = 0.0
     env_latency_s: float = 0.0
+    segment: int = 0
 
     @property
     def trainable(self) -> bool:
@@ -95,6 +108,7 @@ class Episode:
         terminated, truncated: how the episode ended (``truncated`` also for context overflow and env errors).
         context_overflow: the next prompt would not fit the context: the episode was cut there.
         env_error: the env raised (it was rebuilt): the episode is never trained on.
+        dropped_turns: turns left out of later prompts (``on_overflow="drop_oldest"``).
     """
 
     env_id: int
@@ -105,6 +119,7 @@ class Episode:
     truncated: bool = False
     context_overflow: bool = False
     env_error: bool = False
+    dropped_turns: int = 0
 
     @property
     def num_turns(self) -> int:
@@ -218,6 +233,10 @@ class EpisodeCollector:
             ``max_positions``/``max_model_len`` when it has one).
         seed: group ``g``'s episodes reset with seed ``seed + g``.
         lockstep: turn-level lockstep instead of per-env turns (see the module docstring).
+        on_overflow: a prompt over the context: ``"truncate"`` (default) ends the episode,
+            ``"drop_oldest"`` drops the oldest whole turns from the prompt (see the module docstring).
+        poll_s: while turns are with the policy, how long one wait for env results lasts before
+            the answers that came in meanwhile are sent.
         use_chat_template, plain_format: how turns are rendered (:class:`~asyncvec.lm.chat.Conversation`).
 
     Example:
@@ -245,6 +264,7 @@ class EpisodeCollector:
         max_context_tokens: int | None = None,
         seed: int = 0,
         lockstep: bool = False,
+        on_overflow: Literal["truncate", "drop_oldest"] = "truncate",
         use_chat_template: bool | None = None,
         plain_format: PlainChatFormat = PlainChatFormat(),
         poll_s: float = 0.002,
@@ -267,6 +287,9 @@ class EpisodeCollector:
         )
         self.seed = int(seed)
         self.lockstep = bool(lockstep)
+        if on_overflow not in ("truncate", "drop_oldest"):
+            raise ValueError(f"on_overflow: expected 'truncate' or 'drop_oldest', got {on_overflow!r}")
+        self.on_overflow = on_overflow
         self.use_chat_template = use_chat_template
         self.plain_format = plain_format
         self.poll_s = float(poll_s)
@@ -275,6 +298,8 @@ class EpisodeCollector:
         self._episodes: list[Episode | None] = [None] * n
         self._env_group: list[_Group | None] = [None] * n
         self._sent_at = [0.0] * n
+        self._prompts: list[tuple[int, ...]] = [()] * n  # each env's prompt with the policy
+        self._segments = [0] * n  # each env's context segment in its episode
         self._idle: list[int] = list(range(n))
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting_policy = 0
@@ -291,8 +316,8 @@ class EpisodeCollector:
         self._thread: threading.Thread | None = None
         self._counts = dict.fromkeys(
             (
-                "groups", "episodes", "turns", "terminated", "truncated", "context_overflows", "env_errors",
-                "missed_deadlines", "rejected", "empty_completions", "actions_clipped",
+                "groups", "episodes", "turns", "terminated", "truncated", "context_overflows", "dropped_turns",
+                "env_errors", "missed_deadlines", "rejected", "empty_completions", "actions_clipped",
             ),
             0,
         )  # fmt: skip
@@ -358,7 +383,7 @@ class EpisodeCollector:
             raise RuntimeError(f"episode collection failed: {type(self._error).__name__}: {self._error}") from self._error
 
     def stats(self) -> dict[str, float]:
-        """Counters: groups, episodes, turns, terminated, truncated, context_overflows, env_errors,
+        """Counters: groups, episodes, turns, terminated, truncated, context_overflows, dropped_turns, env_errors,
         missed_deadlines, rejected (the policy's parser), empty_completions, actions_clipped; ``samples``
         (= turns) and ``flagged`` (0: rewards come from the env) as in ``GroupCollector.stats``."""
         return {**self._counts, "samples": self._counts["turns"], "flagged": 0}
@@ -421,6 +446,7 @@ class EpisodeCollector:
             for env_id, seed in zip(assigned, seeds):
                 self._episodes[env_id] = Episode(env_id, seed, self._env_group[env_id].index)
                 self._conversations[env_id] = None
+                self._segments[env_id] = 0
                 self._sent_at[env_id] = now
             self.envs.send_reset(assigned, seeds)
         return assigned
@@ -432,14 +458,23 @@ class EpisodeCollector:
             conversation = self._conversations[env_id] = Conversation(
                 self.tokenizer, self.system_prompt, self.plain_format, self.use_chat_template
             )
-        prompt_ids = conversation.add_observation(observation)
-        if self.max_context_tokens is not None and len(prompt_ids) + self.max_new_tokens > self.max_context_tokens:
+        conversation.add_observation(observation)
+        limit = None if self.max_context_tokens is None else self.max_context_tokens - self.max_new_tokens
+        if limit is not None and len(conversation) > limit:
             episode = self._episodes[env_id]
-            episode.truncated = episode.context_overflow = True
-            self._counts["context_overflows"] += 1
-            self._finish(env_id)
-            return False
-        future = self.policy.submit(TextPrompt(tuple(prompt_ids), max_new_tokens=self.max_new_tokens), env_id=env_id)
+            shorter = conversation.fit(limit) if self.on_overflow == "drop_oldest" else None
+            if shorter is None:
+                episode.truncated = episode.context_overflow = True
+                self._counts["context_overflows"] += 1
+                self._finish(env_id)
+                return False
+            dropped = conversation.num_turns - shorter.num_turns
+            episode.dropped_turns += dropped
+            self._counts["dropped_turns"] += dropped
+            self._segments[env_id] += 1
+            conversation = self._conversations[env_id] = shorter
+        prompt_ids = self._prompts[env_id] = tuple(conversation.ids)
+        future = self.policy.submit(TextPrompt(prompt_ids, max_new_tokens=self.max_new_tokens), env_id=env_id)
         self._waiting_policy += 1
         future.add_done_callback(lambda f, e=env_id: self._answers.put((e, f)))
         return True
@@ -458,7 +493,7 @@ class EpisodeCollector:
             )
         text = "" if missed else (output.text or "")
         turn = Turn(
-            prompt_ids=tuple(conversation.ids),
+            prompt_ids=self._prompts[env_id],
             completion_ids=ids,
             completion_logps=() if missed else tuple(output.token_logps or ()),
             text=text,
@@ -466,6 +501,7 @@ class EpisodeCollector:
             policy_latency_s=output.latency_s,
             fallback=output.fallback,
             missed_deadline=missed,
+            segment=self._segments[env_id],
         )
         conversation.add_completion(ids, text)
         self._episodes[env_id].turns.append(turn)
@@ -517,45 +553,65 @@ class EpisodeCollector:
                 self._complete.append(group)
                 self._cond.notify_all()
 
+    def _rows(self, batch: tuple) -> list[tuple[int, Any, float, bool, bool, bool]]:
+        """The rows of one ``recv`` result: ``(env_id, observation, reward, terminated, truncated, restarted)``."""
+        obs, rewards, terminations, truncations, info = batch
+        restarted = np.asarray(info.get("env_restarted", np.zeros(len(rewards), bool)), dtype=bool)
+        if "_env_restarted" in info:
+            restarted &= np.asarray(info["_env_restarted"], dtype=bool)
+        return [
+            (int(env_id), obs[k], float(rewards[k]), bool(terminations[k]), bool(truncations[k]), bool(restarted[k]))
+            for k, env_id in enumerate(info["env_id"])
+        ]
+
     def _receive(self, timeout: float) -> list[tuple[int, Any, float, bool, bool, bool]]:
         """Whatever envs finished within ``timeout`` (then whatever else is already there)."""
         results = []
         while self.envs.in_flight:
             try:
-                obs, rewards, terminations, truncations, info = self.envs.recv(timeout=timeout)
+                results += self._rows(self.envs.recv(timeout=timeout))
             except multiprocessing.TimeoutError:
                 break
-            restarted = np.asarray(info.get("env_restarted", np.zeros(len(rewards), bool)), dtype=bool)
-            if "_env_restarted" in info:
-                restarted &= np.asarray(info["_env_restarted"], dtype=bool)
-            for k, env_id in enumerate(info["env_id"]):
-                results.append((int(env_id), obs[k], float(rewards[k]), bool(terminations[k]),
-                                bool(truncations[k]), bool(restarted[k])))  # fmt: skip
-            timeout = 0.0005
+            timeout = _DRAIN_S
         return results
 
-    def _handle_env_results(self, results: list) -> None:
-        for env_id, observation, reward, terminated, truncated, restarted in results:
-            if self._on_env(env_id, observation, reward, terminated, truncated, restarted):
-                self._ask(env_id, observation)
+    def _send_answers(self) -> None:
+        """Sends every env whose turn the policy answered its action (one ``send``)."""
+        ready_ids, actions = [], []
+        while True:
+            try:
+                env_id, future = self._answers.get_nowait()
+            except queue.Empty:
+                break
+            actions.append(self._on_answer(env_id, future))
+            ready_ids.append(env_id)
+        if ready_ids:
+            self._send(ready_ids, actions)
+
+    def _step_results(self, timeout: float) -> None:
+        """Async: each env result that arrives within ``timeout`` (then each already there) asks for
+        its next turn at once, and the answers that came in meanwhile go to their envs at once."""
+        while self.envs.in_flight:
+            try:
+                rows = self._rows(self.envs.recv(timeout=timeout))
+            except multiprocessing.TimeoutError:
+                return
+            for env_id, observation, reward, terminated, truncated, restarted in rows:
+                if self._on_env(env_id, observation, reward, terminated, truncated, restarted):
+                    self._ask(env_id, observation)
+            self._send_answers()
+            if self._idle or self._stopping.is_set():  # an episode ended: start the next one first
+                return
+            timeout = _DRAIN_S
 
     def _run_async(self) -> None:
         while not self._stopping.is_set():
             if self._idle:
                 assigned = set(self._assign(list(self._idle)))
                 self._idle = [e for e in self._idle if e not in assigned]
-            ready_ids, actions = [], []
-            while True:
-                try:
-                    env_id, future = self._answers.get_nowait()
-                except queue.Empty:
-                    break
-                actions.append(self._on_answer(env_id, future))
-                ready_ids.append(env_id)
-            if ready_ids:
-                self._send(ready_ids, actions)
+            self._send_answers()
             if self.envs.in_flight:
-                self._handle_env_results(self._receive(self.poll_s if self._waiting_policy else 0.05))
+                self._step_results(self.poll_s if self._waiting_policy else 0.05)
             elif self._waiting_policy:
                 try:
                     self._answers.put(self._answers.get(timeout=0.05))  # wait for an answer, handle it next loop

@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -323,7 +323,8 @@ class EpisodeBatch:
     episode, its whole conversation as one sequence of ``W`` tokens, the loss on model tokens only.
 
     The conversation is prefix-stable, so the last turn's prompt plus its completion holds every
-    turn; ``mask`` is True on the completion tokens of the turns that are trained on, False on
+    turn (with dropped turns: of each context segment, the segments one after another, each
+    scored on its own; returns and advantages stay per episode); ``mask`` is True on the completion tokens of the turns that are trained on, False on
     the system prompt, the observations (user turns) and the template's text around turns.
     Each token keeps its own turn's behavior log-prob, so importance weights and staleness are
     per turn. :meth:`from_episodes` decides what is trained on:
@@ -335,7 +336,10 @@ class EpisodeBatch:
     * a group left with fewer than ``min_group_samples`` episodes is skipped.
 
     Attributes:
-        sequences: ``N`` token-id sequences (the whole conversation).
+        sequences: ``N`` token-id sequences: the conversation, or with dropped turns (the
+            collector's ``on_overflow="drop_oldest"``) each context segment's conversation one after
+            another; each segment is scored as its own sequence (:meth:`logps`), so every turn's
+            tokens are scored in the context the engine saw.
         rewards: ``[N]`` episode returns ``sum_t gamma^t r_t``.
         group_ids: ``[N]`` index of each row's group.
         behavior_logp: ``[N, W]`` the engine's log-prob of each completion token.
@@ -343,10 +347,11 @@ class EpisodeBatch:
         turn_ids: ``[N, W]`` the turn index of each completion token (-1 elsewhere).
         turn_rewards: ``[N, T]`` each turn's reward; ``turn_mask`` ``[N, T]`` True where the turn exists.
         gamma: the discount of ``rewards``.
+        segment_starts: where each row's segments start in its sequence (``(0,)`` for one segment).
         info: ``reward`` (mean undiscounted return), ``turns_mean``, ``success`` (share of
             episodes terminated with a positive last reward), ``stale_samples`` (turns),
             ``stale_groups`` (0: turns are dropped one by one), ``flagged`` (0), ``missed_deadlines``,
-            ``env_errors``, ``context_overflows``, ``samples_used`` (turns trained on), ``staleness_mean``.
+            ``env_errors``, ``context_overflows``, ``dropped_turns``, ``samples_used`` (turns trained on), ``staleness_mean``.
     """
 
     sequences: list[list[int]]
@@ -359,6 +364,7 @@ class EpisodeBatch:
     turn_mask: torch.Tensor
     gamma: float
     info: dict[str, float]
+    segment_starts: list[tuple[int, ...]] = field(default_factory=list)
 
     @classmethod
     def from_episodes(
@@ -387,7 +393,17 @@ class EpisodeBatch:
             usable = [e for e in group if e.trainable]
             if len(usable) >= min_group_samples:
                 rows.extend((g, e) for e in usable)
-        sequences = [list(e.turns[-1].prompt_ids) + list(e.turns[-1].completion_ids) for _, e in rows]
+        sequences, segment_starts, turn_offsets = [], [], []  # a row: its segments' last turns, one after another
+        for _, episode in rows:
+            last = {turn.segment: turn for turn in episode.turns}
+            sequence, starts, offset_of = [], [], {}
+            for segment, turn in last.items():
+                starts.append(len(sequence))
+                offset_of[segment] = len(sequence)
+                sequence += list(turn.prompt_ids) + list(turn.completion_ids)
+            sequences.append(sequence)
+            segment_starts.append(tuple(starts))
+            turn_offsets.append([offset_of[turn.segment] for turn in episode.turns])
         width = max(map(len, sequences), default=0)
         max_turns = max((e.num_turns for _, e in rows), default=0)
         behavior = torch.zeros(len(rows), width)
@@ -400,7 +416,8 @@ class EpisodeBatch:
             for t, turn in enumerate(episode.turns):
                 turn_rewards[i, t] = turn.reward
                 turn_mask[i, t] = True
-                start, stop = len(turn.prompt_ids), len(turn.prompt_ids) + len(turn.completion_ids)
+                start = turn_offsets[i][t] + len(turn.prompt_ids)
+                stop = start + len(turn.completion_ids)
                 if not turn.trainable:
                     continue
                 if current_version - turn.policy_version > max_staleness:
@@ -422,6 +439,7 @@ class EpisodeBatch:
             "missed_deadlines": float(sum(t.missed_deadline for e in episodes for t in e.turns)),
             "env_errors": float(sum(e.env_error for e in episodes)),
             "context_overflows": float(sum(e.context_overflow for e in episodes)),
+            "dropped_turns": float(sum(e.dropped_turns for e in episodes)),
             "samples_used": float(used),
             "staleness_mean": float(np.mean([current_version - t.policy_version for t in sampled])) if sampled else 0.0,
         }
@@ -436,6 +454,7 @@ class EpisodeBatch:
             turn_mask=turn_mask.to(device),
             gamma=gamma,
             info=info,
+            segment_starts=segment_starts,
         )
 
     def __len__(self) -> int:
@@ -445,7 +464,24 @@ class EpisodeBatch:
         """Teacher-forced log-probs ``[n, W]`` of the trained tokens (all rows, or ``rows``) under ``model``."""
         index = range(len(self)) if rows is None else rows.tolist()
         mask = self.mask if rows is None else self.mask[rows]
-        return sequence_logps(model, [self.sequences[i] for i in index], mask, temperature)
+        pieces = []  # (row, start, stop) of each segment
+        for k, i in enumerate(index):
+            bounds = [*(self.segment_starts[i] if self.segment_starts else (0,)), len(self.sequences[i])]
+            pieces += [(k, start, stop) for start, stop in zip(bounds, bounds[1:])]
+        if len(pieces) == len(index):  # one segment per row
+            return sequence_logps(model, [self.sequences[i] for i in index], mask, temperature)
+        width = max(stop - start for _, start, stop in pieces)
+        piece_mask = torch.zeros(len(pieces), width, dtype=torch.bool)
+        source = torch.zeros(mask.shape, dtype=torch.long)  # where each row position is in the pieces' logps
+        row_mask = mask.cpu()
+        for j, (k, start, stop) in enumerate(pieces):
+            piece_mask[j, : stop - start] = row_mask[k, start:stop]
+            source[k, start:stop] = torch.arange(j * width, j * width + stop - start)
+        scored = sequence_logps(
+            model, [self.sequences[index[k]][start:stop] for k, start, stop in pieces], piece_mask, temperature
+        )
+        gathered = scored.reshape(-1)[source.to(scored.device)]
+        return torch.where(mask.to(scored.device), gathered, torch.zeros_like(gathered))
 
     def turn_advantages(self) -> torch.Tensor:
         """Per-turn advantages ``[N, W]`` on the trained tokens: each turn's discounted return-to-go
