@@ -115,9 +115,12 @@ def test_context_overflow_ends_the_episode_truncated(tiny_dir):
         ) as collector:
             batch = collector.collect(2, timeout=120)
         episodes = [e for g in batch.episodes for e in g]
-        assert all(e.context_overflow and e.truncated and not e.terminated for e in episodes)
+        # The untrained model names the number about 1 turn in 13: that episode is won before it overflows.
+        overflowed = [e for e in episodes if not e.terminated]
+        assert overflowed and all(e.context_overflow and e.truncated for e in overflowed)
+        assert not any(e.context_overflow for e in episodes if e.terminated)
         assert all(len(t.prompt_ids) + 3 <= 60 for e in episodes for t in e.turns)
-        assert collector.stats()["context_overflows"] == len(episodes)
+        assert collector.stats()["context_overflows"] == len(overflowed)
     finally:
         vec.close()
 
