@@ -13,7 +13,9 @@ run's), so every run starts from the same warm-started model and versions keep i
 
 Multi-turn (a few seconds on the engine): EpisodeCollector plays GuessNumber with token-id
 prompts, then 3 RLOO updates on its episodes publish through vLLM; it runs after the engine's
-learning runs, since it leaves the engine with GuessNumber-trained weights."""
+learning runs, since it leaves the engine with GuessNumber-trained weights. On the server (about
+20 s, last): 8 async RLOO updates on GuessNumber, each published while the next episodes are in
+flight; every turn is checked against the weights of the version it carries."""
 
 import json
 import time
