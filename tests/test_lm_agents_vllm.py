@@ -13,9 +13,12 @@ run's), so every run starts from the same warm-started model and versions keep i
 
 Multi-turn (a few seconds on the engine): EpisodeCollector plays GuessNumber with token-id
 prompts, then 3 RLOO updates on its episodes publish through vLLM; it runs after the engine's
-learning runs, since it leaves the engine with GuessNumber-trained weights."""
+learning runs, since it leaves the engine with GuessNumber-trained weights. On the server (about
+20 s, last): 8 async RLOO updates on GuessNumber, each published while the next episodes are in
+flight; every turn is checked against the weights of the version it carries."""
 
 import json
+import time
 
 import httpx
 import numpy as np
@@ -25,6 +28,7 @@ from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fi
 from agents import reinforce_pp, rloo
 from agents.lm_setup import make_prompt_env, make_text_policy, solved_prompts, summary
 from asyncvec.inference import VLLMServer, build_tiny_lm
+from asyncvec.inference.checks import LOGP_TOLERANCE, VersionedReference
 from asyncvec.lm import sft_warm_start
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -200,3 +204,108 @@ def test_the_pipeline_benchmark_llm_regime_reports_modes_stages_and_bound(server
     assert 0 < stages["reward_latency"]["p50_ms"] <= stages["reward_latency"]["max_ms"]
     assert stages["learner_update_s"] > 0 and stages["publish_s"] > 0
     assert result["bound"]["bound"] >= 1.0 and result["ratio_over_bound"] > 0
+
+
+def test_multi_turn_rloo_on_a_vllm_server_every_turn_matches_the_weights_of_its_version(server, warm_dir):
+    """RLOO async on GuessNumber through the server (``--backend openai --server-kind vllm``): a new
+    version is published after each update while the next episodes are in flight, so an episode's
+    turns span versions. Every turn's behavior log-probs must be those of the weights of the version
+    it carries (teacher-forced on its prompt ids, as the single-turn weight-sync test checks answers),
+    and ``--max-staleness 0`` masks exactly the turns sampled by an older version than the learner's."""
+    env_id, env_kwargs = MULTI_TURN_ENV[0], {**MULTI_TURN_ENV[1], "max_number": 8}
+    # A short warm start on the env's expert (binary search) makes the guesses varied and sometimes
+    # right (the sums model answers <eos> here), so returns differ within groups, updates move the
+    # weights, and versions are told apart by their log-probs.
+    args = rloo.Args(
+        model=str(warm_dir), backend="openai", server_kind="vllm", base_url=server.url, env=env_id,
+        env_kwargs=json.dumps(env_kwargs), sft_steps=30, gamma=0.8, mode="async", total_prompts=16,
+        prompts_per_update=2, group_size=2, num_envs=4, max_new_tokens=3, max_staleness=0, eval_prompts=0,
+        progress=False, seed=0, timeout_s=300,
+    )  # fmt: skip
+    agent = rloo.RLOO(args)
+    updates = args.total_prompts // args.prompts_per_update
+    popped = []  # per update: the learner's version, its episodes, what prepare() selected
+    published = {agent.parts.start_version: agent.learner_weights()}  # version -> the weights sent to the server
+    prepare, publish, close = agent.prepare, agent.publish, agent.close
+
+    def recording_prepare(groups):
+        current, turns_so_far = agent.versions.current_version, agent.collector.samples
+        data = prepare(groups)
+        popped.append((current, groups, data, turns_so_far))
+        return data
+
+    def recording_publish():
+        # A slow learner's timing, made sure of: publish once a turn of the episodes begun at the
+        # pop was answered, so they are in flight across the publish (the last pop begins none).
+        deadline = time.monotonic() + 60
+        while len(popped) < updates and agent.collector.samples <= popped[-1][3] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        version = publish()
+        published[version] = agent.learner_weights()
+        return version
+
+    policy_stats = {}
+    agent.prepare, agent.publish = recording_prepare, recording_publish
+    agent.close = lambda: (policy_stats.update(agent.policy.stats()), close())
+    result = agent.train()
+    served = int(httpx.get(server.url + "/weight_info", timeout=10).json()["weight_version"])
+
+    # Each update that trained on something was published, once: the server holds the last version.
+    # (An update whose turns all came before the last publish trains on nothing and publishes nothing.)
+    trained = sum(row["samples_used"] > 0 for row in result.history)
+    assert result.updates == updates and trained >= updates // 2, result.history
+    assert sorted(published) == list(range(result.start_version, result.start_version + trained + 1))
+    assert served == result.final_version == result.start_version + trained, (served, result)
+    episodes = [e for _, groups, *_ in popped for group in groups.episodes for e in group]
+    versions = [[t.policy_version for t in e.turns] for e in episodes]
+    print(f"multi-turn on a vLLM server: {result.wall_time_s:.1f} s, versions {result.start_version}..{served}, "
+          f"publish s {[round(r['time/publish_s'], 2) for r in result.history]}, versions per episode {versions}, "
+          f"batch retries {policy_stats.get('retries')}, rewards {result.reward_curve}")  # fmt: skip
+
+    # Honest versions: each turn against the weights of the version it carries (its prompt ids as sent).
+    reference = VersionedReference(warm_dir)
+    for version, weights in published.items():  # the learner's starting weights (sent first), then each update's
+        reference.add(version, weights)
+    worst = 0.0
+    for episode in episodes:
+        for turn in episode.turns:
+            sampled = (turn.completion_ids, turn.completion_logps, turn.policy_version)
+            worst = max(worst, reference.logp_error(turn.prompt_ids, *sampled))
+            assert worst <= LOGP_TOLERANCE, (worst, turn)
+    # ...and the check tells versions apart: turns of a newer version do not match the weights before it.
+    newer = [t for e in episodes for t in e.turns if t.policy_version > result.start_version]
+    off_by_one = max(reference.logp_error(t.prompt_ids, t.completion_ids, t.completion_logps, t.policy_version - 1)
+                     for t in newer)  # fmt: skip
+    print(f"max |logp - teacher-forced logp of its version| {worst:.1e}; against the version before {off_by_one:.2f}")
+    assert off_by_one > 100 * LOGP_TOLERANCE, off_by_one
+    # Episodes complete, each a conversation whose prompts extend one another; versions never go back.
+    for episode, per_turn in zip(episodes, versions, strict=True):
+        assert (episode.terminated or episode.truncated) and not episode.env_error and not episode.context_overflow
+        assert per_turn == sorted(per_turn) and all(t.trainable for t in episode.turns)
+        for turn, later in zip(episode.turns, episode.turns[1:]):
+            history = turn.prompt_ids + turn.completion_ids
+            assert later.prompt_ids[: len(history)] == history and len(later.prompt_ids) > len(history)
+    assert sum(len(set(per_turn)) > 1 for per_turn in versions) >= 4, versions  # episodes spanning a publish
+
+    # --max-staleness 0 per turn: a turn older than the learner is masked, its episode's newer turns kept.
+    mixed = 0
+    for current, groups, data, _ in popped:
+        rows = [e for group in groups.episodes for e in group]  # every episode is trainable here: a row each
+        assert len(rows) == len(data) == 4
+        stale = 0
+        for row, episode in enumerate(rows):
+            kept = []
+            for turn in episode.turns:
+                span = data.mask[row, len(turn.prompt_ids) : len(turn.prompt_ids) + len(turn.completion_ids)]
+                kept.append(current - turn.policy_version <= args.max_staleness)
+                assert span.all() if kept[-1] else not span.any(), (current, turn.policy_version)
+            stale += kept.count(False)
+            mixed += any(kept) and not all(kept)
+        assert data.info["stale_samples"] == stale
+        assert data.info["samples_used"] == sum(e.num_turns for e in rows) - stale
+    assert mixed >= 2, versions
+    # Metrics: stale turns over turns received, staleness over trained and masked turns, nothing missed.
+    stale_turns = sum(row["stale_samples"] for row in result.history)
+    assert result.stale_fraction == stale_turns / sum(row["samples_received"] for row in result.history) > 0
+    assert result.staleness_mean > 0 and result.missed_deadline_fraction == 0.0 and result.flagged_fraction == 0.0
+    assert result.samples >= sum(len(per_turn) for per_turn in versions)

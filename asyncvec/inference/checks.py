@@ -141,12 +141,27 @@ class VersionedReference:
         self, prompt: str | Sequence[int], output: Any, temperature: float = 1.0, top_p: float | None = None
     ) -> float:
         """Largest |log-prob difference| of one answer against the model of its claimed version."""
-        if not output.token_ids:
+        return self.logp_error(
+            prompt, output.token_ids or (), output.token_logps, output.policy_version, temperature, top_p
+        )
+
+    def logp_error(
+        self,
+        prompt: str | Sequence[int],
+        token_ids: Sequence[int],
+        token_logps: Sequence[float],
+        version: int,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+    ) -> float:
+        """Largest |log-prob difference| of ``token_ids`` sampled after ``prompt`` with the log-probs
+        ``token_logps`` against the model of ``version`` (e.g. a multi-turn episode's turn)."""
+        if not token_ids:
             return 0.0
-        model = self.models[output.policy_version]
+        model = self.models[int(version)]
         with self._lock:
-            expected = teacher_forced_logps(model, self.tokenizer, prompt, output.token_ids, temperature, top_p)
-        return max(abs(a - b) for a, b in zip(output.token_logps, expected, strict=True))
+            expected = teacher_forced_logps(model, self.tokenizer, prompt, token_ids, temperature, top_p)
+        return max(abs(a - b) for a, b in zip(token_logps, expected, strict=True))
 
     def max_logp_error(self, prompts: Sequence[Any], outputs: Sequence[Any], **sampling: Any) -> float:
         """`error` over answers (``prompts[i]`` produced ``outputs[i]``)."""
