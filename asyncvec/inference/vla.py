@@ -393,6 +393,19 @@ def per_action_logps(token_logps: Sequence[float] | np.ndarray, action_dim: int)
     return logps.reshape(-1, action_dim).sum(-1)
 
 
+def resolve_vla(model: Any, tokenizer: Any, owner: str) -> tuple["TinyVLAModel", Any]:
+    """``(model, tokenizer)`` from a TinyVLAModel and its tokenizer, or from a folder holding both
+    (a tokenizer passed explicitly wins); ``owner`` names the caller in the errors."""
+    if isinstance(model, (str, os.PathLike)):
+        model, loaded_tokenizer = load_tiny_vla(model)
+        tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
+    if not isinstance(model, TinyVLAModel):
+        raise TypeError(f"{owner}: model must be a TinyVLAModel or a folder, got {type(model).__name__}")
+    if tokenizer is None:
+        raise TypeError(f"{owner}: pass the tokenizer (or a model folder that contains one)")
+    return model, tokenizer
+
+
 class TinyVLAPolicy(BatchedPolicy):
     """A `TinyVLAModel` behind the `Policy` interface: image + instruction in, actions out.
 
@@ -451,13 +464,7 @@ class TinyVLAPolicy(BatchedPolicy):
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
-        if isinstance(model, (str, os.PathLike)):
-            model, loaded_tokenizer = load_tiny_vla(model)
-            tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
-        if not isinstance(model, TinyVLAModel):
-            raise TypeError(f"TinyVLAPolicy: model must be a TinyVLAModel or a folder, got {type(model).__name__}")
-        if tokenizer is None:
-            raise TypeError("TinyVLAPolicy: pass the tokenizer (or a model folder that contains one)")
+        model, tokenizer = resolve_vla(model, tokenizer, "TinyVLAPolicy")
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
             raise ValueError(f"TinyVLAPolicy: action_space must be a 1-D gymnasium Box, got {action_space!r}")
         bad_chunk = isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1

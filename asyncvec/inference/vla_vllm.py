@@ -25,7 +25,7 @@ from torch import nn
 
 from asyncvec.inference.tiny_models import _make_tokenizer_config_portable
 from asyncvec.inference.types import BackendResult
-from asyncvec.inference.vla import TinyVLAModel, TinyVLAPolicy, load_tiny_vla
+from asyncvec.inference.vla import TinyVLAModel, TinyVLAPolicy, resolve_vla
 from asyncvec.inference.vllm_policy import (_import_vllm, check_weight_versions, close_engine, reload_engine_weights,
                                             start_engine)
 from asyncvec.inference.weights import ParameterSpec, WeightsSource, apply_state_dict, state_dict_of
@@ -86,13 +86,7 @@ class VLLMVLAPolicy(TinyVLAPolicy):
         self._vllm = _import_vllm()
         if kwargs.get("max_inflight_batches", 1) != 1:
             raise ValueError("VLLMVLAPolicy: max_inflight_batches must be 1 (vllm.LLM.generate is not re-entrant)")
-        if isinstance(model, (str, os.PathLike)):
-            model, loaded_tokenizer = load_tiny_vla(model)
-            tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
-        if not isinstance(model, TinyVLAModel):
-            raise TypeError(f"VLLMVLAPolicy: model must be a TinyVLAModel or a folder, got {type(model).__name__}")
-        if tokenizer is None:
-            raise TypeError("VLLMVLAPolicy: pass the tokenizer (or a model folder that contains one)")
+        model, tokenizer = resolve_vla(model, tokenizer, "VLLMVLAPolicy")
         self.language_model_dir = Path(tempfile.mkdtemp(prefix="asyncvec-vla-lm-"))
         try:
             model.language_model.save_pretrained(self.language_model_dir)
