@@ -193,28 +193,34 @@ def test_importance_weights_use_each_actions_own_chunk(mixed_rollout) -> None:
     assert not (strict.policy_mask & (strict.versions == 0)).any() and (strict.policy_mask == fresh).all()
 
 
-# Measured here, 2 cores at load 2-7, in three runs of this test (67 s, 94 s and 66 s for all 3
-# seeds): mean return of 32 episodes from reset, after 20 PPO iterations minus after the warm
-# start, per seed 1, 2, 3: +33.8, +44.9, +13.4; +17.8, +27.0, +31.4; +39.4, +42.3, +34.7 (warm
-# start 35-53, end 64-87); 90-98% of the executed actions trained on. The threshold sits well
-# below the worst seed (+13.4).
+# The learning test runs the executor on a simulated clock (Args.latency_ticks=2: each chunk arrives
+# 2 ticks after its request, ticks unpaced), so the chunk schedule, the share of actions trained on
+# and so the data are the same at any machine load. On the wall clock (the test until 2026-12-01,
+# 5 ms ticks) they were not: beside 2 busy processes the policy answered in 220-350 ms (p50)
+# against a 40 ms chunk, 64-71% of the ticks played the fallback, and no seed learned (-1.6, +2.1,
+# -0.3), which is how seed 2 fell from 38.8 to 22.7 in a full make test.
+# Measured on the simulated clock, 2 cores, mean return of 32 episodes from reset before -> after
+# 20 PPO iterations, seeds 1, 2, 3 (trained on 95-96% of the executed actions):
+#   load 5 (other jobs):                     44.1 -> 70.3, 38.1 -> 54.2, 41.0 -> 72.1  (47 s in all)
+#   the same beside 2 busy processes:        44.1 -> 82.2, 38.1 -> 72.2, 41.0 -> 80.8
+# The warm start replays exactly; the updates differ in the last bits (the policy batches requests
+# as they come), so the runs drift apart: the threshold sits far below the worst seed (+16.1).
 LEARNING_SEEDS = (1, 2, 3)
 MIN_MARGIN = 5.0
 
 
-@pytest.mark.skip(reason="not robust yet (issue 19 item 4 stays open): in make test on 2026-12-01 seed 2 went from 38.8 to "
-                  "22.7 after RL (seeds 1 and 3: +22.7, +5.7), though it had passed 2 of 3 runs alone")
 def test_returns_improve_over_a_warm_start() -> None:
     results = []
     for seed in LEARNING_SEEDS:
         args = Args(seed=seed, image_size=16, num_envs=8, ticks_per_rollout=64, iterations=20, update_epochs=10,
-                    num_minibatches=1, init_log_std=-0.5, eval_rounds=4)
+                    num_minibatches=1, init_log_std=-0.5, eval_rounds=4, latency_ticks=2)
         algo = PPOChunks(args)
         images, chunks = demonstrations(16, args.horizon, 800, seed)
         algo.behavior_clone(images, chunks, steps=150, batch_size=64)
         history = algo.train()
         results.append((seed, history["eval_start"], history["eval_end"], history["trained_fraction"]))
-        assert 0.5 < history["trained_fraction"] < 1.0, history
+        assert 0.85 < history["trained_fraction"] < 1.0, history  # episode starts wait 2 ticks for a chunk
+        assert history["stats"]["late_ticks"] == 0, history["stats"]  # the simulated clock is never late
     margins = [end - start for _, start, end, _ in results]
     print("seed, eval_start, eval_end, trained_fraction:", results, "margins:", margins)
     assert min(margins) > MIN_MARGIN, results
