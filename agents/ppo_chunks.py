@@ -98,7 +98,10 @@ class Args:
     iterations: int = 20
     """rollout + update rounds"""
     learning_rate: float = 1e-3
-    """Adam learning rate"""
+    """Adam learning rate (annealed linearly to 0 with anneal_lr)"""
+    anneal_lr: bool = True
+    """anneal the learning rate and the clip coefficient over the iterations, as agents/ppo.py: the last
+    updates are small, so one noisy update at the end cannot undo the training"""
     update_epochs: int = 10
     """passes over each rollout"""
     num_minibatches: int = 1
@@ -224,6 +227,7 @@ class PPOChunks:
         self.agent = ChunkActorCritic(args.image_size, args.horizon, self.action_space, args.init_log_std)
         self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=args.learning_rate, eps=1e-5)
         self.version = 0
+        self.clip_coef = args.clip_coef
         self.policy: GaussianChunkPolicy | None = None
 
     def make_env(self) -> gym.Env:
@@ -323,7 +327,7 @@ class PPOChunks:
         logp = self.agent.action_logp(batch.chunk_images, batch.chunk_row[idx], batch.chunk_index[idx], batch.actions[idx])
         policy_loss, stats = decoupled_ppo_loss(
             logp, batch.prox_logp[idx], batch.behavior_logp[idx], advantages,
-            clip_coef=self.args.clip_coef, behavior_cap=self.args.behavior_cap, mask=mask,
+            clip_coef=self.clip_coef, behavior_cap=self.args.behavior_cap, mask=mask,
         )
         if not mask.any():
             policy_loss = 0.0 * logp.sum()
@@ -380,7 +384,11 @@ class PPOChunks:
             executor.reset(seed=args.seed)
             running = np.zeros(args.num_envs)
             trained = executed = 0
-            for _ in range(args.iterations):
+            for iteration in range(args.iterations):
+                frac = 1.0 - iteration / args.iterations if args.anneal_lr else 1.0
+                for group in self.optimizer.param_groups:
+                    group["lr"] = frac * args.learning_rate
+                self.clip_coef = args.clip_coef * max(frac, 0.05)
                 tick = time.perf_counter()
                 rollout = executor.run(args.ticks_per_rollout)
                 history["act_seconds"] = history.get("act_seconds", 0.0) + time.perf_counter() - tick
