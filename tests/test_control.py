@@ -25,6 +25,7 @@ from asyncvec.control import (
     request_threshold,
     ticks_met_bound,
 )
+from asyncvec.control import chunks as chunks_module
 from asyncvec.inference import BackendResult, BatchedPolicy
 from asyncvec.metrics import RunLogger
 
@@ -113,6 +114,8 @@ def test_rejects_bad_arguments(pixel_envs) -> None:
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4, overlap="oldest")
     with pytest.raises(ValueError, match=r"request_at must be in \[0, horizon=4\]"):
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4, request_at=5)
+    with pytest.raises(ValueError, match="latency_ticks must be None"):
+        ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4, latency_ticks=0)
     with pytest.raises(RuntimeError, match="call reset"):
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4).run(1)
     disabled = gym.vector.SyncVectorEnv([lambda: gym.make("Pendulum-v1")], autoreset_mode=gym.vector.AutoresetMode.DISABLED)
@@ -256,6 +259,38 @@ def test_chunks_never_cross_episodes(short_envs) -> None:
     np.testing.assert_array_equal(reset[1:], done[:-1])  # NEXT_STEP: the step after the end resets
     assert stats["reset_ticks"] == reset.sum() and not rollout.policy_choice[reset].any()
     _assert_chunks_stay_in_their_episode(rollout)
+
+
+def test_simulated_clock_replays_the_same_schedule_at_any_latency(short_envs) -> None:
+    """latency_ticks=3: a chunk requested at tick t plays from tick t + 3, whether the policy takes
+    0 or 50 ms (4 periods): which tick plays which chunk's action, and which falls back, is the same."""
+    schedules = []
+    for latency_s in (0.0, 0.05):
+        policy = ScriptedChunks(8, latency_s=latency_s)
+        executor = ChunkExecutor(short_envs, policy, period_s=0.01, horizon=8, latency_ticks=3)
+        executor.reset(seed=0)
+        rollout = executor.run(40)
+        stats = executor.stats()
+        assert all(future is None or future.done() for future in executor._pending)  # awaited in its tick
+        policy.close()
+        assert stats["late_ticks"] == 0 and stats["request_at"] == 4  # k = min(H, L + margin)
+        assert (rollout.source[:3] == SOURCES.index("fallback")).all()  # the first chunk, asked at tick 0, plays at 3
+        assert (rollout.source[3] == SOURCES.index("policy")).all() and (rollout.chunk_index[3] == 0).all()
+        _assert_chunks_stay_in_their_episode(rollout)
+        schedules.append((rollout.source, rollout.chunk_id, rollout.chunk_index, rollout.actions))
+    for fast, slow in zip(*schedules, strict=True):
+        np.testing.assert_array_equal(fast, slow)
+    assert (schedules[0][0] == SOURCES.index("reset")).any()  # the schedule crossed episode ends
+
+
+def test_simulated_clock_names_a_policy_that_never_answers(short_envs, monkeypatch) -> None:
+    monkeypatch.setattr(chunks_module, "ANSWER_TIMEOUT_S", 0.05)
+    policy = ScriptedChunks(4, latency_s=0.5)
+    executor = ChunkExecutor(short_envs, policy, period_s=0.01, horizon=4, latency_ticks=1)
+    executor.reset(seed=0)
+    with pytest.raises(RuntimeError, match="did not answer env 0's request within"):
+        executor.run(3)
+    policy.close()
 
 
 def test_same_step_autoreset_has_no_reset_ticks() -> None:

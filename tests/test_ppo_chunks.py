@@ -6,7 +6,9 @@
   ``min(pi_prox / mu, C)`` uses it.
 * Learning: on PixelCartPole at 16x16 pixels, returns improve over a behavior-cloning warm start
   (a scripted controller on the state, 800 noisy steps, 150 BC steps) by a margin, on each of
-  3 seeds (the margins measured are above the test).
+  3 seeds, on the executor's simulated clock: the same data at any machine load (the margins
+  measured are far above the test).
+* A seeded `GaussianChunkPolicy` answers the same whether its requests were batched or not.
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ def test_gaussian_chunk_policy_reports_each_action() -> None:
         expected = algo.agent.action_logp(image, torch.zeros(HORIZON, dtype=torch.long), torch.arange(HORIZON),
                                           torch.as_tensor(out.action))
     np.testing.assert_allclose(out.token_logps, expected.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_seeded_policy_answers_do_not_depend_on_batching() -> None:
+    algo = PPOChunks(small_args())
+    images = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
+    observations = [{"image": image, "instruction": "balance"} for image in images]
+    answers = []
+    for batched in (True, False):
+        with GaussianChunkPolicy(copy.deepcopy(algo.agent), algo.chunk_space, obs_key="image", seed=7,
+                                 max_batch_size=6, max_wait_ms=50) as policy:
+            if batched:  # one batch of 6
+                outs = policy.act(observations, timeout=30)
+            else:  # one request at a time
+                outs = [policy.submit(obs, env_id=i).result(timeout=30) for i, obs in enumerate(observations)]
+            assert policy.stats()["batches"] == (1 if batched else 6)
+        answers.append(outs)
+    for a, b in zip(*answers, strict=True):
+        np.testing.assert_array_equal(a.action, b.action)
+        assert a.token_logps == b.token_logps
+    assert not np.array_equal(answers[0][0].action, answers[0][1].action)  # noise differs between requests
 
 
 @pytest.fixture(scope="module")
@@ -193,28 +215,35 @@ def test_importance_weights_use_each_actions_own_chunk(mixed_rollout) -> None:
     assert not (strict.policy_mask & (strict.versions == 0)).any() and (strict.policy_mask == fresh).all()
 
 
-# Measured here, 2 cores at load 2-7, in three runs of this test (67 s, 94 s and 66 s for all 3
-# seeds): mean return of 32 episodes from reset, after 20 PPO iterations minus after the warm
-# start, per seed 1, 2, 3: +33.8, +44.9, +13.4; +17.8, +27.0, +31.4; +39.4, +42.3, +34.7 (warm
-# start 35-53, end 64-87); 90-98% of the executed actions trained on. The threshold sits well
-# below the worst seed (+13.4).
+# The learning test runs the executor on a simulated clock (Args.latency_ticks=2: each chunk arrives
+# 2 ticks after its request, ticks unpaced) with a seeded policy that computes requests one at a
+# time, so a run replays bit for bit at any machine load. On the wall clock (the test until
+# 2026-12-01, 5 ms ticks) the data followed the load: beside 2 busy processes the policy answered
+# in 220-350 ms (p50) against a 40 ms chunk, 64-71% of the ticks played the fallback, and no seed
+# learned (-1.6, +2.1, -0.3): the mechanism behind seed 2's fall from 38.8 to 22.7 in a full make
+# test (not replayed). On the simulated clock the last updates still decided too much at a
+# constant learning rate: 20 iterations ended at +0.2 on seed 8 (seeds 1-9), 30 at +0.6 on seed 1
+# (seeds 1-18). Annealed (Args.anneal_lr, as agents/ppo.py), 30 iterations, 64 episodes from reset
+# before and after: margins +18.8 to +45.7 over seeds 1-18 (mean +28), trained on 95-97% of the
+# executed actions; seeds 1, 2, 3: 47.5 -> 83.9, 39.6 -> 69.5, 41.4 -> 74.0, the same numbers
+# beside 2 busy processes. Another CPU (other float kernels) draws other runs from the same
+# distribution; the threshold sits far below the worst seed.
 LEARNING_SEEDS = (1, 2, 3)
 MIN_MARGIN = 5.0
 
 
-@pytest.mark.skip(reason="not robust yet (issue 19 item 4 stays open): in make test on 2026-12-01 seed 2 went from 38.8 to "
-                  "22.7 after RL (seeds 1 and 3: +22.7, +5.7), though it had passed 2 of 3 runs alone")
 def test_returns_improve_over_a_warm_start() -> None:
     results = []
     for seed in LEARNING_SEEDS:
-        args = Args(seed=seed, image_size=16, num_envs=8, ticks_per_rollout=64, iterations=20, update_epochs=10,
-                    num_minibatches=1, init_log_std=-0.5, eval_rounds=4)
+        args = Args(seed=seed, image_size=16, num_envs=8, ticks_per_rollout=64, iterations=30, update_epochs=10,
+                    num_minibatches=1, init_log_std=-0.5, eval_rounds=8, latency_ticks=2)
         algo = PPOChunks(args)
         images, chunks = demonstrations(16, args.horizon, 800, seed)
         algo.behavior_clone(images, chunks, steps=150, batch_size=64)
         history = algo.train()
         results.append((seed, history["eval_start"], history["eval_end"], history["trained_fraction"]))
-        assert 0.5 < history["trained_fraction"] < 1.0, history
+        assert 0.85 < history["trained_fraction"] < 1.0, history  # episode starts wait 2 ticks for a chunk
+        assert history["stats"]["late_ticks"] == 0, history["stats"]  # the simulated clock is never late
     margins = [end - start for _, start, end, _ in results]
     print("seed, eval_start, eval_end, trained_fraction:", results, "margins:", margins)
     assert min(margins) > MIN_MARGIN, results

@@ -30,6 +30,17 @@ The rules (docs/robots.md has the picture):
   env; a replaced action is marked (``safety_replaced``). Without one, actions are executed
   clipped into the action space, as the `Collector` does (the chunk's unclipped sample, to
   which its log-prob belongs, is kept in ``ChunkRollout.proposed``).
+* **Clock.** By default ticks follow the wall clock (``period_s`` apart) and a chunk arrives
+  when the policy answers, so how many ticks a call spans, and so which ticks fall back,
+  depends on the machine's load. With ``latency_ticks=L`` the clock is simulated: ticks run
+  back to back, unpaced, and a chunk requested at tick ``t`` arrives at tick ``t + L`` exactly:
+  the executor waits for the tick's answers after its env step (so the policy computes while
+  the envs step, and with the weights it held at that tick) and holds each chunk until its
+  tick. The chunk schedule (which tick plays which chunk's action, which ticks fall back,
+  which actions are dropped) is then a function of the ticks alone: the same at any load,
+  replayed exactly from the same seeds (with a seeded policy, e.g. `GaussianChunkPolicy`'s
+  ``seed``). ``k`` is ``min(H, L + margin)``. This is for learning and tests in simulation;
+  a robot runs on the wall clock.
 * **Episodes.** When an episode ends, the env's chunks and its pending request are dropped
   (they belong to the old episode); in NEXT_STEP autoreset mode the env's reset step is
   marked ``"reset"`` and counts neither as met nor as missed.
@@ -74,7 +85,7 @@ import time
 import copy
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +114,8 @@ logger = logging.getLogger(__name__)
 SOURCES = ("policy", "ensemble", "fallback", "reset")
 POLICY, ENSEMBLE, FALLBACK, RESET = range(len(SOURCES))
 OVERLAP_RULES = ("newest", "ensemble")
+#: with ``latency_ticks`` (a simulated clock), how long the executor waits for an answer before it raises
+ANSWER_TIMEOUT_S = 300.0
 
 
 def request_threshold(latencies_s: Sequence[float], period_s: float, horizon: int, margin: int = 1) -> int:
@@ -318,6 +331,8 @@ class ChunkExecutor:
         safety: a `SafetyFilter` every executed action passes.
         on_bad_chunk: ``"raise"`` (ValueError naming the env, the shape and the expected
             shape) or ``"fallback"`` (drop it, count it in ``bad_chunks``, ask again).
+        latency_ticks: a simulated clock (module docstring, "Clock"): every chunk arrives exactly
+            this many ticks (>= 1) after its request and ticks are not paced; None: the wall clock.
         record_obs: keep every tick's observation in ``ChunkRollout.observations`` (for a
             learner's value targets); off by default (images cost memory).
 
@@ -341,6 +356,7 @@ class ChunkExecutor:
         safety: SafetyFilter | None = None,
         on_bad_chunk: str = "raise",
         record_obs: bool = False,
+        latency_ticks: int | None = None,
     ) -> None:
         space = envs.single_action_space
         if not isinstance(space, gym.spaces.Box):
@@ -355,6 +371,10 @@ class ChunkExecutor:
             raise ValueError(f"fallback must be 'hold', 'zero' or a function(obs, env_id) -> action, got {fallback!r}")
         if request_at is not None and not 0 <= int(request_at) <= horizon:
             raise ValueError(f"request_at must be in [0, horizon={horizon}], got {request_at!r}")
+        if latency_ticks is not None and (
+            isinstance(latency_ticks, bool) or not isinstance(latency_ticks, (int, np.integer)) or latency_ticks < 1
+        ):
+            raise ValueError(f"latency_ticks must be None (the wall clock) or an int >= 1, got {latency_ticks!r}")
         if on_bad_chunk not in ("raise", "fallback"):
             raise ValueError(f"on_bad_chunk must be 'raise' or 'fallback', got {on_bad_chunk!r}")
         mode = AutoresetMode(envs.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP))
@@ -371,6 +391,8 @@ class ChunkExecutor:
         self.safety = safety
         self.on_bad_chunk = on_bad_chunk
         self.record_obs = bool(record_obs)
+        self.latency_ticks = None if latency_ticks is None else int(latency_ticks)
+        self._request_tick = [0] * self.num_envs
         self._pending_obs: list[Any] = [None] * self.num_envs
         self._zero = zero_action(space)
         self._streams = [ChunkStream(overlap, ensemble_decay) for _ in range(self.num_envs)]
@@ -415,10 +437,16 @@ class ChunkExecutor:
         """The current ``k``: a request goes out when at most this many actions remain."""
         if self.request_at is not None:
             return self.request_at
+        if self.latency_ticks is not None:
+            return request_threshold([self.latency_ticks * self.period_s], self.period_s, self.horizon, self.request_margin)
         return request_threshold(self._latencies, self.period_s, self.horizon, self.request_margin)
 
     def run(self, ticks: int) -> ChunkRollout:
-        """Runs ``ticks`` control ticks in real time (one env step each) and returns what was executed."""
+        """Runs ``ticks`` control ticks (one env step each) and returns what was executed.
+
+        On the wall clock the ticks are ``period_s`` apart; with ``latency_ticks`` they run back to
+        back (module docstring, "Clock").
+        """
         if self._obs is None:
             raise RuntimeError("call reset() before run()")
         shape = self.action_space.shape
@@ -439,10 +467,11 @@ class ChunkExecutor:
         action_logp = np.full((ticks, n), np.nan)
         chunk_obs: dict[int, Any] = {}
         observations: list[Any] | None = [] if self.record_obs else None
+        simulated = self.latency_ticks is not None
         next_time = time.perf_counter()
         for row in range(ticks):
             delay = next_time - time.perf_counter()
-            if delay > 0:
+            if delay > 0 and not simulated:
                 time.sleep(delay)
             tick_time[row] = time.perf_counter()
             tick = self._tick
@@ -489,6 +518,10 @@ class ChunkExecutor:
                 if self._pending[env_id] is None and self._streams[env_id].remaining(tick) <= k:
                     self._request(obs, env_id)
             self._obs, rewards[row], terminated[row], truncated[row], _ = self.envs.step(actions[row])
+            if simulated:  # the tick's answers, computed while the envs stepped; each is held until its tick
+                for env_id, future in enumerate(self._pending):
+                    if future is not None and self._request_tick[env_id] == self._tick:
+                        self._wait_for_answer(future, env_id)
             for env_id in resetting:  # the reset step was played: the env is in its new episode
                 self._reset_step[env_id] = False
             for env_id in np.flatnonzero(terminated[row] | truncated[row]):
@@ -498,7 +531,7 @@ class ChunkExecutor:
             self._tick += 1
             next_time += self.period_s
             now = time.perf_counter()
-            if now > next_time:  # this tick overran the next one's start: count it, do not burst to catch up
+            if now > next_time and not simulated:  # this tick overran the next one's start: count it, do not burst to catch up
                 late[row] = True
                 self._counts["late_ticks"] += 1
                 next_time = now
@@ -537,12 +570,19 @@ class ChunkExecutor:
     # ------------------------------------------------------------------ internals
     def _request(self, obs: Any, env_id: int) -> None:
         self._pending[env_id] = self.policy.submit(obs, env_id=env_id)
+        self._request_tick[env_id] = self._tick
         self._pending_obs[env_id] = copy.deepcopy(obs)  # the env's buffers may be reused by later steps
         self._counts["requests"] += 1
 
     def _receive(self, env_id: int, tick: int) -> None:
         future = self._pending[env_id]
-        if future is None or not future.done():
+        if future is None:
+            return
+        if self.latency_ticks is not None:  # simulated clock: the answer arrives exactly latency_ticks after its request
+            if tick < self._request_tick[env_id] + self.latency_ticks:
+                return
+            self._wait_for_answer(future, env_id)
+        elif not future.done():
             return
         self._pending[env_id] = None
         requested_with, self._pending_obs[env_id] = self._pending_obs[env_id], None
@@ -564,6 +604,14 @@ class ChunkExecutor:
         self._next_chunk_id += 1
         self._counts["chunks"] += 1
         self._counts["overlap_dropped"] += self._streams[env_id].install(chunk)
+
+    def _wait_for_answer(self, future: Future, env_id: int) -> None:
+        done, _ = wait([future], timeout=ANSWER_TIMEOUT_S)
+        if not done:
+            raise RuntimeError(
+                f"ChunkExecutor: the policy did not answer env {env_id}'s request within {ANSWER_TIMEOUT_S:.0f} s "
+                f"(latency_ticks={self.latency_ticks} waits for every answer)"
+            )
 
     def _as_chunk(self, action: Any, env_id: int) -> np.ndarray | None:
         space = self.action_space
