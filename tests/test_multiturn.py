@@ -330,6 +330,35 @@ def test_episode_logps_score_only_model_tokens(tiny_dir):
     assert (got[0, ~data.mask[0]] == 0).all() and data.mask[0].int().tolist() == [0, 0, 1, 1, 0, 1, 1]
 
 
+def test_learner_logps_of_sampled_episodes_equal_the_behavior_logps(tiny_dir):
+    """On real sampled episodes, before and after new weights are published: the learner's
+    teacher-forced log-prob of every trained token equals the one the policy reported (ratio 1),
+    and the trained tokens are exactly the turns' sampled ids (eos included), nothing else."""
+    learner, tokenizer = load_causal_lm(tiny_dir)
+    vec = make_text_vector_env("asyncvec/GuessNumber-v0", 4, env_kwargs=GUESS8)
+    try:
+        with _policy(tiny_dir) as policy, EpisodeCollector(vec, policy, group_size=2, tokenizer=tokenizer) as collector:
+            for version in (0, 1):
+                if version:  # a different policy, published as the learner would
+                    with torch.no_grad():
+                        for parameter in learner.parameters():
+                            parameter.add_(0.05 * torch.randn_like(parameter))
+                    policy.load_weights({k: v.clone() for k, v in learner.state_dict().items()}, version)
+                batch = collector.collect(2, timeout=120)
+                data = EpisodeBatch.from_episodes(batch, version, max_staleness=0)
+                with torch.no_grad():
+                    logps = data.logps(learner, 1.0)
+                assert data.mask.any()
+                assert torch.allclose(logps[data.mask], data.behavior_logp[data.mask], atol=1e-4)
+                episodes = [e for group in batch.episodes for e in group]
+                for row, episode in enumerate(episodes):
+                    trained = [t for t, m in zip(data.sequences[row], data.mask[row].tolist()) if m]
+                    assert trained == [i for turn in episode.turns for i in turn.completion_ids]
+                    assert all(turn.policy_version == version for turn in episode.turns)
+    finally:
+        vec.close()
+
+
 def test_discounted_returns_against_a_loop():
     rewards = torch.randn(3, 5)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
