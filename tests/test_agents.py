@@ -22,6 +22,7 @@ from agents.common import env_spaces, final_return_text, make_env_fn
 from asyncvec import Collector
 from asyncvec.buffers.rollout import Segment
 from asyncvec.metrics import EpisodeStats
+from terminal import sigint_as_in_a_terminal
 
 
 class ActionEchoEnv(gym.Env):
@@ -142,6 +143,7 @@ def run_ppo_script(tmp_path, *flags):
         [sys.executable, "agents/ppo.py", "--num-envs", "2", "--num-steps", "16", "--update-epochs", "2", "--no-progress",
          "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "runs"), *flags],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,  # Ctrl-C reaches it even when this run ignores SIGINT
     )
 
 
@@ -160,9 +162,14 @@ def test_ppo_ctrl_c_stops_cleanly_with_the_step_and_checkpoint(tmp_path):
     deadline = time.monotonic() + 240
     while not checkpoint.exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
-    assert checkpoint.exists(), proc.communicate(timeout=60)
-    os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole process group
-    out, err = proc.communicate(timeout=120)
+    try:
+        assert checkpoint.exists(), proc.communicate(timeout=60)
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the whole process group
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # a failed test leaves no training run behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert "Traceback" not in err, err
     assert f"checkpoint at {checkpoint}" in out and "stopped at step " in out, out
     step = int(out.split("stopped at step ")[1].split(",")[0])
@@ -175,6 +182,7 @@ def test_ppo_ctrl_c_stops_cleanly_with_the_step_and_checkpoint(tmp_path):
             break
         time.sleep(0.2)
     else:
+        os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("processes of the interrupted run are still alive")
 
 

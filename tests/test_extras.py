@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from terminal import sigint_as_in_a_terminal
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -92,6 +94,7 @@ def test_serve_stops_on_ctrl_c_with_one_line(tmp_path, when):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # Ctrl-C in a terminal signals the whole process group
+        preexec_fn=sigint_as_in_a_terminal,  # even when this run ignores SIGINT (started with `&` by a script)
     )
     try:
         first_line = server.stderr.readline()  # "asyncvec serve: ... (loading the model)"
