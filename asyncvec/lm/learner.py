@@ -396,13 +396,12 @@ class EpisodeBatch:
         sequences, segment_starts, turn_offsets = [], [], []  # a row: its segments' last turns, one after another
         for _, episode in rows:
             last = {turn.segment: turn for turn in episode.turns}
-            sequence, starts, offset_of = [], [], {}
+            sequence, offset_of = [], {}
             for segment, turn in last.items():
-                starts.append(len(sequence))
                 offset_of[segment] = len(sequence)
                 sequence += list(turn.prompt_ids) + list(turn.completion_ids)
             sequences.append(sequence)
-            segment_starts.append(tuple(starts))
+            segment_starts.append(tuple(offset_of.values()))
             turn_offsets.append([offset_of[turn.segment] for turn in episode.turns])
         width = max(map(len, sequences), default=0)
         max_turns = max((e.num_turns for _, e in rows), default=0)

@@ -494,13 +494,13 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _accept(self, index: int, result: Any) -> None:
         slot = self._slots[index]
-        if slot.command in _ENV_COMMANDS and self._row_templates is not None:
-            try:
-                check_row(self._row_templates, index, result[0])
-            except ValueError as exc:  # a bad observation is the env's failure, as with shared memory
-                self._env_failed(index, (type(exc).__name__, str(exc), "", None))
-                return
         if slot.command in _ENV_COMMANDS:
+            if self._row_templates is not None:
+                try:
+                    check_row(self._row_templates, index, result[0])
+                except ValueError as exc:  # a bad observation is the env's failure, as with shared memory
+                    self._env_failed(index, (type(exc).__name__, str(exc), "", None))
+                    return
             if self._env_obs is not None:
                 rest = result[0]
                 self._env_obs[index] = rest if self._shared_rows is None else merge_row(self._shared_rows, index, rest)
