@@ -285,6 +285,20 @@ def make_ray_collector(
     return collector
 
 
+def anneal(optimizer: torch.optim.Optimizer, learning_rate: float, clip_coef: float, frac: float) -> float:
+    """Sets ``optimizer``'s learning rate to ``frac * learning_rate`` (``frac`` is the share of the
+    run left) and returns PPO's clip coefficient annealed with it, floored at 5%.
+
+    Example:
+        >>> anneal(torch.optim.Adam([torch.zeros(1, requires_grad=True)]), 1e-3, 0.2, 0.5)
+        0.1
+    """
+    frac = max(frac, 0.0)
+    for group in optimizer.param_groups:
+        group["lr"] = frac * learning_rate
+    return clip_coef * max(frac, 0.05)
+
+
 def final_return_text(final_return: float, last: int) -> str:
     """The summary's words for the mean return of the last ``last`` episodes (NaN: none finished).
 

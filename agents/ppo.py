@@ -47,6 +47,7 @@ from torch.distributions import Categorical, Normal
 
 from agents.common import (
     LaggedWeights,
+    anneal,
     env_spaces,
     final_observations,
     final_return_text,
@@ -458,9 +459,7 @@ class PPO:
             "advantages": advantages.reshape(-1), "returns": returns.reshape(-1), "valid": valid.reshape(-1),
         }
         frac = 1.0 - self.global_step / args.total_timesteps if args.anneal_lr else 1.0
-        for group in self.optimizer.param_groups:
-            group["lr"] = max(frac, 0.0) * args.learning_rate
-        clip = args.clip_coef * max(frac, 0.05) if args.anneal_lr else args.clip_coef
+        clip = anneal(self.optimizer, args.learning_rate, args.clip_coef, frac)
         batch_size = T * N
         minibatch = max(1, batch_size // args.num_minibatches)
         stats: dict[str, list[float]] = {}

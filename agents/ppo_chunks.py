@@ -61,7 +61,7 @@ import torch.nn as nn
 import tyro
 from gymnasium.vector import AutoresetMode
 
-from agents.common import check_env_id, layer_init, seed_everything
+from agents.common import anneal, check_env_id, layer_init, seed_everything
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
@@ -386,9 +386,7 @@ class PPOChunks:
             trained = executed = 0
             for iteration in range(args.iterations):
                 frac = 1.0 - iteration / args.iterations if args.anneal_lr else 1.0
-                for group in self.optimizer.param_groups:
-                    group["lr"] = frac * args.learning_rate
-                self.clip_coef = args.clip_coef * max(frac, 0.05)
+                self.clip_coef = anneal(self.optimizer, args.learning_rate, args.clip_coef, frac)
                 tick = time.perf_counter()
                 rollout = executor.run(args.ticks_per_rollout)
                 history["act_seconds"] = history.get("act_seconds", 0.0) + time.perf_counter() - tick
