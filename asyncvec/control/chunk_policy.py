@@ -9,7 +9,6 @@ own (the overlap rule may play only the first few). With a factorized Gaussian,
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,11 +66,6 @@ class GaussianChunkPolicy(TorchPolicy):
         self.obs_key = obs_key
         self.horizon = int(chunk_space.shape[0])
         self._generator = None if seed is None else torch.Generator().manual_seed(int(seed))
-        # torch.set_num_threads is per thread under OpenMP: the batch worker thread would run with
-        # one thread per core, and on a loaded machine OpenMP's threads wait for each other (measured
-        # at 2 cores, load 8-11: 75-190 ms a batch of 16x16 images against 1-3 ms with this).
-        self._num_threads = torch.get_num_threads()
-        self._worker_threads = threading.local()
 
     def _check_obs(self, obs: Any, env_id: int | None) -> np.ndarray:
         if self.obs_key is not None and isinstance(obs, Mapping):
@@ -81,9 +75,6 @@ class GaussianChunkPolicy(TorchPolicy):
         return super()._check_obs(obs, env_id)
 
     def _forward_batch(self, obs_list: list[np.ndarray]) -> list[BackendResult]:
-        if getattr(self._worker_threads, "set", None) is None:
-            torch.set_num_threads(self._num_threads)
-            self._worker_threads.set = True
         batch = torch.as_tensor(np.stack(obs_list), dtype=torch.float32, device=self.device)
         if self._generator is None:
             return self._sample(batch)
