@@ -416,6 +416,19 @@ class PPOChunks:
         return history
 
 
+def summary(args: Args, result: dict[str, Any]) -> str:
+    """The command line's report of a run: evaluation before and after, what was trained on, time."""
+    sources = ", ".join(f"{name} {count}" for name, count in result["sources"].items())
+    evaluation = (
+        f"mean return of {args.eval_rounds} x {args.num_envs} evaluation episodes {result['eval_start']:.1f} -> "
+        f"{result['eval_end']:.1f}" if args.eval_rounds else "not evaluated (--eval-rounds 0)"
+    )
+    return (
+        f"PPO on chunks, {args.env_id}: {args.iterations} iterations in {result['seconds']:.1f} s; {evaluation}; "
+        f"{result['trained_fraction']:.0%} of the executed actions trained on (executed actions by source: {sources})"
+    )
+
+
 if __name__ == "__main__":
-    result = PPOChunks(tyro.cli(Args)).train()
-    print({key: value for key, value in result.items() if key != "stats"})
+    cli_args = tyro.cli(Args)
+    print(summary(cli_args, PPOChunks(cli_args).train()))
