@@ -52,7 +52,8 @@ class LMArgs:
     """multi-turn envs: discount of the episode return sum_t gamma^t r_t"""
     per_turn: bool = False
     """multi-turn envs: each turn's advantage is its discounted return-to-go normalized over the batch
-    (for dense rewards) instead of the episode return with the agent's baseline"""
+    (for dense rewards) instead of the episode return with the agent's baseline; --kl-coef subtracts
+    beta times the KL summed over a turn's tokens from that turn's reward"""
     system_prompt: str | None = None
     """multi-turn envs: the conversation's first message"""
     on_overflow: Literal["truncate", "drop_oldest"] = "truncate"
@@ -524,8 +525,6 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
     a reward service and a ``GroupCollector``. The rewards are the env's."""
     if args.is_level == "sequence":
         raise ValueError("--is-level sequence weighs whole completions; multi-turn episodes use --is-level token")
-    if args.per_turn and args.kl_coef > 0:
-        raise ValueError("--per-turn advantages carry no KL penalty: use --kl-coef 0 with --per-turn")
     env_kwargs = json.loads(args.env_kwargs)
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"asyncvec-{run_name}-")))

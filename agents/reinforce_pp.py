@@ -101,11 +101,12 @@ class ReinforcePP:
     # ------------------------------------------------------------------ the objective
     def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
         """Globally normalized returns-to-go ``[N, L]`` (0 off the mask); multi-turn: the episode
-        return at its last trained token. ``--per-turn``: each turn's normalized return-to-go."""
+        return at its last trained token. ``--per-turn``: each turn's normalized return-to-go, its reward
+        less ``beta`` times its tokens' KL."""
         args = self.args
-        if isinstance(data, EpisodeBatch) and args.per_turn:
-            return data.turn_advantages()
         kl = approx_kl(logp, ref_logp, args.kl_estimator) if ref_logp is not None else None
+        if isinstance(data, EpisodeBatch) and args.per_turn:
+            return data.turn_advantages(kl, args.kl_coef)
         return reinforce_pp_advantages(
             data.rewards, data.mask, kl, args.kl_coef, baseline=args.baseline, group_ids=data.group_ids
         )

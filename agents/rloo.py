@@ -42,7 +42,7 @@ from agents.common import seed_everything
 from agents.lm_setup import LMArgs, LMTrainResult, batch_sizes, build_parts, mean_reward, summary, target_reached
 from asyncvec.buffers import GroupBatch
 from asyncvec.lm import EpisodeBatch, EpisodeGroups, LMBatch, minibatch_updates, quiet_model_libraries
-from asyncvec.losses import kl_penalized_rewards, masked_mean, rloo_advantages, truncated_importance_weights
+from asyncvec.losses import approx_kl, kl_penalized_rewards, masked_mean, rloo_advantages, truncated_importance_weights
 from asyncvec.metrics import RunLogger
 
 
@@ -81,9 +81,11 @@ class RLOO:
     # ------------------------------------------------------------------ the objective
     def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
         """``A_i`` of each completion (multi-turn: each episode, from its return), broadcast to its
-        tokens: ``[N, L]`` (0 off the mask). ``--per-turn``: each turn's normalized return-to-go."""
+        tokens: ``[N, L]`` (0 off the mask). ``--per-turn``: each turn's normalized return-to-go, its reward
+        less ``beta`` times its tokens' KL."""
         if isinstance(data, EpisodeBatch) and self.args.per_turn:
-            return data.turn_advantages()
+            kl = approx_kl(logp, ref_logp, self.args.kl_estimator) if ref_logp is not None else None
+            return data.turn_advantages(kl, self.args.kl_coef)
         rewards = data.rewards
         if ref_logp is not None:
             rewards = kl_penalized_rewards(

@@ -33,7 +33,7 @@ from asyncvec.lm import (
     load_causal_lm,
     make_text_vector_env,
 )
-from asyncvec.losses import discounted_returns, masked_normalize
+from asyncvec.losses import approx_kl, discounted_returns, masked_normalize
 
 pytestmark = pytest.mark.timeout(240)
 GUESS8 = {"max_number": 8, "max_turns": 3, "transcript": False}
@@ -318,6 +318,27 @@ def test_episode_batch_masks_observations_stale_and_missed_turns():
     assert per_turn[0, 2].item() == 0.0
 
 
+def test_per_turn_advantages_subtract_each_turns_kl_from_its_reward():
+    first = [_turn([1, 2], [3, 4], version=0, reward=0.0), _turn([1, 2, 3, 4, 5], [6], version=0, reward=1.0)]
+    other = [_turn([1, 2], [9], version=0, reward=0.5)]
+    batch = EpisodeGroups([[Episode(0, 0, 0, first, terminated=True), Episode(1, 0, 0, other, terminated=True)]], [0])
+    data = EpisodeBatch.from_episodes(batch, current_version=0, max_staleness=0, gamma=1.0)
+    kl = torch.full(data.mask.shape, 100.0)  # off the trained tokens: must not count
+    kl[0, 2], kl[0, 3], kl[0, 5], kl[1, 2] = 0.2, 0.4, 0.6, 0.8
+    beta = 0.5
+    rewards = [0.0 - beta * (0.2 + 0.4), 1.0 - beta * 0.6, 0.5 - beta * 0.8]  # turn 0 and 1 of episode 0, episode 1
+    returns = torch.tensor([rewards[0] + rewards[1], rewards[1], rewards[2]])
+    expected = masked_normalize(returns, torch.ones(3, dtype=torch.bool))
+    got = data.turn_advantages(kl, beta)
+    assert got[0, 2].item() == got[0, 3].item() == pytest.approx(expected[0].item())
+    assert got[0, 5].item() == pytest.approx(expected[1].item())
+    assert got[1, 2].item() == pytest.approx(expected[2].item())
+    assert (got[~data.mask] == 0).all()
+    assert torch.equal(data.turn_advantages(kl, 0.0), data.turn_advantages())
+    with pytest.raises(ValueError, match="kl: expected shape"):
+        data.turn_advantages(kl[:, :2], beta)
+
+
 def test_episode_logps_score_only_model_tokens(tiny_dir):
     model, _ = load_causal_lm(tiny_dir)
     turns = [_turn([5, 6], [7, 1], 0, 0.0), _turn([5, 6, 7, 1, 8], [9, 1], 0, 1.0)]
@@ -382,6 +403,30 @@ def test_agents_train_on_a_multi_turn_env(tiny_dir, agent, args_cls):
     assert result.updates == 2 and result.final_version == 2 and result.samples >= 8
     assert len(result.eval_details) == 2 and not math.isnan(result.eval_details[0]["turns_mean"])
     assert result.history[0]["samples_used"] > 0
+
+
+@pytest.mark.parametrize("agent, args_cls", [(rloo.RLOO, rloo.Args), (reinforce_pp.ReinforcePP, reinforce_pp.Args)])
+def test_per_turn_advantages_train_with_a_kl_penalty(tiny_dir, agent, args_cls):
+    """--per-turn with --kl-coef: each turn's reward less beta times its tokens' KL (as the agent computes it)."""
+    args = args_cls(
+        model=str(tiny_dir), env="asyncvec/GuessNumber-v0", env_kwargs='{"max_number": 8, "max_turns": 3, '
+        '"transcript": false}', group_size=2, num_envs=2,
+        eval_prompts=0, progress=False, mode="sync", max_new_tokens=3, per_turn=True, kl_coef=0.1,
+        learning_rate=1e-2,
+    )  # fmt: skip
+    learner = agent(args)
+    try:
+        batch = learner.collector.collect(1, timeout=120)
+        data = learner.prepare(batch)
+        logp = torch.where(data.mask, torch.full(data.mask.shape, -1.0), 0.0)
+        ref_logp = torch.where(data.mask, -torch.rand(data.mask.shape, generator=torch.Generator().manual_seed(0)), 0.0)
+        kl = approx_kl(logp, ref_logp, args.kl_estimator)
+        assert torch.equal(learner.compute_advantages(data, logp, ref_logp), data.turn_advantages(kl, 0.1))
+        assert not torch.equal(data.turn_advantages(kl, 0.1), data.turn_advantages())  # the penalty counts
+        stats = learner.update(batch)
+    finally:
+        learner.close()
+    assert "kl_ref" in stats and stats["samples_used"] > 0
 
 
 @pytest.mark.parametrize("agent, args_cls", [(rloo.RLOO, rloo.Args), (reinforce_pp.ReinforcePP, reinforce_pp.Args)])

@@ -482,12 +482,23 @@ class EpisodeBatch:
         gathered = scored.reshape(-1)[source.to(scored.device)]
         return torch.where(mask.to(scored.device), gathered, torch.zeros_like(gathered))
 
-    def turn_advantages(self) -> torch.Tensor:
+    def turn_advantages(self, kl: torch.Tensor | None = None, beta: float = 0.0) -> torch.Tensor:
         """Per-turn advantages ``[N, W]`` on the trained tokens: each turn's discounted return-to-go
-        ``G_t = sum_{i >= t} gamma^(i-t) r_i``, normalized over the trained turns of the batch."""
+        ``G_t = sum_{i >= t} gamma^(i-t) r'_i``, normalized over the trained turns of the batch.
+
+        ``r'_t = r_t - beta * sum_{tokens of turn t} kl``: ``kl`` ``[N, W]`` per-token KL estimates
+        against a reference (:func:`asyncvec.losses.approx_kl`), summed over the turn's trained tokens.
+        """
         from asyncvec.losses import discounted_returns, masked_normalize
 
-        returns = discounted_returns(self.turn_rewards, self.turn_mask, self.gamma)
+        rewards = self.turn_rewards
+        if kl is not None and beta:
+            if kl.shape != self.mask.shape:
+                raise ValueError(f"kl: expected shape {tuple(self.mask.shape)}, got {tuple(kl.shape)}")
+            token_kl = torch.where(self.mask, kl.detach().to(rewards.dtype), torch.zeros_like(rewards[:, :1]))
+            turn_kl = torch.zeros_like(rewards).scatter_add_(1, self.turn_ids.clamp(min=0), token_kl)
+            rewards = rewards - beta * turn_kl
+        returns = discounted_returns(rewards, self.turn_mask, self.gamma)
         trained = torch.zeros_like(self.turn_mask)
         rows, columns = (self.turn_ids >= 0).nonzero(as_tuple=True)
         trained[rows, self.turn_ids[rows, columns]] = True
