@@ -76,7 +76,7 @@ class Args:
     """envs (each a worker process)"""
     group_size: int = 2
     """episodes per reset seed"""
-    rounds: int = 8
+    rounds: int = 12
     """episodes measured per mode: rounds * num_envs"""
     max_number: int = 16
     """GuessNumber range"""
@@ -247,11 +247,11 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
             # steady state: groups keep starting while the measured ones run (no tail of idle envs)
             collector.start(per_round * (args.rounds + 3), ahead=measured + per_round)
             collector.pop(per_round, timeout=600)  # warm-up: workers, first batches
-            before, calls_before = policy.stats(), len(policy.calls)
+            before, calls_before, taken_before = policy.stats(), len(policy.calls), collector.stats()["turns"]
             start = time.perf_counter()
             batch = collector.pop(measured, timeout=600)
             elapsed = time.perf_counter() - start
-            after, calls = policy.stats(), policy.calls[calls_before:]
+            after, calls, taken = policy.stats(), policy.calls[calls_before:], collector.stats()["turns"] - taken_before
     finally:
         vec.close()
     episodes = [e for group in batch.episodes for e in group]
@@ -259,7 +259,10 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
     steps = [t for e in episodes for t in e.turns]
     batches = after["batches"] - before["batches"]
     items = after["mean_batch_size"] * after["batches"] - before["mean_batch_size"] * before["batches"]
-    cycle = args.num_envs * elapsed / sum(turns)  # each env's time per turn
+    # the rate: turns taken in the window (not the turns of the episodes that ended in it, which
+    # began before it or leave the window's last turns out); an episode: mean turns of the measured ones
+    turns_per_s = taken / elapsed
+    cycle = args.num_envs / turns_per_s  # each env's time per turn
     env_seen = float(np.mean([t.env_latency_s for t in steps]))
     answered = float(np.mean([t.policy_latency_s for t in steps]))  # submit to answer
     call = sum(n * s for n, s in calls) / max(sum(n for n, _ in calls), 1)  # a turn's model call (its batch's)
@@ -269,8 +272,8 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
     return {
         "drawn_env_s": float(np.mean(drawn_latencies_s(args, episodes))),
         "call_by_size_s": {n: (statistics.mean(t), len(t)) for n, t in sorted(by_size.items())},
-        "episodes_per_s": len(turns) / elapsed,
-        "turns_per_s": sum(turns) / elapsed,
+        "episodes_per_s": turns_per_s / float(np.mean(turns)),
+        "turns_per_s": turns_per_s,
         "mean_turns": float(np.mean(turns)),
         "mean_batch": items / batches if batches else 0.0,
         "seconds": elapsed,
