@@ -235,8 +235,10 @@ class EpisodeCollector:
         lockstep: turn-level lockstep instead of per-env turns (see the module docstring).
         on_overflow: a prompt over the context: ``"truncate"`` (default) ends the episode,
             ``"drop_oldest"`` drops the oldest whole turns from the prompt (see the module docstring).
-        poll_s: while turns are with the policy, how long one wait for env results lasts before
-            the answers that came in meanwhile are sent.
+        poll_s: while turns are with the policy and the vector env cannot be woken (``envs.wakeable``
+            false, e.g. Ray actors), how long one wait for env results lasts before the answers that
+            came in meanwhile are sent. Worker processes are woken by each answer
+            (``AsyncLLMVectorEnv.wake``): an answer goes to its env at once.
         use_chat_template, plain_format: how turns are rendered (:class:`~asyncvec.lm.chat.Conversation`).
 
     Example:
@@ -293,6 +295,8 @@ class EpisodeCollector:
         self.use_chat_template = use_chat_template
         self.plain_format = plain_format
         self.poll_s = float(poll_s)
+        # async: each policy answer ends the wait for env results at once (no polling)
+        self._wakeable = not self.lockstep and bool(getattr(envs, "wakeable", False))
         n = envs.num_envs
         self._conversations: list[Conversation | None] = [None] * n
         self._episodes: list[Episode | None] = [None] * n
@@ -333,6 +337,7 @@ class EpisodeCollector:
         with self._cond:
             self._quota += num_groups
             self._cond.notify_all()
+        self._wake()
         self._ensure_thread()
 
     def collect(self, num_groups: int, timeout: float) -> EpisodeGroups:
@@ -375,6 +380,7 @@ class EpisodeCollector:
                 started = self._next_group + self._quota
                 self._quota += max(0, min(num_groups, self._total - started))
                 self._cond.notify_all()
+            self._wake()  # idle envs may start their next groups now
         return EpisodeGroups([g.episodes for g in groups], [g.seed for g in groups])
 
     def check(self) -> None:
@@ -393,6 +399,7 @@ class EpisodeCollector:
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -476,8 +483,17 @@ class EpisodeCollector:
         prompt_ids = self._prompts[env_id] = tuple(conversation.ids)
         future = self.policy.submit(TextPrompt(prompt_ids, max_new_tokens=self.max_new_tokens), env_id=env_id)
         self._waiting_policy += 1
-        future.add_done_callback(lambda f, e=env_id: self._answers.put((e, f)))
+        future.add_done_callback(lambda f, e=env_id: self._answer_ready(e, f))
         return True
+
+    def _answer_ready(self, env_id: int, future: Future) -> None:
+        """The policy's callback (its thread): files the answer and wakes the thread from its wait on the envs."""
+        self._answers.put((env_id, future))
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeable:
+            self.envs.wake()
 
     def _on_answer(self, env_id: int, future: Future) -> str:
         """Records the turn; returns the action text for the env."""
@@ -611,7 +627,7 @@ class EpisodeCollector:
                 self._idle = [e for e in self._idle if e not in assigned]
             self._send_answers()
             if self.envs.in_flight:
-                self._step_results(self.poll_s if self._waiting_policy else 0.05)
+                self._step_results(self.poll_s if self._waiting_policy and not self._wakeable else 0.05)
             elif self._waiting_policy:
                 try:
                     self._answers.put(self._answers.get(timeout=0.05))  # wait for an answer, handle it next loop

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -257,6 +258,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._lockstep_ids: list[int] = []
         self._action_spaces: dict[int, Space] = {}
         self._arrivals: deque[int] = deque()  # env ids with an undelivered answer, in arrival order
+        self._woken = threading.Event()  # wake(): the next recv that would wait returns at once
         self._transport: Transport | None = None
         self._shm = None
         self._shared_rows = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
@@ -469,12 +471,15 @@ class AsyncLLMVectorEnv(VectorEnv):
             return None
         return head.started_at + self.step_timeout * len(head.env_ids)
 
-    def _wait_until(self, done: Callable[[], bool], timeout: float | None, what: str) -> None:
+    def _wait_until(self, done: Callable[[], bool], timeout: float | None, what: str, wakeable: bool = False) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._closing_on_error():
             while not done():
                 if deadline is not None and time.monotonic() >= deadline:
                     raise multiprocessing.TimeoutError(f"{what} within {timeout} s")
+                if wakeable and self._woken.is_set():
+                    self._woken.clear()
+                    raise multiprocessing.TimeoutError(f"{what}: woken by wake()")
                 self._poll(deadline)
 
     @contextmanager
@@ -863,14 +868,17 @@ class AsyncLLMVectorEnv(VectorEnv):
         Raises:
             NoAsyncCallError: nothing was sent.
             multiprocessing.TimeoutError: the batch was not complete within ``timeout``
-                seconds; answers already received stay buffered for the next ``recv``.
+                seconds, or :meth:`wake` ended the wait; answers already received stay
+                buffered for the next ``recv``.
         """
         self._assert_is_running()
         in_flight = self.in_flight
         if not in_flight:
             raise NoAsyncCallError("Calling `recv` with no env in flight: call `async_reset` or `send` first.", "recv")
         target = min(self.batch_size, len(in_flight))
-        self._wait_until(lambda: len(self._arrivals) >= target, timeout, f"recv: fewer than {target} envs answered")
+        self._wait_until(
+            lambda: len(self._arrivals) >= target, timeout, f"recv: fewer than {target} envs answered", wakeable=True
+        )
         ids = [self._arrivals[k] for k in range(target)]
         rows = np.asarray(ids, dtype=np.int64)
         commands = [self._slots[i].command for i in ids]
@@ -893,6 +901,38 @@ class AsyncLLMVectorEnv(VectorEnv):
             empty = create_empty_array(self.single_observation_space, n=target, fn=np.zeros)
             observations = concatenate(self.single_observation_space, [self._env_obs[i] for i in ids], empty)
         return observations, rewards, terminations, truncations, infos
+
+    @property
+    def wakeable(self) -> bool:
+        """Whether :meth:`wake` ends a waiting :meth:`recv` at once (worker processes: yes; a
+        transport that cannot ends it at its next return from waiting, at most its timeout)."""
+        return self._transport is not None and self._transport.wakeable
+
+    def wake(self) -> None:
+        """Ends a :meth:`recv` waiting in another thread, as its timeout would (it raises
+        ``multiprocessing.TimeoutError``); a wake while no ``recv`` waits ends the next wait.
+        Thread-safe: the one method another thread may call during ``recv``. For a loop that
+        waits on envs and on something else, e.g. a policy's answers: ``recv(timeout)`` with a
+        long timeout, and ``wake()`` from the other side when its thing is ready.
+
+        Example:
+            >>> import multiprocessing, threading, time, gymnasium as gym
+            >>> from envs.slow import SlowEnv
+            >>> envs = AsyncLLMVectorEnv([lambda: SlowEnv(gym.make("CartPole-v1"), latency_ms=500)], batch_size=1)
+            >>> envs.send_reset([0], [0]); _ = envs.recv()
+            >>> envs.send([0], [0])  # a step of 500 ms
+            >>> threading.Timer(0.05, envs.wake).start()
+            >>> start = time.monotonic()
+            >>> try:
+            ...     envs.recv(timeout=30)
+            ... except multiprocessing.TimeoutError:
+            ...     print("woken before the step ended:", time.monotonic() - start < 0.4)
+            woken before the step ended: True
+            >>> envs.close()
+        """
+        self._woken.set()
+        if self._transport is not None:
+            self._transport.wake()
 
     # ------------------------------------------------------------------ calls
 

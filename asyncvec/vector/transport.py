@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -59,6 +60,14 @@ class Transport(ABC):
     A reply is ``(True, results)`` (one result per item of the message) or ``(False, payload)``
     when the worker is gone: ``payload = (exc_type, message, traceback, pickled)``.
     """
+
+    #: Whether :meth:`wake` ends a :meth:`wait` in another thread at once (otherwise that wait
+    #: runs to its timeout).
+    wakeable: bool = False
+
+    def wake(self) -> None:
+        """Ends a :meth:`wait` blocked in another thread at once (it returns no worker); thread-safe.
+        A wake while nobody waits ends the next wait at once. Nothing unless :attr:`wakeable`."""
 
     @abstractmethod
     def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
@@ -146,8 +155,15 @@ class ProcessBackend(Backend):
 class ProcessTransport(Transport):
     """One process per worker, a pipe each, fixed-shape observations in shared memory."""
 
+    wakeable = True
+
     def __init__(self, spec: WorkerSpec, ctx: Any, daemon: bool) -> None:
         self.spec = spec
+        # wake(): a byte written here ends wait(), which watches the read end with the workers' pipes
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._wake_lock = threading.Lock()  # no write to the descriptor once close() released it
         self._ctx = ctx
         self._daemon = daemon
         # Which env each worker is working on: names the env that hung or killed its worker.
@@ -194,7 +210,22 @@ class ProcessTransport(Transport):
 
     def wait(self, workers: Sequence[int], timeout: float | None) -> list[int]:
         by_pipe = {self._pipes[w]: w for w in workers}
-        return [by_pipe[pipe] for pipe in wait(list(by_pipe), timeout=timeout)]
+        ready = wait([*by_pipe, self._wake_read], timeout=timeout)
+        if self._wake_read in ready:
+            try:
+                os.read(self._wake_read, 4096)  # every wake so far: one return
+            except BlockingIOError:
+                pass
+        return [by_pipe[pipe] for pipe in ready if pipe != self._wake_read]
+
+    def wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_write is None:
+                return
+            try:
+                os.write(self._wake_write, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full: a wake is pending anyway
 
     def read(self, worker: int) -> tuple[bool, Any]:
         try:
@@ -236,6 +267,11 @@ class ProcessTransport(Transport):
                 process.kill()
                 process.join(timeout=5.0)
             self._pipes[w].close()
+        with self._wake_lock:
+            if self._wake_write is not None:
+                os.close(self._wake_read)
+                os.close(self._wake_write)
+                self._wake_read = self._wake_write = None
 
     def pid(self, worker: int) -> int | None:
         return self._processes[worker].pid
