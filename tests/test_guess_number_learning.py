@@ -3,18 +3,19 @@
 GuessNumber (1-8, 4 turns, feedback only) from a short warm start (40 supervised steps of binary
 search), then 60 sync RLOO updates of 8 groups x 8 episodes at lr 1e-3 (3,840 episodes): the
 held-out success rate (256 episodes, the same targets before and after) must go up and the mean
-turns down, averaged over seeds 1-3. Measured here, two repetitions (success before -> after, turns):
+turns down, averaged over seeds 1-3. Measured here, three repetitions (success before -> after, turns):
 
     rep 1: seed 1 0.66 -> 0.79 (3.00 -> 2.92), seed 2 0.68 -> 0.84 (2.94 -> 2.84),
            seed 3 0.69 -> 0.81 (2.87 -> 2.75): mean success +0.135, turns -0.099
     rep 2: seed 1 0.66 -> 0.83 (2.99 -> 2.85), seed 2 0.64 -> 0.82 (2.98 -> 2.82),
            seed 3 0.71 -> 0.87 (2.87 -> 2.74): mean success +0.172, turns -0.143
+    rep 3: seed 1 0.57 -> 0.83 (3.05 -> 2.89), seed 2 0.66 -> 0.83 (2.97 -> 2.81),
+           seed 3 0.73 -> 0.84 (2.79 -> 2.77): mean success +0.178, turns -0.116
 
-60-77 s per seed at load 5-9, 177 s for the test under pytest at load 2-7 (2 cores; it was
-98-120 s per seed at load 1-4 before the policy stopped
-waiting --policy-wait-ms for a batch larger than --num-envs and sampled without
-``model.generate``'s per-call set-up). The test asks the three-seed means for +0.08 success and
--0.04 turns. Over the eight three-seed runs of this protocol measured so far (128 or 256
+60-77 s per seed at load 5-9, 175-177 s for the test under pytest at load 2-7 (2 cores; it was
+98-120 s per seed at load 1-4 before the policy stopped waiting --policy-wait-ms for a batch
+larger than --num-envs and sampled without ``model.generate``'s per-call set-up). The test asks the three-seed means for +0.08 success and
+-0.04 turns. Over the nine three-seed runs of this protocol measured so far (128 or 256
 held-out episodes) the means were success +0.117 to +0.201 and turns -0.055 to -0.143; most of
 their spread is the evaluation's sampling noise, which 256 episodes (instead of 128) shrinks.
 With 40 updates the margin was not robust: three repetitions gave mean success +0.081, +0.091,
