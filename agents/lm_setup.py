@@ -7,6 +7,7 @@ record. The loops live in the agent files; the machinery they drive lives in the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import itertools
 import json
@@ -121,7 +122,7 @@ class LMArgs:
     max_grad_norm: float = 1.0
     """gradient clipping"""
     policy_batch_size: int = 128
-    """largest batch the policy's DynamicBatcher sends to the model"""
+    """largest batch the policy's DynamicBatcher sends to the model (multi-turn: at most --num-envs)"""
     policy_wait_ms: float = 20.0
     """longest the policy's batcher waits to fill a batch (over HTTP each batch is one request)"""
     deadline_ms: float | None = None
@@ -544,8 +545,11 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
         eval_envs = stack.enter_context(make_text_vector_env(args.env, min(args.num_envs, 8), env_kwargs=env_kwargs))
         sync = policy is not None or args.backend == "openai"
         if policy is None:
+            # Each env waits for one turn at a time, so at most --num-envs requests queue: a larger
+            # batch threshold would only add --policy-wait-ms to every turn.
+            batching = dataclasses.replace(args, policy_batch_size=min(args.policy_batch_size, args.num_envs))
             policy = stack.enter_context(
-                make_text_policy(args, model_dir, text_space(), workdir / "weights", action_parser=str)
+                make_text_policy(batching, model_dir, text_space(), workdir / "weights", action_parser=str)
             )
         versions = stack.enter_context(
             VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)

@@ -18,8 +18,9 @@ from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_sta
 class HFTextPolicy(TextPolicy):
     """A local ``transformers`` causal LM behind a `DynamicBatcher`.
 
-    Prompts of a batch are left-padded and sampled together with ``model.generate``
-    (requests with different sampling settings form separate calls). Each generated token
+    Prompts of a batch are left-padded and sampled together, token by token with the KV cache
+    (``model.generate``'s sampling loop without its per-call set-up; requests with different
+    sampling settings form separate calls). Each generated token
     comes with its log-probability **under the distribution it was sampled from**: the
     log-softmax of the logits divided by ``temperature``, renormalised over the top-p nucleus
     when ``top_p`` is set (top-k and other processors are off). With the defaults
@@ -136,35 +137,18 @@ class HFTextPolicy(TextPolicy):
         top_k: int,
         stop: tuple[str, ...] = (),
     ) -> list[BackendResult]:
-        import transformers
-
         pad = self.tokenizer.pad_token_id
         width = max(len(ids) for ids in encoded)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=self.model.device)
         attention_mask = torch.tensor(
             [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.model.device
         )
-        eos = self.tokenizer.eos_token_id
-        sampling = (
-            {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-            if temperature > 0
-            else {"do_sample": False}
-        )
-        config = transformers.GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-            eos_token_id=eos,
-            return_dict_in_generate=True,
-            output_scores=True,
-            **sampling,
-        )
-        with torch.no_grad():
-            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        generated = out.sequences[:, width:]
+        generated, scores = self._sample(input_ids, attention_mask, max_new_tokens, temperature, top_p)
         # scores are the processed logits the sampler drew from: log-softmax gives the sampled distribution
-        logps_all = torch.log_softmax(torch.stack(out.scores, dim=1).float(), dim=-1)
+        logps_all = torch.log_softmax(scores, dim=-1)
         token_logps = logps_all.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         top = torch.topk(logps_all, top_k, dim=-1) if top_k else None
+        eos = self.tokenizer.eos_token_id
         results = []
         for row in range(generated.shape[0]):
             ids = generated[row].tolist()
@@ -179,6 +163,54 @@ class HFTextPolicy(TextPolicy):
                 ]
             results.append(self._text_result(text, ids, token_logps[row, :length].tolist(), top_rows))
         return results
+
+    def _sample(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples up to ``max_new_tokens`` per row with the KV cache: ``(tokens [B, n], scores [B, n, V])``,
+        ``scores`` the processed float32 logits each token was drawn from (``temperature``, then
+        ``top_p``: transformers' own warpers). It is ``model.generate``'s sampling loop (the same
+        positions for left padding, draws, pad after eos, stop when every row has ended) without the
+        set-up ``generate`` does on every call, which cost a small model more than its forward passes."""
+        import transformers
+
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        warpers = transformers.LogitsProcessorList()
+        if temperature > 0 and temperature != 1.0:
+            warpers.append(transformers.TemperatureLogitsWarper(temperature))
+        if temperature > 0 and top_p is not None and top_p < 1.0:
+            warpers.append(transformers.TopPLogitsWarper(top_p))
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        tokens, scores, past, step_ids = [], [], None, input_ids
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                out = self.model(
+                    input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    past_key_values=past, use_cache=True,
+                )  # fmt: skip
+                past = out.past_key_values
+                logits = warpers(step_ids, out.logits[:, -1].float())
+                if temperature > 0:
+                    next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    next_tokens = logits.argmax(dim=-1)
+                next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
+                tokens.append(next_tokens)
+                scores.append(logits)
+                if eos is not None:
+                    unfinished &= next_tokens != eos
+                if not unfinished.any():
+                    break
+                step_ids = next_tokens.unsqueeze(-1)
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], -1)
+                position_ids = position_ids[:, -1:] + 1
+        return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
 
     def _apply_weights(self, weights: WeightsSource, version: int) -> None:
         apply_state_dict(self.model, load_state_dict_source(weights))
