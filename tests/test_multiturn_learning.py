@@ -11,23 +11,28 @@ the model reaching the goal in a fraction of the episodes; RLOO in async mode, t
 32 envs of an ``AsyncLLMVectorEnv``, must raise the held-out success rate by a margin.
 GuessNumber is in tests/test_guess_number_learning.py.
 
-Settings: 50 warm-start steps; RLOO async, 32 envs, 40 updates x 4 groups x 8 episodes, lr 1e-3
-(the default), ``--gamma 0.9``; 64 held-out episodes before and after. Measured, success before RL
--> after RL (the shared 2-core machine at load 6-15):
+Settings: 50 warm-start steps; RLOO async, 32 envs, up to 40 updates x 4 groups x 8 episodes,
+lr 1e-3 (the default), ``--gamma 0.9``, stopping once the mean training reward of 10 updates
+reaches 0.8 (``--target-reward``); 64 held-out episodes before and after. Measured on the shared
+2-core machine, success before RL -> after RL:
 
-* HF, four runs side by side (180 s of RL each): seed 1 0.47 -> 0.92, seed 2 0.53 -> 0.88,
-  seed 3 0.38 -> 0.84 (its training reward fell from 0.92 to 0.51 over the last 5 updates);
-  this test (seed 1) alongside a vLLM run: 0.34 -> 0.70 (training reward 0.87 at the end), 192 s;
-* vLLM in process (tests/test_lm_agents_vllm.py): 0.52 -> 0.83.
+* these settings, three runs side by side (load 1-3, 94-104 s each): seed 1 0.45 -> 0.86 (40
+  updates), seed 2 0.36 -> 0.83 (stopped after 39), seed 3 0.47 -> 0.83 (after 32);
+* without the stop (40 updates): seed 1 0.47 -> 0.92, seed 2 0.53 -> 0.88, seed 3 0.38 -> 0.84
+  (four runs side by side, load 6-15); seed 2 0.44 -> 0.88, seed 3 0.41 -> 0.39 (load 1-3: its
+  training reward fell from 0.95 to 0.43 over the last 3 updates, which is why the stop is there);
+  this test (seed 1) 0.34 -> 0.70 (192 s, a vLLM run alongside) and 0.38 -> 0.78 (58 s alone,
+  load 0.4-2.5);
+* vLLM, in process and on a server: tests/test_lm_agents_vllm.py's docstring.
 
-So RL improves the weak warm start in every run (+0.31 to +0.47), and reaches 0.8 in most runs
-but not all: the test asks for +0.15 and >= 0.6 after, not 0.8. What did not do better (seed 1
-unless said; docs/lm_agents.md lists them): 12-32 updates at lr 3e-4 or 1e-3 (0.17 -> 0.36,
-0.19 -> 0.58); lr 2e-3 gets there faster (0.19 -> 0.91 in 32 updates, 0.33 -> 0.95 in 24) but its
-training reward collapses to ~0 for several updates in some seeds (seed 2 ended at 0.78);
-``--per-turn`` at lr 2e-3 collapsed seed 1 to all-invalid completions. The warm start's success
-varies between runs of one seed (40 steps: 0.17-0.31): sampling is not seeded, so a seed fixes
-the warm start, not the run.
+So RL improves the weak warm start in every run but one (+0.31 to +0.47), and reaches 0.8 in
+most but not all: the test asks for +0.15 and >= 0.6 after RL, not 0.8. What did not do better
+(seed 1 unless said; docs/lm_agents.md lists them): 12-32 updates at lr 3e-4 or 1e-3 (0.17 ->
+0.36, 0.19 -> 0.58); lr 2e-3 gets there faster (0.19 -> 0.91 in 32 updates, 0.33 -> 0.95 in 24)
+but its training reward collapses to ~0 for several updates in some seeds (seed 2 ended at
+0.78); ``--per-turn`` at lr 2e-3 collapsed seed 1 to all-invalid completions. The warm start's
+success varies between runs of one seed (40 steps: 0.17-0.31): sampling is not seeded, so a
+seed fixes the warm start, not the run.
 """
 
 from __future__ import annotations
@@ -59,9 +64,14 @@ FROZEN_LAKE = {
 CONTEXT = 128  # positions of the model (and vLLM's max_model_len)
 WARM_START_STEPS = 50
 # RL settings: see the module docstring for what they reach, per seed.
-RL = {"total_prompts": 160, "prompts_per_update": 4, "group_size": 8, "gamma": 0.9, "learning_rate": 1e-3}
-# Thresholds below every run measured, with room (see the module docstring): gains +0.31 to +0.47,
-# success after RL 0.70 to 0.92. 0.8 after RL is reached in most runs, not in all, so it is reported, not asserted.
+# 40 updates at most; the run stops early once the mean training reward of 10 updates reaches 0.8
+# (lr 1e-3 is not smooth here: without the stop, one run fell from 0.95 to 0.43 in its last 3 updates).
+RL = {
+    "total_prompts": 160, "prompts_per_update": 4, "group_size": 8, "gamma": 0.9, "learning_rate": 1e-3,
+    "target_reward": 0.8,
+}  # fmt: skip
+# Thresholds below every run with these settings, with room (see the module docstring): gains +0.36 to
+# +0.47, success after RL 0.83-0.86. 0.8 after RL is reached in most runs, not in all: reported, not asserted.
 MARGIN = 0.15
 MIN_SUCCESS = 0.6
 
@@ -108,5 +118,5 @@ def test_rloo_improves_a_weak_warm_start_on_frozen_lake_text():
     args = rloo.Args(model=str(warm), eval_prompts=64, seed=1, **FROZEN_LAKE, **RL)
     result = rloo.RLOO(args).train()
     print("frozen lake, HF:", result.eval_details, result.reward_curve)  # shown with pytest -s
-    assert result.updates == RL["total_prompts"] // RL["prompts_per_update"]
+    assert 10 <= result.updates <= RL["total_prompts"] // RL["prompts_per_update"]
     check_learned(result)
