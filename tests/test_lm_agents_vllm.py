@@ -19,7 +19,12 @@ GuessNumber's mechanics runs on the engine (3 updates) and on the server (8 upda
 are the FrozenLake runs' now: token-id prompts extending one another, turns carrying the version
 that sampled them, turns checked against the weights of their version).
 
-Measured (2026-12-01, the shared 2-core machine at load 2-9), success before RL -> after RL:
+Measured (2026-12-01, the shared 2-core machine), success before RL -> after RL. With the
+settings as they are (stopping once the mean training reward of 10 updates reaches 0.8), load
+about 2: in process 0.39 -> 0.92 (40 updates, 40 s of RL, 50 s for the test), on the server 0.48
+-> 0.83 (stopped after 35 updates, 54 s of RL, 73 s for the test; checked turns within 1.9e-6 of
+their version's log-probs, 0.57 against the version before); 195 s for the module. Earlier runs,
+40 updates without the stop (load 2-9):
 
 * in process: 0.52 -> 0.83 (76 s of RL, 91 s for the test), 0.58 -> 0.86 (41 s of RL, 53 s) and
   0.47 -> 0.86 (64 s of RL, 77 s);
@@ -31,8 +36,8 @@ Measured (2026-12-01, the shared 2-core machine at load 2-9), success before RL 
   teacher-forced log-probs of their version's weights, 0.71-2.9 against the version before.
 
 The module: 504 s (with the in-process sums run still in it, and the HF FrozenLake test running
-alongside, load 6-9), 400 s (load 2-5), 246 s (load 2-4, as it stands): the server's RL time
-varies most with the machine's load (66-173 s for the same 40 updates)."""
+alongside, load 6-9), 400 s (load 2-5), 246 s (load 2-4), 195 s (load about 2, as it stands): the
+server's RL time varies most with the machine's load (66-173 s for the same 40 updates)."""
 
 import json
 import time
@@ -129,8 +134,8 @@ def test_rloo_improves_frozen_lake_on_an_in_process_vllm_engine(engine, frozen_l
     agent.update = lambda groups: (popped.append(groups), update(groups))[1]
     result = agent.train()
     print(summary("RLOO on FrozenLake, in-process vLLM", result), result.reward_curve)  # shown with pytest -s
-    updates = RL["total_prompts"] // RL["prompts_per_update"]
-    assert result.updates == updates and result.final_version == result.start_version + updates
+    assert 10 <= result.updates <= RL["total_prompts"] // RL["prompts_per_update"]  # it may stop at the target
+    assert result.final_version == result.start_version + result.updates
     assert engine.policy_version == result.final_version and engine.engine_version() == str(result.final_version)
     check_episodes(popped, result.start_version, FROZEN_LAKE["max_new_tokens"])
     # The third update's episodes began after the first publish (popped groups start the next ones).
@@ -216,8 +221,8 @@ def test_rloo_improves_frozen_lake_on_a_vllm_server_every_turn_matching_the_weig
     print(summary("RLOO on FrozenLake, vLLM server", result), result.reward_curve)  # shown with pytest -s
 
     # Each update trained and was published, once: the server holds the last version.
-    assert result.updates == updates and sorted(published) == list(range(result.start_version, served + 1))
-    assert served == result.final_version == result.start_version + updates, (served, result)
+    assert 10 <= result.updates <= updates and sorted(published) == list(range(result.start_version, served + 1))
+    assert served == result.final_version == result.start_version + result.updates, (served, result)
     check_episodes([groups for groups, _ in popped], result.start_version, FROZEN_LAKE["max_new_tokens"])
     episodes = [e for groups, _ in popped for group in groups.episodes for e in group]
     spanning = sum(len({t.policy_version for t in e.turns}) > 1 for e in episodes)
