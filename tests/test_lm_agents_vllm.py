@@ -20,11 +20,14 @@ are the FrozenLake runs' now: token-id prompts extending one another, turns carr
 that sampled them, turns checked against the weights of their version).
 
 Measured (2026-12-01, the shared 2-core machine), success before RL -> after RL. With the
-settings as they are (stopping once the mean training reward of 10 updates reaches 0.8), load
-about 2: in process 0.39 -> 0.92 (40 updates, 40 s of RL, 50 s for the test), on the server 0.48
--> 0.83 (stopped after 35 updates, 54 s of RL, 73 s for the test; checked turns within 1.9e-6 of
-their version's log-probs, 0.57 against the version before); 195 s for the module. Earlier runs,
-40 updates without the stop (load 2-9):
+settings as they are (``--kl-coef 0.05``, stopping once the mean training reward of 10 updates
+reaches 0.8), load 2-4, the HF test running alongside for the first 90 s: in process 0.34 -> 0.94
+(stopped after 38 updates, 57 s of RL, 68 s for the test), on the server 0.50 -> 0.89 (40
+updates, 73 s of RL, 91 s for the test; checked turns within 1.9e-6 of their version's
+log-probs, 0.55 against the version before); 230 s for the module. With the stop, without the
+KL penalty (load about 2): in process 0.39 -> 0.92 (40 updates, 50 s for the test), on the server
+0.48 -> 0.83 (stopped after 35, 73 s for the test); 195 s for the module. Earlier runs, 40
+updates without either (load 2-9):
 
 * in process: 0.52 -> 0.83 (76 s of RL, 91 s for the test), 0.58 -> 0.86 (41 s of RL, 53 s) and
   0.47 -> 0.86 (64 s of RL, 77 s);
@@ -36,8 +39,8 @@ their version's log-probs, 0.57 against the version before); 195 s for the modul
   teacher-forced log-probs of their version's weights, 0.71-2.9 against the version before.
 
 The module: 504 s (with the in-process sums run still in it, and the HF FrozenLake test running
-alongside, load 6-9), 400 s (load 2-5), 246 s (load 2-4), 195 s (load about 2, as it stands): the
-server's RL time varies most with the machine's load (66-173 s for the same 40 updates)."""
+alongside, load 6-9), 400 s (load 2-5), 246 s (load 2-4), 195 s and 230 s (the last two with the
+settings of today's test): the server's RL time varies most with the machine's load (66-173 s for the same 40 updates)."""
 
 import json
 import time
