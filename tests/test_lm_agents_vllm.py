@@ -40,7 +40,8 @@ updates without either (load 2-9):
 
 The module: 504 s (with the in-process sums run still in it, and the HF FrozenLake test running
 alongside, load 6-9), 400 s (load 2-5), 246 s (load 2-4), 195 s and 230 s (the last two with the
-settings of today's test): the server's RL time varies most with the machine's load (66-173 s for the same 40 updates)."""
+settings of today's test): the server's RL time varies most with the machine's load (66-173 s for
+the same 40 updates)."""
 
 import json
 import time
