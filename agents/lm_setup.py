@@ -494,10 +494,14 @@ def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:
         return not (terminated or truncated)
 
 
-def expert_conversations(args: LMArgs, tokenizer: Any) -> Iterator[tuple[list[int], str]]:
+def expert_conversations(
+    args: LMArgs, tokenizer: Any, max_context_tokens: int | None = None
+) -> Iterator[tuple[list[int], str]]:
     """Endless ``(prompt ids, answer)`` pairs of a multi-turn env played by its own expert
     (``env.unwrapped.expert_completion()``), rendered as the collector renders them, for
-    :func:`asyncvec.lm.sft_warm_start`."""
+    :func:`asyncvec.lm.sft_warm_start`: a prompt over ``max_context_tokens - --max-new-tokens``
+    ends the expert's episode there (``--on-overflow truncate``) or drops its oldest turns
+    (``drop_oldest``), as ``EpisodeCollector`` does."""
     env = gym.make(args.env, **json.loads(args.env_kwargs))
     try:
         expert = env.get_wrapper_attr("expert_completion")
@@ -512,9 +516,19 @@ def expert_conversations(args: LMArgs, tokenizer: Any) -> Iterator[tuple[list[in
             chat = Conversation(tokenizer, args.system_prompt)
             done = False
             while not done:
-                ids = chat.add_observation(obs)
+                chat.add_observation(obs)
+                if max_context_tokens is not None and len(chat) > max_context_tokens - args.max_new_tokens:
+                    shorter = chat.fit(max_context_tokens - args.max_new_tokens) if args.on_overflow == "drop_oldest" else None
+                    if shorter is None and chat.num_turns == 0:
+                        raise ValueError(
+                            f"--sft-steps: the first prompt of {args.env} ({len(chat)} tokens) leaves no room for "
+                            f"--max-new-tokens {args.max_new_tokens} in the model's {max_context_tokens} positions"
+                        )
+                    if shorter is None:
+                        break  # the collector ends such an episode truncated
+                    chat = shorter
                 answer = expert()
-                yield ids, answer
+                yield list(chat.ids), answer
                 chat.add_completion(tokenizer(answer).input_ids + [tokenizer.eos_token_id], answer)
                 obs, _, terminated, truncated, _ = env.step(answer)
                 done = terminated or truncated
@@ -536,8 +550,10 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
         else:  # conversations need a longer context than one-step prompts
             model_dir = build_tiny_lm(workdir / "tiny-lm", seed=args.seed, max_positions=512)
         if args.sft_steps:
-            tokenizer = load_causal_lm(model_dir)[1]
-            examples = expert_conversations(args, tokenizer)
+            import transformers
+
+            context = getattr(transformers.AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
+            examples = expert_conversations(args, load_causal_lm(model_dir)[1], context)
             model_dir = sft_warm_start(model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed)
         learner, tokenizer = load_causal_lm(model_dir, args.device)
         reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None

@@ -67,7 +67,7 @@ HEAVY_UNITS = {
     "tests/test_learning.py": 330,
     "tests/test_lm_agents.py": 320,
     "tests/test_guess_number_learning.py": 300,
-    "tests/test_multiturn_learning.py": 110,
+    "tests/test_multiturn_learning.py": 150,
     "tests/test_multiturn.py": 100,
     "tests/test_docs.py::test_doc_blocks_run[docs/lm_agents.md]": 220,
     "tests/test_docs.py::test_doc_blocks_run[README.md]": 215,

@@ -5,6 +5,7 @@ their bad input, EpisodeBatch masking and per-turn advantages, and the agents on
 from __future__ import annotations
 
 import doctest
+import itertools
 import math
 import tempfile
 
@@ -458,6 +459,36 @@ def test_an_update_raises_the_better_episodes_likelihood(tiny_dir, agent, args_c
         learner.close()
     assert data.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert (change[data.rewards > 0] > 0).all() and (change[data.rewards == 0] < 0).all(), change.tolist()
+
+
+def test_the_experts_conversations_fit_the_context_as_the_collectors_do(tmp_path):
+    """--sft-steps on a model shorter than the expert's conversations: its prompts are cut as the
+    collector cuts them (drop_oldest: the oldest turns go; truncate: the episode ends), and a
+    warm start plus RL runs on a 128-position model (it raised IndexError when whole conversations
+    were rendered)."""
+    small = build_tiny_lm(tmp_path / "small", n_layer=1, n_embd=32, max_positions=128, seed=0)
+    tokenizer = load_causal_lm(small)[1]
+    lake = {"env": "asyncvec/FrozenLakeText-v0", "env_kwargs": '{"max_turns": 8}', "max_new_tokens": 6}
+
+    def examples(on_overflow, context=128, count=60):
+        args = rloo.Args(**lake, on_overflow=on_overflow)
+        return list(itertools.islice(lm_setup.expert_conversations(args, tokenizer, context), count))
+
+    whole = examples("drop_oldest", context=None, count=6)  # one expert episode: 6 moves
+    assert max(len(ids) for ids, _ in whole) > 128 - 6
+    dropped, truncated = examples("drop_oldest"), examples("truncate")
+    assert max(len(ids) for ids, _ in dropped + truncated) <= 128 - 6
+    assert [answer for _, answer in dropped[:6]] == [answer for _, answer in whole]  # every move, in shorter prompts
+    fitting = sum(len(ids) <= 128 - 6 for ids, _ in whole)  # truncate keeps the moves whose prompt fits
+    assert [answer for _, answer in truncated[:fitting]] == [answer for _, answer in whole[:fitting]]
+    assert truncated[fitting][0] == truncated[0][0]  # then the next episode starts
+    with pytest.raises(ValueError, match="leaves no room for --max-new-tokens 6"):
+        examples("drop_oldest", context=20)
+    args = rloo.Args(
+        model=str(small), **lake, on_overflow="drop_oldest", sft_steps=2, total_prompts=2, prompts_per_update=2,
+        group_size=2, num_envs=2, eval_prompts=0, progress=False, mode="sync",
+    )  # fmt: skip
+    assert rloo.RLOO(args).train().updates == 1
 
 
 def test_multi_turn_options_are_checked():

@@ -43,22 +43,18 @@ seed fixes the warm start, not the run.
 
 from __future__ import annotations
 
-import itertools
 import json
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-import gymnasium as gym
 import pytest
 import torch
 
 import envs  # noqa: F401  (registers the ids)
 from agents import rloo
-from agents.lm_setup import LMTrainResult
+from agents.lm_setup import LMTrainResult, expert_conversations
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import load_causal_lm, sft_warm_start
-from asyncvec.lm.chat import Conversation
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -82,33 +78,12 @@ MARGIN = 0.15
 MIN_SUCCESS = 0.6
 
 
-def frozen_lake_expert_examples(tokenizer, context: int = CONTEXT) -> Iterator[tuple[list[int], str]]:
-    """Endless ``(prompt ids, answer)`` pairs of FrozenLakeText played by its expert, each prompt
-    rendered as the collector renders it with ``on_overflow="drop_oldest"`` in ``context``
-    positions (``agents.lm_setup.expert_conversations`` renders whole conversations, which do not
-    fit 128 positions)."""
-    limit = context - FROZEN_LAKE["max_new_tokens"]
-    env = gym.make(FROZEN_LAKE["env"], **json.loads(FROZEN_LAKE["env_kwargs"]))
-    expert = env.get_wrapper_attr("expert_completion")
-    for episode in itertools.count():
-        observation, _ = env.reset(seed=episode)
-        chat, done = Conversation(tokenizer), False
-        while not done:
-            chat.add_observation(observation)
-            if len(chat) > limit:
-                chat = chat.fit(limit)
-            answer = expert()
-            yield list(chat.ids), answer
-            chat.add_completion(tokenizer(answer).input_ids + [tokenizer.eos_token_id], answer)
-            observation, _, terminated, truncated, _ = env.step(answer)
-            done = terminated or truncated
-
-
 def frozen_lake_warm_start(folder: Path, seed: int, steps: int = WARM_START_STEPS) -> Path:
     """A char-level GPT-2 (2 layers, 64 wide, ``CONTEXT`` positions; the architecture of
     tests/test_lm_agents_vllm.py's engine) after ``steps`` supervised steps on the expert."""
     base = build_tiny_lm(folder / "base", n_layer=2, n_embd=64, max_positions=CONTEXT, seed=0)
-    examples = frozen_lake_expert_examples(load_causal_lm(base)[1])
+    # the expert's play rendered as the collector renders it, context cuts (drop_oldest) included
+    examples = expert_conversations(rloo.Args(**FROZEN_LAKE), load_causal_lm(base)[1], CONTEXT)
     return sft_warm_start(base, folder / "sft", examples, steps, seed=seed)
 
 
