@@ -5,8 +5,8 @@
   chunk's policy version (checked against the weights of that version), and the IS weight
   ``min(pi_prox / mu, C)`` uses it.
 * Learning: on PixelCartPole at 16x16 pixels, returns improve over a behavior-cloning warm start
-  (a scripted controller on the state, 800 noisy steps, 150 BC steps) by a margin, on each of
-  3 seeds, on the executor's simulated clock: the same data at any machine load (the margins
+  (a scripted controller on the state, 800 noisy steps, 150 BC steps) by a margin (seed 1
+  here; seeds 1-18 measured), on the executor's simulated clock: the same data at any machine load (the margins
   measured are far above the test).
 * A seeded `GaussianChunkPolicy` answers the same whether its requests were batched or not.
 """
@@ -227,8 +227,9 @@ def test_importance_weights_use_each_actions_own_chunk(mixed_rollout) -> None:
 # before and after: margins +18.8 to +45.7 over seeds 1-18 (mean +28), trained on 95-97% of the
 # executed actions; seeds 1, 2, 3: 47.5 -> 83.9, 39.6 -> 69.5, 41.4 -> 74.0, the same numbers
 # beside 2 busy processes. Another CPU (other float kernels) draws other runs from the same
-# distribution; the threshold sits far below the worst seed.
-LEARNING_SEEDS = (1, 2, 3)
+# distribution; the threshold sits far below the worst seed. Each seed passes or fails on its own
+# (a run replays bit for bit), so the suite runs one: 39 s a seed in a full make test.
+LEARNING_SEEDS = (1,)
 MIN_MARGIN = 5.0
 
 
