@@ -30,14 +30,16 @@ import importlib.util, subprocess, sys
 # each torch library installed must load, or VLLMPolicy must refuse with the fix named
 broken = [name for name in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(name)
           and subprocess.run([sys.executable, "-c", f"import {name}"], capture_output=True).returncode]
-try:
-    from asyncvec.inference import VLLMPolicy
-except ImportError as error:
-    assert broken and "pip install --force-reinstall --no-deps --index-url" in str(error), (broken, error)
-    print(f"VLLMPolicy refused as expected ({', '.join(broken)} cannot load): {str(error)[:120]}...")
-else:
-    assert not broken, f"{broken} cannot load, yet VLLMPolicy was not refused"
-    import vllm
-    print(f"vllm {vllm.__version__} imports; torch libraries load")
+import asyncvec.inference
+for name in ("VLLMPolicy", "VLLMVLAPolicy"):  # the text policy and the VLA on vLLM
+    try:
+        getattr(asyncvec.inference, name)
+    except ImportError as error:
+        assert broken and "pip install --force-reinstall --no-deps --index-url" in str(error), (name, broken, error)
+        print(f"{name} refused as expected ({', '.join(broken)} cannot load): {str(error)[:120]}...")
+    else:
+        assert not broken, f"{broken} cannot load, yet {name} was not refused"
+        import vllm
+        print(f"{name}: vllm {vllm.__version__} imports; torch libraries load")
 PY
 echo "user install: ok"
