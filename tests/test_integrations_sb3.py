@@ -112,7 +112,9 @@ def test_a_crashed_worker_is_restarted_and_its_episode_ends_truncated(tmp_path, 
     fns = [functools.partial(FaultyEnv, "kill", 2, marker, max_len=50), functools.partial(CounterEnv, max_len=50)]
     venv = SB3VecEnv(fns, max_restarts=1)
     try:
+        venv.seed(0)  # CounterEnv draws its episode's length at reset, 2 at the least: env 1 must outlive step 2
         venv.reset()
+        assert venv.reset_infos[1]["length"] > 3, venv.reset_infos
         venv.step(np.zeros(2, dtype=np.int64))
         obs, rewards, dones, infos = venv.step(np.zeros(2, dtype=np.int64))  # env 0 kills itself here
         assert dones.tolist() == [True, False]
