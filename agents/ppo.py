@@ -610,6 +610,7 @@ class PPO:
                     break
         finally:
             if collector is not None:
+                self.store.release_after_interrupt()  # a Ctrl-C inside store.get can leave its lock held
                 collector.stop()
             logger.close()
             self.close()

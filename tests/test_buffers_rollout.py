@@ -111,6 +111,19 @@ def test_get_waits_for_a_collector_thread() -> None:
     assert segment.rewards.tolist() == [[0, 0], [1, 1], [2, 2]]
 
 
+def test_a_lock_left_held_by_an_interrupt_is_released_for_the_collector_thread() -> None:
+    store = RolloutStore(3, 2, OBS, spaces.Discrete(2))
+    store._cond.acquire()  # what a KeyboardInterrupt landing as get() enters its `with` leaves behind
+    thread = threading.Thread(target=lambda: AsyncCollector(store, 0).add(np.array([0, 1])))
+    thread.start()
+    thread.join(timeout=0.2)
+    assert thread.is_alive()  # the collector thread waits for the lock
+    store.release_after_interrupt()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and store.steps_per_env == [1, 1]
+    store.release_after_interrupt()  # not held: nothing to do
+
+
 def test_get_times_out_and_close_wakes_it() -> None:
     store = RolloutStore(2, 2, OBS, spaces.Discrete(2))
     AsyncCollector(store, 0).add(np.array([0, 0, 1]))

@@ -321,5 +321,13 @@ class RolloutStore:
             self._closed = True
             self._cond.notify_all()
 
+    def release_after_interrupt(self) -> None:
+        """Releases the store's lock if this thread still holds it. A ``KeyboardInterrupt`` that
+        lands as ``get`` enters ``with`` (after the lock is taken, before the block runs) leaves
+        it held, and the collector thread's next ``add`` would then wait forever. Call it where
+        such an interrupt is handled, before stopping the collector."""
+        while self._cond._is_owned():  # an RLock: owned by this thread, not by any thread
+            self._cond.release()
+
     def __repr__(self) -> str:
         return f"RolloutStore(num_steps={self.num_steps}, num_envs={self.num_envs}, steps_per_env={self.steps_per_env})"
