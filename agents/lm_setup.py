@@ -550,10 +550,8 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
         else:  # conversations need a longer context than one-step prompts
             model_dir = build_tiny_lm(workdir / "tiny-lm", seed=args.seed, max_positions=512)
         if args.sft_steps:
-            import transformers
-
-            context = getattr(transformers.AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
-            examples = expert_conversations(args, load_causal_lm(model_dir)[1], context)
+            model, tokenizer = load_causal_lm(model_dir)  # the context as HFTextPolicy reads it
+            examples = expert_conversations(args, tokenizer, getattr(model.config, "max_position_embeddings", None))
             model_dir = sft_warm_start(model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed)
         learner, tokenizer = load_causal_lm(model_dir, args.device)
         reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
