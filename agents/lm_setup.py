@@ -475,7 +475,8 @@ class LMParts:
 
 
 def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:
-    """Whether ``env_id`` is a text env whose episode goes on after one step.
+    """Whether ``env_id`` is a text env whose episode goes on after one step: its
+    ``metadata["multi_turn"]`` when it says, else whether one step of ``"0"`` ends its episode.
 
     Raises ``ValueError`` naming the wrapper to use when it is not a text env.
 
@@ -489,6 +490,8 @@ def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:
             check_text_env(env, env_id)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
+        if "multi_turn" in env.metadata:
+            return bool(env.metadata["multi_turn"])
         env.reset(seed=0)
         _, _, terminated, truncated, _ = env.step("0")
         return not (terminated or truncated)

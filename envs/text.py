@@ -382,7 +382,8 @@ class CalculatorToolEnv(gym.Env[str, str]):
         ('result: 234', (1.0, True))
     """
 
-    metadata = {"render_modes": []}
+    # a completion like "0" is read as a final answer, which ends the episode: say it is multi-turn
+    metadata = {"render_modes": [], "multi_turn": True}
     _CALL = re.compile(r"^\s*call:\s*(.*)$", re.S)
     _ANSWER = re.compile(r"^\s*(?:answer:)?\s*(-?\d+)")
     _SAFE = re.compile(r"^[\d\s+\-*()]{1,40}$")

@@ -491,6 +491,11 @@ def test_the_experts_conversations_fit_the_context_as_the_collectors_do(tmp_path
     assert rloo.RLOO(args).train().updates == 1
 
 
+def test_an_env_that_says_it_is_multi_turn_is_taken_at_its_word():
+    # a probe step of "0" is a (wrong) final answer for the calculator env: its metadata decides
+    assert lm_setup.is_multi_turn("asyncvec/CalculatorTool-v0", {})
+
+
 def test_multi_turn_options_are_checked():
     with pytest.raises(ValueError, match="--gamma"):
         rloo.Args(gamma=1.5)
