@@ -21,7 +21,7 @@ from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fi
 
 import asyncvec.distributed.router
 from asyncvec.distributed import RoutedPolicy
-from asyncvec.inference import BackendError, LatencyModel, TorchPolicy, build_tiny_lm
+from asyncvec.inference import BackendError, HFTextPolicy, LatencyModel, TorchPolicy, build_tiny_lm
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -144,6 +144,29 @@ def test_a_failing_replica_is_ejected_probed_back_and_given_the_latest_weights()
         assert router.endpoints()[1].answered > answered_while_out + 2  # it serves again
         assert {a.policy_version for a in answers} == {3}
         assert all(a.action == 3 for a in answers)  # honest: version 3's weights picked them
+    finally:
+        router.close()
+
+
+def test_a_replica_whose_completions_the_parser_rejects_still_serves_probes(tmp_path):
+    # An untrained model's completions may all fail the action parser: they are fallbacks, but
+    # the model wrote them, so they are what a probe needs (it was "nothing to probe with yet").
+    model_dir = build_tiny_lm(tmp_path / "tiny", seed=0)
+    built = []
+
+    def build():
+        built.append(HFTextPolicy(model_dir, action_parser=lambda text: None, action_space=gym.spaces.Discrete(2), max_new_tokens=2))
+        return built[-1]
+
+    router = RoutedPolicy([build, build], probe_interval_s=0.2, probe_timeout_s=20)
+    try:
+        answers = router.act(["1+2="] * 4, timeout=60)
+        assert all(a.fallback and a.text is not None for a in answers)  # rejected, but written by the model
+        built[1].close()  # replica 1 goes away
+        assert len(router.act(["1+2="] * 4, timeout=60)) == 4  # replica 0 answers all
+        assert router.endpoints()[1].ejections == 1
+        wait_until(lambda: router.endpoints()[1].healthy, 30, "replica 1 rebuilt and probed back")
+        assert router.endpoints()[1].readmissions == 1 and len(built) >= 3
     finally:
         router.close()
 

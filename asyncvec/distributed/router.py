@@ -133,7 +133,8 @@ class RoutedPolicy:
         max_failures: consecutive failed requests after which a replica is ejected.
         probe_interval_s: how often an ejected replica is probed.
         probe_timeout_s: how long a probe answer may take.
-        probe_obs: the observation probes send (default: the last observation answered).
+        probe_obs: the observation probes send (default: the last observation a replica's model
+            answered, a completion the action parser rejected included).
         publish_timeout_s: how long `load_weights` waits for each replica.
         close_replicas: whether `close` closes the replicas (False: the caller owns them;
             replicas rebuilt from a function are always closed).
@@ -468,7 +469,7 @@ class RoutedPolicy:
                 else:
                     endpoint.failures_in_row = 0
                     endpoint.version = max(endpoint.version, int(output.policy_version))
-                    if not self._fixed_probe_obs and not output.fallback:
+                    if not self._fixed_probe_obs and _computed_by_replica(output):
                         self._probe_obs = request.obs
             request.future.set_result(output)  # the answer is honest: it carries its own version
             return
@@ -534,8 +535,8 @@ class RoutedPolicy:
                 old, endpoint.policy = endpoint.policy, endpoint.factory()
                 _close_quietly(old)
             answer = endpoint.policy.submit(self._probe_obs).result(timeout=self.probe_timeout_s)
-            if answer.fallback:
-                raise BackendError("the probe got a fallback answer")
+            if not _computed_by_replica(answer):
+                raise BackendError("the probe got a deadline or error fallback, not a model answer")
             with self._publish_lock:
                 version = int(answer.policy_version)
                 if self._latest is not None and version < self._latest[1]:
@@ -556,6 +557,12 @@ class RoutedPolicy:
         for endpoint in self._endpoints:
             if self.close_replicas or endpoint.factory is not None:
                 _close_quietly(endpoint.policy)
+
+
+def _computed_by_replica(output: PolicyOutput) -> bool:
+    """The replica's model computed this answer: not a deadline or error fallback. A text
+    completion its action parser rejected is a fallback too, but the model wrote it."""
+    return not output.fallback or output.text is not None
 
 
 def _is_policy(obj: Any) -> bool:
