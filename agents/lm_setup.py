@@ -134,7 +134,7 @@ class LMArgs:
     timeout_s: float = 120.0
     """longest wait for a batch of groups before the run fails (it never hangs)"""
     seed: int = 1
-    """seed of torch, numpy and the prompt stream"""
+    """seed of torch, numpy, the prompt stream and the policy's sampling (HF: its own generator; vLLM: the engine)"""
     device: str = "cpu"
     """torch device of the learner, the reference model and the hf backend's model"""
     torch_threads: int = 1
@@ -410,7 +410,7 @@ def make_text_policy(
     if args.backend == "hf":
         from asyncvec.inference import HFTextPolicy
 
-        return HFTextPolicy(*load_causal_lm(model_dir, args.device), action_parser, **options)
+        return HFTextPolicy(*load_causal_lm(model_dir, args.device), action_parser, seed=args.seed, **options)
     if args.backend == "vllm":
         from asyncvec.inference import VLLMPolicy
 

@@ -123,6 +123,23 @@ def test_per_request_settings_and_top_logprobs(gpt2_dir):
         assert max(top, key=top.get) == token
 
 
+def test_a_seeded_policy_draws_the_same_completions_run_after_run(gpt2_dir):
+    def completions(seed, prompt_seed=None):
+        with HFTextPolicy(
+            gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), max_new_tokens=6, seed=seed, max_wait_ms=0
+        ) as policy:
+            torch.manual_seed(12345)  # the global generator: only an unseeded policy draws from it
+            return [policy.submit(TextPrompt(p, seed=prompt_seed)).result(timeout=30).token_ids for p in PROMPTS * 3]
+
+    first = completions(seed=7)
+    assert completions(seed=7) == first  # one prompt per call, in order: the same draws
+    assert completions(seed=8) != first
+    assert completions(seed=None) == completions(seed=None)  # the global generator, seeded above
+    assert completions(seed=7, prompt_seed=3) == completions(seed=8, prompt_seed=3)  # the prompt's seed wins
+    with pytest.raises(ValueError, match="seed must be an int or None, got 1.5"):
+        HFTextPolicy(gpt2_dir, None, digit, action_space=gym.spaces.Discrete(10), seed=1.5)
+
+
 def test_load_weights_from_folder_and_state_dict(gpt2_dir, tmp_path):
     new_dir = build_tiny_lm(tmp_path / "v1", arch="gpt2", seed=1)
     reference = transformers.AutoModelForCausalLM.from_pretrained(new_dir)

@@ -34,6 +34,9 @@ class HFTextPolicy(TextPolicy):
             left padding; without a pad token the eos token pads.
         action_parser: ``text -> action`` (see `TextPolicy`).
         max_new_tokens, temperature, top_p: default sampling settings.
+        seed: seeds the policy's own sampling generator, so the same batches draw the same
+            completions run after run (default None: torch's global generator). A prompt's own
+            ``seed`` takes precedence for its request.
         **kwargs: `BatchedPolicy` options (``action_space`` or a ``fallback`` function is
             required for rejected completions).
 
@@ -60,6 +63,7 @@ class HFTextPolicy(TextPolicy):
         max_new_tokens: int = 16,
         temperature: float = 1.0,
         top_p: float | None = None,
+        seed: int | None = None,
         **kwargs: Any,
     ) -> None:
         import transformers
@@ -82,8 +86,11 @@ class HFTextPolicy(TextPolicy):
         tokenizer.padding_side = "left"
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"HFTextPolicy: seed must be an int or None, got {seed!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self._generator = None if seed is None else self._seeded_generator(seed)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         # Fast tokenizers are not safe to share between threads (padding state, "Already borrowed").
         self._tokenizer_lock = threading.Lock()
@@ -118,12 +125,9 @@ class HFTextPolicy(TextPolicy):
         results: list[BackendResult | None] = [None] * len(prompts)
         for (max_new_tokens, temperature, top_p, top_k, stop, seed), indices in group_by_sampling(prompts).items():
             encoded = [self.encode(prompts[i].prompt) for i in indices]
-            if seed is None:
-                generated = self._generate(encoded, max_new_tokens, temperature, top_p, top_k, stop)
-            else:  # reproducible for the same prompts in the same group (e.g. one server request)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed)
-                    generated = self._generate(encoded, max_new_tokens, temperature, top_p, top_k, stop)
+            # a prompt's seed: reproducible for the same prompts in the same group (e.g. one server request)
+            generator = self._generator if seed is None else self._seeded_generator(seed)
+            generated = self._generate(encoded, max_new_tokens, temperature, top_p, top_k, stop, generator)
             for index, result in zip(indices, generated, strict=True):
                 results[index] = result
         return results  # type: ignore[return-value]
@@ -136,6 +140,7 @@ class HFTextPolicy(TextPolicy):
         top_p: float | None,
         top_k: int,
         stop: tuple[str, ...] = (),
+        generator: torch.Generator | None = None,
     ) -> list[BackendResult]:
         pad = self.tokenizer.pad_token_id
         width = max(len(ids) for ids in encoded)
@@ -143,7 +148,7 @@ class HFTextPolicy(TextPolicy):
         attention_mask = torch.tensor(
             [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.model.device
         )
-        generated, scores = self._sample(input_ids, attention_mask, max_new_tokens, temperature, top_p)
+        generated, scores = self._sample(input_ids, attention_mask, max_new_tokens, temperature, top_p, generator)
         # scores are the processed logits the sampler drew from: log-softmax gives the sampled distribution
         logps_all = torch.log_softmax(scores, dim=-1)
         token_logps = logps_all.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
@@ -171,6 +176,7 @@ class HFTextPolicy(TextPolicy):
         max_new_tokens: int,
         temperature: float,
         top_p: float | None,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples up to ``max_new_tokens`` per row with the KV cache: ``(tokens [B, n], scores [B, n, V])``,
         ``scores`` the processed float32 logits each token was drawn from (``temperature``, then
@@ -197,7 +203,7 @@ class HFTextPolicy(TextPolicy):
                 past = out.past_key_values
                 logits = warpers(step_ids, out.logits[:, -1].float())
                 if temperature > 0:
-                    next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1).squeeze(1)
+                    next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
                 else:
                     next_tokens = logits.argmax(dim=-1)
                 next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
@@ -211,6 +217,9 @@ class HFTextPolicy(TextPolicy):
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], -1)
                 position_ids = position_ids[:, -1:] + 1
         return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
+
+    def _seeded_generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.model.device).manual_seed(seed)
 
     def _apply_weights(self, weights: WeightsSource, version: int) -> None:
         apply_state_dict(self.model, load_state_dict_source(weights))
