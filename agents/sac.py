@@ -49,6 +49,7 @@ from torch.distributions import AffineTransform, Independent, Normal, TanhTransf
 from agents.common import (LaggedWeights, final_observations, final_return_text, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
                            make_vector_env, run_from_cli, save_checkpoint, seed_everything)
 from asyncvec import Collector, ReplayBuffer, VersionManager
+from asyncvec._threads import release_if_held
 from asyncvec.collector import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger
 
@@ -548,6 +549,7 @@ class SAC:
         finally:
             self._stopping.set()
             if collector is not None:
+                release_if_held(self._progress)  # a Ctrl-C as `with self._progress` was entered can leave it held
                 collector.stop()
             logger.close()
             self.policy.close()

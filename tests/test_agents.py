@@ -8,6 +8,7 @@ import glob
 import os
 import signal
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -358,3 +359,22 @@ def test_sac_small_max_staleness_waits_for_fresh_samples_instead_of_crashing(mod
     assert result.starved_gradient_steps > 0
     assert agent.versions.current_version == result.gradient_steps // 2
     assert result.staleness_mean <= 4, "every sample trained on was within max_staleness"
+
+
+def test_sac_interrupted_with_its_lock_held_still_stops_the_collector(no_leftover_children):
+    # A Ctrl-C that lands as `with agent._progress:` is entered leaves the lock held by the main thread; the
+    # collector thread's next `with agent._progress:` would then wait forever, and so would stopping it.
+    agent = sac.SAC(sac.Args(env="Pendulum-v1", mode="async", total_timesteps=5_000, learning_starts=100,
+                             batch_size=32, hidden=32, progress=False))
+
+    def interrupted_step():
+        agent._progress.acquire()
+        time.sleep(0.5)  # the collector thread reaches the lock and waits for it
+        raise KeyboardInterrupt
+
+    agent.gradient_step = interrupted_step
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        agent.train()
+    assert time.monotonic() - started < 60
+    assert not any(t.name.startswith("asyncvec") and t.is_alive() for t in threading.enumerate())

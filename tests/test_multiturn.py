@@ -8,6 +8,7 @@ import doctest
 import itertools
 import math
 import tempfile
+import time
 
 import gymnasium as gym
 import pytest
@@ -184,6 +185,20 @@ class _Exploding(gym.Env):
         if self.turn == 2:
             raise RuntimeError("the env broke")
         return "again", 1.0, False, False, {}
+
+
+def test_stop_frees_a_lock_an_interrupt_left_held_and_the_thread_ends(tiny_dir):
+    vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs=GUESS8)
+    try:
+        with _policy(tiny_dir) as policy:
+            collector = EpisodeCollector(vec, policy, group_size=2).start(total_groups=50, ahead=2)
+            collector.pop(1, timeout=120)
+            collector._cond.acquire()  # what a Ctrl-C landing as pop() enters its `with` leaves behind
+            time.sleep(2.0)  # the thread ends an episode meanwhile and waits for the lock to record it
+            collector.stop(timeout=30)
+            assert not collector._thread.is_alive()
+    finally:
+        vec.close()
 
 
 def test_an_env_that_raises_ends_its_episode_and_is_never_trained_on(tiny_dir):

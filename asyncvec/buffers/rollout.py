@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
+from asyncvec._threads import release_if_held
 from asyncvec.buffers._disk import column_nbytes
 from asyncvec.buffers._images import ImageCompression, resolve_image_compression
 from asyncvec.buffers._spaces import SpaceCodec, as_column
@@ -326,8 +327,7 @@ class RolloutStore:
         lands as ``get`` enters ``with`` (after the lock is taken, before the block runs) leaves
         it held, and the collector thread's next ``add`` would then wait forever. Call it where
         such an interrupt is handled, before stopping the collector."""
-        while self._cond._is_owned():  # an RLock: owned by this thread, not by any thread
-            self._cond.release()
+        release_if_held(self._cond)
 
     def __repr__(self) -> str:
         return f"RolloutStore(num_steps={self.num_steps}, num_envs={self.num_envs}, steps_per_env={self.steps_per_env})"

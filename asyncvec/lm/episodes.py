@@ -49,6 +49,7 @@ from typing import Any, Literal
 import gymnasium as gym
 import numpy as np
 
+from asyncvec._threads import release_if_held
 from asyncvec.inference.types import PolicyOutput, TextPrompt
 from asyncvec.lm.chat import Conversation, PlainChatFormat
 from asyncvec.lm.text_env import check_text_env
@@ -397,6 +398,7 @@ class EpisodeCollector:
     def stop(self, timeout: float = 10.0) -> None:
         """Stops collecting; turns and steps in flight are abandoned."""
         self._stopping.set()
+        release_if_held(self._cond)  # a Ctrl-C as pop() entered its `with` can leave it held by this thread
         with self._cond:
             self._cond.notify_all()
         self._wake()

@@ -1,0 +1,25 @@
+"""Thread helpers shared by the buffers, the collectors and the agents."""
+
+from __future__ import annotations
+
+import threading
+
+
+def release_if_held(condition: threading.Condition) -> None:
+    """Releases ``condition``'s lock as many times as this thread holds it.
+
+    A ``KeyboardInterrupt`` that lands as ``with condition:`` is entered (after the lock is
+    taken, before the block runs: ``Condition.__enter__`` is Python code) leaves the lock held,
+    and a collector thread's next ``with condition:`` then waits forever. Call it where such an
+    interrupt is handled, before stopping that thread.
+
+    Example:
+        >>> condition = threading.Condition()
+        >>> condition.acquire()
+        True
+        >>> release_if_held(condition); release_if_held(condition)  # held once: released once
+        >>> condition.acquire(blocking=False)
+        True
+    """
+    while condition._is_owned():  # its RLock: owned by this thread, not by any thread
+        condition.release()
