@@ -474,9 +474,14 @@ class LMParts:
     """multi-turn: each evaluation's mean reward, success rate and mean turns"""
 
 
+MULTI_TURN_PROBES = ("0", "?")
+"""The one-step completions ``is_multi_turn`` tries, each from a fresh reset."""
+
+
 def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:
     """Whether ``env_id`` is a text env whose episode goes on after one step: its
-    ``metadata["multi_turn"]`` when it says, else whether one step of ``"0"`` ends its episode.
+    ``metadata["multi_turn"]`` when it says, else whether the episode goes on after one step of
+    any of ``MULTI_TURN_PROBES`` (an env that ends on both is taken for a one-step env).
 
     Raises ``ValueError`` naming the wrapper to use when it is not a text env.
 
@@ -492,9 +497,12 @@ def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:
             raise ValueError(str(exc)) from None
         if "multi_turn" in env.metadata:
             return bool(env.metadata["multi_turn"])
-        env.reset(seed=0)
-        _, _, terminated, truncated, _ = env.step("0")
-        return not (terminated or truncated)
+        for probe in MULTI_TURN_PROBES:  # a one-step env ends on anything; "0" may be a multi-turn env's final answer
+            env.reset(seed=0)
+            _, _, terminated, truncated, _ = env.step(probe)
+            if not (terminated or truncated):
+                return True
+        return False
 
 
 def expert_conversations(

@@ -511,6 +511,29 @@ def test_an_env_that_says_it_is_multi_turn_is_taken_at_its_word():
     assert lm_setup.is_multi_turn("asyncvec/CalculatorTool-v0", {})
 
 
+class _EndsOnANumber(gym.Env):
+    """A multi-turn text env whose episode ends on a number (its final answer), not on other text."""
+
+    observation_space = action_space = gym.spaces.Text(16)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return "ask", {}
+
+    def step(self, action):
+        answered = action.strip().isdigit()
+        return "again", float(answered), answered, False, {}
+
+
+def test_a_multi_turn_env_that_ends_on_the_probes_0_is_still_multi_turn():
+    gym.register("tests/EndsOnANumber-v0", _EndsOnANumber)
+    try:
+        assert lm_setup.is_multi_turn("tests/EndsOnANumber-v0", {})  # "0" ends it, "?" does not
+    finally:
+        del gym.registry["tests/EndsOnANumber-v0"]
+    assert not lm_setup.is_multi_turn("asyncvec/SingleDigitSums-v0", {})  # a one-step env ends on every probe
+
+
 def test_multi_turn_options_are_checked():
     with pytest.raises(ValueError, match="--gamma"):
         rloo.Args(gamma=1.5)
