@@ -401,6 +401,37 @@ def test_training_through_an_asyncvec_server(asyncvec_server, tmp_path):
     assert policy_versions == {5, 6}
 
 
+def test_multi_turn_episodes_through_an_asyncvec_server(asyncvec_server, tmp_path):
+    # GuessNumber played through `asyncvec serve` (token-id prompts over HTTP), a version published per update
+    # while the next episodes are in flight: every turn carries the version that sampled it.
+    server = asyncvec_server
+    args = rloo.Args(
+        model=str(server["model_dir"]), backend="openai", base_url=server["url"], weights_dir=str(server["weights_dir"]),
+        update_token="test-token", env="asyncvec/GuessNumber-v0",
+        env_kwargs='{"max_number": 8, "max_turns": 3, "transcript": false}', max_new_tokens=3,
+        total_prompts=6, prompts_per_update=2, group_size=2, num_envs=4, progress=False, eval_prompts=0, mode="async",
+    )  # fmt: skip
+    agent = rloo.RLOO(args)
+    popped = []
+    update = agent.update
+    agent.update = lambda groups: (popped.append(groups), update(groups))[1]
+    result = agent.train()
+    assert result.updates == 3 and result.final_version == result.start_version + 3
+    assert httpx.get(server["url"] + "/weight_info", timeout=10).json()["weight_version"] == str(result.final_version)
+    turns = 0
+    for groups in popped:
+        for episode in (e for group in groups.episodes for e in group):
+            assert (episode.terminated or episode.truncated) and not episode.env_error
+            versions = [t.policy_version for t in episode.turns]
+            assert versions == sorted(versions) and result.start_version <= versions[0] < result.final_version
+            for turn, later in zip(episode.turns, episode.turns[1:]):  # the history is never re-tokenized
+                assert later.prompt_ids[: len(turn.prompt_ids) + len(turn.completion_ids)] == turn.prompt_ids + turn.completion_ids
+            for turn in episode.turns:
+                assert len(turn.completion_logps) == len(turn.completion_ids) > 0 and max(turn.completion_logps) <= 0.0
+                turns += 1
+    assert turns >= 3 * 2 * 2 and max(t.policy_version for g in popped[-1].episodes for e in g for t in e.turns) > result.start_version
+
+
 # ------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize(
     "options, error, message",
