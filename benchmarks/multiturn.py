@@ -96,6 +96,11 @@ class Args:
     """mean env step latency (lognormal)"""
     env_sigma: float = 1.0
     """lognormal sigma of the env latency (1: p99 about 6x the median)"""
+    hold_ms: float = 0.0
+    """async: a model call of fewer than --hold-below turns waits up to this long (from its oldest turn) for more
+    (the batcher's hold; lockstep sends all its turns at once and does not use it)"""
+    hold_below: int = 2
+    """async: calls smaller than this are held (see --hold-ms)"""
     seed: int = 0
     """seed of the runs"""
     stage_calls: int = 60
@@ -159,11 +164,12 @@ def make_env(args: Args, index: int) -> Any:
     return make
 
 
-def make_policy(args: Args) -> SimulatedLM:
+def make_policy(args: Args, hold: bool = False) -> SimulatedLM:
     return SimulatedLM(
         a_ms=args.a_ms, per_token_ms=args.per_token_ms, median_tokens=args.median_tokens,
         max_new_tokens=args.max_new_tokens, max_number=args.max_number, seed=args.seed,
         max_batch_size=args.num_envs, max_wait_ms=1.0, max_inflight_batches=args.inflight_batches,
+        batch_hold_ms=args.hold_ms if hold else 0.0, batch_hold_below=args.hold_below,
     )  # fmt: skip
 
 
@@ -240,7 +246,7 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
     vec = make_text_vector_env([make_env(args, i) for i in range(args.num_envs)])
     episodes = args.rounds * args.num_envs
     try:
-        with make_policy(args) as policy, EpisodeCollector(
+        with make_policy(args, hold=not lockstep) as policy, EpisodeCollector(
             vec, policy, args.group_size, lockstep=lockstep, seed=args.seed
         ) as collector:
             per_round, measured = args.num_envs // args.group_size, episodes // args.group_size
