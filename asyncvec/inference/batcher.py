@@ -96,7 +96,8 @@ class DynamicBatcher(Generic[T]):
     * while all workers are busy, requests keep queueing, so under load batches come out full;
     * a hold (``hold_ms > 0``, off by default): a batch of fewer than ``hold_below`` requests
       leaves no earlier than ``hold_ms`` after its oldest request arrived (or as soon as
-      ``hold_below`` requests wait). When a call's fixed cost dominates (``a`` much larger
+      ``hold_below`` requests wait; a queue at the dispatch threshold leaves at once, hold or
+      not). When a call's fixed cost dominates (``a`` much larger
       than ``b``), a call of one spends a whole call slot on one request; holding it a few
       milliseconds for a second one halves that cost per request, and leaves slots free for
       the bursts. Every request still leaves within ``max(hold_ms, max_wait_ms)`` of the
