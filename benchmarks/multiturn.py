@@ -12,7 +12,11 @@ A simulated language model plays ``asyncvec/GuessNumber-v0`` in ``--num-envs`` e
 
 **sync** (``lockstep=True``): all envs generate turn t, then all step; a round of episodes ends
 with its longest episode. **async**: each env asks for its next turn when its step returns, the
-waiting turns are batched, an env whose episode ended starts the next one at once.
+waiting turns are batched, an env whose episode ended starts the next one at once. The async
+run's batcher holds a lone turn up to ``--hold-ms`` (8 ms) for a second one (``DynamicBatcher``'s
+``hold_ms``; a call of one costs c(1) = 32 ms of a call slot for one turn, a call of two 36 ms for
+two) and sends two or more at once (``--max-wait-ms 0``); lockstep keeps ``max_wait_ms=1`` and no
+hold (it submits all its turns at once).
 
 The bound on async episodes/s, from stage times (``c(B)``: the mean of ``--stage-calls`` timed
 model calls of B prompts, B = 1..N, K at once as in the runs, measured before and after the runs;
@@ -96,6 +100,14 @@ class Args:
     """mean env step latency (lognormal)"""
     env_sigma: float = 1.0
     """lognormal sigma of the env latency (1: p99 about 6x the median)"""
+    max_wait_ms: float = 0.0
+    """async: the batcher's max_wait_ms (lockstep keeps 1 ms: it submits its turns one by one, and with 0 the
+    first would leave alone)"""
+    hold_ms: float = 8.0
+    """async: a model call of fewer than --hold-below turns waits up to this long (from its oldest turn) for more
+    (the batcher's hold; lockstep sends all its turns at once and does not use it)"""
+    hold_below: int = 2
+    """async: calls smaller than this are held (see --hold-ms)"""
     seed: int = 0
     """seed of the runs"""
     stage_calls: int = 60
@@ -159,11 +171,14 @@ def make_env(args: Args, index: int) -> Any:
     return make
 
 
-def make_policy(args: Args) -> SimulatedLM:
+def make_policy(args: Args, hold: bool = False) -> SimulatedLM:
+    """The simulated model; ``hold``: with the async run's batching settings (--max-wait-ms, --hold-ms)."""
     return SimulatedLM(
         a_ms=args.a_ms, per_token_ms=args.per_token_ms, median_tokens=args.median_tokens,
         max_new_tokens=args.max_new_tokens, max_number=args.max_number, seed=args.seed,
-        max_batch_size=args.num_envs, max_wait_ms=1.0, max_inflight_batches=args.inflight_batches,
+        max_batch_size=args.num_envs, max_wait_ms=args.max_wait_ms if hold else 1.0,
+        max_inflight_batches=args.inflight_batches, batch_hold_ms=args.hold_ms if hold else 0.0,
+        batch_hold_below=args.hold_below,
     )  # fmt: skip
 
 
@@ -240,7 +255,7 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
     vec = make_text_vector_env([make_env(args, i) for i in range(args.num_envs)])
     episodes = args.rounds * args.num_envs
     try:
-        with make_policy(args) as policy, EpisodeCollector(
+        with make_policy(args, hold=not lockstep) as policy, EpisodeCollector(
             vec, policy, args.group_size, lockstep=lockstep, seed=args.seed
         ) as collector:
             per_round, measured = args.num_envs // args.group_size, episodes // args.group_size
@@ -291,7 +306,8 @@ def main(args: Args) -> dict[str, Any]:
         f"{args.num_envs} GuessNumber envs (1-{args.max_number}, {args.max_turns} turns), env step lognormal mean "
         f"{args.env_latency_ms:g} ms sigma {args.env_sigma:g}; simulated LM a={args.a_ms:g} ms + "
         f"{args.per_token_ms:g} ms x longest completion (lognormal, median {args.median_tokens:g} tokens), "
-        f"{args.inflight_batches} calls at once; "
+        f"{args.inflight_batches} calls at once (async: a lone turn held up to {args.hold_ms:g} ms for a "
+        f"second, --hold-ms); "
         f"groups of {args.group_size}; {args.rounds * args.num_envs} episodes per mode in steady state (groups keep "
         f"starting while they are measured) after a warm-up round"
     )

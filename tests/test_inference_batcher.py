@@ -62,6 +62,36 @@ def test_waiting_behind_a_busy_worker_does_not_count_as_batching_wait():
         batcher.close()
 
 
+def test_hold_keeps_a_small_batch_for_more_requests():
+    """With a hold, a lone request waits for a second (instead of leaving alone at once), and the
+    batch leaves as soon as ``hold_below`` requests wait, not at the end of the hold."""
+    batches = queue.Queue()
+    batcher = DynamicBatcher(batches.put, max_batch_size=8, max_wait_ms=0, hold_ms=30_000, hold_below=3)
+    try:
+        started = time.monotonic()
+        batcher.put("a")
+        batcher.put("b")
+        time.sleep(0.2)
+        assert batches.empty()  # two are fewer than hold_below: held
+        batcher.put("c")
+        assert batches.get(timeout=10) == ["a", "b", "c"]
+        assert time.monotonic() - started < 20  # far below hold_ms
+    finally:
+        batcher.close()
+
+
+def test_hold_ends_after_hold_ms():
+    batches = queue.Queue()
+    batcher = DynamicBatcher(batches.put, max_batch_size=8, max_wait_ms=0, hold_ms=150)
+    try:
+        started = time.monotonic()
+        batcher.put("a")
+        assert batches.get(timeout=10) == ["a"]  # alone after the hold: it never waits for ever
+        assert time.monotonic() - started >= 0.145
+    finally:
+        batcher.close()
+
+
 def test_priority_then_arrival_order():
     release = threading.Event()
     batches = queue.Queue()
@@ -161,6 +191,8 @@ def test_close_returns_pending_items_and_refuses_new_ones():
         ({"max_wait_ms": -1}, "max_wait_ms"),
         ({"max_inflight_batches": 0}, "max_inflight_batches"),
         ({"fit_window": 1}, "fit_window"),
+        ({"hold_ms": -1}, "hold_ms"),
+        ({"hold_below": 0}, "hold_below"),
     ],
 )
 def test_bad_arguments_name_the_field(kwargs, field):

@@ -79,6 +79,23 @@ def test_chat_template_conversation_appends_only_new_text():
     assert tok.decode(second[len(first) :]) == "7<eos>\n<user>no<eos>\n<assistant>"  # the eos is not doubled
 
 
+@pytest.mark.parametrize("template", [False, True], ids=["plain", "template"])
+def test_an_encode_cache_gives_the_same_ids(template):
+    tok = build_char_tokenizer()
+    if template:
+        tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    cache = {}
+    for _ in range(2):  # the second conversation reads its texts from the cache
+        plain, cached = Conversation(tok, system_prompt="Go."), Conversation(tok, system_prompt="Go.", encode_cache=cache)
+        for obs in ("start", "higher", "higher"):
+            assert cached.add_observation(obs) == plain.add_observation(obs)
+            plain.add_completion([13, 1], "7")
+            cached.add_completion([13, 1], "7")
+        assert cached.add_observation("lower") == plain.add_observation("lower")
+        assert cached.fit(len(plain) - 1).ids == plain.fit(len(plain) - 1).ids
+    assert cache  # filled, and shared by the conversations
+
+
 def test_plain_format_can_be_forced_over_a_template():
     tok = build_char_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"

@@ -239,7 +239,8 @@ class BatchedPolicy(abc.ABC):
     Behaviour shared by all backends:
 
     * **Batching**: requests go through a `DynamicBatcher` (``max_batch_size``,
-      ``max_wait_ms``, ``max_inflight_batches``, ``adaptive_batching``).
+      ``max_wait_ms``, ``max_inflight_batches``, ``adaptive_batching``, and its hold:
+      ``batch_hold_ms``, ``batch_hold_below``, off by default).
     * **Deadlines**: with ``deadline_ms`` set, a request not answered in time gets the
       fallback action (``"zero"``: the action space's no-op, ``"repeat"``: the last action
       delivered to that ``env_id``, zero if none, or a function ``fallback(obs, env_id)``)
@@ -275,6 +276,8 @@ class BatchedPolicy(abc.ABC):
         max_wait_ms: float = 5.0,
         max_inflight_batches: int = 1,
         adaptive_batching: bool = False,
+        batch_hold_ms: float = 0.0,
+        batch_hold_below: int = 2,
         deadline_ms: float | None = None,
         fallback: FallbackSpec = "zero",
         cache_size: int = 0,
@@ -337,6 +340,8 @@ class BatchedPolicy(abc.ABC):
             max_wait_ms=max_wait_ms,
             max_inflight_batches=max_inflight_batches,
             adaptive=adaptive_batching,
+            hold_ms=batch_hold_ms,
+            hold_below=batch_hold_below,
             drop_if=lambda request: request.completed,
             name=f"asyncvec-{self._label}",
         )

@@ -93,7 +93,15 @@ class DynamicBatcher(Generic[T]):
       at once in a small batch and split the envs into two alternating half-size cohorts;
     * a batch holds up to ``max_batch_size`` requests, highest ``priority`` first and, within
       a priority, oldest first;
-    * while all workers are busy, requests keep queueing, so under load batches come out full.
+    * while all workers are busy, requests keep queueing, so under load batches come out full;
+    * a hold (``hold_ms > 0``, off by default): a batch of fewer than ``hold_below`` requests
+      leaves no earlier than ``hold_ms`` after its oldest request arrived (or as soon as
+      ``hold_below`` requests wait; a queue at the dispatch threshold leaves at once, hold or
+      not). When a call's fixed cost dominates (``a`` much larger
+      than ``b``), a call of one spends a whole call slot on one request; holding it a few
+      milliseconds for a second one halves that cost per request, and leaves slots free for
+      the bursts. Every request still leaves within ``max(hold_ms, max_wait_ms)`` of the
+      later of its arrival and a worker becoming free.
 
     Adaptive mode (``adaptive=True``) measures each handler call, fits the fixed cost ``a``
     and per-item cost ``b`` by least squares over the last ``fit_window`` calls
@@ -130,6 +138,8 @@ class DynamicBatcher(Generic[T]):
         adaptive: bool = False,
         drop_if: Callable[[T], bool] | None = None,
         fit_window: int = 64,
+        hold_ms: float = 0.0,
+        hold_below: int = 2,
         name: str = "asyncvec-batcher",
     ) -> None:
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
@@ -140,11 +150,17 @@ class DynamicBatcher(Generic[T]):
             raise ValueError(f"max_wait_ms must be a number >= 0, got {max_wait_ms!r}")
         if not isinstance(fit_window, int) or fit_window < 2:
             raise ValueError(f"fit_window must be an int >= 2, got {fit_window!r}")
+        if isinstance(hold_ms, bool) or not isinstance(hold_ms, (int, float)) or not hold_ms >= 0:
+            raise ValueError(f"hold_ms must be a number >= 0, got {hold_ms!r}")
+        if isinstance(hold_below, bool) or not isinstance(hold_below, int) or hold_below < 1:
+            raise ValueError(f"hold_below must be an int >= 1, got {hold_below!r}")
         self._handler = handler
         self.max_batch_size = max_batch_size
         self.max_wait_s = float(max_wait_ms) / 1000.0
         self.max_inflight_batches = max_inflight_batches
         self.adaptive = bool(adaptive)
+        self.hold_s = float(hold_ms) / 1000.0
+        self.hold_below = hold_below
         self._drop_if = drop_if
         self._name = name
         self._cond = threading.Condition()
@@ -220,7 +236,10 @@ class DynamicBatcher(Generic[T]):
                 # The batching wait starts when the request arrived or this worker became free,
                 # whichever is later: waiting for a busy backend is not waiting for a batch.
                 oldest = min(entry[2] for entry in self._heap)
-                remaining = max(oldest, free_since) + self.max_wait_s - now
+                ready_at = max(oldest, free_since) + self.max_wait_s
+                if waiting < self.hold_below:  # a small batch: hold it for more (hold_ms)
+                    ready_at = max(ready_at, oldest + self.hold_s)
+                remaining = ready_at - now
                 if remaining > 0:
                     self._cond.wait(remaining)
                     continue

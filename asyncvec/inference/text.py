@@ -166,7 +166,9 @@ class TextPolicy(BatchedPolicy):
                 f"got {type(obs).__name__}"
             )
         text = prompt.prompt
-        if isinstance(text, (list, tuple)):
+        if type(text) is tuple and text and all(type(t) is int for t in text):
+            pass  # already a tuple of int (the common case: a conversation's ids)
+        elif isinstance(text, (list, tuple)):
             if not text or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in text):
                 raise ValueError(f"{self._label}: {where}a token-id prompt must be a non-empty list of int")
             text = tuple(int(t) for t in text)

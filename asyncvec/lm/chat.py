@@ -32,6 +32,9 @@ from typing import Any
 
 __all__ = ["Conversation", "PlainChatFormat"]
 
+ENCODE_CACHE_SIZE = 4096
+"""texts an ``encode_cache`` holds at most"""
+
 
 @dataclass(frozen=True)
 class PlainChatFormat:
@@ -57,6 +60,10 @@ class Conversation:
         system_prompt: the first message (None: none).
         plain: the plain format used without a chat template.
         use_chat_template: None (default): when the tokenizer has one; False: the plain format.
+        encode_cache: a dict shared by the conversations of one tokenizer (an
+            :class:`~asyncvec.lm.EpisodeCollector` keeps one): the ids of each text it encoded, so a
+            text that comes again (an env's recurring feedback, the turn separators) is not
+            tokenized again. At most ``ENCODE_CACHE_SIZE`` texts; then it starts over.
 
     Example:
         >>> from asyncvec.inference.tiny_models import build_char_tokenizer
@@ -77,8 +84,10 @@ class Conversation:
         system_prompt: str | None = None,
         plain: PlainChatFormat = PlainChatFormat(),
         use_chat_template: bool | None = None,
+        encode_cache: dict[tuple[str, bool], tuple[int, ...]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.encode_cache = encode_cache
         self.system_prompt = system_prompt
         self.plain = plain
         has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -102,7 +111,15 @@ class Conversation:
         if not text:
             return []
         special = first and not self.uses_template  # a BOS the tokenizer adds, once, at the start
-        return list(self.tokenizer(text, add_special_tokens=special).input_ids)
+        cache = self.encode_cache
+        if cache is None:
+            return list(self.tokenizer(text, add_special_tokens=special).input_ids)
+        ids = cache.get((text, special))
+        if ids is None:
+            if len(cache) >= ENCODE_CACHE_SIZE:
+                cache.clear()
+            ids = cache[(text, special)] = tuple(self.tokenizer(text, add_special_tokens=special).input_ids)
+        return list(ids)
 
     def _render(self, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -181,7 +198,7 @@ class Conversation:
         if self._observation is None:
             raise ValueError("Conversation.fit: call it after add_observation (the prompt it shortens)")
         for keep in range(self.num_turns - 1, -1, -1):
-            chat = Conversation(self.tokenizer, self.system_prompt, self.plain, self.uses_template)
+            chat = Conversation(self.tokenizer, self.system_prompt, self.plain, self.uses_template, self.encode_cache)
             for observation, token_ids, text in self._turns[self.num_turns - keep :]:
                 chat.add_observation(observation)
                 chat.add_completion(token_ids, text)

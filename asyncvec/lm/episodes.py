@@ -300,6 +300,7 @@ class EpisodeCollector:
         self._wakeable = not self.lockstep and bool(getattr(envs, "wakeable", False))
         n = envs.num_envs
         self._conversations: list[Conversation | None] = [None] * n
+        self._encoded: dict[tuple[str, bool], tuple[int, ...]] = {}  # the conversations' encode_cache
         self._episodes: list[Episode | None] = [None] * n
         self._env_group: list[_Group | None] = [None] * n
         self._sent_at = [0.0] * n
@@ -465,7 +466,7 @@ class EpisodeCollector:
         conversation = self._conversations[env_id]
         if conversation is None:
             conversation = self._conversations[env_id] = Conversation(
-                self.tokenizer, self.system_prompt, self.plain_format, self.use_chat_template
+                self.tokenizer, self.system_prompt, self.plain_format, self.use_chat_template, self._encoded
             )
         conversation.add_observation(observation)
         limit = None if self.max_context_tokens is None else self.max_context_tokens - self.max_new_tokens
