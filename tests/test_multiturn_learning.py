@@ -15,7 +15,7 @@ Settings: 30 warm-start steps; RLOO async, up to 60 updates x 4 groups x 8 episo
 0.9 (``--target-reward``); sampling at temperature 0.7, in training and in the 128 held-out
 episodes before and after (the env is deterministic, so only sampled episodes measure a rate; the
 policy trained is the one sampled at 0.7, so that is its honest success rate). Success before ->
-after RL, these settings, the shared 2-core machine (two runs side by side, load 1-8):
+after RL, these settings, the shared 2-core machine (load 0.7-13, mostly another run alongside):
 
 | seed | before -> after | updates | seconds (warm start + RL + evaluations) | load |
 |---|---|---|---|---|
