@@ -1,44 +1,47 @@
-"""Learning on a multi-turn text env: RL improves a weak warm start on FrozenLake (HF backend, a
-tiny char-level GPT-2 built from a config, CPU).
+"""Learning on a multi-turn text env: RL takes a weak warm start on FrozenLake to a success rate
+of 0.8 or more (HF backend, a tiny char-level GPT-2 built from a config, CPU).
 
 FrozenLake 4x4, deterministic, through ``TextEnv`` (``asyncvec/FrozenLakeText-v0``, 8 turns at
 most; the shortest path takes 6). The model has 128 positions and the collector drops the oldest
 turns of a conversation that would overflow them (``--on-overflow drop_oldest``: the board shows
-where the player is, so the recent turns are enough); the same setup runs on vLLM, in process
-and on a server, in tests/test_lm_agents_vllm.py. A short supervised warm start on the env's
-expert (shortest-path play, rendered as the collector renders it, context cuts included) leaves
-the model reaching the goal in a fraction of the episodes; RLOO in async mode, the model acting in
-32 envs of an ``AsyncLLMVectorEnv``, must raise the held-out success rate by a margin.
-GuessNumber is in tests/test_guess_number_learning.py.
+where the player is); the same setup runs on vLLM, in process and on a server, in
+tests/test_lm_agents_vllm.py. A short supervised warm start on the env's expert (rendered as the
+collector renders it, context cuts included) reaches the goal in about half the episodes; RLOO in
+async mode, the model acting in 32 envs of an ``AsyncLLMVectorEnv``, must take the held-out
+success rate to >= 0.8 and +0.2 over the warm start.
 
-Settings: 50 warm-start steps; RLOO async, 32 envs, up to 40 updates x 4 groups x 8 episodes,
-lr 1e-3 (the default), ``--gamma 0.9``, ``--kl-coef 0.05`` (a KL penalty to the warm start in
-the reward), stopping once the mean training reward of 10 updates reaches 0.8
-(``--target-reward``); 64 held-out episodes before and after. Measured on the shared 2-core
-machine, success before RL -> after RL:
+Settings: 30 warm-start steps; RLOO async, up to 60 updates x 4 groups x 8 episodes, lr 1e-3,
+``--gamma 1``, ``--kl-coef 0.05``, stopping once the mean training reward of 10 updates reaches
+0.9 (``--target-reward``); sampling at temperature 0.7, in training and in the 128 held-out
+episodes before and after (the env is deterministic, so only sampled episodes measure a rate; the
+policy trained is the one sampled at 0.7, so that is its honest success rate). Success before ->
+after RL, these settings, the shared 2-core machine (load 0.7-13, mostly another run alongside):
 
-* these settings, three runs side by side (load 2-4, 109-110 s each, 40 updates each): seed 1
-  0.36 -> 0.78, seed 2 0.42 -> 0.81, seed 3 0.50 -> 0.92; this test
-  (seed 1, a vLLM run alongside, load 2-4) 0.33 -> 0.83 in 93 s;
-* with the stop, without the KL penalty (load 1-3): seed 1 0.45 -> 0.86 (40 updates), seed 2
-  0.36 -> 0.83 (stopped after 39), seed 3 0.47 -> 0.83 (after 32); this test (seed 1, alone)
-  0.39 -> 0.27: its training reward reached 0.85 at update 38, then fell to 0.66 and 0.56;
-* without either (40 updates): seed 1 0.47 -> 0.92, seed 2 0.53 -> 0.88, seed 3 0.38 -> 0.84
-  (four runs side by side, load 6-15); seed 2 0.44 -> 0.88, seed 3 0.41 -> 0.39 (load 1-3: its
-  training reward fell from 0.95 to 0.43 over the last 3 updates); this test (seed 1) 0.34 ->
-  0.70 (192 s, a vLLM run alongside) and 0.38 -> 0.78 (58 s alone, load 0.4-2.5);
-* vLLM, in process and on a server: tests/test_lm_agents_vllm.py's docstring.
+| seed | before -> after | updates | seconds (warm start + RL + evaluations) | load |
+|---|---|---|---|---|
+| 1 | 0.48 -> 0.96 | 42 | 118 | 1.1-4.5 |
+| 2 | 0.49 -> 0.95 | 60 (not at 0.9) | 136 | 1.1-3.9 |
+| 3 | 0.48 -> 0.96 | 42 | 112 | 3.3-4.5 |
+| 1 | 0.48 -> 0.90 | 39 | 155 (a vLLM run alongside) | 2.3-5.6 |
+| 2 | 0.52 -> 0.88 | 54 | 202 (two vLLM runs alongside) | 5.3-8.3 |
+| 3 | 0.50 -> 0.93 | 43 | 120 | 7-13 |
+| 1, this test | 0.43 -> 0.96 | 58 | 133 (test; another run alongside) | 3-4.6 |
+| 1, this test alone | 0.51 -> 0.95 | | 60 (test) | 0.7-1.1 |
+| 1, this test alone | 0.54 -> 0.97 | 52 | 77 (test) | 1.1-1.5 |
 
-So RL improves the weak warm start in all but 2 of 15 runs (+0.31 to +0.50); those 2 collapsed
-in their last updates at lr 1e-3, which the KL penalty is there to prevent (3 runs with it are
-too few to say it does every time). 0.8 is reached in most runs but not all: the test asks for
-+0.15 and >= 0.6 after RL, not 0.8. What did not do better (seed 1 unless said;
-docs/lm_agents.md lists them): 12-32 updates at lr 3e-4 or 1e-3 (0.17 -> 0.36, 0.19 -> 0.58);
-lr 2e-3 gets there faster (0.19 -> 0.91 in 32 updates, 0.33 -> 0.95 in 24)
-but its training reward collapses to ~0 for several updates in some seeds (seed 2 ended at
-0.78); ``--per-turn`` at lr 2e-3 collapsed seed 1 to all-invalid completions. The warm start's
-success varies between runs of one seed (40 steps: 0.17-0.31): sampling is not seeded, so a
-seed fixes the warm start, not the run.
+So +0.35 to +0.53, 0.88-0.97 after RL: the test asks for >= 0.8 and +0.2. The runs take 39-60
+updates (the former settings: at most 40); the test alone took 60 s and 77 s (58-85 s before).
+
+What did not do better (seed 1 unless said, 64 held-out episodes): the former settings
+(temperature 1, 50 warm-start steps, ``--gamma 0.9``, stop at 0.8, 40 updates) ended at 0.27-0.94
+over 17 runs, 5 of them below 0.8 (the stop leaves the sampled policy at about 0.8); at
+temperature 0.7 the 50-step warm start is already at 0.80. In every setting tried the training
+reward collapses for a few updates now and then (from 0.9 to 0.0-0.5, then back), most often once
+it is high; a run that stops or ends in one fails: lr 2e-3 0.41 -> 0.06 (an update right before
+the stop), no gradient clipping 0.41 -> 0.55 (the same), lr 5e-4 0.45 -> 0.89 (60 updates, not at
+0.9), 8 groups per update (64 envs) 0.59 -> 0.89 and 0.44 -> 0.84 (230-250 s), Adam eps 1e-5
+0.52 -> 0.92 (60 updates). Stopping at 0.85 instead of 0.9 saves 2-15 updates but leaves the
+policy nearer 0.8. Sampling is not seeded (a seed fixes the warm start, not the run).
 """
 
 from __future__ import annotations
@@ -64,18 +67,17 @@ FROZEN_LAKE = {
     "max_new_tokens": 6, "num_envs": 32, "mode": "async", "progress": False,
 }  # fmt: skip
 CONTEXT = 128  # positions of the model (and vLLM's max_model_len)
-WARM_START_STEPS = 50
-# RL settings: see the module docstring for what they reach, per seed.
-# 40 updates at most; the run stops early once the mean training reward of 10 updates reaches 0.8, and a
-# KL penalty to the warm start (0.05) holds the policy near it: without them, 2 of 11 runs collapsed at the end.
+WARM_START_STEPS = 30
+# RL settings (the module docstring has what they reach, per run): up to 60 updates, stopping once the mean training
+# reward of 10 updates reaches 0.9; sampling (training and evaluation) at temperature 0.7.
 RL = {
-    "total_prompts": 160, "prompts_per_update": 4, "group_size": 8, "gamma": 0.9, "learning_rate": 1e-3,
-    "target_reward": 0.8, "kl_coef": 0.05,
+    "total_prompts": 240, "prompts_per_update": 4, "group_size": 8, "gamma": 1.0, "learning_rate": 1e-3,
+    "target_reward": 0.9, "kl_coef": 0.05, "temperature": 0.7,
 }  # fmt: skip
-# Thresholds below every run with these settings, with room (see the module docstring): gains +0.39 to
-# +0.50, success after RL 0.78-0.92. 0.8 after RL is reached in most runs, not in all: reported, not asserted.
-MARGIN = 0.15
-MIN_SUCCESS = 0.6
+EVAL_EPISODES = 128  # held-out episodes before and after RL (standard error about 0.03 at a success rate of 0.9)
+# Thresholds below every measured run with these settings, with room (module docstring).
+MIN_SUCCESS = 0.8
+MARGIN = 0.2
 
 
 def frozen_lake_warm_start(folder: Path, seed: int, steps: int = WARM_START_STEPS) -> Path:
@@ -96,7 +98,7 @@ def check_learned(result: LMTrainResult) -> None:
 def test_rloo_improves_a_weak_warm_start_on_frozen_lake_text():
     torch.set_num_threads(1)
     warm = frozen_lake_warm_start(Path(tempfile.mkdtemp()), seed=1)
-    args = rloo.Args(model=str(warm), eval_prompts=64, seed=1, **FROZEN_LAKE, **RL)
+    args = rloo.Args(model=str(warm), eval_prompts=EVAL_EPISODES, seed=1, **FROZEN_LAKE, **RL)
     result = rloo.RLOO(args).train()
     print("frozen lake, HF:", result.eval_details, result.reward_curve)  # shown with pytest -s
     assert 10 <= result.updates <= RL["total_prompts"] // RL["prompts_per_update"]
