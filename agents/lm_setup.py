@@ -545,6 +545,35 @@ def expert_conversations(
                 done = terminated or truncated
 
 
+def check_given_policy(policy: Any, args: LMArgs) -> None:
+    """A policy passed in must sample as the learner scores: at ``--temperature``, without top-p
+    (the learner's log-probs, hence the importance weights, assume both).
+
+    Example:
+        >>> from asyncvec.inference.types import TextPrompt
+        >>> class Given: defaults = TextPrompt("-", 8, 0.7, None)
+        >>> check_given_policy(Given(), LMArgs(temperature=0.7))
+        >>> check_given_policy(Given(), LMArgs())
+        Traceback (most recent call last):
+        ...
+        ValueError: the given policy samples at temperature 0.7, but --temperature is 1.0: the learner's log-probs (and importance weights) would be those of another distribution; build the policy with temperature=1.0 or pass --temperature 0.7
+    """
+    defaults = getattr(policy, "defaults", None)
+    if defaults is None:
+        return  # not a TextPolicy: nothing to compare
+    if defaults.temperature != args.temperature:
+        raise ValueError(
+            f"the given policy samples at temperature {defaults.temperature}, but --temperature is {args.temperature}: "
+            "the learner's log-probs (and importance weights) would be those of another distribution; build the "
+            f"policy with temperature={args.temperature} or pass --temperature {defaults.temperature}"
+        )
+    if defaults.top_p is not None and defaults.top_p < 1.0:
+        raise ValueError(
+            f"the given policy samples with top_p={defaults.top_p}, which the learner's log-probs do not model: "
+            "build it without top_p"
+        )
+
+
 def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
     """:func:`build_parts` for a multi-turn env: an ``AsyncLLMVectorEnv`` of ``--num-envs`` envs
     and an ``EpisodeCollector`` (``--group-size`` episodes per reset seed) instead of prompts,
@@ -569,7 +598,9 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
         envs = stack.enter_context(make_text_vector_env(args.env, args.num_envs, env_kwargs=env_kwargs))
         eval_envs = stack.enter_context(make_text_vector_env(args.env, min(args.num_envs, 8), env_kwargs=env_kwargs))
         sync = policy is not None or args.backend == "openai"
-        if policy is None:
+        if policy is not None:
+            check_given_policy(policy, args)
+        else:
             # Each env waits for one turn at a time, so at most --num-envs requests queue: a larger
             # batch threshold would only add --policy-wait-ms to every turn.
             batching = dataclasses.replace(args, policy_batch_size=min(args.policy_batch_size, args.num_envs))
@@ -623,7 +654,9 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMPar
                 cache_size=args.reward_cache_size,
             ))
         sync = policy is not None or args.backend == "openai"
-        if policy is None:
+        if policy is not None:
+            check_given_policy(policy, args)
+        else:
             policy = stack.enter_context(make_text_policy(args, model_dir, env.action_space, workdir / "weights"))
         versions = stack.enter_context(
             VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)

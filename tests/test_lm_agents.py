@@ -6,6 +6,7 @@ import doctest
 import math
 import time
 
+import gymnasium as gym
 import httpx
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from agents.lm_setup import solved_prompts
 from asyncvec import rewards
 from asyncvec.buffers import CompletionGroups
 from asyncvec.group_collector import ScoredCompletion
-from asyncvec.inference import AsyncvecServer, PolicyOutput, build_tiny_lm
+from asyncvec.inference import AsyncvecServer, HFTextPolicy, PolicyOutput, build_tiny_lm
 from asyncvec.lm import completion_logps, load_causal_lm, sft_warm_start
 
 pytestmark = pytest.mark.timeout(240)
@@ -448,6 +449,18 @@ def test_multi_turn_episodes_through_an_asyncvec_server(asyncvec_server, tmp_pat
 def test_bad_setup_fails_fast_with_a_clear_error(tiny_dir, options, error, message):
     with pytest.raises(error, match=message):
         rloo.RLOO(rloo.Args(**{"model": str(tiny_dir), **QUIET, **options}))
+
+
+@pytest.mark.parametrize("env", ["asyncvec/SingleDigitSums-v0", "asyncvec/GuessNumber-v0"])
+def test_a_given_policy_must_sample_as_the_learner_scores(tiny_dir, env):
+    # the learner's log-probs (and so the importance weights) assume --temperature and no top-p
+    for options, message in [
+        ({}, "samples at temperature 1.0, but --temperature is 0.7"),
+        ({"temperature": 0.7, "top_p": 0.9}, "samples with top_p=0.9"),
+    ]:
+        with HFTextPolicy(tiny_dir, None, str, action_space=gym.spaces.Text(64), **options) as policy:
+            with pytest.raises(ValueError, match=message):
+                rloo.RLOO(rloo.Args(**{"model": str(tiny_dir), **QUIET, "env": env, "temperature": 0.7}), policy=policy)
 
 
 @pytest.mark.parametrize(
