@@ -34,7 +34,9 @@ def test_step_returns_the_ready_envs_and_the_slow_one_keeps_stepping(no_leftover
             ready = [i["env_id"] for i in info]
             assert len(ready) >= 2 and obs.shape == (len(ready), 3) and rew.shape == (len(ready),)
             steps[ready] += 1
-        assert steps[:3].min() >= 4 and steps[3] <= 2, f"steps per env: {steps}"
+        # every round returned >= 2 fast envs (a fast env still in flight may miss a round on a loaded machine:
+        # [7, 6, 3, 0] was seen); the slow one stepped at most twice
+        assert steps[:3].sum() >= 16 and steps[:3].min() >= 1 and steps[3] <= 2, f"steps per env: {steps}"
         obs, rew, term, trunc, info = envs.step(None, envs.waiting_id)  # collect what is still in flight
         assert all(i["env_id"] in range(4) for i in info)
     finally:
