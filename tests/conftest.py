@@ -61,7 +61,7 @@ def one_torch_thread():
 HEAVY_UNITS = {
     # The in-process vLLM engines first, each on a fresh worker: started in a worker that has run
     # other modules before, tests/test_vllm_policy.py took minutes per test (36 s for the module alone).
-    # `make test` runs these two modules on their own before the xdist run (two engines side by side crawled).
+    # `make test` runs these modules (and tests/test_multiturn_learning.py) on their own before the xdist run.
     "tests/test_vllm_policy.py": 1000,
     "tests/test_lm_agents_vllm.py": 550,
     "tests/test_learning.py": 330,
