@@ -15,8 +15,11 @@ def live_children() -> set[int]:
     """Pids of this process's live (non-zombie) children, multiprocessing helpers excluded."""
     pids: set[int] = set()
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            pids.update(int(p) for p in f.read().split())
+        try:
+            with open(path) as f:
+                pids.update(int(p) for p in f.read().split())
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
     alive = set()
     for pid in pids:
         try:
