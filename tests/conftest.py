@@ -2,6 +2,7 @@ import glob
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -72,6 +73,11 @@ FRESH_INTERPRETER_MODULES = (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def lane_log(module: str) -> Path:
+    """Where the lane writes ``module``'s whole output."""
+    return Path(ROOT) / ".test-logs" / f"{Path(module).stem}.log"
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--fresh-interpreter-lane",
@@ -79,6 +85,23 @@ def pytest_addoption(parser):
         help="run FRESH_INTERPRETER_MODULES (tests/conftest.py) one after another in fresh interpreters, "
         "as one unit of the xdist run (tests/test_fresh_interpreter_lane.py), instead of collecting them",
     )
+
+
+def pytest_sessionstart(session):
+    session.config._started_at = time.time()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """After a run with the lane: each module's result line, from its log (written by the worker)."""
+    if not config.getoption("fresh_interpreter_lane"):
+        return
+    logs = [lane_log(module) for module in FRESH_INTERPRETER_MODULES]
+    fresh = [log for log in logs if log.exists() and log.stat().st_mtime >= config._started_at]
+    if fresh:
+        terminalreporter.section("fresh-interpreter lane (whole outputs in .test-logs/)")
+        for log in fresh:
+            lines = log.read_text().strip().splitlines() or ["(no output)"]
+            terminalreporter.write_line(f"{log.stem}: {lines[-1].strip('= ')}")
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -15,12 +15,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import FRESH_INTERPRETER_MODULES, ROOT
+from conftest import FRESH_INTERPRETER_MODULES, ROOT, lane_log
 
-LOG_DIR = Path(ROOT) / ".test-logs"
 MODULE_TIMEOUT_S = 1800  # each module's tests carry their own (tighter) pytest-timeout marks
 TAIL_CHARS = 6000
 
@@ -50,11 +48,11 @@ def run_module(module: str) -> tuple[int, str, float]:
 def test_the_modules_that_need_a_fresh_interpreter_pass(request):
     if not request.config.getoption("fresh_interpreter_lane"):
         pytest.skip("without --fresh-interpreter-lane these modules are collected as usual")
-    LOG_DIR.mkdir(exist_ok=True)
     failures = []
     for module in FRESH_INTERPRETER_MODULES:
         code, output, seconds = run_module(module)
-        log = LOG_DIR / f"{Path(module).stem}.log"
+        log = lane_log(module)
+        log.parent.mkdir(exist_ok=True)
         log.write_text(output)
         summary = output.strip().splitlines()[-1] if output.strip() else "(no output)"
         print(f"{module}: exit {code} in {seconds:.0f} s: {summary} (log: {log})")
