@@ -445,7 +445,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             return
         # The earliest of the caller's deadline and the hang deadlines of timed messages; None
         # waits for the next reply (a call, setattr... has no hang deadline: it may take its time).
-        deadlines = [d for d in (self._hang_deadline(w) for w in busy) if d is not None]
+        deadlines = [] if self.step_timeout is None else [d for d in map(self._hang_deadline, busy) if d is not None]
         if deadline is not None:
             deadlines.append(deadline)
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
@@ -643,12 +643,28 @@ class AsyncLLMVectorEnv(VectorEnv):
             raise ValueError(f"action {action} for env {env_id} is not in the action space {space}")
         return action
 
+    def _batched_action_space(self, count: int) -> Space:
+        """The action space of a ``send`` to ``count`` envs (cached per count), to split and check actions.
+
+        A space that gymnasium batches as a ``Tuple`` of deep copies (``Text``, ``Graph``,
+        ``Sequence``, custom spaces) is batched here as a ``Tuple`` of the single space itself: the
+        same items and checks, without a deep copy per env (a ``Text`` space took ~1 ms each, so a
+        ``send`` to a number of envs not seen before stalled its caller for tens of milliseconds)."""
+        batched = self._action_spaces.get(count)
+        if batched is None:
+            single = self.single_action_space
+            if batch_space.dispatch(type(single)) is batch_space.dispatch(Space):
+                batched = spaces.Tuple((single,) * count)
+            else:
+                batched = batch_space(single, count)
+            self._action_spaces[count] = batched
+        return batched
+
     def _split_actions(self, actions: Any, env_ids: Sequence[int]) -> list[Any]:
         count = len(env_ids)
-        if count not in self._action_spaces:
-            self._action_spaces[count] = batch_space(self.single_action_space, count)
+        batched = self._batched_action_space(count)
         try:
-            items = list(iterate(self._action_spaces[count], actions))
+            items = list(iterate(batched, actions))
         except Exception as exc:
             raise ValueError(
                 f"actions do not fit a batch of {count} from single_action_space {self.single_action_space}: {exc}"
@@ -658,7 +674,7 @@ class AsyncLLMVectorEnv(VectorEnv):
                 f"got {len(items)} actions for {count} envs (env_ids={list(env_ids)}); "
                 f"expected one action per env from {self.single_action_space}"
             )
-        if self.validate_actions and not self._action_spaces[count].contains(actions):
+        if self.validate_actions and not batched.contains(actions):
             items = [self._check_action(a, i) for a, i in zip(items, env_ids)]  # finds the bad one, casts Box dtypes
         return items
 
