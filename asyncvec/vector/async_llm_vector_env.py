@@ -663,8 +663,8 @@ class AsyncLLMVectorEnv(VectorEnv):
 
         A space that gymnasium batches as a ``Tuple`` of deep copies (``Text``, ``Graph``,
         ``Sequence``, custom spaces) is batched here as a ``Tuple`` of the single space itself: the
-        same items and checks, without a deep copy per env (a ``Text`` space took ~1 ms each, so a
-        ``send`` to a number of envs not seen before stalled its caller for tens of milliseconds)."""
+        same items and checks, without a deep copy per env (``batch_space`` of a ``Text`` space took 1.2 ms
+        for 1 env, 8.8 ms for 16: a ``send`` to a number of envs not seen before stalled its caller)."""
         batched = self._action_spaces.get(count)
         if batched is None:
             single = self.single_action_space
