@@ -67,3 +67,67 @@ def test_an_answer_reaches_its_env_while_another_env_steps() -> None:
         vec.close(terminate=True)
     # woken: about 2 s / (10 ms + a call) turns of env 0 (133 here at load 8); polling: about 2 s / 400 ms = 5 per env
     assert turns >= 30, f"{turns} turns in 2 s"
+
+
+def test_a_send_from_another_thread_is_watched_by_the_recv_waiting_in_this_one() -> None:
+    """Env 0 steps for 3 s; a send to env 1 from another thread while ``recv`` waits: ``recv``
+    returns env 1's result, not env 0's 3 s later."""
+    vec = AsyncLLMVectorEnv([_slow_cartpole, lambda: gym.make("CartPole-v1")], batch_size=1)
+    try:
+        vec.send_reset([0, 1], [0, 1])
+        vec.recv(timeout=60), vec.recv(timeout=60)
+        vec.send([0], [0])  # a step of 3 s
+        threading.Timer(0.2, vec.send, args=([1], [1])).start()
+        start = time.monotonic()
+        _, _, _, _, info = vec.recv(timeout=60)
+        assert list(info["env_id"]) == [1] and time.monotonic() - start < 2.5
+        _, _, _, _, info = vec.recv(timeout=60)
+        assert list(info["env_id"]) == [0]
+    finally:
+        vec.close(terminate=True)
+
+
+def test_answers_go_to_their_envs_from_the_policys_thread() -> None:
+    """The policy's callback sends the action itself when the collection thread is free; the
+    episodes are whole either way (every turn recorded, its reward and env latency filled in)."""
+    vec = make_text_vector_env([_guess(5)] * 4)
+    senders: list[str] = []
+    send = vec.send
+
+    def recording_send(actions, env_ids=None):
+        senders.append(threading.current_thread().name)
+        return send(actions, env_ids)
+
+    vec.send = recording_send
+    policy = SimulatedLM(a_ms=2, per_token_ms=0, median_tokens=2, max_new_tokens=4, max_wait_ms=0.0)
+    try:
+        with policy, EpisodeCollector(vec, policy, group_size=2) as collector:
+            collector.start(40, ahead=10)
+            batch = collector.pop(10, timeout=120)
+            stats = collector.stats()
+    finally:
+        vec.close(terminate=True)
+    assert any(name != "asyncvec-episodes" for name in senders), set(senders)
+    for group in batch.episodes:
+        for episode in group:
+            assert episode.terminated or episode.truncated
+            assert all(turn.env_latency_s > 0 and turn.completion_ids for turn in episode.turns)
+            assert sum(turn.reward for turn in episode.turns) == episode.total_reward
+    assert stats["turns"] >= batch.num_turns
+
+
+class _NoTokenIds(SimulatedLM):
+    def _text_result(self, text, ids, logps):
+        return super()._text_result(text, [], [])
+
+
+def test_an_answer_without_token_ids_fails_the_run_from_either_thread() -> None:
+    vec = make_text_vector_env([_guess(5)] * 2)
+    policy = _NoTokenIds(a_ms=2, per_token_ms=0, median_tokens=2, max_new_tokens=4, max_wait_ms=0.0)
+    try:
+        with policy, EpisodeCollector(vec, policy, group_size=1) as collector:
+            collector.start(10, ahead=2)
+            with pytest.raises(RuntimeError, match="no token ids"):
+                collector.pop(1, timeout=60)
+    finally:
+        vec.close(terminate=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 from functools import partial
 
 import gymnasium as gym
@@ -300,3 +301,61 @@ def test_envs_per_worker_validation():
         AsyncLLMVectorEnv([CounterEnv] * 2, envs_per_worker=0)
     with pytest.raises(ValueError, match="backend"):
         AsyncLLMVectorEnv([CounterEnv] * 2, backend="threads")
+
+
+def test_text_actions_to_any_number_of_envs_are_split_and_checked_without_copies():
+    """A ``send`` to a number of envs not seen before batches a ``Text`` action space as a ``Tuple``
+    of the single space itself (gymnasium's ``batch_space`` deep-copies it per env: tens of ms for
+    one send); the actions are split and checked as before, a bad one named by its env."""
+    import envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+
+    vec = AsyncLLMVectorEnv([lambda: gym.make("asyncvec/GuessNumber-v0", transcript=False)] * 3, batch_size=1)
+    try:
+        vec.async_reset(seed=0)
+        for _ in range(3):
+            vec.recv(timeout=30)
+        vec.send(("5",), [1])
+        vec.send(("3", "9"), [0, 2])
+        assert sorted(int(vec.recv(timeout=30)[4]["env_id"][0]) for _ in range(3)) == [0, 1, 2]
+        for count in (1, 2):
+            batched = vec._batched_action_space(count)
+            assert len(batched.spaces) == count and all(s is vec.single_action_space for s in batched.spaces)
+        with pytest.raises(ValueError, match="env 2"):
+            vec.send(("4", "\u00e9" * 3), [0, 2])  # outside the charset
+        assert vec.in_flight == []  # nothing was sent
+    finally:
+        vec.close()
+
+
+def test_process_transport_wait_reports_the_workers_asked_with_a_ready_reply():
+    """``ProcessTransport.wait`` keeps one poll object across calls (registering only what changed):
+    a ready reply of a worker not asked about is not reported, a read reply no longer is, a wake
+    ends a wait, and a restarted worker's new pipe is watched."""
+    from asyncvec.vector.transport import ProcessBackend, WorkerSpec
+
+    spec = WorkerSpec([CounterEnv] * 3, [[0], [1], [2]], AutoresetMode.NEXT_STEP, None)
+    transport = ProcessBackend().create(spec)
+    try:
+        for worker in range(3):
+            assert transport.await_ready(worker, 60) == (True, None)
+        for worker in (0, 1):
+            transport.send(worker, [(0, "reset", {"seed": worker, "options": None})])
+        ready: set[int] = set()
+        while ready != {0, 1}:
+            ready |= set(transport.wait([0, 1, 2], 30))
+        assert transport.wait([1], 0) == [1]
+        assert transport.wait([0, 2], 0) == [0]
+        assert transport.read(0)[0] is True
+        assert transport.wait([0, 1], 0) == [1]
+        assert transport.read(1)[0] is True
+        assert transport.wait([0, 1, 2], 0.01) == []
+        transport.wake()
+        start = time.monotonic()
+        assert transport.wait([0, 1, 2], 30) == [] and time.monotonic() - start < 10
+        transport.restart(1)
+        assert transport.await_ready(1, 60) == (True, None)
+        transport.send(1, [(0, "reset", {"seed": 3, "options": None})])
+        assert transport.wait([1, 2], 30) == [1]
+        assert transport.read(1)[0] is True
+    finally:
+        transport.close(5.0, terminate=False)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import select
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import wait
 from typing import Any
 
 from gymnasium import Env, Space
@@ -164,6 +164,11 @@ class ProcessTransport(Transport):
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._wake_lock = threading.Lock()  # no write to the descriptor once close() released it
+        # wait() keeps one poll object and registers only the descriptors that changed since its last
+        # call (a wait per env result: building a selector of every busy pipe each time cost more
+        # than the poll itself). poll() holds no kernel state: a closed or reused descriptor is safe.
+        self._poller = select.poll()
+        self._polled: dict[int, int] = {}  # descriptor -> worker, as registered in the poller
         self._ctx = ctx
         self._daemon = daemon
         # Which env each worker is working on: names the env that hung or killed its worker.
@@ -209,14 +214,29 @@ class ProcessTransport(Transport):
             pass  # the next read sees EOF and reports the dead worker
 
     def wait(self, workers: Sequence[int], timeout: float | None) -> list[int]:
-        by_pipe = {self._pipes[w]: w for w in workers}
-        ready = wait([*by_pipe, self._wake_read], timeout=timeout)
-        if self._wake_read in ready:
+        wanted = {self._pipes[w].fileno(): w for w in workers}
+        wanted[self._wake_read] = -1
+        polled, poller = self._polled, self._poller
+        if wanted != polled:
+            for fd in [fd for fd in polled if fd not in wanted]:
+                poller.unregister(fd)
+                del polled[fd]
+            for fd, worker in wanted.items():
+                if polled.get(fd) != worker:
+                    poller.register(fd, select.POLLIN)  # a dead worker's pipe reports POLLHUP: read() sees EOF
+                    polled[fd] = worker
+        events = poller.poll(None if timeout is None else max(timeout, 0.0) * 1000.0)
+        ready = []
+        for fd, _ in events:
+            worker = polled[fd]
+            if worker >= 0:
+                ready.append(worker)
+                continue
             try:
                 os.read(self._wake_read, 4096)  # every wake so far: one return
             except BlockingIOError:
                 pass
-        return [by_pipe[pipe] for pipe in ready if pipe != self._wake_read]
+        return ready
 
     def wake(self) -> None:
         with self._wake_lock:
