@@ -71,11 +71,11 @@ class BoolRewards(SyncVectorEnv):
 
 
 class RepeatsEnvIds(AsyncLLMVectorEnv):
-    """Broken partial batches: every batch also claims env 0."""
+    """Broken partial batches: a batch of two claims its first env twice (whichever envs arrived first)."""
 
     def recv(self, timeout=None):
         obs, rewards, terminations, truncations, info = super().recv(timeout)
-        info["env_id"] = np.concatenate([[0], info["env_id"]])[: len(info["env_id"])]
+        info["env_id"] = np.full_like(info["env_id"], info["env_id"][0])
         return obs, rewards, terminations, truncations, info
 
 
@@ -110,7 +110,7 @@ def test_observations_outside_the_space_are_reported():
 def test_fails_on_repeated_env_ids_in_partial_batches():
     envs = RepeatsEnvIds([partial(CounterEnv)] * 3, batch_size=2)
     try:
-        with pytest.raises(VectorEnvCheckError, match=r"env 0 returned without a send in flight"):
+        with pytest.raises(VectorEnvCheckError, match=r"recv 0: env \d returned without a send in flight"):
             check_vector_env(envs, num_steps=10)
     finally:
         envs.close()
