@@ -851,20 +851,24 @@ class AsyncLLMVectorEnv(VectorEnv):
             if self._state != _LockstepState.DEFAULT:
                 raise AlreadyPendingCallError(f"Calling `send` while waiting for `{self._state.value}`.", self._state.value)
             ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in np.asarray(env_ids).reshape(-1)]
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"env_ids has repeated ids: {ids}")
-            for i in ids:
-                if not 0 <= i < self.num_envs:
-                    raise ValueError(f"env id {i} is out of range [0, {self.num_envs})")
-                if self._slots[i].command is not None:
-                    raise ValueError(
-                        f"env {i} is still busy with its previous send (or its answer was not received with recv() yet)"
-                    )
+            self._check_free(ids)
             for i, action in zip(ids, self._split_actions(actions, ids)):
                 self._send(i, "step", action)
             self._flush()
             if self._recv_waiting:  # called while recv waits in another thread: it watches these envs too
                 self._transport.wake()
+
+    def _check_free(self, ids: list[int]) -> None:
+        """``send``/``send_reset``: each id once, in range, and not still busy."""
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"env_ids has repeated ids: {ids}")
+        for i in ids:
+            if not 0 <= i < self.num_envs:
+                raise ValueError(f"env id {i} is out of range [0, {self.num_envs})")
+            if self._slots[i].command is not None:
+                raise ValueError(
+                    f"env {i} is still busy with its previous send (or its answer was not received with recv() yet)"
+                )
 
     def send_reset(
         self, env_ids: Sequence[int], seeds: Sequence[int | None] | None = None, options: dict[str, Any] | None = None
@@ -887,13 +891,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             seeds = [None] * len(ids) if seeds is None else list(seeds)
             if len(seeds) != len(ids):
                 raise ValueError(f"send_reset: {len(seeds)} seeds for {len(ids)} env ids")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"env_ids has repeated ids: {ids}")
-            for i in ids:
-                if not 0 <= i < self.num_envs:
-                    raise ValueError(f"env id {i} is out of range [0, {self.num_envs})")
-                if self._slots[i].command is not None:
-                    raise ValueError(f"env {i} is still busy with its previous send (or its answer was not received yet)")
+            self._check_free(ids)
             for i, seed in zip(ids, seeds):
                 self._send(i, "reset", {"seed": seed, "options": options})
             self._flush()
