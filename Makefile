@@ -8,8 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Test workers, one per core (more overload the 2 cores: with 3, the suite took 1168 s against 1118 s with 2, the
-# fresh-interpreter lane's vLLM module 667 s against 485 s); tests/conftest.py keeps each module on one worker,
+# Test workers, one per core (more overload the 2 cores: with 3, the suite took 1168 s against 1118 s with 2 and an
+# extra 101 s test, the fresh-interpreter lane's vLLM module 667 s against 485 s); tests/conftest.py keeps each module on one worker,
 # heaviest first. A crashed worker ends the run.
 TEST_WORKERS ?= 2
 
