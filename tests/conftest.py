@@ -70,12 +70,12 @@ FRESH_INTERPRETER_MODULES = (
     "tests/test_vllm_policy.py",
     "tests/test_vla_vllm.py",
 )
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def lane_log(module: str) -> Path:
     """Where the lane writes ``module``'s whole output."""
-    return Path(ROOT) / ".test-logs" / f"{Path(module).stem}.log"
+    return ROOT / ".test-logs" / f"{Path(module).stem}.log"
 
 
 def pytest_addoption(parser):

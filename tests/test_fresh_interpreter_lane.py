@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import FRESH_INTERPRETER_MODULES, ROOT, lane_log
@@ -25,9 +24,8 @@ TAIL_CHARS = 6000
 pytestmark = pytest.mark.timeout(MODULE_TIMEOUT_S * len(FRESH_INTERPRETER_MODULES))
 
 
-def run_module(module: str) -> tuple[int, str, float]:
-    """``python -m pytest module`` from the repository root: (exit code, output, seconds)."""
-    start = time.monotonic()
+def run_module(module: str) -> tuple[int, str]:
+    """``python -m pytest module`` from the repository root: (exit code, output)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", module, "-p", "no:cacheprovider", "--durations=10"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -42,7 +40,7 @@ def run_module(module: str) -> tuple[int, str, float]:
         if proc.poll() is None:  # interrupted (Ctrl-C, the lane's own timeout): leave nothing behind
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return proc.returncode, output, time.monotonic() - start
+    return proc.returncode, output
 
 
 def test_the_modules_that_need_a_fresh_interpreter_pass(request):
@@ -50,12 +48,10 @@ def test_the_modules_that_need_a_fresh_interpreter_pass(request):
         pytest.skip("without --fresh-interpreter-lane these modules are collected as usual")
     failures = []
     for module in FRESH_INTERPRETER_MODULES:
-        code, output, seconds = run_module(module)
+        code, output = run_module(module)
         log = lane_log(module)
         log.parent.mkdir(exist_ok=True)
-        log.write_text(output)
-        summary = output.strip().splitlines()[-1] if output.strip() else "(no output)"
-        print(f"{module}: exit {code} in {seconds:.0f} s: {summary} (log: {log})")
+        log.write_text(output)  # conftest's terminal summary prints its last line
         if code != 0:
             failures.append(f"{module} exited {code} (whole output: {log}):\n{output[-TAIL_CHARS:]}")
     assert not failures, "\n\n".join(failures)

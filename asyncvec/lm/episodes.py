@@ -434,10 +434,7 @@ class EpisodeCollector:
         try:
             target()
         except Exception as exc:  # re-raised in the learner by check() / pop()
-            if not self._stopping.is_set():
-                with self._cond:
-                    self._error = self._error or exc
-                    self._cond.notify_all()
+            self._fail(exc)
 
     def _assign(self, env_ids: list[int]) -> list[int]:
         """Gives each env the next episode slot (opening groups while the quota allows); resets them."""
