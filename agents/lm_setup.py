@@ -30,7 +30,7 @@ from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import load_causal_lm, sft_warm_start
 from asyncvec.lm.chat import Conversation
 from asyncvec.lm.episodes import EpisodeCollector, EpisodeGroups, make_text_vector_env
-from asyncvec.lm.learner import EpisodeBatch
+from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.text_env import check_text_env, text_space
 from asyncvec.rewards import RewardService
 
@@ -130,7 +130,11 @@ class LMArgs:
     eval_prompts: int = 200
     """completions sampled to measure the mean reward before and after training (0: skip)"""
     target_reward: float | None = None
-    """stop once the mean training reward of the last 10 updates reaches this"""
+    """stop once the mean training reward of the last 10 updates reaches this and a batch sampled
+    entirely by the final weights confirms it (see --target-tolerance)"""
+    target_tolerance: float = 0.1
+    """a confirming batch (prompts_per_update groups, not trained on) must reach --target-reward less
+    this; one that falls short is trained on and training goes on"""
     timeout_s: float = 120.0
     """longest wait for a batch of groups before the run fails (it never hangs)"""
     seed: int = 1
@@ -166,7 +170,7 @@ class LMArgs:
         _check_int("group_size", self.group_size, 2)
         for name in ("is_cap", "reward_timeout_s", "timeout_s", "learning_rate", "max_grad_norm"):
             _check_number(name, getattr(self, name), positive=True)
-        for name in ("kl_coef", "temperature", "policy_wait_ms"):
+        for name in ("kl_coef", "temperature", "policy_wait_ms", "target_tolerance"):
             _check_number(name, getattr(self, name), positive=False)
         if self.deadline_ms is not None:
             _check_number("deadline_ms", self.deadline_ms, positive=True)
@@ -752,6 +756,9 @@ class LMTrainResult:
     history: list[dict] = field(default_factory=list)
     eval_details: list[dict[str, float]] = field(default_factory=list)
     """multi-turn envs: each evaluation's reward, success rate and mean turns (before, after)"""
+    target_confirmations: list[float] = field(default_factory=list)
+    """``--target-reward``: the mean reward of each batch sampled by the final weights of the
+    moment to confirm it (the last one confirmed it when ``reached_target``)"""
 
     @classmethod
     def from_run(
@@ -796,6 +803,43 @@ def target_reached(reward_curve: list[float], target: float | None) -> bool:
     return target is not None and len(recent) == TARGET_WINDOW and float(np.mean(recent)) >= target
 
 
+@dataclass
+class TargetCheck:
+    """What :func:`confirm_target` found: ``batch`` (None once the budget ran out) is the batch
+    sampled entirely by the current weights, ``reward`` its mean reward, ``popped`` the prompts
+    (groups) it took, older batches dropped on the way included."""
+
+    confirmed: bool
+    batch: Any | None
+    reward: float
+    popped: int
+
+
+def confirm_target(parts: LMParts, args: LMArgs, prompts_left: int) -> TargetCheck:
+    """After :func:`target_reached`: whether a batch sampled entirely by the current weights (no
+    update in between) reaches ``args.target_reward - args.target_tolerance``.
+
+    Why: the training reward of an update is that of weights an update or two older (async mode
+    samples ahead of the learner), so one bad last update would go unseen. Batches holding older
+    samples (in flight when the weights changed) are popped and dropped on the way; the run trains
+    on a batch that falls short.
+    """
+    current = parts.versions.current_version
+    popped = 0
+    while prompts_left - popped >= args.prompts_per_update:
+        if args.mode == "sync":
+            parts.collector.submit(args.prompts_per_update)
+        batch = parts.collector.pop(args.prompts_per_update, args.timeout_s)
+        popped += args.prompts_per_update
+        if int(np.max(batch.staleness(current), initial=0)) == 0:
+            if parts.multi_turn:
+                reward = EpisodeBatch.from_episodes(batch, current, max_staleness=0).info["reward"]
+            else:
+                reward = LMBatch.from_groups(batch, parts.tokenizer, current, max_staleness=0).info["reward"]
+            return TargetCheck(reward >= args.target_reward - args.target_tolerance, batch, reward, popped)
+    return TargetCheck(False, None, float("nan"), popped)
+
+
 def eval_line(before: float, after: float) -> str:
     """The summary's eval line; an evaluation that was not run (nan: ``--eval-prompts 0``) says so.
 
@@ -824,4 +868,9 @@ def summary(name: str, result: LMTrainResult) -> str:
     ) + "".join(
         f"\n  eval {when}: success {d['success']:.3f}, mean turns {d['turns_mean']:.2f}"
         for when, d in zip(("before RL", "after RL"), result.eval_details)
+    ) + (
+        f"\n  target {'reached' if result.reached_target else 'not confirmed'}: batches sampled by the final "
+        f"weights of the moment scored [{', '.join(f'{r:.2f}' for r in result.target_confirmations)}]"
+        if result.target_confirmations
+        else ""
     )

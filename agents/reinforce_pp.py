@@ -41,7 +41,16 @@ import torch
 import tyro
 
 from agents.common import seed_everything
-from agents.lm_setup import LMArgs, LMTrainResult, batch_sizes, build_parts, mean_reward, summary, target_reached
+from agents.lm_setup import (
+    LMArgs,
+    LMTrainResult,
+    batch_sizes,
+    build_parts,
+    confirm_target,
+    mean_reward,
+    summary,
+    target_reached,
+)
 from asyncvec.buffers import GroupBatch
 from asyncvec.lm import EpisodeBatch, EpisodeGroups, LMBatch, minibatch_updates, quiet_model_libraries
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages, truncated_importance_weights
@@ -202,6 +211,7 @@ class ReinforcePP:
             hparams=asdict(args),
         )
         history: list[dict] = []
+        confirmations: list[float] = []
         reached = False
         try:
             eval_before = self.evaluate(args.eval_prompts)
@@ -209,14 +219,18 @@ class ReinforcePP:
             if args.mode == "async":  # generation runs ahead while the learner trains
                 self.collector.start(args.total_prompts, ahead=args.prefetch_updates * args.prompts_per_update)
             prompts_done = 0
-            while prompts_done < args.total_prompts:
-                num = min(args.prompts_per_update, args.total_prompts - prompts_done)
-                if args.mode == "sync":
-                    self.collector.submit(num)
+            pending = None  # a batch that failed to confirm the target, trained on next
+            while prompts_done < args.total_prompts or pending is not None:
                 waited = time.monotonic()
-                groups = self.collector.pop(num, args.timeout_s)
+                if pending is None:
+                    num = min(args.prompts_per_update, args.total_prompts - prompts_done)
+                    if args.mode == "sync":
+                        self.collector.submit(num)
+                    groups = self.collector.pop(num, args.timeout_s)
+                    prompts_done += num
+                else:
+                    groups, pending = pending, None
                 learned = time.monotonic()
-                prompts_done += num
                 stats = self.update(groups)
                 published = time.monotonic()
                 if stats["samples_used"]:  # no step, no new version
@@ -236,8 +250,14 @@ class ReinforcePP:
                 history.append(row)
                 logger.log(row, prompts_done)
                 if target_reached([r["reward"] for r in history], args.target_reward):
-                    reached = True
-                    break
+                    check = confirm_target(self.parts, args, args.total_prompts - prompts_done)
+                    prompts_done += check.popped
+                    confirmations.append(check.reward)
+                    logger.log({"charts/target_confirm_reward": check.reward}, prompts_done)
+                    if check.confirmed or check.batch is None:
+                        reached = check.confirmed
+                        break
+                    pending = check.batch
             wall = time.monotonic() - start
             self.collector.stop()
             eval_after = self.evaluate(args.eval_prompts)
@@ -257,7 +277,7 @@ class ReinforcePP:
             (self.parts.start_version, self.versions.current_version),
             reached,
         )
-        result.eval_details = eval_details
+        result.eval_details, result.target_confirmations = eval_details, confirmations
         return result
 
     def close(self) -> None:

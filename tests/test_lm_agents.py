@@ -2,6 +2,7 @@
 advantages and losses against explicit computations, stale/flagged sample handling, weight
 publishing, bad input, an `asyncvec serve` backend, clean shutdown."""
 
+import dataclasses
 import doctest
 import math
 import time
@@ -365,6 +366,52 @@ def test_each_update_publishes_a_version_the_policy_answers_with(tiny_dir):
         )
     ).train()
     assert [row["charts/version"] for row in result.history] == [1, 2, 3] and result.final_version == 3
+
+
+
+# ------------------------------------------------------------------------------ --target-reward
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_target_is_confirmed_by_a_batch_of_the_current_weights_only(tiny_dir, mode):
+    args = rloo.Args(model=str(tiny_dir), group_size=2, prompts_per_update=2, **{**QUIET, "mode": mode})
+    with rloo.RLOO(args) as agent:
+        if mode == "async":
+            agent.collector.start(100, ahead=2)
+        for _ in range(2):  # two versions; in async mode the groups in flight meanwhile are older
+            agent.update(agent.collector.pop(2, timeout=60) if mode == "async" else agent.collector.collect(2, 60))
+            agent.publish()
+        check = lm_setup.confirm_target(agent.parts, dataclasses.replace(args, target_reward=2.0), prompts_left=100)
+        # rewards are 0 or 1: 2.0 less the default tolerance 0.1 cannot be reached; the batch is returned to train on
+        assert not check.confirmed and 0 <= check.reward <= 1 and check.popped >= 2
+        assert (check.batch.staleness(agent.versions.current_version) == 0).all()
+        if mode == "sync":
+            assert check.popped == 2  # nothing in flight: the first batch is the current weights'
+        assert lm_setup.confirm_target(agent.parts, dataclasses.replace(args, target_reward=0.0), 100).confirmed
+        ran_out = lm_setup.confirm_target(agent.parts, args, prompts_left=1)  # less than prompts_per_update left
+        assert ran_out.batch is None and ran_out.popped == 0 and not ran_out.confirmed
+
+
+def test_a_run_stops_only_once_a_batch_of_the_final_weights_confirms_the_target(tiny_dir, monkeypatch):
+    calls = []
+
+    def first_falls_short(*args, **kwargs):  # the real check; its first verdict turned into a miss
+        check = lm_setup.confirm_target(*args, **kwargs)
+        calls.append(check)
+        return dataclasses.replace(check, confirmed=False) if len(calls) == 1 else check
+
+    monkeypatch.setattr(rloo, "confirm_target", first_falls_short)
+    args = rloo.Args(
+        model=str(tiny_dir), group_size=2, prompts_per_update=2, total_prompts=80, target_reward=-1.0,
+        **{**QUIET, "mode": "async"},
+    )  # fmt: skip
+    result = rloo.RLOO(args).train()
+    # 10 updates reach the (trivial) target; the first confirming batch is made to fall short and is
+    # trained on (update 11); the second confirms it
+    assert result.updates == 11 and result.reached_target and len(calls) == 2
+    assert result.target_confirmations == [c.reward for c in calls]
+    assert "target reached: batches sampled by the final weights" in lm_setup.summary("RLOO", result)
+    budget = rloo.Args(model=str(tiny_dir), group_size=2, prompts_per_update=2, total_prompts=20, target_reward=-1.0, **QUIET)
+    short = rloo.RLOO(budget).train()  # the target is reached on the last prompts: none are left to confirm it
+    assert short.updates == 10 and not short.reached_target and math.isnan(short.target_confirmations[0])
 
 
 @pytest.fixture(scope="module")
