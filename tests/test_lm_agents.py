@@ -391,14 +391,14 @@ def test_the_target_is_confirmed_by_a_batch_of_the_current_weights_only(tiny_dir
 
 
 def test_a_run_stops_only_once_a_batch_of_the_final_weights_confirms_the_target(tiny_dir, monkeypatch):
-    calls = []
+    calls, real_check = [], lm_setup.confirm_target
 
     def first_falls_short(*args, **kwargs):  # the real check; its first verdict turned into a miss
-        check = lm_setup.confirm_target(*args, **kwargs)
+        check = real_check(*args, **kwargs)
         calls.append(check)
         return dataclasses.replace(check, confirmed=False) if len(calls) == 1 else check
 
-    monkeypatch.setattr(rloo, "confirm_target", first_falls_short)
+    monkeypatch.setattr(lm_setup, "confirm_target", first_falls_short)
     args = rloo.Args(
         model=str(tiny_dir), group_size=2, prompts_per_update=2, total_prompts=80, target_reward=-1.0,
         **{**QUIET, "mode": "async"},
