@@ -66,7 +66,9 @@ def test_restarts_in_place_on_ray(cluster, tmp_path):
     """
     clean = partial(CounterEnv, max_len=50)
     fns = [clean] + [partial(FaultyEnv, fault, at, str(tmp_path / f"{fault}-once"), max_len=50) for fault, at in (("kill", 2), ("hang", 4))]
-    envs = AsyncLLMVectorEnv(fns, backend="ray", max_restarts=1, step_timeout=2.0)
+    # step_timeout: long enough for Ray to report the killed actor on a loaded machine (with 2 s, `make test` once
+    # saw the kill reported as a StepTimeout); the hang costs it once
+    envs = AsyncLLMVectorEnv(fns, backend="ray", max_restarts=1, step_timeout=8.0)
     reference = SyncVectorEnv([clean] * 3)
     try:
         pids = envs.worker_pids
