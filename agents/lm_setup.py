@@ -1076,8 +1076,8 @@ def summary(name: str, result: LMTrainResult) -> str:
         f"\n  eval {when}: success {d['success']:.3f}, mean turns {d['turns_mean']:.2f}"
         for when, d in zip(("before RL", "after RL"), result.eval_details)
     ) + (
-        f"\n  target {'reached' if result.reached_target else 'not confirmed'}: batches sampled by the final "
-        f"weights of the moment scored [{', '.join(f'{r:.2f}' for r in result.target_confirmations)}]"
+        f"\n  target {'reached' if result.reached_target else 'not confirmed'} (checked on batches sampled by the "
+        f"weights of the moment: [{', '.join(f'{r:.2f}' for r in result.target_confirmations)}])"
         if result.target_confirmations
         else ""
     )

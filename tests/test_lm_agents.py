@@ -408,7 +408,7 @@ def test_a_run_stops_only_once_a_batch_of_the_final_weights_confirms_the_target(
     # trained on (update 11); the second confirms it
     assert result.updates == 11 and result.reached_target and len(calls) == 2
     assert result.target_confirmations == [c.reward for c in calls]
-    assert "target reached: batches sampled by the final weights" in lm_setup.summary("RLOO", result)
+    assert "target reached (checked on batches sampled by the weights of the moment: [" in lm_setup.summary("RLOO", result)
     budget = rloo.Args(model=str(tiny_dir), group_size=2, prompts_per_update=2, total_prompts=20, target_reward=-1.0, **QUIET)
     short = rloo.RLOO(budget).train()  # the target is reached on the last prompts: none are left to confirm it
     assert short.updates == 10 and not short.reached_target and math.isnan(short.target_confirmations[0])
