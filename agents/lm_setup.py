@@ -6,6 +6,7 @@ record. The loops live in the agent files; the machinery they drive lives in the
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import importlib
@@ -845,7 +846,7 @@ def confirm_target(parts: LMParts, args: LMArgs, prompts_left: int) -> TargetChe
 
 
 # ------------------------------------------------------------------------------------ the agents' loop
-class LMAgent:
+class LMAgent(abc.ABC):
     """What RLOO and REINFORCE++ share: the parts (:func:`build_parts`), one update on complete
     groups (truncated importance weights against the behavior log-probs, then the agent's loss),
     publishing, evaluation and the training loop. An agent sets ``name`` and ``min_group_samples``
@@ -873,13 +874,13 @@ class LMAgent:
         self.policy, self.versions, self.collector = self.parts.policy, self.parts.versions, self.parts.collector
         self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
 
+    @abc.abstractmethod
     def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
         """``[N, L]`` advantages of ``data``'s tokens (0 off the mask)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def policy_loss(self, logp, prox_logp, advantages, weights, mask):
         """``(loss, stats)`` of a minibatch's rows."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ one update
     def prepare(self, groups: GroupBatch | EpisodeGroups) -> LMBatch | EpisodeBatch:
