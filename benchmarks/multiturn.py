@@ -18,15 +18,19 @@ run's batcher holds a lone turn up to ``--hold-ms`` (8 ms) for a second one (``D
 two) and sends two or more at once (``--max-wait-ms 0``); lockstep keeps ``max_wait_ms=1`` and no
 hold (it submits all its turns at once).
 
-The bound on async episodes/s, from stage times (``c(B)``: the mean of ``--stage-calls`` timed
-model calls of B prompts, B = 1..N, K at once as in the runs, measured before and after the runs;
-each ``c(B)`` is the cheapest of those two and, for sizes of 20 or more calls in the async run,
-of what its calls paid there: load from other processes only makes a stage dearer, and a cheaper
-stage only raises the bound; ``E[L]``: the mean latency the async run's env steps drew, replayed from
-their reset seeds, plus a timed step's overshoot over its draw; ``E[T]``: the mean turns per
-episode of the async run). A call's cost grows with its batch (it waits for the batch's longest
-completion), so a turn cannot have both the latency of a call of one and the engine's
-throughput with calls of N. Whatever the schedule, with ``x_B`` turns/s served in calls of B::
+The bound on async episodes/s, from stage times (``c(B)``: the mean cost of a model call of B
+prompts. A call's time is mostly its draw, the longest of its completions, so c(B) is not the mean
+time of some timed calls of B (1.2-1.4 ms off with 60 of them, and the bound picked the luckiest
+sizes): ``--stage-calls`` timed calls of each size B = 1..N, K at once as in the runs, measured
+before and after the runs, and the async run's own calls give a fit of a call's time on its
+longest completion (`fit_call_cost`), taken at the mean longest completion of B drawn from the
+async run's completions (`expected_longest`); each ``c(B)`` is the cheapest of the fits before,
+after and (for sizes of 20 or more calls) in the async run: load from other processes only makes
+a stage dearer, and a cheaper stage only raises the bound; ``E[L]``: the mean latency the async
+run's env steps drew, replayed from their reset seeds, plus a timed step's overshoot over its
+draw; ``E[T]``: the mean turns per episode of the async run). A call's cost grows with its batch
+(it waits for the batch's longest completion), so a turn cannot have both the latency of a call
+of one and the engine's throughput with calls of N. Whatever the schedule, with ``x_B`` turns/s served in calls of B::
 
     sum_B x_B c(B) / B      <= K     the engine: at most K calls run at once
     sum_B x_B (c(B) + E[L]) <= N     the envs: each turn waits at least for its call and its step
@@ -136,8 +140,8 @@ class SimulatedLM(TextPolicy):
         self.a_ms, self.per_token_ms, self.median_tokens = a_ms, per_token_ms, median_tokens
         self.max_number = max_number
         self.rng = np.random.default_rng(seed)
-        self.calls: list[tuple[int, float]] = []
-        """(batch size, seconds) of every call"""
+        self.calls: list[tuple[int, int, float]] = []
+        """(batch size, longest completion in tokens, seconds) of every call"""
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         started = time.perf_counter()
@@ -152,7 +156,7 @@ class SimulatedLM(TextPolicy):
         for text in texts:
             ids = self.tokenizer(text).input_ids
             results.append(self._text_result(text, ids, [-1.0] * len(ids)))
-        self.calls.append((len(prompts), time.perf_counter() - started))
+        self.calls.append((len(prompts), max(map(len, texts)), time.perf_counter() - started))
         return results
 
     def _apply_weights(self, weights: Any, version: int) -> None:
@@ -182,22 +186,60 @@ def make_policy(args: Args, hold: bool = False) -> SimulatedLM:
     )  # fmt: skip
 
 
-def measure_stages(args: Args) -> dict[str, Any]:
-    """``c(B)`` for B = 1..N (mean of ``--stage-calls`` timed model calls, ``--inflight-batches`` at
-    once as in the runs) and the env step's overhead over its drawn latency (timed env steps).
+def fit_call_cost(calls: list[tuple[int, int, float]]) -> np.ndarray:
+    """Least squares ``seconds = a + b * longest + d * size`` over timed calls ``(size, longest, seconds)``:
+    what a call costs once its completions are drawn (``d``: per-prompt work around the decoding).
 
-    A call's cost depends on the completion lengths it draws, so ``c(B)`` is a mean over many calls:
-    with 20 calls of one seed the means were 2-4 ms off their expectation, and the bound picked the
-    sizes whose draws were lucky."""
+    Example:
+        >>> calls = [(s, n, 0.02 + 0.002 * n + 0.0001 * s) for s in (1, 2, 4) for n in (3, 5, 9)]
+        >>> np.round(fit_call_cost(calls) * 1000, 3).tolist()
+        [20.0, 2.0, 0.1]
+    """
+    sizes, longest, seconds = (np.asarray(column, dtype=float) for column in zip(*calls, strict=True))
+    design = np.column_stack([np.ones_like(sizes), longest, sizes])
+    return np.linalg.lstsq(design, seconds, rcond=None)[0]
+
+
+def expected_longest(lengths: list[int], sizes: range, draws: int = 20000, seed: int = 0) -> dict[int, float]:
+    """Mean longest completion of a call of B prompts, for each B in ``sizes``: B lengths drawn at a
+    time from ``lengths`` (the completions of a run), as pipeline.py computes ``E[max_N L]``.
+
+    Example:
+        >>> expected_longest([2, 2, 2], range(1, 3))
+        {1: 2.0, 2: 2.0}
+    """
+    rng, pool = np.random.default_rng(seed), np.asarray(lengths)
+    return {b: float(pool[rng.integers(0, len(pool), (draws, b))].max(axis=1).mean()) for b in sizes}
+
+
+def call_costs(fit: np.ndarray, longest: dict[int, float]) -> dict[int, float]:
+    """``c(B) = a + b * E[longest of B] + d * B`` (see `fit_call_cost`, `expected_longest`)."""
+    a, per_token, per_prompt = fit
+    return {size: float(a + per_token * n + per_prompt * size) for size, n in longest.items()}
+
+
+def measure_stages(args: Args) -> dict[str, Any]:
+    """Timed model calls of B = 1..N prompts (``--stage-calls`` each, ``--inflight-batches`` at once
+    as in the runs), their cost fitted against their longest completion (`fit_call_cost`), and the
+    env step's overhead over its drawn latency (timed env steps).
+
+    Why a fit and not the mean time of the calls of each size: a call's time is mostly its draw (the
+    longest of its completions: 9-11 ms of standard deviation per call here), so the mean of 60
+    calls of one size is 1.2-1.4 ms off its expectation, and a bound that takes the cheapest of
+    several such means, and the best of 16 sizes, picks lucky draws (a simulation of that estimator
+    put the bound 1.7% high on average; docs/benchmarks.md). Given its longest completion,
+    a call's time varies by a fraction of a millisecond, so the fit is exact to a few
+    microseconds; the draws then come from the run itself (`expected_longest`)."""
     with make_policy(args) as policy, ThreadPoolExecutor(args.inflight_batches) as pool:
         prompts = [TextPrompt((5, 6, 7), max_new_tokens=args.max_new_tokens)] * args.num_envs
 
-        def timed_call(batch: int) -> float:
+        def timed_call(batch: int) -> tuple[int, int, float]:
             start = time.perf_counter()
-            policy.forward_batch(prompts[:batch])
-            return time.perf_counter() - start
+            results = policy.forward_batch(prompts[:batch])
+            return batch, max(len(r.token_ids or ()) for r in results), time.perf_counter() - start
 
-        calls = {b: statistics.mean(pool.map(timed_call, [b] * args.stage_calls)) for b in range(1, args.num_envs + 1)}
+        timed = list(pool.map(timed_call, [b for b in range(1, args.num_envs + 1) for _ in range(args.stage_calls)]))
+    means = {b: statistics.mean(s for size, _, s in timed if size == b) for b in range(1, args.num_envs + 1)}
     env = make_env(args, 10**6)()
     env.reset(seed=0)
     steps, drawn = [], []
@@ -210,7 +252,7 @@ def measure_stages(args: Args) -> dict[str, Any]:
             env.reset()
     env.close()
     overhead = statistics.mean(steps) - statistics.mean(drawn)  # sleep overshoot and the step itself
-    return {"call_s": calls, "env_overhead_s": overhead}
+    return {"fit": fit_call_cost(timed), "mean_call_s": means, "env_overhead_s": overhead}
 
 
 def drawn_latencies_s(args: Args, episodes: list[Episode]) -> list[float]:
@@ -280,9 +322,9 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
     cycle = args.num_envs / turns_per_s  # each env's time per turn
     env_seen = float(np.mean([t.env_latency_s for t in steps]))
     answered = float(np.mean([t.policy_latency_s for t in steps]))  # submit to answer
-    call = sum(n * s for n, s in calls) / max(sum(n for n, _ in calls), 1)  # a turn's model call (its batch's)
+    call = sum(n * s for n, _, s in calls) / max(sum(n for n, _, _ in calls), 1)  # a turn's model call (its batch's)
     by_size: dict[int, list[float]] = {}
-    for size, seconds in calls:
+    for size, _, seconds in calls:
         by_size.setdefault(size, []).append(seconds)
     return {
         "drawn_env_s": float(np.mean(drawn_latencies_s(args, episodes))),
@@ -297,7 +339,9 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
         "call_ms": call * 1000,
         "wait_ms": (answered - call) * 1000,
         "rest_ms": (cycle - env_seen - answered) * 1000,
-        "slots_busy": sum(s for _, s in calls) / (args.inflight_batches * elapsed),
+        "slots_busy": sum(s for _, _, s in calls) / (args.inflight_batches * elapsed),
+        "calls": calls,
+        "completion_lengths": [len(t.completion_ids) for t in steps],
     }
 
 
@@ -316,15 +360,25 @@ def main(args: Args) -> dict[str, Any]:
     results = {"sync (turn-level lockstep)": run_mode(args, lockstep=True), "async (per env)": run_mode(args, False)}
     after = measure_stages(args)
     sync, asyn = results["sync (turn-level lockstep)"], results["async (per env)"]
-    # each stage at its cheaper measurement: load from other processes only makes a stage dearer,
-    # and a cheaper stage only raises the bound
+    # c(B): a call's cost given its longest completion, fitted before the runs, after them and, for the
+    # sizes of 20 or more calls, on the async run's own calls; each at the cheapest of these fits (load
+    # from other processes only makes a stage dearer, and a cheaper stage only raises the bound), at the
+    # longest completion of B drawn from the async run's completions
+    longest = expected_longest(asyn["completion_lengths"], range(1, args.num_envs + 1))
+    fitted = {"before": call_costs(before["fit"], longest), "after": call_costs(after["fit"], longest)}
+    paid_sizes = [size for size, (_, count) in asyn["call_by_size_s"].items() if count >= 20]
+    in_run = call_costs(fit_call_cost(asyn["calls"]), {b: longest[b] for b in paid_sizes}) if paid_sizes else {}
     stages = {
-        "call_s": {b: min(before["call_s"][b], after["call_s"][b]) for b in before["call_s"]},
+        "call_s": {b: min(fitted["before"][b], fitted["after"][b], in_run.get(b, np.inf)) for b in longest},
         "env_overhead_s": min(before["env_overhead_s"], after["env_overhead_s"]),
-    }
-    for size, (paid, count) in asyn["call_by_size_s"].items():  # and no dearer than the async run paid it
-        if count >= 20:
-            stages["call_s"][size] = min(stages["call_s"][size], paid)
+        "fits_ms": {name: np.round(fit * 1000, 4).tolist() for name, fit in
+                    (("before", before["fit"]), ("after", after["fit"]), ("async run", fit_call_cost(asyn["calls"])))},
+    }  # fmt: skip
+    # the earlier estimator, printed beside it: the mean time of the timed calls of each size, the
+    # cheapest of before, after and what the async run paid (biased high by the draws; see measure_stages)
+    mean_call_s = {b: min(before["mean_call_s"][b], after["mean_call_s"][b]) for b in longest}
+    for size in paid_sizes:
+        mean_call_s[size] = min(mean_call_s[size], asyn["call_by_size_s"][size][0])
     stages["c1_s"], stages["cN_s"] = stages["call_s"][1], stages["call_s"][args.num_envs]
     turns = asyn["mean_turns"]
     n, k = args.num_envs, args.inflight_batches
@@ -332,6 +386,7 @@ def main(args: Args) -> dict[str, Any]:
     env_s = stages["env_s"] = asyn["drawn_env_s"] + stages["env_overhead_s"]
     bound_turns, how = fluid_bound(stages["call_s"], env_s, n, k)
     bound = bound_turns / turns
+    means_bound = fluid_bound(mean_call_s, env_s, n, k)[0] / turns
     old_bound = min(n / (turns * (stages["c1_s"] + env_s)), k * n / (turns * stages["cN_s"]))
     rows = [
         [name, row["episodes_per_s"], row["turns_per_s"], row["mean_turns"], row["mean_batch"],
@@ -352,17 +407,22 @@ def main(args: Args) -> dict[str, Any]:
     )  # fmt: skip
     costs = ", ".join(f"c({b}) = {c * 1000:.1f}" for b, c in stages["call_s"].items() if b in (1, 2, 4, 8, n))
     paid = ", ".join(
-        f"{b}: {m * 1000:.1f} ms ({c} calls; measured {min(before['call_s'][b], after['call_s'][b]) * 1000:.1f})"
+        f"{b}: {m * 1000:.1f} ms ({c} calls; c({b}) {stages['call_s'][b] * 1000:.1f})"
         for b, (m, c) in asyn["call_by_size_s"].items() if b <= 4
     )  # fmt: skip
+    fits = "; ".join(f"{name} {a:.2f} + {b:.3f} x longest + {d:.3f} x B ms" for name, (a, b, d) in stages["fits_ms"].items())
     stage_line = (
-        f"stages (each the cheapest of its measurements before and after the runs and, for sizes of 20 or "
-        f"more calls in the async run, what they paid there): {costs} ms ({args.stage_calls} calls "
-        f"each, {k} at once), E[L] = {env_s * 1000:.1f} ms "
+        f"stages: c(B), a call's cost fitted on its longest completion ({fits}; {args.stage_calls} timed calls of "
+        f"each size before and after the runs, {k} at once, and the async run's calls), at the mean longest "
+        f"completion of B drawn from the async run's completions, each the cheapest of those fits: {costs} ms; "
+        f"E[L] = {env_s * 1000:.1f} ms "
         f"(the async run's drawn latencies {asyn['drawn_env_s'] * 1000:.1f} ms + a timed step's overshoot "
         f"{stages['env_overhead_s'] * 1000:.2f} ms), E[T] = {turns:.2f} turns; "
-        f"async bound {bound:.2f} episodes/s ({bound_turns:.0f} turns/s: {how}); the earlier bound formula "
-        f"(c(1) latency with c({n}) throughput) gives {old_bound:.2f}; the async run's calls by size paid {paid}"
+        f"async bound {bound:.2f} episodes/s ({bound_turns:.0f} turns/s: {how}; async "
+        f"{asyn['episodes_per_s'] / bound:.3f} of it); the earlier bound formula "
+        f"(c(1) latency with c({n}) throughput) gives {old_bound:.2f}; c(B) as the mean time of the timed calls of "
+        f"each size (the estimator before 2026-12-02, biased high by the draws) gives {means_bound:.2f} "
+        f"(async {asyn['episodes_per_s'] / means_bound:.3f} of it); the async run's calls by size paid {paid}"
     )
     print(f"\n{table}\n\n{stage_table}\n\n{stage_line}", flush=True)
     fig, ax = new_figure(width=6.0)
@@ -375,7 +435,7 @@ def main(args: Args) -> dict[str, Any]:
         "multiturn", f"{table}\n\n{stage_table}", fig, out_dir=args.out_dir,
         command="python benchmarks/multiturn.py", notes=f"{setting}.\n\n{stage_line}.",
     )  # fmt: skip
-    return {"results": results, "stages": stages, "bound": bound, "old_bound": old_bound}
+    return {"results": results, "stages": stages, "bound": bound, "old_bound": old_bound, "means_bound": means_bound}
 
 
 if __name__ == "__main__":
