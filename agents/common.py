@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import difflib
 import functools
 import importlib
 import random
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +21,7 @@ from gymnasium.vector import AutoresetMode
 
 import envs as _example_envs  # noqa: F401  (registers the asyncvec/ ids)
 from asyncvec import AsyncLLMVectorEnv
+from asyncvec.extras import MissingExtraError
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
 from envs.slow import SlowEnv
 
@@ -311,12 +314,25 @@ def final_return_text(final_return: float, last: int) -> str:
     return f"final return (last {last} episodes) {final_return:.1f}"
 
 
+@contextlib.contextmanager
+def exit_on_missing_extra(name: str) -> Iterator[None]:
+    """The agents' command lines: a missing optional library (`MissingExtraError`) ends the run with
+    its one-line message, ``{name}: ... install it with: pip install 'asyncvec[...]'``, and exit code
+    1, not a traceback."""
+    try:
+        yield
+    except MissingExtraError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], log_path: Callable[[Any], Path],
-                 checkpoint_path: Callable[[Any], Path | None], saves: str, track: bool, log_dir: str) -> Any | None:
+                 checkpoint_path: Callable[[Any], Path | None], saves: str, track: bool, log_dir: str,
+                 name: str) -> Any | None:  # fmt: skip
     """The agents' command line: builds the agent, trains it, prints ``summary(result)`` and where the
     logs and the checkpoint went. Ctrl-C stops the run cleanly (``train`` closes envs, workers and
     threads) and says at which step and where its checkpoint is. ``saves`` says when a checkpoint is
-    written (e.g. "after every update")."""
+    written (e.g. "after every update"); a missing extra ends it in one line (`exit_on_missing_extra`)."""
 
     def checkpoint_line(agent: Any) -> str:
         path = checkpoint_path(agent) if agent is not None else None
@@ -326,8 +342,9 @@ def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], log_pa
 
     agent = None
     try:
-        agent = build()
-        result = agent.train()
+        with exit_on_missing_extra(name):
+            agent = build()
+            result = agent.train()
     except KeyboardInterrupt:
         step = agent.global_step if agent is not None else 0
         print(f"\nstopped at step {step}, checkpoint at {checkpoint_line(agent)}")

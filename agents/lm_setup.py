@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from agents.common import LaggedWeights, check_env_id, seed_everything
-from asyncvec import VersionManager, rewards
+from asyncvec import VersionManager, inference, rewards
 from asyncvec.buffers import GroupBatch
+from asyncvec.extras import check_installed
 from asyncvec.group_collector import GroupCollector, score_completions
-from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import load_causal_lm, minibatch_updates, quiet_model_libraries, sft_warm_start
 from asyncvec.lm.chat import Conversation
 from asyncvec.lm.episodes import EpisodeCollector, EpisodeGroups, make_text_vector_env
@@ -341,7 +341,7 @@ def prepare_model(args: LMArgs, workdir: Path) -> Path:
         >>> prepare_model(LMArgs(sft_steps=2), Path(tempfile.mkdtemp())).name
         'sft'
     """
-    model_dir = Path(args.model) if args.model else build_tiny_lm(workdir / "tiny-lm", seed=args.seed)
+    model_dir = Path(args.model) if args.model else inference.build_tiny_lm(workdir / "tiny-lm", seed=args.seed)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)")
     if not args.sft_steps:
@@ -402,6 +402,7 @@ def make_text_policy(
 
     Example:
         >>> import tempfile
+        >>> from asyncvec.inference import build_tiny_lm
         >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
         >>> env = make_prompt_env("asyncvec/SingleDigitSums-v0")
         >>> with make_text_policy(LMArgs(max_new_tokens=2), folder, env.action_space) as policy:
@@ -597,7 +598,7 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
             if not model_dir.is_dir():
                 raise FileNotFoundError(f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)")
         else:  # conversations need a longer context than one-step prompts
-            model_dir = build_tiny_lm(workdir / "tiny-lm", seed=args.seed, max_positions=512)
+            model_dir = inference.build_tiny_lm(workdir / "tiny-lm", seed=args.seed, max_positions=512)
         if args.sft_steps:
             model, tokenizer = load_causal_lm(model_dir)  # the context as HFTextPolicy reads it
             examples = expert_conversations(args, tokenizer, getattr(model.config, "max_position_embeddings", None))
@@ -862,6 +863,7 @@ class LMAgent(abc.ABC):
         """``policy``: a text policy to sample from instead of one built from ``--backend`` (it
         stays open after the run); the learner's starting weights are published to it first."""
         self.args = args
+        check_installed("transformers", extra="hf", feature=f"agents/{self.name}.py (its learner is a transformers model)")
         seed_everything(args.seed)
         if args.backend != "vllm":  # an in-process vLLM engine on the CPU binds the torch threads itself
             torch.set_num_threads(args.torch_threads)

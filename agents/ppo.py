@@ -656,7 +656,7 @@ def main(args: Args) -> TrainResult | None:
             + (f", reached the target after {result.reached_target_s:.1f} s" if result.reached_target_s is not None else "")
         ),
         log_path=lambda agent: agent.log_path, checkpoint_path=lambda agent: agent.checkpoint_path,
-        saves="after every update", track=args.track, log_dir=args.log_dir,
+        saves="after every update", track=args.track, log_dir=args.log_dir, name="PPO",
     )
 
 

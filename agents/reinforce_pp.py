@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import tyro
 
+from agents.common import exit_on_missing_extra
 from agents.lm_setup import LMAgent, LMArgs, LMTrainResult, summary
 from asyncvec.lm import EpisodeBatch, LMBatch
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
@@ -105,4 +106,6 @@ def train(args: Args) -> LMTrainResult:
 
 if __name__ == "__main__":
     args = tyro.cli(Args)
-    print(summary("REINFORCE++" + ("-baseline" if args.baseline else ""), train(args)))
+    name = "REINFORCE++" + ("-baseline" if args.baseline else "")
+    with exit_on_missing_extra(name):
+        print(summary(name, train(args)))

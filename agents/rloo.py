@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import tyro
 
+from agents.common import exit_on_missing_extra
 from agents.lm_setup import LMAgent, LMArgs, LMTrainResult, summary
 from asyncvec.lm import EpisodeBatch, LMBatch
 from asyncvec.losses import approx_kl, kl_penalized_rewards, masked_mean, rloo_advantages
@@ -93,4 +94,6 @@ def train(args: Args) -> LMTrainResult:
 
 
 if __name__ == "__main__":
-    print(summary("RLOO", train(tyro.cli(Args))))
+    args = tyro.cli(Args)
+    with exit_on_missing_extra("RLOO"):
+        print(summary("RLOO", train(args)))

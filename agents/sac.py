@@ -584,7 +584,7 @@ def main(args: Args) -> TrainResult | None:
         ),
         log_path=lambda agent: Path(args.log_dir) / agent.run_name,
         checkpoint_path=lambda agent: agent.checkpoint_dir / "sac.pt" if agent.checkpoint_dir is not None else None,
-        saves="every --checkpoint-every env steps", track=args.track, log_dir=args.log_dir,
+        saves="every --checkpoint-every env steps", track=args.track, log_dir=args.log_dir, name="SAC",
     )
 
 

@@ -47,8 +47,13 @@ def install_command(extra: str) -> str:
     return f"pip install 'asyncvec[{extra}]'"
 
 
-def _missing(feature: str, library: str, extra: str, cause: str) -> ImportError:
-    return ImportError(
+class MissingExtraError(ImportError):
+    """An optional library is not installed; the message names the feature, the library and the
+    command installing the extra (command lines print it alone, without a traceback)."""
+
+
+def _missing(feature: str, library: str, extra: str, cause: str) -> MissingExtraError:
+    return MissingExtraError(
         f"{feature} needs {library}, which is not installed ({cause}); install it with: {install_command(extra)}"
     )
 
