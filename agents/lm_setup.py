@@ -28,7 +28,7 @@ import torch
 from agents.common import LaggedWeights, check_env_id, seed_everything
 from asyncvec import VersionManager, inference, rewards
 from asyncvec.buffers import GroupBatch
-from asyncvec.extras import check_installed, hide_unloadable_torch_libraries
+from asyncvec.extras import check_installed
 from asyncvec.group_collector import GroupCollector, score_completions
 from asyncvec.lm import load_causal_lm, minibatch_updates, quiet_model_libraries, sft_warm_start
 from asyncvec.lm.chat import Conversation
@@ -864,7 +864,6 @@ class LMAgent(abc.ABC):
         stays open after the run); the learner's starting weights are published to it first."""
         self.args = args
         check_installed("transformers", extra="hf", feature=f"agents/{self.name}.py (its learner is a transformers model)")
-        hide_unloadable_torch_libraries()  # before transformers first loads, as asyncvec.inference's names do
         seed_everything(args.seed)
         if args.backend != "vllm":  # an in-process vLLM engine on the CPU binds the torch threads itself
             torch.set_num_threads(args.torch_threads)

@@ -70,7 +70,9 @@ def require(module: str, *, extra: str, feature: str, library: str | None = None
 def check_installed(module: str, *, extra: str, feature: str, library: str | None = None) -> None:
     """Like :func:`require` but without importing (``importlib.util.find_spec``): for the lazy
     names of ``asyncvec.inference`` and ``asyncvec.distributed``, whose modules import the
-    library only when it is used. ``module`` is a top-level name.
+    library only when it is used. ``module`` is a top-level name. For transformers it also hides
+    the torch libraries that cannot load (:func:`hide_unloadable_torch_libraries`), before
+    transformers first loads.
 
     Example:
         >>> check_installed("json", extra="hf", feature="an example")
@@ -83,6 +85,8 @@ def check_installed(module: str, *, extra: str, feature: str, library: str | Non
         found = False
     if not found:
         raise _missing(feature, library or module, extra, f"No module named {module!r}")
+    if module == "transformers":
+        hide_unloadable_torch_libraries()
 
 
 TORCH_LIBRARIES = ("torchvision", "torchaudio", "torchcodec")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from asyncvec.extras import check_installed, check_torch_libraries, hide_unloadable_torch_libraries
+from asyncvec.extras import check_installed, check_torch_libraries
 
 # public name -> module that defines it
 _LAZY = {
@@ -86,8 +86,6 @@ def __getattr__(name: str) -> Any:
     if name in _NEEDS:
         library, extra = _NEEDS[name]
         check_installed(library, extra=extra, feature=f"asyncvec.inference.{name}")
-        if library == "transformers":
-            hide_unloadable_torch_libraries()
     if name in ("VLLMPolicy", "VLLMServer", "VLLMVLAPolicy"):
         check_torch_libraries(f"asyncvec.inference.{name}")
     value = getattr(importlib.import_module(module), name)
