@@ -151,12 +151,13 @@ class SimulatedLM(TextPolicy):
             length = int(np.clip(round(self.median_tokens * np.exp(0.8 * self.rng.standard_normal())), 1, 10**6))
             length = max(len(guess), min(length, prompt.max_new_tokens))
             texts.append(guess + " " * (length - len(guess)))
-        time.sleep((self.a_ms + self.per_token_ms * max(map(len, texts))) / 1000.0)
+        longest = max(map(len, texts))
+        time.sleep((self.a_ms + self.per_token_ms * longest) / 1000.0)
         results = []
         for text in texts:
             ids = self.tokenizer(text).input_ids
             results.append(self._text_result(text, ids, [-1.0] * len(ids)))
-        self.calls.append((len(prompts), max(map(len, texts)), time.perf_counter() - started))
+        self.calls.append((len(prompts), longest, time.perf_counter() - started))
         return results
 
     def _apply_weights(self, weights: Any, version: int) -> None:
@@ -232,13 +233,9 @@ def measure_stages(args: Args) -> dict[str, Any]:
     microseconds; the draws then come from the run itself (`expected_longest`)."""
     with make_policy(args) as policy, ThreadPoolExecutor(args.inflight_batches) as pool:
         prompts = [TextPrompt((5, 6, 7), max_new_tokens=args.max_new_tokens)] * args.num_envs
-
-        def timed_call(batch: int) -> tuple[int, int, float]:
-            start = time.perf_counter()
-            results = policy.forward_batch(prompts[:batch])
-            return batch, max(len(r.token_ids or ()) for r in results), time.perf_counter() - start
-
-        timed = list(pool.map(timed_call, [b for b in range(1, args.num_envs + 1) for _ in range(args.stage_calls)]))
+        sizes = [b for b in range(1, args.num_envs + 1) for _ in range(args.stage_calls)]
+        list(pool.map(lambda batch: policy.forward_batch(prompts[:batch]), sizes))
+        timed = policy.calls  # (size, longest completion, seconds) of each call, as the runs record theirs
     means = {b: statistics.mean(s for size, _, s in timed if size == b) for b in range(1, args.num_envs + 1)}
     env = make_env(args, 10**6)()
     env.reset(seed=0)
@@ -365,14 +362,14 @@ def main(args: Args) -> dict[str, Any]:
     # from other processes only makes a stage dearer, and a cheaper stage only raises the bound), at the
     # longest completion of B drawn from the async run's completions
     longest = expected_longest(asyn["completion_lengths"], range(1, args.num_envs + 1))
-    fitted = {"before": call_costs(before["fit"], longest), "after": call_costs(after["fit"], longest)}
+    fits = {"before": before["fit"], "after": after["fit"], "async run": fit_call_cost(asyn["calls"])}
+    costs = {name: call_costs(fit, longest) for name, fit in fits.items()}
     paid_sizes = [size for size, (_, count) in asyn["call_by_size_s"].items() if count >= 20]
-    in_run = call_costs(fit_call_cost(asyn["calls"]), {b: longest[b] for b in paid_sizes}) if paid_sizes else {}
     stages = {
-        "call_s": {b: min(fitted["before"][b], fitted["after"][b], in_run.get(b, np.inf)) for b in longest},
+        "call_s": {b: min(costs["before"][b], costs["after"][b], costs["async run"][b] if b in paid_sizes else np.inf)
+                   for b in longest},
         "env_overhead_s": min(before["env_overhead_s"], after["env_overhead_s"]),
-        "fits_ms": {name: np.round(fit * 1000, 4).tolist() for name, fit in
-                    (("before", before["fit"]), ("after", after["fit"]), ("async run", fit_call_cost(asyn["calls"])))},
+        "fits_ms": {name: np.round(fit * 1000, 4).tolist() for name, fit in fits.items()},
     }  # fmt: skip
     # the earlier estimator, printed beside it: the mean time of the timed calls of each size, the
     # cheapest of before, after and what the async run paid (biased high by the draws; see measure_stages)
