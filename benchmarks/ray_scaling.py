@@ -128,11 +128,11 @@ def scaling(cluster: LocalCluster, args: Args, seconds: float) -> tuple[list[lis
     for n in args.actors:
         raylets = min(n, RAYLETS)
         loops[f"{n} actors / {raylets} raylets"] = PartialBatchLoop(
-            AsyncLLMVectorEnv([env_fn] * n, batch_size=max(1, n // 2), backend=spread(cluster, raylets))
+            AsyncLLMVectorEnv([env_fn] * n, batch_size=max(1, n // 2), envs_per_worker=1, backend=spread(cluster, raylets))
         )
     n_max = max(args.actors)
     loops[f"{n_max} local worker processes"] = PartialBatchLoop(
-        AsyncLLMVectorEnv([env_fn] * n_max, batch_size=max(1, n_max // 2))
+        AsyncLLMVectorEnv([env_fn] * n_max, batch_size=max(1, n_max // 2), envs_per_worker=1)
     )
     try:
         rates = interleaved(loops, seconds, args.rounds)
@@ -149,8 +149,8 @@ def scaling(cluster: LocalCluster, args: Args, seconds: float) -> tuple[list[lis
 def overhead(cluster: LocalCluster, args: Args, seconds: float) -> list[list]:
     fns = [make_cartpole] * 4
     loops = {
-        "local worker processes (1 env each)": LockstepLoop(AsyncLLMVectorEnv(fns)),
-        "Ray actors (1 env each)": LockstepLoop(AsyncLLMVectorEnv(fns, backend=spread(cluster, RAYLETS))),
+        "local worker processes (1 env each)": LockstepLoop(AsyncLLMVectorEnv(fns, envs_per_worker=1)),
+        "Ray actors (1 env each)": LockstepLoop(AsyncLLMVectorEnv(fns, envs_per_worker=1, backend=spread(cluster, RAYLETS))),
         "Ray actor (envs_per_worker=4)": LockstepLoop(AsyncLLMVectorEnv(fns, envs_per_worker=4, backend=spread(cluster, 1))),
     }
     try:

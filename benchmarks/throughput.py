@@ -1,23 +1,31 @@
-"""Env-steps/s of gymnasium's vector envs and AsyncLLMVectorEnv, side by side in one run.
+"""Env-steps/s of gymnasium's vector envs and AsyncLLMVectorEnv at its defaults, side by side in one run.
 
-Every contender steps the same env with the same trivial policy (random actions) for the same
-wall-clock budget, in interleaved rounds (the machine is noisy); the table holds medians.
-Scenarios:
+Every contender steps the same envs with random actions for the same wall-clock budget, in
+interleaved rounds (the machine is noisy); the table holds medians. ``AsyncLLMVectorEnv`` is built
+with defaults only (``AsyncLLMVectorEnv(fns)``, ``batch_size`` for the partial-batch row): its
+placement is whatever :mod:`asyncvec.vector.placement` chose, printed in the table. Env kinds:
 
-* ``cartpole``: raw CartPole-v1, 8 envs: pure vectorization overhead. ``envs_per_worker=4``
-  runs the 8 envs in 2 worker processes (one per core), one round trip per worker per step.
-* ``slow-heavy-tail``: CartPole behind a SlowEnv with lognormal (heavy-tailed) 10 ms sleeping
-  steps, 16 envs, partial batches of 8: the case asyncvec is for. Its physical bound is
-  ``num_envs / mean latency`` steps/s (every env always stepping). Here one env per worker
-  wins: envs that share a worker wait for each other's sleeps.
+* ``classic``: CartPole-v1 x8 (a few us a step: vectorization overhead only).
+* ``pendulum``: Pendulum-v1 x8 (cheap, continuous Box actions).
+* ``cpu``: CartPole behind a SlowEnv spinning 1 ms of CPU a step, x8 (a local simulator).
+* ``sleep``: CartPole behind a SlowEnv sleeping lognormal 10 ms (sigma 1), x16 (a remote
+  simulator or a robot: heavy-tailed, the core is free); lockstep and partial batches of 8.
+* ``image``: a 64x64 RGB image observation (``PixelPendulum``'s image alone), x8.
+* ``dict``: ``Dict(image 64x64x3, instruction Text)`` observations (a VLA's input), x8.
 
-Run: ``python benchmarks/throughput.py`` (about 2 minutes; ``--quick`` for a short run).
+The physical bound of each kind is ``min(N / E[wall], cores / E[cpu])`` per env-step, from
+one env stepped in this process before the contenders run: the envs always stepping, on every
+core. EnvPool's own CartPole is a reference row where ``envpool`` is installed (``pip install
+envpool``).
+
+Run: ``python benchmarks/throughput.py`` (about 4 minutes; ``--quick`` for a short run).
 Writes ``benchmarks/results/throughput.md`` and ``throughput.png``.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,28 +37,31 @@ import gymnasium as gym
 import numpy as np
 import tyro
 from gymnasium.vector import AsyncVectorEnv, SyncVectorEnv
+from gymnasium.vector.utils import batch_space
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncvec import AsyncLLMVectorEnv  # noqa: E402
+from asyncvec import AsyncLLMVectorEnv  # noqa: E402  (the repository root goes on sys.path first)
+from asyncvec.vector.placement import usable_cores  # noqa: E402
 from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402
+from envs.pixels import make_pixel_env  # noqa: E402
 from envs.slow import SlowEnv  # noqa: E402
 
-REFERENCE = "gymnasium AsyncVectorEnv"
+SYNC, ASYNC = "gymnasium SyncVectorEnv", "gymnasium AsyncVectorEnv"
+OURS_STEP, OURS_PARTIAL = "AsyncLLMVectorEnv step()", "AsyncLLMVectorEnv send/recv"
+ENVPOOL = "EnvPool (its own CartPole)"
 
 
 @dataclass
 class Args:
-    seconds: float = 8.0
-    """wall-clock budget per contender and scenario (split into interleaved rounds)"""
-    rounds: int = 8
+    seconds: float = 6.0
+    """wall-clock budget per contender and env kind (split into interleaved rounds)"""
+    rounds: int = 6
     """interleaved rounds per contender (the table holds the median)"""
     quick: bool = False
-    """short run (1.5 s per contender, 3 rounds), for `make demo` and the smoke test"""
-    scenarios: tuple[str, ...] = ("cartpole", "slow-heavy-tail")
-    """which scenarios to run"""
-    envs_per_worker: int = 4
-    """envs per worker process for the sub-vector contenders"""
+    """short run (1.5 s per contender, 3 rounds), for the smoke test"""
+    kinds: tuple[str, ...] = ("classic", "pendulum", "cpu", "sleep", "image", "dict")
+    """which env kinds to run"""
     out_dir: str | None = None
     """where to write throughput.md/.png (default benchmarks/results)"""
 
@@ -59,8 +70,43 @@ def make_cartpole() -> gym.Env:
     return gym.make("CartPole-v1")
 
 
-def make_slow_cartpole(latency_ms: float, sigma: float) -> gym.Env:
+def make_pendulum() -> gym.Env:
+    return gym.make("Pendulum-v1")
+
+
+def make_cpu_env() -> gym.Env:
+    return SlowEnv(gym.make("CartPole-v1"), latency_ms=1.0, busy=True)
+
+
+def make_slow_cartpole(latency_ms: float = 10.0, sigma: float = 1.0) -> gym.Env:
     return SlowEnv(gym.make("CartPole-v1"), latency_ms=latency_ms, distribution="lognormal", sigma=sigma)
+
+
+def make_image_env() -> gym.Env:
+    env = make_pixel_env("pendulum", size=64)
+    return gym.wrappers.TransformObservation(env, lambda obs: obs["image"], env.observation_space["image"])
+
+
+def make_dict_env() -> gym.Env:
+    return make_pixel_env("pendulum", size=64)
+
+
+@dataclass(frozen=True)
+class Kind:
+    title: str
+    env_fn: Callable[[], gym.Env]
+    num_envs: int
+    batch_size: int
+
+
+KINDS = {
+    "classic": Kind("CartPole-v1", make_cartpole, 8, 4),
+    "pendulum": Kind("Pendulum-v1 (Box actions)", make_pendulum, 8, 4),
+    "cpu": Kind("1 ms of CPU a step", make_cpu_env, 8, 4),
+    "sleep": Kind("lognormal 10 ms sleeps", partial(make_slow_cartpole, 10.0, 1.0), 16, 8),
+    "image": Kind("64x64 RGB image obs", make_image_env, 8, 4),
+    "dict": Kind("Dict(image, Text) obs", make_dict_env, 8, 4),
+}
 
 
 def tree_cpu_seconds(pid: int | None = None) -> float:
@@ -113,13 +159,16 @@ class LockstepLoop:
         envs.reset(seed=0)
         envs.action_space.seed(0)
 
+    def sample(self):
+        return self.envs.action_space.sample()
+
     def run(self, seconds: float) -> float:
         start = time.perf_counter()
 
         def loop() -> int:
             steps = 0
             while time.perf_counter() - start < seconds:
-                self.envs.step(self.envs.action_space.sample())
+                self.envs.step(self.sample())
                 steps += self.envs.num_envs
             return steps
 
@@ -129,20 +178,40 @@ class LockstepLoop:
         self.envs.close()
 
 
+class EnvPoolLoop(LockstepLoop):
+    """EnvPool's synchronous ``step`` (its action space is a single env's: actions drawn per env)."""
+
+    def __init__(self, envs, num_envs: int) -> None:
+        self.num_envs = num_envs
+        self.rng = np.random.default_rng(0)
+        super().__init__(envs)
+        self.envs.num_envs = num_envs
+
+    def sample(self):
+        return self.rng.integers(0, 2, size=self.num_envs, dtype=np.int32)
+
+
 class PartialBatchLoop:
-    """The send/recv loop: act on whichever ``batch_size`` envs are ready (Discrete actions)."""
+    """The send/recv loop: act on whichever ``batch_size`` envs are ready (random actions of any space)."""
 
     def __init__(self, envs: AsyncLLMVectorEnv) -> None:
         self.envs = envs
-        self.rng = np.random.default_rng(0)
         self.meter = CpuMeter()
+        self._spaces: dict[int, gym.Space] = {}
         envs.async_reset(seed=0)
+
+    def sample(self, count: int):
+        space = self._spaces.get(count)
+        if space is None:
+            space = self._spaces[count] = batch_space(self.envs.single_action_space, count)
+            space.seed(count)
+        return space.sample()
 
     def step_once(self) -> dict:
         """One ``recv`` and the ``send`` that answers it; returns the batch's info."""
         _, _, _, _, info = self.envs.recv(timeout=120)
         ids = info["env_id"]
-        self.envs.send(self.rng.integers(0, self.envs.single_action_space.n, size=len(ids)), ids)
+        self.envs.send(self.sample(len(ids)), ids)
         return info
 
     def run(self, seconds: float) -> float:
@@ -162,34 +231,55 @@ class PartialBatchLoop:
         self.envs.close()
 
 
-def contenders(fns: list[Callable[[], gym.Env]], batch_size: int, envs_per_worker: int) -> dict[str, Callable]:
-    k = envs_per_worker
-    return {
-        "gymnasium SyncVectorEnv": lambda: LockstepLoop(SyncVectorEnv(fns)),
-        REFERENCE: lambda: LockstepLoop(AsyncVectorEnv(fns)),
-        "AsyncLLMVectorEnv step()": lambda: LockstepLoop(AsyncLLMVectorEnv(fns)),
-        f"AsyncLLMVectorEnv step(), envs_per_worker={k}": lambda: LockstepLoop(AsyncLLMVectorEnv(fns, envs_per_worker=k)),
-        f"AsyncLLMVectorEnv send/recv (batch {batch_size})": lambda: PartialBatchLoop(
-            AsyncLLMVectorEnv(fns, batch_size=batch_size)
-        ),
-        f"AsyncLLMVectorEnv send/recv (batch {batch_size}), envs_per_worker={k}": lambda: PartialBatchLoop(
-            AsyncLLMVectorEnv(fns, batch_size=batch_size, envs_per_worker=k)
+def physical_bound(env_fn: Callable[[], gym.Env], num_envs: int, cores: int, budget_s: float = 1.0) -> float:
+    """``min(N / E[wall], cores / E[cpu])`` env-steps/s from one env stepped here with random actions."""
+    env = env_fn()
+    env.action_space.seed(0)
+    env.reset(seed=0)
+    walls, cpus = [], []
+    while sum(walls) < budget_s and len(walls) < 5000:
+        action = env.action_space.sample()
+        wall, cpu = time.perf_counter(), time.process_time()
+        _, _, terminated, truncated, _ = env.step(action)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+        if terminated or truncated:
+            env.reset()
+    env.close()
+    mean_wall, mean_cpu = statistics.fmean(walls), max(statistics.fmean(cpus), 1e-9)
+    return min(num_envs / mean_wall, cores / mean_cpu)
+
+
+def envpool_cartpole(num_envs: int):
+    try:
+        import envpool
+    except ImportError:
+        return None
+    return envpool.make("CartPole-v1", env_type="gymnasium", num_envs=num_envs, seed=0)
+
+
+def contenders(kind: str, spec: Kind) -> dict[str, Callable]:
+    fns = [spec.env_fn] * spec.num_envs
+    loops: dict[str, Callable] = {
+        SYNC: lambda: LockstepLoop(SyncVectorEnv(fns)),
+        ASYNC: lambda: LockstepLoop(AsyncVectorEnv(fns)),
+        OURS_STEP: lambda: LockstepLoop(AsyncLLMVectorEnv(fns)),
+        f"{OURS_PARTIAL} (batch {spec.batch_size})": lambda: PartialBatchLoop(
+            AsyncLLMVectorEnv(fns, batch_size=spec.batch_size)
         ),
     }
+    if kind == "classic" and envpool_cartpole(1) is not None:
+        loops[ENVPOOL] = lambda: EnvPoolLoop(envpool_cartpole(spec.num_envs), spec.num_envs)
+    return loops
 
 
-def run_scenario(
-    name: str,
-    env_fn: Callable[[], gym.Env],
-    num_envs: int,
-    batch_size: int,
-    args: Args,
-    bound: float | None,
-) -> list[tuple[str, float, float]]:
-    """Measures every contender in interleaved rounds: ``(label, median steps/s, CPU us per env-step)``."""
+def run_kind(kind: str, args: Args, cores: int) -> tuple[float, list[tuple[str, float, float, str]]]:
+    """Measures every contender in interleaved rounds: the bound and ``(label, median steps/s, CPU us/step, placement)``."""
+    spec = KINDS[kind]
     seconds = 1.5 if args.quick else args.seconds
     rounds = 3 if args.quick else args.rounds
-    loops = {label: make() for label, make in contenders([env_fn] * num_envs, batch_size, args.envs_per_worker).items()}
+    bound = physical_bound(spec.env_fn, spec.num_envs, cores, 0.3 if args.quick else 1.0)
+    loops = {label: make() for label, make in contenders(kind, spec).items()}
     samples: dict[str, list[float]] = {label: [] for label in loops}
     try:
         for loop in loops.values():
@@ -201,56 +291,56 @@ def run_scenario(
     finally:
         for loop in loops.values():
             loop.close()
-    rows = [(label, float(np.median(values)), loops[label].meter.cpu_us_per_step) for label, values in samples.items()]
-    print(f"\n### {name}: {num_envs} envs" + (f", physical bound {bound:,.0f} steps/s" if bound else ""))
+    rows = []
+    for label, values in samples.items():
+        placement = getattr(loops[label].envs, "placement", None)
+        where = "-" if placement is None else (
+            "in process" if placement.in_process else f"{placement.num_workers} x {placement.envs_per_worker}"
+        )
+        rows.append((label, float(np.median(values)), loops[label].meter.cpu_us_per_step, where))
+    print(f"\n### {spec.title}: {spec.num_envs} envs, physical bound {bound:,.0f} steps/s")
     print(f"median of {rounds} interleaved rounds of {seconds / rounds:.2f} s each; {machine_line()}")
-    return rows
+    return bound, rows
 
 
-def main(args: Args) -> dict[str, list[tuple[str, float, float]]]:
-    short_names = {"cartpole": "raw CartPole-v1", "slow-heavy-tail": "lognormal 10 ms sleeps"}
-    scenarios = {
-        "cartpole": ("raw CartPole-v1", make_cartpole, 8, 4, None),
-        "slow-heavy-tail": (
-            "CartPole + SlowEnv lognormal(mean 10 ms, sigma 1), sleeping",
-            partial(make_slow_cartpole, 10.0, 1.0),
-            16,
-            8,
-            16 / 0.010,
-        ),
-    }
-    results: dict[str, list[tuple[str, float, float]]] = {}
-    headers = ["scenario", "contender", "env-steps/s", "vs gymnasium Async", "vs bound", "CPU us / env-step", "CPU vs gymnasium Async"]
+def main(args: Args) -> dict[str, tuple[float, list[tuple[str, float, float, str]]]]:
+    cores = usable_cores()
+    results = {}
+    headers = ["env kind", "contender", "placement", "env-steps/s", "vs best gymnasium", "vs gymnasium Async", "vs bound", "CPU us / env-step"]
     table_rows = []
-    for key in args.scenarios:
-        name, env_fn, num_envs, batch_size, bound = scenarios[key]
-        rows = run_scenario(name, env_fn, num_envs, batch_size, args, bound)
-        results[key] = rows
-        _, reference, reference_cpu = next(row for row in rows if row[0] == REFERENCE)
-        scenario_rows = [
+    for kind in args.kinds:
+        bound, rows = run_kind(kind, args, cores)
+        results[kind] = (bound, rows)
+        rates = {label: rate for label, rate, _, _ in rows}
+        best = max(rates[SYNC], rates[ASYNC])
+        kind_rows = [
             [
-                f"{short_names[key]} x{num_envs}",
+                f"{KINDS[kind].title} x{KINDS[kind].num_envs}",
                 label,
+                where,
                 rate,
-                f"{rate / reference:.2f}x",
-                f"{rate / bound:.0%}" if bound else "-",
+                f"{rate / best:.2f}x",
+                f"{rate / rates[ASYNC]:.2f}x",
+                f"{rate / bound:.2f}",
                 cpu,
-                f"{cpu / reference_cpu:.2f}x",
             ]
-            for label, rate, cpu in rows
+            for label, rate, cpu, where in rows
         ]
-        print(markdown_table(headers, scenario_rows))
-        table_rows += scenario_rows
+        print(markdown_table(headers, kind_rows))
+        table_rows += kind_rows
     table = markdown_table(headers, table_rows)
-    figure, axes = new_figure(ncols=len(results), width=6.5, height=4.5)
-    for ax, (key, rows) in zip(np.ravel(axes), results.items()):
-        reference = next(rate for label, rate, _ in rows if label == REFERENCE)
-        labels = [label.replace("AsyncLLMVectorEnv ", "ours ").replace("gymnasium ", "gym ") for label, _, _ in rows]
-        ax.barh(labels[::-1], [rate / reference for _, rate, _ in rows][::-1], color="tab:blue")
+    figure, axes = new_figure(ncols=len(results), width=4.2, height=4.0)
+    for ax, (kind, (bound, rows)) in zip(np.ravel(axes), results.items()):
+        best = max(rate for label, rate, _, _ in rows if label in (SYNC, ASYNC))
+        labels = [label.replace("AsyncLLMVectorEnv ", "ours ").replace("gymnasium ", "gym ") for label, _, _, _ in rows]
+        ax.barh(labels[::-1], [rate / best for _, rate, _, _ in rows][::-1], color="tab:blue")
         ax.axvline(1.0, color="gray", linestyle="--", linewidth=1)
-        ax.set_xlabel("env-steps/s relative to gymnasium AsyncVectorEnv")
-        ax.set_title(f"{short_names[key]} x{scenarios[key][2]}", fontsize=9)
+        ax.axvline(bound / best, color="tab:red", linestyle=":", linewidth=1, label="physical bound")
+        ax.set_xlabel("env-steps/s / best gymnasium")
+        ax.set_title(f"{KINDS[kind].title} x{KINDS[kind].num_envs}", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
+        ax.set_xlim(0, max(2.5, min(bound / best * 1.1, 8.0)))
+    figure.tight_layout()
     command = " ".join(["python benchmarks/throughput.py", *sys.argv[1:]])
     save_report("throughput", table, figure, out_dir=args.out_dir, command=command)
     return results

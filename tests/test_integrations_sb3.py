@@ -110,7 +110,7 @@ def test_attributes_methods_and_wrappers_by_index(no_leftover_children):
 def test_a_crashed_worker_is_restarted_and_its_episode_ends_truncated(tmp_path, no_leftover_children):
     marker = str(tmp_path / "crashed")
     fns = [functools.partial(FaultyEnv, "kill", 2, marker, max_len=50), functools.partial(CounterEnv, max_len=50)]
-    venv = SB3VecEnv(fns, max_restarts=1)
+    venv = SB3VecEnv(fns, max_restarts=1, envs_per_worker=1)  # a worker per env: the fault kills only env 0's
     try:
         venv.seed(0)  # CounterEnv draws its episode's length at reset, 2 at the least: env 1 must outlive step 2
         venv.reset()

@@ -68,7 +68,7 @@ def test_restarts_in_place_on_ray(cluster, tmp_path):
     fns = [clean] + [partial(FaultyEnv, fault, at, str(tmp_path / f"{fault}-once"), max_len=50) for fault, at in (("kill", 2), ("hang", 4))]
     # step_timeout: long enough for Ray to report the killed actor on a loaded machine (with 2 s, `make test` once
     # saw the kill reported as a StepTimeout); the hang costs it once
-    envs = AsyncLLMVectorEnv(fns, backend="ray", max_restarts=1, step_timeout=8.0)
+    envs = AsyncLLMVectorEnv(fns, backend="ray", max_restarts=1, step_timeout=8.0, envs_per_worker=1)
     reference = SyncVectorEnv([clean] * 3)
     try:
         pids = envs.worker_pids
@@ -176,7 +176,7 @@ def test_default_workers_hold_no_cpu_even_when_pinned(cluster):
     CPU for each pinned actor's life, and the second would wait for ever)."""
     backend = RayBackend(resources={"node_1": 1})
     start = time.monotonic()
-    envs = AsyncLLMVectorEnv([CounterEnv] * 2, backend=backend, start_timeout=120)
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2, backend=backend, start_timeout=120, envs_per_worker=1)
     try:
         assert [cluster.index_of(node) for node in envs.worker_nodes] == [1, 1]
         print(f"two pinned workers started in {time.monotonic() - start:.1f} s")
@@ -207,7 +207,9 @@ def test_an_actor_rebuilt_between_messages_is_a_restart_not_a_silent_reset(clust
     incarnation and reported as the worker's loss: the episode ends truncated (no step on a
     never-reset env, no ResetNeeded), and worker_pids names the new process."""
     backend = RayBackend(num_cpus=0.25, actor_options=lambda w: {"name": f"rebuilt-between-messages-{w}"})
-    envs = AsyncLLMVectorEnv([order_enforced_counter] * 2, backend=backend, autoreset_mode=AutoresetMode.SAME_STEP, max_restarts=2)
+    envs = AsyncLLMVectorEnv(
+        [order_enforced_counter] * 2, backend=backend, autoreset_mode=AutoresetMode.SAME_STEP, max_restarts=2, envs_per_worker=1
+    )
     try:
         envs.reset(seed=0)
         for _ in range(2):
@@ -251,8 +253,11 @@ def test_a_node_crash_moves_envs_to_new_actors_or_says_why(cluster):
         ),
         autoreset_mode=AutoresetMode.SAME_STEP,
         max_restarts=3,
+        envs_per_worker=1,
     )
-    pinned = AsyncLLMVectorEnv([CounterEnv], backend=RayBackend(num_cpus=0.25, resources={f"node_{node}": 1}), max_restarts=1)
+    pinned = AsyncLLMVectorEnv(
+        [CounterEnv], backend=RayBackend(num_cpus=0.25, resources={f"node_{node}": 1}), max_restarts=1, envs_per_worker=1
+    )
     try:
         assert set(movable.worker_nodes) == {node_id} == set(pinned.worker_nodes)
         pids = movable.worker_pids
@@ -348,3 +353,15 @@ def test_local_ray_started_by_the_env_is_shut_down_by_close():
     assert int(line.split()[1]) >= 3, "a local Ray has a GCS, a raylet and the actors"
 
 
+
+
+def test_ray_placement_is_measured_and_never_in_process(cluster):
+    """Without envs_per_worker the env is measured (in a local child process) and placed on actors:
+    CPU-bound envs no more busy actors than the cluster's CPUs, never in the driver's process."""
+    with AsyncLLMVectorEnv([CounterEnv] * 4, backend="ray") as envs:
+        placement = envs.placement
+        assert not placement.in_process and placement.profile is not None, placement
+        assert placement.num_workers == len(set(envs.worker_pids)) <= 4
+        assert placement.num_workers <= max(1, int(ray.cluster_resources()["CPU"])), placement
+        envs.reset(seed=0)
+        envs.step(np.ones(4, dtype=np.int64))

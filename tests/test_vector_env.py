@@ -55,10 +55,20 @@ def run_both(kind, mode, shared_memory=True, steps=30, num_envs=3, check=False, 
         sync.close()
 
 
+# Placements: chosen by measuring the env (these cheap envs run in process), in process, a worker per env.
+PLACEMENTS = {"measured": {}, "in_process": {"in_process": True}, "one_per_worker": {"envs_per_worker": 1}}
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 @pytest.mark.parametrize("kind", KINDS)
-def test_equivalent_to_sync_vector_env(kind, mode, no_leftover_children):
-    assert run_both(kind, mode, shared_memory=True)
+def test_equivalent_to_sync_vector_env(kind, mode, placement, no_leftover_children):
+    assert run_both(kind, mode, shared_memory=True, check=kind == "dict", **PLACEMENTS[placement])
+
+
+@pytest.mark.parametrize("kind", ["box", "dict"])
+def test_equivalent_in_process_with_partial_batches(kind):
+    assert run_both(kind, AutoresetMode.NEXT_STEP, num_envs=5, batch_size=2, in_process=True, check=True)
 
 
 @pytest.mark.parametrize("kind", ["box", "dict"])

@@ -24,6 +24,7 @@ def make_envs(tmp_path, fault, num_envs=3, faulty=1, **kwargs):
     fns = [partial(CounterEnv, max_len=50) for _ in range(num_envs)]
     fns[faulty] = partial(FaultyEnv, fault, 3, str(tmp_path / "fault-once"), max_len=50)
     kwargs.setdefault("step_timeout", 2.0)
+    kwargs.setdefault("envs_per_worker", 1)  # a fault takes only its own env (tests that share workers say so)
     return AsyncLLMVectorEnv(fns, **kwargs)
 
 
@@ -196,7 +197,7 @@ def test_bad_box_action_names_the_space():
 
 
 def test_close_after_exception_and_garbage_collection(no_leftover_children):
-    envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2, envs_per_worker=1)  # worker processes (not in process)
     pids = envs.worker_pids
     try:
         envs.reset(seed=0)
@@ -205,7 +206,7 @@ def test_close_after_exception_and_garbage_collection(no_leftover_children):
         envs.close()
     assert not (set(pids) & live_children())
 
-    envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+    envs = AsyncLLMVectorEnv([CounterEnv] * 2, envs_per_worker=1)
     pids = envs.worker_pids
     envs.async_reset()  # dropped with a command in flight
     del envs
@@ -214,7 +215,7 @@ def test_close_after_exception_and_garbage_collection(no_leftover_children):
 
 
 def test_close_kills_a_worker_stuck_in_step(tmp_path, no_leftover_children):
-    envs = make_envs(tmp_path, "hang", step_timeout=None)
+    envs = make_envs(tmp_path, "hang", step_timeout=None, envs_per_worker=1)  # a worker process, killable
     envs.reset(seed=0)
     for _ in range(2):
         envs.step(np.ones(3, dtype=np.int64))
@@ -225,7 +226,7 @@ def test_close_kills_a_worker_stuck_in_step(tmp_path, no_leftover_children):
 
 
 def test_context_manager_closes():
-    with AsyncLLMVectorEnv([CounterEnv] * 2) as envs:
+    with AsyncLLMVectorEnv([CounterEnv] * 2, envs_per_worker=1) as envs:
         envs.reset(seed=0)
         pids = envs.worker_pids
     assert envs.closed
@@ -244,7 +245,7 @@ def test_worker_exits_when_parent_dies(tmp_path):
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from toy_envs import CounterEnv
         from asyncvec import AsyncLLMVectorEnv
-        envs = AsyncLLMVectorEnv([CounterEnv] * 2)
+        envs = AsyncLLMVectorEnv([CounterEnv] * 2, envs_per_worker=1)
         print(*envs.worker_pids, flush=True)
         time.sleep(60)
         """
@@ -350,7 +351,12 @@ def run_with_a_fault(marker, fault, mode, envs_per_worker, steps=12, **kwargs):
 
 @pytest.mark.parametrize(
     "fault, mode, envs_per_worker",
-    [("raise", AutoresetMode.NEXT_STEP, 1), ("kill", AutoresetMode.SAME_STEP, 2), ("kill", AutoresetMode.NEXT_STEP, 2)],
+    [
+        ("raise", AutoresetMode.NEXT_STEP, 1),
+        ("raise", AutoresetMode.SAME_STEP, None),  # placed by measuring: in this process (cheap envs)
+        ("kill", AutoresetMode.SAME_STEP, 2),
+        ("kill", AutoresetMode.NEXT_STEP, 2),
+    ],
     ids=lambda v: getattr(v, "value", str(v)),
 )
 def test_runs_with_a_restart_are_reproducible(tmp_path, fault, mode, envs_per_worker):
@@ -365,14 +371,14 @@ def test_runs_with_a_restart_are_reproducible(tmp_path, fault, mode, envs_per_wo
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("fault", ["raise", "kill"])
-def test_a_rebuilt_env_resets_with_its_restart_seed(tmp_path, fault):
+@pytest.mark.parametrize("fault, placement", [("raise", {}), ("raise", {"in_process": True}), ("kill", {"envs_per_worker": 1})])
+def test_a_rebuilt_env_resets_with_its_restart_seed(tmp_path, fault, placement):
     """Env 1 (seed 11) faults on its first step; the next step is its rebuilt env's reset,
     seeded with ``restart_seed(11, 1)``, and the episode goes on as a fresh env's would."""
     from asyncvec.vector.async_llm_vector_env import restart_seed
 
     marker = str(tmp_path / "fault-once")
-    envs = AsyncLLMVectorEnv([CounterEnv, partial(FaultyEnv, fault, 1, marker)], max_restarts=1)
+    envs = AsyncLLMVectorEnv([CounterEnv, partial(FaultyEnv, fault, 1, marker)], max_restarts=1, **placement)
     reference = CounterEnv()
     try:
         envs.reset(seed=10)

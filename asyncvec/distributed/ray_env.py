@@ -146,6 +146,14 @@ class RayBackend(Backend):
             options["num_cpus"] = 0
         return options
 
+    def parallelism(self) -> int:
+        """The cluster's CPUs when Ray is already running in this process, else this machine's cores."""
+        import ray
+
+        if ray.is_initialized():
+            return max(1, int(ray.cluster_resources().get("CPU", 1)))
+        return super().parallelism()
+
     def create(self, spec: WorkerSpec) -> RayTransport:
         return RayTransport(spec, self)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import pickle
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from enum import Enum
@@ -25,13 +25,24 @@ from asyncvec.vector.errors import (
     NoAsyncCallError,
     WorkerError,
 )
+from asyncvec.vector.placement import (
+    Placement,
+    choose_placement,
+    given_placement,
+    in_process_placement,
+    probe_skip_reason,
+    profile_env,
+)
 from asyncvec.vector.split_obs import check_row, merge_row, row_templates, shared_subspace
-from asyncvec.vector.transport import Backend, ProcessBackend, Transport, WorkerSpec
+from asyncvec.vector.transport import Backend, InProcessBackend, ProcessBackend, Transport, WorkerSpec
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
 __all__ = ["AsyncLLMVectorEnv", "restart_seed"]
 
+logger = logging.getLogger("asyncvec.vector")
+
 _ENV_COMMANDS = ("step", "reset")  # commands that run an env forward: they time out, fail over and restart
+_TIMED_COMMANDS = ("step", "reset", "restart")  # a message holding one of these is subject to step_timeout
 
 
 class _LockstepState(Enum):
@@ -103,6 +114,17 @@ def _take(batch: Any, rows: np.ndarray | int) -> Any:
     if isinstance(batch, tuple):
         return tuple(_take(value, rows) for value in batch)
     return np.take(batch, rows, axis=0)
+
+
+def _copy_batch(batch: Any) -> Any:
+    """A copy of a batched observation: arrays copied with numpy, anything else deep-copied."""
+    if type(batch) is np.ndarray and batch.dtype != object:
+        return batch.copy()
+    if isinstance(batch, dict):
+        return {key: _copy_batch(value) for key, value in batch.items()}
+    if type(batch) is tuple:
+        return tuple(_copy_batch(value) for value in batch)
+    return deepcopy(batch)
 
 
 def _take_info(infos: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
@@ -211,7 +233,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         start_timeout: float = 60.0,
         daemon: bool = True,
         observation_mode: str = "same",
-        envs_per_worker: int = 1,
+        envs_per_worker: int | None = None,
+        in_process: bool | None = None,
         backend: str | Backend = "process",
     ) -> None:
         self.closed = True  # until the workers exist; makes __del__ safe on early errors
@@ -227,14 +250,23 @@ class AsyncLLMVectorEnv(VectorEnv):
         if not 1 <= self.batch_size <= self.num_envs:
             raise ValueError(f"batch_size must be in [1, num_envs={self.num_envs}], got {batch_size}")
         self.autoreset_mode = AutoresetMode(autoreset_mode)
+        self._same_step = self.autoreset_mode == AutoresetMode.SAME_STEP
         if step_timeout is not None and step_timeout <= 0:
             raise ValueError(f"step_timeout must be positive seconds or None, got {step_timeout}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if observation_mode not in ("same", "different"):
             raise ValueError(f"observation_mode must be 'same' or 'different', got {observation_mode!r}")
-        if isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, (int, np.integer)) or envs_per_worker < 1:
-            raise ValueError(f"envs_per_worker must be an int >= 1, got {envs_per_worker!r}")
+        if envs_per_worker is not None and (
+            isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, (int, np.integer)) or envs_per_worker < 1
+        ):
+            raise ValueError(f"envs_per_worker must be an int >= 1 or None (chosen by measuring the env), got {envs_per_worker!r}")
+        if in_process and envs_per_worker is not None:
+            raise ValueError("in_process=True runs every env in this process: do not also give envs_per_worker")
+        if in_process and step_timeout is not None:
+            raise ValueError("in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)")
+        if in_process and backend != "process":
+            raise ValueError(f"in_process=True needs the default backend='process', got backend={backend!r}")
         self.step_timeout = step_timeout
         self.max_restarts = int(max_restarts)
         self.copy = copy
@@ -243,16 +275,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self.context = context
         self.daemon = daemon
         self.observation_mode = observation_mode
-        self.envs_per_worker = int(envs_per_worker)
         self.backend = _resolve_backend(backend, context, daemon)
-
-        groups = [
-            list(range(start, min(start + self.envs_per_worker, self.num_envs)))
-            for start in range(0, self.num_envs, self.envs_per_worker)
-        ]
-        self._slots = [_Slot(worker=w, position=p) for w, group in enumerate(groups) for p in range(len(group))]
-        self._groups = groups
-        self._queues: list[deque[_Message]] = [deque() for _ in groups]
         self._outbox: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
         self._state = _LockstepState.DEFAULT
         self._lockstep_ids: list[int] = []
@@ -268,13 +291,20 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._shared_rows = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
         self._row_templates = None  # what the parent checks observations against without shared memory
 
+        self.placement = self._place(envs_per_worker, in_process)
+        logger.info("AsyncLLMVectorEnv(num_envs=%d) places its envs %s", self.num_envs, self.placement)
+        if self.placement.in_process:
+            self.backend = InProcessBackend()
+        self.envs_per_worker = self.placement.envs_per_worker
+        groups = [
+            list(range(start, min(start + self.envs_per_worker, self.num_envs)))
+            for start in range(0, self.num_envs, self.envs_per_worker)
+        ]
+        self._slots = [_Slot(worker=w, position=p) for w, group in enumerate(groups) for p in range(len(group))]
+        self._groups = groups
+        self._queues: list[deque[_Message]] = [deque() for _ in groups]
+
         if self.backend.local:
-            # Spaces come from one throwaway env, as in gymnasium: shared memory must exist before
-            # the workers start.
-            dummy = self.env_fns[0]()
-            self._set_spaces(dummy.observation_space, dummy.action_space, dummy.metadata, dummy.render_mode)
-            dummy.close()
-            del dummy
             shared_space = shared_subspace(self.single_observation_space) if shared_memory else None
             if shared_space is not None:  # the whole observation, or a Dict's fixed-shape entries (images)
                 self._shm = self.backend.create_shared_memory(shared_space, self.num_envs)
@@ -294,6 +324,33 @@ class AsyncLLMVectorEnv(VectorEnv):
         except BaseException:
             self.close(terminate=True)
             raise
+
+    def _place(self, envs_per_worker: int | None, in_process: bool | None) -> Placement:
+        """How the envs are placed: as given, or by :mod:`asyncvec.vector.placement`'s rule.
+
+        On this machine's backends, reads the spaces from one throwaway env first (as gymnasium
+        does: shared memory must exist before the workers start)."""
+        render_mode = None
+        if self.backend.local:
+            dummy = self.env_fns[0]()
+            self._set_spaces(dummy.observation_space, dummy.action_space, dummy.metadata, dummy.render_mode)
+            render_mode = dummy.render_mode
+            dummy.close()
+            del dummy
+        if in_process:
+            return in_process_placement(self.num_envs, "in_process=True")
+        if envs_per_worker is not None:
+            return given_placement(self.num_envs, int(envs_per_worker), "envs_per_worker given")
+        if self.backend.local:
+            skip = probe_skip_reason(self.single_observation_space, self.single_action_space, render_mode, self.metadata)
+            if skip is not None:
+                return given_placement(self.num_envs, 1, f"one env per worker: not measured: {skip}")
+        try:
+            profile = profile_env(self.env_fns[0], self.context, self.start_timeout)
+        except Exception as exc:  # the env, not the vector env, failed: fall back to gymnasium's placement
+            return given_placement(self.num_envs, 1, f"one env per worker: {exc}")
+        can_run_in_process = in_process is None and self.step_timeout is None and isinstance(self.backend, ProcessBackend)
+        return choose_placement(self.num_envs, profile, self.backend.parallelism(), can_run_in_process)
 
     def _set_spaces(self, observation_space: Space, action_space: Space, metadata: dict, render_mode: Any) -> None:
         self.metadata = dict(metadata)
@@ -348,6 +405,13 @@ class AsyncLLMVectorEnv(VectorEnv):
         """Queues one command for one env; :meth:`_flush` sends each worker its share as one message."""
         slot = self._slots[index]
         slot.command, slot.payload = command, payload
+        if command == "step" and slot.after_restart is None:  # the hot path: straight to the worker's message
+            entry = self._outbox.get(slot.worker)
+            if entry is None:
+                entry = self._outbox[slot.worker] = ([], [])
+            entry[0].append(index)
+            entry[1].append((slot.position, "step", payload))
+            return
         item_command = command
         if command == "reset":
             slot.after_restart = None  # a reset starts afresh anyway
@@ -390,6 +454,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         those of the messages after it go back to idle, as if never asked. Earlier messages
         stay sent: lockstep calls take their answers back with :meth:`_flush_or_discard`.
         """
+        if not self._outbox:
+            return
         outbox, self._outbox = self._outbox, {}
         now = time.monotonic()
         messages = list(outbox.items())
@@ -402,7 +468,7 @@ class AsyncLLMVectorEnv(VectorEnv):
                         self._slots[index].command = self._slots[index].payload = None
                 raise
             queue = self._queues[worker]
-            timed = any(command in ("step", "reset", "restart") for _, command, _ in items)
+            timed = items[0][1] == "step" or any(command in _TIMED_COMMANDS for _, command, _ in items)
             queue.append(_Message(ids, timed, None if queue else now))
 
     def _flush_or_discard(self, ids: Sequence[int]) -> None:
@@ -435,12 +501,13 @@ class AsyncLLMVectorEnv(VectorEnv):
             queue.appendleft(message)
             self._worker_failed(worker, payload)
             return
+        accept = self._accept
         for index, result in zip(message.env_ids, payload):
-            if isinstance(result, EnvFailure):
+            if type(result) is EnvFailure:
                 self._env_failed(index, result.payload)
             else:
-                self._accept(index, result)
-        self._flush()  # restarts queued by failures
+                accept(index, result)
+        self._flush()  # restarts queued by failures (nothing to do without one)
 
     def _poll(self, deadline: float | None, unlocked: bool = False) -> None:
         """Receive the replies that arrive before ``deadline`` (or the next hang deadline);
@@ -488,7 +555,7 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _wait_until(self, done: Callable[[], bool], timeout: float | None, what: str, wakeable: bool = False) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._closing_on_error():
+        try:
             while not done():
                 if deadline is not None and time.monotonic() >= deadline:
                     raise multiprocessing.TimeoutError(f"{what} within {timeout} s")
@@ -496,25 +563,27 @@ class AsyncLLMVectorEnv(VectorEnv):
                     self._woken.clear()
                     raise multiprocessing.TimeoutError(f"{what}: woken by wake()")
                 self._poll(deadline, unlocked=wakeable)
-
-    @contextmanager
-    def _closing_on_error(self) -> Iterator[None]:
-        """While waiting for workers, any error but a timeout closes the env: after one, which
-        worker answered what is unknown, and a call left half-waiting would make every later
-        call fail with ``AlreadyPendingCallError``. The next call says why the env closed."""
-        try:
-            yield
         except multiprocessing.TimeoutError:
             raise
         except BaseException as exc:
-            if not self.closed:
-                self._closed_reason = f"{type(exc).__name__}: {exc}"
-                self.close(terminate=True)
+            self._close_after(exc)
             raise
+
+    def _close_after(self, exc: BaseException) -> None:
+        """While waiting for workers, any error but a timeout closes the env: after one, which
+        worker answered what is unknown, and a call left half-waiting would make every later
+        call fail with ``AlreadyPendingCallError``. The next call says why the env closed.
+        (A ``try`` in each waiting method rather than a context manager: this is the hot path.)"""
+        if not self.closed:
+            self._closed_reason = f"{type(exc).__name__}: {exc}"
+            self.close(terminate=True)
 
     def _accept(self, index: int, result: Any) -> None:
         slot = self._slots[index]
-        if slot.command in _ENV_COMMANDS:
+        if slot.command == "step" and self._row_templates is None and self._env_obs is None:
+            # the common case (a step, its observation in shared memory), without the checks below
+            slot.episode = "ended" if (result[2] or result[3]) and not self._same_step else "live"
+        elif slot.command in _ENV_COMMANDS:
             if self._row_templates is not None:
                 try:
                     check_row(self._row_templates, index, result[0])
@@ -527,8 +596,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             if slot.command == "reset":
                 slot.episode = "live"
             else:
-                ended = (result[2] or result[3]) and self.autoreset_mode != AutoresetMode.SAME_STEP
-                slot.episode = "ended" if ended else "live"
+                slot.episode = "ended" if (result[2] or result[3]) and not self._same_step else "live"
         slot.result = result
         self._arrivals.append(index)
 
@@ -611,12 +679,12 @@ class AsyncLLMVectorEnv(VectorEnv):
         return _take(self._observations, index)
 
     def _collect(self, indices: list[int], timeout: float | None, what: str = "not every env answered") -> None:
-        """Wait until every env in ``indices`` has answered (see :meth:`_closing_on_error`)."""
+        """Wait until every env in ``indices`` has answered (see :meth:`_close_after`)."""
         slots = self._slots
         if timeout is None and self.step_timeout is None:
             # Nothing to time out: read each worker in turn, as gymnasium does (no selector per call).
             # A dead worker reads as a failure, so this never blocks on a dead env.
-            with self._closing_on_error():
+            try:
                 while True:
                     waiting = [i for i in indices if slots[i].result is _NO_RESULT]
                     if not waiting:
@@ -625,6 +693,9 @@ class AsyncLLMVectorEnv(VectorEnv):
                     if not busy:
                         raise RuntimeError(f"envs {waiting} wait for an answer but nothing was sent to them")
                     self._receive(busy)
+            except BaseException as exc:
+                self._close_after(exc)
+                raise
         self._wait_until(lambda: all(slots[i].result is not _NO_RESULT for i in indices), timeout, what)
 
     def _deliver(self, indices: Sequence[int]) -> list[Any]:
@@ -689,9 +760,19 @@ class AsyncLLMVectorEnv(VectorEnv):
                 f"got {len(items)} actions for {count} envs (env_ids={list(env_ids)}); "
                 f"expected one action per env from {self.single_action_space}"
             )
-        if self.validate_actions and not batched.contains(actions):
+        if self.validate_actions and not self._valid_discrete(actions, count) and not batched.contains(actions):
             items = [self._check_action(a, i) for a, i in zip(items, env_ids)]  # finds the bad one, casts Box dtypes
         return items
+
+    def _valid_discrete(self, actions: Any, count: int) -> bool:
+        """A cheaper ``contains`` for the most common case, an integer array of Discrete actions
+        (two reductions instead of MultiDiscrete's checks); ``False`` means "not shown", not "invalid"."""
+        space = self.single_action_space
+        if type(space) is not spaces.Discrete or type(actions) is not np.ndarray or actions.shape != (count,):
+            return False
+        if actions.dtype.kind not in "iu" or count == 0:
+            return False
+        return bool(actions.min() >= space.start and actions.max() < space.start + space.n)
 
     # ------------------------------------------------------------------ lockstep API
 
@@ -800,13 +881,14 @@ class AsyncLLMVectorEnv(VectorEnv):
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
         ids = self._lockstep_ids
         self._collect(ids, timeout, _PENDING.format(call="step_wait"))
-        rewards = np.zeros(self.num_envs, dtype=np.float64)
-        terminations = np.zeros(self.num_envs, dtype=np.bool_)
-        truncations = np.zeros(self.num_envs, dtype=np.bool_)
+        results = self._deliver(ids)
+        rewards = np.array([result[1] for result in results], dtype=np.float64)
+        terminations = np.array([result[2] for result in results], dtype=np.bool_)
+        truncations = np.array([result[3] for result in results], dtype=np.bool_)
         infos: dict[str, Any] = {}
-        for index, (observation, reward, terminated, truncated, info) in zip(ids, self._deliver(ids)):
-            rewards[index], terminations[index], truncations[index] = reward, terminated, truncated
-            infos = self._add_info(infos, self._with_extra(index, info), index)
+        for index, result in zip(ids, results):
+            if result[4] or self._slots[index].info_extra:
+                infos = self._add_info(infos, self._with_extra(index, result[4]), index)
         self._state = _LockstepState.DEFAULT
         return self._batched_observations(), rewards, terminations, truncations, infos
 
@@ -820,7 +902,7 @@ class AsyncLLMVectorEnv(VectorEnv):
     def _batched_observations(self) -> Any:
         if self._env_obs is not None:
             self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
-        return deepcopy(self._observations) if self.copy else self._observations
+        return _copy_batch(self._observations) if self.copy else self._observations
 
     # ------------------------------------------------------------------ EnvPool API
 

@@ -2,9 +2,10 @@
 
 ``AsyncLLMVectorEnv`` holds the semantics (lockstep and partial-batch APIs, autoreset, restarts,
 timeouts, action checks); a transport only moves messages to the workers and back and
-restarts a worker when asked. Two transports exist: :class:`ProcessTransport` (worker
-processes on this machine, pipes and shared memory) and the Ray transport in
-``asyncvec.distributed.ray_env`` (Ray actors, on any node of a cluster). Both host an
+restarts a worker when asked. Three transports exist: :class:`ProcessTransport` (worker
+processes on this machine, pipes and shared memory), :class:`InProcessTransport` (the envs in
+the calling process, for envs far cheaper than a pipe round trip) and the Ray transport in
+``asyncvec.distributed.ray_env`` (Ray actors, on any node of a cluster). Each hosts an
 :class:`~asyncvec.vector.worker.EnvGroup` per worker.
 
 A worker answers its messages in the order they were sent, so each worker is a FIFO: the
@@ -20,6 +21,7 @@ import select
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +30,18 @@ from gymnasium import Env, Space
 from gymnasium.vector.utils import CloudpickleWrapper, clear_mpi_env_vars, create_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
-from asyncvec.vector.worker import IDLE, dumps, run_worker
+from asyncvec.vector.placement import usable_cores
+from asyncvec.vector.worker import IDLE, BuildFailureError, EnvGroup, dumps, run_worker
 
-__all__ = ["Backend", "ProcessBackend", "ProcessTransport", "Transport", "WorkerSpec"]
+__all__ = [
+    "Backend",
+    "InProcessBackend",
+    "InProcessTransport",
+    "ProcessBackend",
+    "ProcessTransport",
+    "Transport",
+    "WorkerSpec",
+]
 
 
 @dataclass(frozen=True)
@@ -124,6 +135,10 @@ class Backend(ABC):
     def create_shared_memory(self, space: Space, n: int) -> Any:
         """Shared memory for ``n`` observations of ``space``, or ``None`` when the workers cannot reach it."""
         return None
+
+    def parallelism(self) -> int:
+        """How many CPU-bound workers can run at once (the placement rule's ``cores``): this machine's usable cores."""
+        return usable_cores()
 
     @abstractmethod
     def create(self, spec: WorkerSpec) -> Transport:
@@ -295,3 +310,94 @@ class ProcessTransport(Transport):
 
     def pid(self, worker: int) -> int | None:
         return self._processes[worker].pid
+
+
+class InProcessBackend(Backend):
+    """Every env in the calling process, stepped one after another when its message is sent.
+
+    For envs whose step is far cheaper than a message to a worker process (the placement rule
+    of :mod:`asyncvec.vector.placement` picks it). No isolation: an env that crashes the process
+    crashes the caller, and a step cannot be interrupted (so no ``step_timeout``); an env that
+    raises is still reported and restarted like a worker's.
+    """
+
+    def create_shared_memory(self, space: Space, n: int) -> Any:
+        # Plain process memory that the envs write and the vector env reads, as with workers.
+        return create_shared_memory(space, n=n, ctx=multiprocessing.get_context())
+
+    def create(self, spec: WorkerSpec) -> InProcessTransport:
+        return InProcessTransport(spec)
+
+
+class InProcessTransport(Transport):
+    """Hosts each worker's :class:`EnvGroup` in this process: :meth:`send` runs the message and
+    keeps its reply for :meth:`read`. Thread-safe as the vector env uses it (one caller at a time
+    sends; another may wait)."""
+
+    wakeable = True
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self._groups: list[EnvGroup | None] = [None] * len(spec.groups)
+        self._ready: list[tuple[bool, Any]] = [(True, None)] * len(spec.groups)
+        self._replies: list[deque[tuple[bool, Any]]] = [deque() for _ in spec.groups]
+        self._changed = threading.Condition()
+        self._woken = False
+        for worker in range(len(spec.groups)):
+            self._start(worker)
+
+    def _start(self, worker: int) -> None:
+        indices = list(self.spec.groups[worker])
+        memory = None if self.spec.shared_memory is None else (self.spec.shared_memory, self.spec.num_envs)
+        try:
+            group = EnvGroup([self.spec.env_fns[i] for i in indices], indices, self.spec.autoreset_mode, memory)
+        except BuildFailureError as exc:
+            self._groups[worker], self._ready[worker] = None, (False, exc.failure)
+        else:
+            self._groups[worker], self._ready[worker] = group, (True, None)
+
+    def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
+        return self._ready[worker]
+
+    def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
+        group = self._groups[worker]
+        if message is None or group is None:
+            return
+        reply = (True, group.handle(message))
+        with self._changed:
+            self._replies[worker].append(reply)
+            self._changed.notify_all()
+
+    def wait(self, workers: Sequence[int], timeout: float | None) -> list[int]:
+        with self._changed:
+            ready = [w for w in workers if self._replies[w]]
+            if not ready and not self._woken:
+                self._changed.wait(timeout)
+                ready = [w for w in workers if self._replies[w]]
+            self._woken = False
+            return ready
+
+    def wake(self) -> None:
+        with self._changed:
+            self._woken = True
+            self._changed.notify_all()
+
+    def read(self, worker: int) -> tuple[bool, Any]:
+        with self._changed:
+            return self._replies[worker].popleft()
+
+    def kill(self, worker: int) -> None:
+        self._replies[worker].clear()
+
+    def restart(self, worker: int) -> None:
+        group = self._groups[worker]
+        if group is not None:
+            group.close()
+        self._replies[worker].clear()
+        self._start(worker)
+
+    def close(self, timeout: float | None, terminate: bool) -> None:
+        for worker, group in enumerate(self._groups):
+            if group is not None:
+                group.close()
+            self._groups[worker] = None

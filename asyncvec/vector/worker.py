@@ -19,7 +19,8 @@ Commands (per env):
   a rebuilt env's episodes are reproducible.
 * ``"call"`` ``(name, args, kwargs)``, ``"setattr"`` ``(name, value)``,
   ``"check_spaces"`` ``(observation_mode, observation_space, action_space)``,
-  ``"spaces"`` (answers the env's spaces, metadata and render mode).
+  ``"spaces"`` (answers the env's spaces, metadata and render mode), ``"probe"`` (times random
+  steps: :func:`~asyncvec.vector.placement.time_steps`).
 
 An env that raises does not stop the others: its item answers :class:`EnvFailure`.
 Observations of fixed-shape spaces are written to shared memory once the whole message is
@@ -48,11 +49,13 @@ from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
+from asyncvec.vector.placement import time_steps
 from asyncvec.vector.split_obs import pipe_part, shared_subspace, write_row
 
 # How often a worker process checks that its parent is still alive.
 _PARENT_CHECK_S = 1.0
 IDLE = -1  # the value of a worker's "current env" marker between messages
+_OBSERVING_COMMANDS = ("step", "reset", "restart")  # commands that answer an observation
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ class EnvGroup:
         self.env_fns = list(env_fns)
         self.indices = list(indices)
         self.autoreset_mode = AutoresetMode(autoreset_mode)
+        self._next_step = self.autoreset_mode == AutoresetMode.NEXT_STEP  # read per step: cheaper than the enum
+        self._same_step = self.autoreset_mode == AutoresetMode.SAME_STEP
         self.shared_memory = shared_memory
         self._rows = None  # numpy views of the shared observation rows, made once
         self.marker, self.slot = marker if marker is not None else (None, 0)
@@ -155,30 +160,43 @@ class EnvGroup:
         """Runs every item of one message; one result (or :class:`EnvFailure`) per item."""
         results: list[Any] = []
         published: list[tuple[int, int]] = []  # (result slot, env position) whose obs goes to shared memory
+        shared = self.shared_memory is not None
+        marker, indices = self.marker, self.indices
         for position, command, payload in items:
-            self._mark(position)
+            if marker is not None:
+                marker[self.slot] = indices[position]
             try:
-                result = self._run(position, command, payload)
+                result = self._step(position, payload) if command == "step" else self._run(position, command, payload)
             except Exception as exc:
                 result = EnvFailure(error_payload(exc))
             else:
-                if self.shared_memory is not None and command in ("step", "reset", "restart"):
+                if shared and command in _OBSERVING_COMMANDS:
                     published.append((len(results), position))
             results.append(result)
-        self._mark(None)
+        if marker is not None:
+            marker[self.slot] = IDLE
         if published:
             if self._rows is None:
                 buffer, num_envs = self.shared_memory
                 space = shared_subspace(self.envs[0].observation_space)  # a Dict's fixed-shape entries, or all
                 self._rows = read_from_shared_memory(space, buffer, n=num_envs)
+            rows = self._rows
+            split = isinstance(rows, dict)  # a Dict may have entries that go by pipe (pipe_part)
+            array = rows if type(rows) is np.ndarray else None  # one array: the common case, written directly
             for slot, position in published:
                 result = results[slot]
-                try:
-                    write_row(self._rows, self.indices[position], result[0])
-                except Exception as exc:
-                    results[slot] = EnvFailure(error_payload(exc))
+                observation = result[0]
+                if array is not None and type(observation) is np.ndarray and observation.dtype == array.dtype and (
+                    observation.shape == array.shape[1:]
+                ):
+                    array[indices[position]] = observation
                 else:
-                    results[slot] = (pipe_part(self._rows, result[0]), *result[1:])  # e.g. a Text entry
+                    try:
+                        write_row(rows, indices[position], observation)
+                    except Exception as exc:
+                        results[slot] = EnvFailure(error_payload(exc))
+                        continue
+                results[slot] = (pipe_part(rows, observation) if split else None, *result[1:])  # e.g. a Text entry
         return results
 
     def _run(self, position: int, command: str, payload: Any) -> Any:
@@ -209,16 +227,17 @@ class EnvGroup:
             return same_obs, single_action_space == env.action_space
         if command == "spaces":
             return env.observation_space, env.action_space, dict(env.metadata), env.render_mode
+        if command == "probe":
+            return time_steps(env)
         raise RuntimeError(f"unknown worker command {command!r}")
 
     def _step(self, position: int, action: Any) -> tuple:
-        env = self.envs[position]
-        if self.autoreset_mode == AutoresetMode.NEXT_STEP and self.autoreset[position]:
+        if self._next_step and self.autoreset[position]:
             observation, info = self._reset(position)
             reward, terminated, truncated = 0.0, False, False
         else:
-            observation, reward, terminated, truncated, info = env.step(action)
-            if self.autoreset_mode == AutoresetMode.SAME_STEP and (terminated or truncated):
+            observation, reward, terminated, truncated, info = self.envs[position].step(action)
+            if self._same_step and (terminated or truncated):
                 final_observation, final_info = observation, info
                 observation, reset_info = self._reset(position)
                 info = {"final_obs": final_observation, "final_info": final_info, **reset_info}
