@@ -167,9 +167,10 @@ class LockstepLoop:
 
         def loop() -> int:
             steps = 0
+            num_envs = self.envs.num_envs
             while time.perf_counter() - start < seconds:
                 self.envs.step(self.sample())
-                steps += self.envs.num_envs
+                steps += num_envs
             return steps
 
         return self.meter.measure(loop) / (time.perf_counter() - start)
@@ -185,7 +186,6 @@ class EnvPoolLoop(LockstepLoop):
         self.num_envs = num_envs
         self.rng = np.random.default_rng(0)
         super().__init__(envs)
-        self.envs.num_envs = num_envs
 
     def sample(self):
         return self.rng.integers(0, 2, size=self.num_envs, dtype=np.int32)

@@ -369,3 +369,60 @@ def test_process_transport_wait_reports_the_workers_asked_with_a_ready_reply():
         assert transport.read(1)[0] is True
     finally:
         transport.close(5.0, terminate=False)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_box_actions_through_shared_memory_match_gymnasium(placement, no_leftover_children):
+    """Worker processes read fixed-shape actions from shared memory; an env still gets its own action."""
+    fns = [lambda: gym.make("Pendulum-v1")] * 3
+    sync = SyncVectorEnv(fns)
+    ours = AsyncLLMVectorEnv(fns, **PLACEMENTS[placement])
+    try:
+        assert (ours._action_rows is not None) == (not ours.placement.in_process)
+        assert_same(ours.reset(seed=4), sync.reset(seed=4), "reset")
+        space = sync.action_space
+        space.seed(5)
+        for t in range(30):
+            actions = space.sample()
+            assert_same(ours.step(actions), sync.step(actions), f"step {t}")
+        ours.async_reset(seed=6)
+        sync.reset(seed=6)
+        _, _, _, _, info = ours.recv()
+        ours.send(np.full((2, 1), 1.5, np.float32), [2, 0])  # any subset, in any order
+        ours.send(np.full((1, 1), -1.5, np.float32), [1])
+        got = {}
+        while ours.in_flight:
+            obs, _, _, _, info = ours.recv()
+            got.update(zip(info["env_id"].tolist(), obs))
+        want, *_ = sync.step(np.array([[1.5], [-1.5], [1.5]], np.float32))
+        for i in range(3):
+            np.testing.assert_array_equal(got[i], want[i])
+    finally:
+        ours.close()
+        sync.close()
+
+
+class ActionSizeEnv(gym.Env):
+    """Box actions of shape (1,); reports the size of the action it was given."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(1, np.float32), 0.0, False, False, {"size": int(np.size(action))}
+
+
+def test_an_unchecked_action_that_fits_no_row_still_reaches_its_env():
+    """validate_actions=False: a wrong-shaped action cannot go through shared memory; it is sent as
+    it is, as before actions went through shared memory."""
+    envs = AsyncLLMVectorEnv([ActionSizeEnv] * 2, validate_actions=False, envs_per_worker=1)
+    try:
+        assert envs._action_rows is not None
+        envs.reset(seed=0)
+        *_, info = envs.step([np.zeros(3, np.float32), np.zeros(1, np.float32)])
+        assert info["size"].tolist() == [3, 1]
+    finally:
+        envs.close()

@@ -33,7 +33,7 @@ from asyncvec.vector.placement import (
     probe_skip_reason,
     profile_env,
 )
-from asyncvec.vector.split_obs import check_row, merge_row, row_templates, shared_subspace
+from asyncvec.vector.split_obs import check_row, is_fixed_shape, merge_row, row_templates, shared_subspace, write_row
 from asyncvec.vector.transport import Backend, InProcessBackend, ProcessBackend, Transport, WorkerSpec
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
@@ -42,7 +42,7 @@ __all__ = ["AsyncLLMVectorEnv", "restart_seed"]
 logger = logging.getLogger("asyncvec.vector")
 
 _ENV_COMMANDS = ("step", "reset")  # commands that run an env forward: they time out, fail over and restart
-_TIMED_COMMANDS = ("step", "reset", "restart")  # a message holding one of these is subject to step_timeout
+_TIMED_COMMANDS = ("step", "step_shared", "reset", "restart")  # a message holding one is subject to step_timeout
 
 
 class _LockstepState(Enum):
@@ -290,6 +290,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._shm = None
         self._shared_rows = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
         self._row_templates = None  # what the parent checks observations against without shared memory
+        self._action_rows = None  # shared views of one action per env, when actions travel that way
+        self._box_bounds: tuple | None = None  # a Box action space's (low, high) if each is one number, else ()
 
         self.placement = self._place(envs_per_worker, in_process)
         logger.info("AsyncLLMVectorEnv(num_envs=%d) places its envs %s", self.num_envs, self.placement)
@@ -310,7 +312,11 @@ class AsyncLLMVectorEnv(VectorEnv):
                 self._shm = self.backend.create_shared_memory(shared_space, self.num_envs)
                 self._make_observation_buffers()
         self.shared_memory = self._shm is not None
-        spec = WorkerSpec(self.env_fns, groups, self.autoreset_mode, self._shm)
+        action_memory = None
+        if shared_memory and isinstance(self.backend, ProcessBackend) and is_fixed_shape(self.single_action_space):
+            action_memory = self.backend.create_shared_memory(self.single_action_space, self.num_envs)
+            self._action_rows = read_from_shared_memory(self.single_action_space, action_memory, n=self.num_envs)
+        spec = WorkerSpec(self.env_fns, groups, self.autoreset_mode, self._shm, action_memory)
         self._transport = self.backend.create(spec)
         self.closed = False
         try:
@@ -410,7 +416,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             if entry is None:
                 entry = self._outbox[slot.worker] = ([], [])
             entry[0].append(index)
-            entry[1].append((slot.position, "step", payload))
+            entry[1].append(self._step_item(index, slot.position, payload))
             return
         item_command = command
         if command == "reset":
@@ -425,6 +431,18 @@ class AsyncLLMVectorEnv(VectorEnv):
             payload = {"rebuild": False, "then": then, "arg": self._single_obs(index), "seed": slot.reseed}
             item_command, slot.after_restart, slot.reseed = "restart", None, None
         self._queue(index, item_command, payload)
+
+    def _step_item(self, index: int, position: int, action: Any) -> tuple[int, str, Any]:
+        """A step's item: the action written to the env's shared row (worker processes, fixed-shape
+        action spaces: nothing to pickle), else the action itself in the message."""
+        if self._action_rows is not None:
+            try:
+                write_row(self._action_rows, index, action, field="action")
+            except ValueError:
+                pass  # not checked (validate_actions=False) and not a row: the env itself gets it and says why
+            else:
+                return position, "step_shared", None
+        return position, "step", action
 
     def _reset_payload(self, index: int, payload: dict[str, Any]) -> dict[str, Any]:
         """A reset with a seed makes it the env's seed; one without takes a rebuilt env's restart seed."""
@@ -468,7 +486,7 @@ class AsyncLLMVectorEnv(VectorEnv):
                         self._slots[index].command = self._slots[index].payload = None
                 raise
             queue = self._queues[worker]
-            timed = items[0][1] == "step" or any(command in _TIMED_COMMANDS for _, command, _ in items)
+            timed = items[0][1] in _TIMED_COMMANDS or any(command in _TIMED_COMMANDS for _, command, _ in items)
             queue.append(_Message(ids, timed, None if queue else now))
 
     def _flush_or_discard(self, ids: Sequence[int]) -> None:
@@ -760,19 +778,29 @@ class AsyncLLMVectorEnv(VectorEnv):
                 f"got {len(items)} actions for {count} envs (env_ids={list(env_ids)}); "
                 f"expected one action per env from {self.single_action_space}"
             )
-        if self.validate_actions and not self._valid_discrete(actions, count) and not batched.contains(actions):
+        if self.validate_actions and not self._quickly_valid(actions, count) and not batched.contains(actions):
             items = [self._check_action(a, i) for a, i in zip(items, env_ids)]  # finds the bad one, casts Box dtypes
         return items
 
-    def _valid_discrete(self, actions: Any, count: int) -> bool:
-        """A cheaper ``contains`` for the most common case, an integer array of Discrete actions
-        (two reductions instead of MultiDiscrete's checks); ``False`` means "not shown", not "invalid"."""
+    def _quickly_valid(self, actions: Any, count: int) -> bool:
+        """A cheaper ``contains`` for the common cases: an integer array of Discrete actions, or a
+        Box batch of the space's dtype whose bounds are one number each (two reductions instead of
+        the batched space's checks). ``False`` means "not shown", not "invalid"."""
         space = self.single_action_space
-        if type(space) is not spaces.Discrete or type(actions) is not np.ndarray or actions.shape != (count,):
+        if type(actions) is not np.ndarray or count == 0:
             return False
-        if actions.dtype.kind not in "iu" or count == 0:
-            return False
-        return bool(actions.min() >= space.start and actions.max() < space.start + space.n)
+        if type(space) is spaces.Discrete:
+            if actions.shape != (count,) or actions.dtype.kind not in "iu":
+                return False
+            return bool(actions.min() >= space.start and actions.max() < space.start + space.n)
+        if type(space) is spaces.Box and actions.dtype == space.dtype and actions.shape == (count, *space.shape):
+            bounds = self._box_bounds
+            if bounds is None:
+                low, high = space.low.ravel(), space.high.ravel()
+                uniform = low.size > 0 and (low == low[0]).all() and (high == high[0]).all()
+                bounds = self._box_bounds = (low[0], high[0]) if uniform else ()
+            return bool(bounds) and bool(actions.min() >= bounds[0] and actions.max() <= bounds[1])
+        return False
 
     # ------------------------------------------------------------------ lockstep API
 

@@ -43,7 +43,7 @@ import numpy as np
 from gymnasium import Space, spaces
 from gymnasium.vector.utils import create_empty_array
 
-__all__ = ["check_row", "is_fixed_shape", "merge_row", "pipe_part", "row_templates", "shared_subspace", "write_row"]
+__all__ = ["check_row", "copy_row", "is_fixed_shape", "merge_row", "pipe_part", "row_templates", "shared_subspace", "write_row"]
 
 _FIXED_SHAPE_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
@@ -85,16 +85,17 @@ def pipe_part(rows: Any, observation: Any) -> Any:
 
 def merge_row(rows: Any, index: int, rest: Mapping[str, Any]) -> dict[str, Any]:
     """One env's whole observation: row ``index`` of the shared views (copied) plus ``rest`` from the pipe."""
-    merged = {key: _copy_row(value, index) for key, value in rows.items()}
+    merged = {key: copy_row(value, index) for key, value in rows.items()}
     merged.update(rest)
     return merged
 
 
-def _copy_row(rows: Any, index: int) -> Any:
+def copy_row(rows: Any, index: int) -> Any:
+    """Row ``index`` of shared views (nested dicts/tuples of arrays), as a copy (a numpy scalar for 1-D views)."""
     if isinstance(rows, dict):
-        return {key: _copy_row(value, index) for key, value in rows.items()}
+        return {key: copy_row(value, index) for key, value in rows.items()}
     if isinstance(rows, tuple):
-        return tuple(_copy_row(value, index) for value in rows)
+        return tuple(copy_row(value, index) for value in rows)
     return rows[index].copy()
 
 

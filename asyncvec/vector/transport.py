@@ -53,12 +53,15 @@ class WorkerSpec:
         groups: the env indices each worker hosts (``groups[w]``), contiguous and in order.
         autoreset_mode: the vector env's autoreset mode, applied inside the workers.
         shared_memory: the buffer made by :meth:`Backend.create_shared_memory`, or ``None``.
+        action_memory: shared memory for one action per env (fixed-shape action spaces, worker
+            processes), or ``None``: actions then travel with the message.
     """
 
     env_fns: Sequence[Callable[[], Env]]
     groups: Sequence[Sequence[int]]
     autoreset_mode: AutoresetMode
     shared_memory: Any = None
+    action_memory: Any = None
 
     @property
     def num_envs(self) -> int:
@@ -209,6 +212,7 @@ class ProcessTransport(Transport):
                 self.spec.autoreset_mode,
                 (self._marker, worker),
                 os.getpid(),
+                None if self.spec.action_memory is None else (self.spec.action_memory, self.spec.num_envs),
             ),
             daemon=self._daemon,
         )

@@ -9,7 +9,9 @@ several envs costs one round trip per message, not one per env.
 Commands (per env):
 
 * ``"step"``: the action; answers ``(obs, reward, terminated, truncated, info)`` and applies
-  the autoreset mode (as ``gymnasium.vector.SyncVectorEnv`` does).
+  the autoreset mode (as ``gymnasium.vector.SyncVectorEnv`` does). ``"step_shared"``: the same,
+  the action read from the env's row of the shared action memory (fixed-shape action spaces:
+  no pickled numpy arrays on the hot path).
 * ``"reset"``: ``{"seed": ..., "options": ...}``; answers ``(obs, info)``.
 * ``"restart"``: ``{"rebuild": bool, "then": "truncate" | "autoreset" | "reset", "arg": ...,
   "seed": int | None}``; rebuilds the env from its function if asked, then ends the episode
@@ -50,12 +52,12 @@ from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
 from asyncvec.vector.placement import time_steps
-from asyncvec.vector.split_obs import pipe_part, shared_subspace, write_row
+from asyncvec.vector.split_obs import copy_row, pipe_part, shared_subspace, write_row
 
 # How often a worker process checks that its parent is still alive.
 _PARENT_CHECK_S = 1.0
 IDLE = -1  # the value of a worker's "current env" marker between messages
-_OBSERVING_COMMANDS = ("step", "reset", "restart")  # commands that answer an observation
+_OBSERVING_COMMANDS = ("step", "step_shared", "reset", "restart")  # commands that answer an observation
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class EnvGroup:
         autoreset_mode: the vector env's autoreset mode.
         shared_memory: gymnasium shared memory for fixed-shape observations, or ``None``;
             ``(buffer, num_envs)``, the buffer as made by ``create_shared_memory``.
+        action_memory: gymnasium shared memory holding each env's action for ``"step_shared"``
+            (``(buffer, num_envs)``), or ``None``.
         marker: optional ``(array, slot)``: ``array[slot]`` holds the index of the env being
             worked on (``IDLE`` between messages), so the parent can name the env that hung or
             killed the worker.
@@ -131,6 +135,7 @@ class EnvGroup:
         autoreset_mode: AutoresetMode,
         shared_memory: Any = None,
         marker: tuple[Any, int] | None = None,
+        action_memory: Any = None,
     ) -> None:
         self.env_fns = list(env_fns)
         self.indices = list(indices)
@@ -138,6 +143,8 @@ class EnvGroup:
         self._next_step = self.autoreset_mode == AutoresetMode.NEXT_STEP  # read per step: cheaper than the enum
         self._same_step = self.autoreset_mode == AutoresetMode.SAME_STEP
         self.shared_memory = shared_memory
+        self.action_memory = action_memory
+        self._action_rows = None  # numpy views of the shared action rows, made once
         self._rows = None  # numpy views of the shared observation rows, made once
         self.marker, self.slot = marker if marker is not None else (None, 0)
         self.envs: list[Env] = []
@@ -166,7 +173,12 @@ class EnvGroup:
             if marker is not None:
                 marker[self.slot] = indices[position]
             try:
-                result = self._step(position, payload) if command == "step" else self._run(position, command, payload)
+                if command == "step":
+                    result = self._step(position, payload)
+                elif command == "step_shared":
+                    result = self._step(position, self._shared_action(position))
+                else:
+                    result = self._run(position, command, payload)
             except Exception as exc:
                 result = EnvFailure(error_payload(exc))
             else:
@@ -198,6 +210,13 @@ class EnvGroup:
                         continue
                 results[slot] = (pipe_part(rows, observation) if split else None, *result[1:])  # e.g. a Text entry
         return results
+
+    def _shared_action(self, position: int) -> Any:
+        """The action the parent wrote to this env's row of the shared action memory (a copy)."""
+        if self._action_rows is None:
+            buffer, num_envs = self.action_memory
+            self._action_rows = read_from_shared_memory(self.envs[0].action_space, buffer, n=num_envs)
+        return copy_row(self._action_rows, self.indices[position])
 
     def _run(self, position: int, command: str, payload: Any) -> Any:
         env = self.envs[position]
@@ -311,6 +330,7 @@ def run_worker(
     autoreset_mode: AutoresetMode,
     marker: tuple[Any, int],
     parent_pid: int,
+    action_memory: Any = None,
 ) -> None:
     """A worker process: builds its envs, answers ``(True, results)`` per message until ``None`` (close).
 
@@ -323,7 +343,7 @@ def run_worker(
     if parent_pipe is not None:
         parent_pipe.close()
     try:
-        group = EnvGroup(env_fns, indices, autoreset_mode, shared_memory, marker)
+        group = EnvGroup(env_fns, indices, autoreset_mode, shared_memory, marker, action_memory)
     except BuildFailureError as exc:
         pipe.send_bytes(dumps((False, exc.failure)))
         pipe.close()
