@@ -164,6 +164,8 @@ class AsyncLLMVectorEnv(VectorEnv):
     :mod:`asyncvec.distributed`); the semantics are the same. A worker hosts
     ``envs_per_worker`` envs and steps them one after another, so fast envs pay one round trip
     per worker instead of one per env; ``send``/``recv`` still take and return single env ids.
+    Envs far cheaper than a round trip run in the calling process instead. Unless told, the
+    vector env measures one env and chooses (``envs.placement``).
 
     Faults: an env that raises, a worker killed by a signal, or a step longer than
     ``step_timeout`` raises :class:`WorkerError` naming the env index, the exception type and the
@@ -212,8 +214,12 @@ class AsyncLLMVectorEnv(VectorEnv):
         observation_mode: ``"same"`` (every env has the same observation space) or
             ``"different"`` (same dtype and shape suffice).
         envs_per_worker: how many envs each worker hosts (the last worker may host fewer).
-            1 (default) isolates slow envs from each other; more cuts the per-step overhead
-            of fast envs.
+            ``None`` (default): chosen by measuring one env (:mod:`asyncvec.vector.placement`):
+            in this process for envs far cheaper than a round trip to a worker, one busy worker
+            per core for CPU-bound envs, a worker per env for envs that wait. Given, it always
+            wins. ``envs.placement`` says what was chosen and why.
+        in_process: ``True``: every env in the calling process (no workers, no crash isolation,
+            no ``step_timeout``); ``False``: never; ``None`` (default): as measured.
         backend: ``"process"``, ``"ray"``, or a :class:`~asyncvec.vector.transport.Backend`
             such as ``RayBackend(address=..., num_cpus=..., resources=...)``.
     """
@@ -291,6 +297,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._shared_rows = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
         self._row_templates = None  # what the parent checks observations against without shared memory
         self._action_rows = None  # shared views of one action per env, when actions travel that way
+        self._in_process_steps: bool | None = None  # placement and buffers allow the in-process fast path
+        self._stepped: tuple | None = None  # a lockstep step's results, taken by the in-process fast path
         self._box_bounds: tuple | None = None  # a Box action space's (low, high) if each is one number, else ()
 
         self.placement = self._place(envs_per_worker, in_process)
@@ -816,10 +824,9 @@ class AsyncLLMVectorEnv(VectorEnv):
                 f"Calling `{call}` while waiting for a pending call to `{self._state.value}` to complete.",
                 self._state.value,
             )
-        busy = self.in_flight
-        if busy:
+        if any(slot.command is not None for slot in self._slots):
             raise AlreadyPendingCallError(
-                f"Calling `{call}` while envs {busy} have sends in flight or answers not yet received with recv().",
+                f"Calling `{call}` while envs {self.in_flight} have sends in flight or answers not yet received with recv().",
                 "send",
             )
 
@@ -891,11 +898,54 @@ class AsyncLLMVectorEnv(VectorEnv):
         """Sends one action to every sub-environment; :meth:`step_wait` collects the results."""
         self._assert_idle("step_async")
         ids = list(range(self.num_envs))
-        for i, action in zip(ids, self._split_actions(actions, ids)):
-            self._send(i, "step", action)
-        self._flush_or_discard(ids)
+        items = self._split_actions(actions, ids)
+        if self._can_step_in_process():
+            self._stepped = (items, self._transport.step_all(0, items))
+        else:
+            for i, action in zip(ids, items):
+                self._send(i, "step", action)
+            self._flush_or_discard(ids)
         self._lockstep_ids = ids
         self._state = _LockstepState.WAITING_STEP
+
+    def _can_step_in_process(self) -> bool:
+        """Whether a lockstep step takes the fast path of in-process envs (:meth:`EnvGroup.step_all`:
+        no message nor result per env, as ``SyncVectorEnv``): whole observations in shared memory
+        and no env owing a restart's truncation or info."""
+        if self._in_process_steps is None:
+            self._in_process_steps = self.placement.in_process and self._shm is not None and self._env_obs is None
+        return self._in_process_steps and not any(slot.after_restart is not None or slot.info_extra for slot in self._slots)
+
+    def _finish_step_in_process(self):
+        """``step_wait`` of the in-process fast path: the envs that raised go through the usual
+        failure path (rebuilt and truncated, or the error); the others' results are taken as they are."""
+        items, (rewards, terminations, truncations, env_infos, failures) = self._stepped
+        self._stepped = None
+        if failures:
+            failed = [position for position, _ in failures]
+            for index, payload in failures:
+                slot = self._slots[index]
+                slot.command, slot.payload = "step", items[index]
+                self._env_failed(index, payload)
+            self._flush()
+            self._collect(failed, None)
+            for index, result in zip(failed, self._deliver(failed)):
+                _, rewards[index], terminations[index], truncations[index], env_infos[index] = result
+                env_infos[index] = self._with_extra(index, env_infos[index])
+        same_step = self._same_step
+        infos: dict[str, Any] = {}
+        for index, (slot, terminated, truncated, info) in enumerate(zip(self._slots, terminations, truncations, env_infos)):
+            slot.episode = "ended" if (terminated or truncated) and not same_step else "live"
+            if info:
+                infos = self._add_info(infos, info, index)
+        self._state = _LockstepState.DEFAULT
+        return (
+            self._batched_observations(),
+            np.array(rewards, dtype=np.float64),
+            np.array(terminations, dtype=np.bool_),
+            np.array(truncations, dtype=np.bool_),
+            infos,
+        )
 
     def step_wait(self, timeout: float | None = None):
         """Waits for :meth:`step_async` (at most ``timeout`` seconds) and returns the batch.
@@ -907,6 +957,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
+        if self._stepped is not None:
+            return self._finish_step_in_process()
         ids = self._lockstep_ids
         self._collect(ids, timeout, _PENDING.format(call="step_wait"))
         results = self._deliver(ids)

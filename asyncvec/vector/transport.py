@@ -363,6 +363,10 @@ class InProcessTransport(Transport):
     def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
         return self._ready[worker]
 
+    def step_all(self, worker: int, actions: Sequence[Any]) -> tuple[list, list, list, list, list]:
+        """:meth:`EnvGroup.step_all` of the worker's envs: a lockstep step without a message."""
+        return self._groups[worker].step_all(actions)
+
     def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
         group = self._groups[worker]
         if message is None or group is None:

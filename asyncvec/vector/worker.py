@@ -188,11 +188,7 @@ class EnvGroup:
         if marker is not None:
             marker[self.slot] = IDLE
         if published:
-            if self._rows is None:
-                buffer, num_envs = self.shared_memory
-                space = shared_subspace(self.envs[0].observation_space)  # a Dict's fixed-shape entries, or all
-                self._rows = read_from_shared_memory(space, buffer, n=num_envs)
-            rows = self._rows
+            rows = self._observation_rows()
             split = isinstance(rows, dict)  # a Dict may have entries that go by pipe (pipe_part)
             array = rows if type(rows) is np.ndarray else None  # one array: the common case, written directly
             for slot, position in published:
@@ -210,6 +206,44 @@ class EnvGroup:
                         continue
                 results[slot] = (pipe_part(rows, observation) if split else None, *result[1:])  # e.g. a Text entry
         return results
+
+    def _observation_rows(self) -> Any:
+        """Numpy views of the shared observation rows (a Dict's fixed-shape entries, or all), made once."""
+        if self._rows is None:
+            buffer, num_envs = self.shared_memory
+            space = shared_subspace(self.envs[0].observation_space)
+            self._rows = read_from_shared_memory(space, buffer, n=num_envs)
+        return self._rows
+
+    def step_all(self, actions: Sequence[Any]) -> tuple[list, list, list, list, list]:
+        """Steps every env of the group with its action, in order, and writes each observation to
+        its shared row: the lockstep fast path of envs in the calling process (no message, no
+        result per env). Needs the whole observation in shared memory.
+
+        Returns ``(rewards, terminations, truncations, infos, failures)``; ``failures`` lists
+        ``(position, error payload)`` of the envs that raised (their other entries are placeholders).
+        """
+        rows = self._observation_rows()
+        array = rows if type(rows) is np.ndarray else None
+        rewards, terminations, truncations, infos, failures = [], [], [], [], []
+        step, indices = self._step, self.indices
+        for position, action in enumerate(actions):
+            try:
+                observation, reward, terminated, truncated, info = step(position, action)
+                if array is not None and type(observation) is np.ndarray and observation.dtype == array.dtype and (
+                    observation.shape == array.shape[1:]
+                ):
+                    array[indices[position]] = observation
+                else:
+                    write_row(rows, indices[position], observation)
+            except Exception as exc:
+                failures.append((position, error_payload(exc)))
+                reward, terminated, truncated, info = 0.0, False, False, {}
+            rewards.append(reward)
+            terminations.append(terminated)
+            truncations.append(truncated)
+            infos.append(info)
+        return rewards, terminations, truncations, infos, failures
 
     def _shared_action(self, position: int) -> Any:
         """The action the parent wrote to this env's row of the shared action memory (a copy)."""
