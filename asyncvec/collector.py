@@ -157,6 +157,7 @@ class Collector:
         self._action_space = env.single_action_space
         self._noop = zero_action(self._action_space)
         self._answers: queue.SimpleQueue[tuple[int, Future]] = queue.SimpleQueue()
+        self._wakeable = bool(getattr(env, "wakeable", False))
         self._obs: list[Any] = [None] * n  # the observation each env's next action is chosen from
         self._waiting_policy = np.zeros(n, dtype=bool)
         self._resetting = np.zeros(n, dtype=bool)  # NEXT_STEP: the env's next step is its reset
@@ -259,8 +260,9 @@ class Collector:
                 if self.env.in_flight:
                     try:
                         # Short waits while answers may come back; the policy side needs us too.
+                        # A vector env that wake() reaches is woken by each policy answer; others are polled.
                         busy = self._waiting_policy.any() or self._parked or self._gated
-                        result = self.env.recv(timeout=0.002 if busy else 0.1)
+                        result = self.env.recv(timeout=0.002 if busy and not self._wakeable else 0.1)
                     except multiprocessing.TimeoutError:
                         continue
                     self._handle_results(*result)
@@ -359,7 +361,14 @@ class Collector:
         self._obs[env_id] = obs
         self._waiting_policy[env_id] = True
         future = self.policy.submit(obs, env_id=env_id)
-        future.add_done_callback(lambda f, e=env_id: self._answers.put((e, f)))
+        future.add_done_callback(lambda f, e=env_id: self._answered(e, f))
+
+    def _answered(self, env_id: int, future: Future) -> None:
+        """The policy's callback: queue the answer and end the loop's wait for envs, so that the
+        action goes out at once (not after the next env result or poll)."""
+        self._answers.put((env_id, future))
+        if self._wakeable:
+            self.env.wake()
 
     def _handle_results(self, obs: Any, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict) -> None:
         env_ids = info["env_id"]

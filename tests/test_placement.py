@@ -146,3 +146,18 @@ def test_the_choice_is_logged(caplog):
 def test_contradictory_placement_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AsyncLLMVectorEnv([CounterEnv] * 2, **kwargs)
+
+
+def test_an_in_process_env_that_raises_names_itself_and_closes(tmp_path):
+    from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
+    from toy_envs import FaultyEnv
+
+    fns = [partial(CounterEnv, max_len=50), partial(FaultyEnv, "raise", 2, str(tmp_path / "once"), max_len=50)]
+    envs = AsyncLLMVectorEnv(fns, in_process=True)
+    envs.reset(seed=0)
+    envs.step(np.ones(2, dtype=np.int64))
+    with pytest.raises(WorkerError, match=r"env 1 failed in step\(\): ZeroDivisionError") as err:
+        envs.step(np.ones(2, dtype=np.int64))
+    assert err.value.env_index == 1 and isinstance(err.value.__cause__, ZeroDivisionError)
+    with pytest.raises(ClosedEnvironmentError, match="closed itself"):
+        envs.step(np.ones(2, dtype=np.int64))
