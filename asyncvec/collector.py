@@ -262,7 +262,9 @@ class Collector:
                         # Short waits while answers may come back; the policy side needs us too.
                         # A vector env that wake() reaches is woken by each policy answer; others are polled.
                         busy = self._waiting_policy.any() or self._parked or self._gated
-                        result = self.env.recv(timeout=0.002 if busy and not self._wakeable else 0.1)
+                        # at_least=1: the policy batches the requests; an env that finished is not held
+                        # back until batch_size - 1 others finish too
+                        result = self.env.recv(timeout=0.002 if busy and not self._wakeable else 0.1, at_least=1)
                     except multiprocessing.TimeoutError:
                         continue
                     self._handle_results(*result)

@@ -426,3 +426,25 @@ def test_an_unchecked_action_that_fits_no_row_still_reaches_its_env():
         assert info["size"].tolist() == [3, 1]
     finally:
         envs.close()
+
+
+def test_recv_at_least_returns_what_is_ready_without_waiting_for_a_full_batch():
+    """batch_size 3, one fast env and two slow ones: at_least=1 returns the fast env at once;
+    a plain recv waits for all three."""
+    envs = AsyncLLMVectorEnv([partial(SleepyEnv, d) for d in (0.0, 0.3, 0.3)], batch_size=3, envs_per_worker=1)
+    try:
+        envs.async_reset(seed=0)
+        while envs.in_flight:
+            envs.recv()
+        envs.send(np.ones(3, dtype=np.int64))
+        start = time.monotonic()
+        *_, info = envs.recv(at_least=1)
+        assert info["env_id"].tolist() == [0] and time.monotonic() - start < 0.25
+        *_, info = envs.recv(at_least=2)  # both slow envs, together
+        assert sorted(info["env_id"].tolist()) == [1, 2]
+        envs.send(np.ones(3, dtype=np.int64))
+        time.sleep(0.5)  # all three finished: at_least=1 takes every answer that is ready, up to batch_size
+        *_, info = envs.recv(at_least=1)
+        assert sorted(info["env_id"].tolist()) == [0, 1, 2]
+    finally:
+        envs.close()

@@ -1060,10 +1060,13 @@ class AsyncLLMVectorEnv(VectorEnv):
             if self._recv_waiting:  # called while recv waits in another thread: it watches these envs too
                 self._transport.wake()
 
-    def recv(self, timeout: float | None = None):
+    def recv(self, timeout: float | None = None, *, at_least: int | None = None):
         """Returns the first ``batch_size`` envs to finish, in arrival order.
 
         If fewer than ``batch_size`` envs are in flight, returns all of them once they finish.
+        With ``at_least=m``, returns as soon as ``m`` envs have finished, with every env finished
+        by then (up to ``batch_size``): a loop whose policy batches requests itself need not
+        hold a finished env back until ``batch_size - 1`` others finish too.
         ``info["env_id"]`` holds the env ids of the rows; other info keys follow gymnasium's
         ``key``/``_key`` convention, sized to the batch.
 
@@ -1079,9 +1082,17 @@ class AsyncLLMVectorEnv(VectorEnv):
             if not in_flight:
                 raise NoAsyncCallError("Calling `recv` with no env in flight: call `async_reset` or `send` first.", "recv")
             target = min(self.batch_size, len(in_flight))
+            needed = target if at_least is None else max(1, min(int(at_least), target))
             self._wait_until(
-                lambda: len(self._arrivals) >= target, timeout, f"recv: fewer than {target} envs answered", wakeable=True
+                lambda: len(self._arrivals) >= needed, timeout, f"recv: fewer than {needed} envs answered", wakeable=True
             )
+            if len(self._arrivals) < target:  # at_least: take the answers that are ready, without waiting
+                try:
+                    self._poll(time.monotonic())
+                except BaseException as exc:
+                    self._close_after(exc)
+                    raise
+            target = min(target, len(self._arrivals))
             ids = [self._arrivals[k] for k in range(target)]
             rows = np.asarray(ids, dtype=np.int64)
             commands = [self._slots[i].command for i in ids]

@@ -131,9 +131,9 @@ class _PartialBatches:
         ids = np.arange(self.num_envs) if env_ids is None else np.asarray(env_ids, dtype=np.int64).reshape(-1)
         self._inner("send")(self._send_actions(actions, ids), env_ids)
 
-    def recv(self, timeout: float | None = None) -> tuple:
+    def recv(self, timeout: float | None = None, *, at_least: int | None = None) -> tuple:
         """The next partial batch from the wrapped env, transformed as this wrapper's ``step`` would."""
-        batch = self._inner("recv")(timeout=timeout)
+        batch = self._inner("recv")(timeout=timeout) if at_least is None else self._inner("recv")(timeout=timeout, at_least=at_least)
         ids = np.asarray(batch[4]["env_id"], dtype=np.int64)
         resets = self._awaiting_reset[ids]
         self._awaiting_reset[ids] = False
