@@ -11,6 +11,7 @@ MODULES = [
     "asyncvec",
     "asyncvec.vector.async_llm_vector_env",
     "asyncvec.vector.checker",
+    "asyncvec.vector.placement",
     "asyncvec.collector",
     "asyncvec.metrics",
     "envs.slow",

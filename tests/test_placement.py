@@ -161,3 +161,18 @@ def test_an_in_process_env_that_raises_names_itself_and_closes(tmp_path):
     assert err.value.env_index == 1 and isinstance(err.value.__cause__, ZeroDivisionError)
     with pytest.raises(ClosedEnvironmentError, match="closed itself"):
         envs.step(np.ones(2, dtype=np.int64))
+
+
+class ActsOnTheWorld(CounterEnv):
+    """An env whose steps must not be taken at random (hardware, a paid service): it says so."""
+
+    metadata = {**CounterEnv.metadata, "asyncvec_probe": False}
+
+    def step(self, action):
+        raise AssertionError("the probe must not step an env that declares asyncvec_probe=False")
+
+
+def test_an_env_can_refuse_the_probe():
+    with AsyncLLMVectorEnv([ActsOnTheWorld] * 2) as envs:
+        assert envs.placement.profile is None and envs.placement.envs_per_worker == 1
+        assert "asyncvec_probe" in envs.placement.reason

@@ -3,6 +3,7 @@
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 from asyncvec.vector.checker import VectorEnvCheckError, check_vector_env
 from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, WorkerError
+from asyncvec.vector.placement import Placement, StepProfile
 from asyncvec.vector.transport import Backend, ProcessBackend, Transport
 
 __all__ = [
@@ -11,7 +12,9 @@ __all__ = [
     "Backend",
     "ClosedEnvironmentError",
     "NoAsyncCallError",
+    "Placement",
     "ProcessBackend",
+    "StepProfile",
     "Transport",
     "VectorEnvCheckError",
     "WorkerError",
