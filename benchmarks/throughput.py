@@ -59,7 +59,7 @@ class Args:
     rounds: int = 6
     """interleaved rounds per contender (the table holds the median)"""
     quick: bool = False
-    """short run (1.5 s per contender, 3 rounds), for the smoke test"""
+    """a short run (1.5 s per contender, 3 rounds)"""
     kinds: tuple[str, ...] = ("classic", "pendulum", "cpu", "sleep", "image", "dict")
     """which env kinds to run"""
     out_dir: str | None = None
@@ -274,7 +274,9 @@ def contenders(kind: str, spec: Kind) -> dict[str, Callable]:
 
 
 def run_kind(kind: str, args: Args, cores: int) -> tuple[float, list[tuple[str, float, float, str]]]:
-    """Measures every contender in interleaved rounds: the bound and ``(label, median steps/s, CPU us/step, placement)``."""
+    """Measures every contender in interleaved rounds.
+
+    Returns the bound and ``(label, median steps/s, CPU us/step, placement)`` per contender."""
     spec = KINDS[kind]
     seconds = 1.5 if args.quick else args.seconds
     rounds = 3 if args.quick else args.rounds
@@ -294,8 +296,10 @@ def run_kind(kind: str, args: Args, cores: int) -> tuple[float, list[tuple[str, 
     rows = []
     for label, values in samples.items():
         placement = getattr(loops[label].envs, "placement", None)
-        where = "-" if placement is None else (
-            "in process" if placement.in_process else f"{placement.num_workers} x {placement.envs_per_worker}"
+        where = (
+            "-"
+            if placement is None
+            else ("in process" if placement.in_process else f"{placement.num_workers} x {placement.envs_per_worker}")
         )
         rows.append((label, float(np.median(values)), loops[label].meter.cpu_us_per_step, where))
     print(f"\n### {spec.title}: {spec.num_envs} envs, physical bound {bound:,.0f} steps/s")
@@ -306,7 +310,16 @@ def run_kind(kind: str, args: Args, cores: int) -> tuple[float, list[tuple[str, 
 def main(args: Args) -> dict[str, tuple[float, list[tuple[str, float, float, str]]]]:
     cores = usable_cores()
     results = {}
-    headers = ["env kind", "contender", "placement", "env-steps/s", "vs best gymnasium", "vs gymnasium Async", "vs bound", "CPU us / env-step"]
+    headers = [
+        "env kind",
+        "contender",
+        "placement",
+        "env-steps/s",
+        "vs best gymnasium",
+        "vs gymnasium Async",
+        "vs bound",
+        "CPU us / env-step",
+    ]
     table_rows = []
     for kind in args.kinds:
         bound, rows = run_kind(kind, args, cores)

@@ -121,7 +121,9 @@ class RaisesOnStep(CounterEnv):
         raise RuntimeError("this env cannot step")
 
 
-@pytest.mark.parametrize("env_cls, why", [(KillsItsProcessOnStep, "WorkerDied"), (RaisesOnStep, "this env cannot step")])
+@pytest.mark.parametrize(
+    "env_cls, why", [(KillsItsProcessOnStep, "WorkerDied"), (RaisesOnStep, "this env cannot step")]
+)
 def test_a_failed_measurement_falls_back_to_one_env_per_worker(env_cls, why, no_leftover_children):
     with AsyncLLMVectorEnv([env_cls] * 2) as envs:
         assert envs.placement.envs_per_worker == 1 and not envs.placement.in_process

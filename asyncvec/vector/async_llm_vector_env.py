@@ -264,9 +264,13 @@ class AsyncLLMVectorEnv(VectorEnv):
         if observation_mode not in ("same", "different"):
             raise ValueError(f"observation_mode must be 'same' or 'different', got {observation_mode!r}")
         if envs_per_worker is not None and (
-            isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, (int, np.integer)) or envs_per_worker < 1
+            isinstance(envs_per_worker, bool)
+            or not isinstance(envs_per_worker, (int, np.integer))
+            or envs_per_worker < 1
         ):
-            raise ValueError(f"envs_per_worker must be an int >= 1 or None (chosen by measuring the env), got {envs_per_worker!r}")
+            raise ValueError(
+                f"envs_per_worker must be an int >= 1 or None (chosen by measuring the env), got {envs_per_worker!r}"
+            )
         if in_process and envs_per_worker is not None:
             raise ValueError("in_process=True runs every env in this process: do not also give envs_per_worker")
         if in_process and step_timeout is not None:
@@ -356,14 +360,18 @@ class AsyncLLMVectorEnv(VectorEnv):
         if envs_per_worker is not None:
             return given_placement(self.num_envs, int(envs_per_worker), "envs_per_worker given")
         if self.backend.local:
-            skip = probe_skip_reason(self.single_observation_space, self.single_action_space, render_mode, self.metadata)
+            skip = probe_skip_reason(
+                self.single_observation_space, self.single_action_space, render_mode, self.metadata
+            )
             if skip is not None:
                 return given_placement(self.num_envs, 1, f"one env per worker: not measured: {skip}")
         try:
             profile = profile_env(self.env_fns[0], self.context, self.start_timeout)
         except Exception as exc:  # the env, not the vector env, failed: fall back to gymnasium's placement
             return given_placement(self.num_envs, 1, f"one env per worker: {exc}")
-        can_run_in_process = in_process is None and self.step_timeout is None and isinstance(self.backend, ProcessBackend)
+        can_run_in_process = (
+            in_process is None and self.step_timeout is None and isinstance(self.backend, ProcessBackend)
+        )
         return choose_placement(self.num_envs, profile, self.backend.parallelism(), can_run_in_process)
 
     def _set_spaces(self, observation_space: Space, action_space: Space, metadata: dict, render_mode: Any) -> None:
@@ -826,7 +834,8 @@ class AsyncLLMVectorEnv(VectorEnv):
             )
         if any(slot.command is not None for slot in self._slots):
             raise AlreadyPendingCallError(
-                f"Calling `{call}` while envs {self.in_flight} have sends in flight or answers not yet received with recv().",
+                f"Calling `{call}` while envs {self.in_flight} have sends in flight or answers not yet received "
+                "with recv().",
                 "send",
             )
 
@@ -940,7 +949,8 @@ class AsyncLLMVectorEnv(VectorEnv):
         and no env owing a restart's truncation or info."""
         if self._in_process_steps is None:
             self._in_process_steps = self.placement.in_process and self._shm is not None and self._env_obs is None
-        return self._in_process_steps and not any(slot.after_restart is not None or slot.info_extra for slot in self._slots)
+        slots = self._slots
+        return self._in_process_steps and not any(slot.after_restart is not None or slot.info_extra for slot in slots)
 
     def _finish_step_in_process(self):
         """``step_wait`` of the in-process fast path: the envs that raised go through the usual
@@ -960,7 +970,8 @@ class AsyncLLMVectorEnv(VectorEnv):
                 env_infos[index] = self._with_extra(index, env_infos[index])
         same_step = self._same_step
         infos: dict[str, Any] = {}
-        for index, (slot, terminated, truncated, info) in enumerate(zip(self._slots, terminations, truncations, env_infos)):
+        outcomes = zip(self._slots, terminations, truncations, env_infos)
+        for index, (slot, terminated, truncated, info) in enumerate(outcomes):
             slot.episode = "ended" if (terminated or truncated) and not same_step else "live"
             if info:
                 infos = self._add_info(infos, info, index)

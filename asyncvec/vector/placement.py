@@ -39,7 +39,8 @@ Example:
     >>> p = choose_placement(8, StepProfile(step_s=1e-3, cpu_share=1.0, round_trip_s=60e-6, steps=50), cores=2)
     >>> p.in_process, p.envs_per_worker, p.num_workers
     (False, 4, 2)
-    >>> choose_placement(16, StepProfile(step_s=10e-3, cpu_share=0.01, round_trip_s=60e-6, steps=5), cores=2).envs_per_worker
+    >>> sleeping = StepProfile(step_s=10e-3, cpu_share=0.01, round_trip_s=60e-6, steps=5)
+    >>> choose_placement(16, sleeping, cores=2).envs_per_worker
     1
 """
 
@@ -125,7 +126,11 @@ class Placement:
     profile: StepProfile | None = None
 
     def __str__(self) -> str:
-        where = "in the calling process" if self.in_process else f"{self.num_workers} worker(s) x {self.envs_per_worker} env(s)"
+        where = (
+            "in the calling process"
+            if self.in_process
+            else f"{self.num_workers} worker(s) x {self.envs_per_worker} env(s)"
+        )
         return f"{where}: {self.reason}"
 
 
@@ -157,8 +162,10 @@ def choose_placement(num_envs: int, profile: StepProfile, cores: int, can_run_in
     measured = f"step {t * 1e6:,.0f} us at {profile.cpu_share:.0%} CPU, round trip {o * 1e6:,.0f} us, {cores} cores"
     if can_run_in_process and num_envs * t <= o:
         return in_process_placement(
-            num_envs, f"{num_envs} steps in turn ({num_envs * t * 1e6:,.0f} us) cost no more than a worker round trip; "
-            f"{measured}", profile
+            num_envs,
+            f"{num_envs} steps in turn ({num_envs * t * 1e6:,.0f} us) cost no more than a worker round trip; "
+            f"{measured}",
+            profile,
         )
     why = "CPU-bound: at most one busy worker per core" if busy < num_envs else "one worker per env"
     return Placement(False, k, workers, f"{why}; {measured}", profile)

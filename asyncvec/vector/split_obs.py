@@ -43,7 +43,16 @@ import numpy as np
 from gymnasium import Space, spaces
 from gymnasium.vector.utils import create_empty_array
 
-__all__ = ["check_row", "copy_row", "is_fixed_shape", "merge_row", "pipe_part", "row_templates", "shared_subspace", "write_row"]
+__all__ = [
+    "check_row",
+    "copy_row",
+    "is_fixed_shape",
+    "merge_row",
+    "pipe_part",
+    "row_templates",
+    "shared_subspace",
+    "write_row",
+]
 
 _FIXED_SHAPE_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 

@@ -133,7 +133,8 @@ class _PartialBatches:
 
     def recv(self, timeout: float | None = None, *, at_least: int | None = None) -> tuple:
         """The next partial batch from the wrapped env, transformed as this wrapper's ``step`` would."""
-        batch = self._inner("recv")(timeout=timeout) if at_least is None else self._inner("recv")(timeout=timeout, at_least=at_least)
+        recv = self._inner("recv")
+        batch = recv(timeout=timeout) if at_least is None else recv(timeout=timeout, at_least=at_least)
         ids = np.asarray(batch[4]["env_id"], dtype=np.int64)
         resets = self._awaiting_reset[ids]
         self._awaiting_reset[ids] = False
