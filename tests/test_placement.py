@@ -178,3 +178,20 @@ def test_an_env_can_refuse_the_probe():
     with AsyncLLMVectorEnv([ActsOnTheWorld] * 2) as envs:
         assert envs.placement.profile is None and envs.placement.envs_per_worker == 1
         assert "asyncvec_probe" in envs.placement.reason
+
+
+class StartsAProcess(CounterEnv):
+    """Starts (and joins) a child process when built: only a non-daemon worker may host it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        import multiprocessing
+
+        child = multiprocessing.get_context("fork").Process(target=int)
+        child.start()
+        child.join()
+
+
+def test_the_probe_runs_as_the_workers_do_daemon_false(no_leftover_children):
+    with AsyncLLMVectorEnv([StartsAProcess] * 2, daemon=False, context="fork") as envs:
+        assert envs.placement.profile is not None, envs.placement

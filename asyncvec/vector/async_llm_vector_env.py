@@ -366,7 +366,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             if skip is not None:
                 return given_placement(self.num_envs, 1, f"one env per worker: not measured: {skip}")
         try:
-            profile = profile_env(self.env_fns[0], self.context, self.start_timeout)
+            profile = profile_env(self.env_fns[0], self.context, self.start_timeout, self.daemon)
         except Exception as exc:  # the env, not the vector env, failed: fall back to gymnasium's placement
             return given_placement(self.num_envs, 1, f"one env per worker: {exc}")
         can_run_in_process = (

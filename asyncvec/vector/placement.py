@@ -211,7 +211,9 @@ def probe_skip_reason(observation_space: Space, action_space: Space, render_mode
     return None
 
 
-def profile_env(env_fn: Callable[[], Env], context: str | None = None, start_timeout: float = 60.0) -> StepProfile:
+def profile_env(
+    env_fn: Callable[[], Env], context: str | None = None, start_timeout: float = 60.0, daemon: bool = True
+) -> StepProfile:
     """Measures one throwaway env built by ``env_fn`` in a child process (see the module docstring).
 
     Raises:
@@ -221,7 +223,8 @@ def profile_env(env_fn: Callable[[], Env], context: str | None = None, start_tim
     from asyncvec.vector.transport import ProcessTransport, WorkerSpec
 
     ctx = multiprocessing.get_context(context)
-    transport = ProcessTransport(WorkerSpec([env_fn], [[0]], AutoresetMode.NEXT_STEP), ctx, daemon=True)
+    # daemon as the vector env's workers: an env that starts processes of its own needs daemon=False
+    transport = ProcessTransport(WorkerSpec([env_fn], [[0]], AutoresetMode.NEXT_STEP), ctx, daemon=daemon)
     try:
         ok, payload = transport.await_ready(0, start_timeout)
         if not ok:
