@@ -907,11 +907,6 @@ class AsyncLLMVectorEnv(VectorEnv):
         """Sends one action to every sub-environment; :meth:`step_wait` collects the results."""
         self._assert_idle("step_async")
         ids = list(range(self.num_envs))
-        if self._write_shared_actions(actions):
-            self._flush_or_discard(ids)
-            self._lockstep_ids = ids
-            self._state = _LockstepState.WAITING_STEP
-            return
         items = self._split_actions(actions, ids)
         if self._can_step_in_process():
             self._stepped = (items, self._transport.step_all(0, items))
@@ -921,27 +916,6 @@ class AsyncLLMVectorEnv(VectorEnv):
             self._flush_or_discard(ids)
         self._lockstep_ids = ids
         self._state = _LockstepState.WAITING_STEP
-
-    def _write_shared_actions(self, actions: Any) -> bool:
-        """A lockstep step to worker processes whose actions are one valid array of the shared rows'
-        shape and dtype: written to the rows in one copy, and each worker sent its envs' items,
-        without splitting the batch per env. ``False`` (nothing done) otherwise."""
-        rows = self._action_rows
-        if type(rows) is not np.ndarray or type(actions) is not np.ndarray:
-            return False
-        if actions.shape != rows.shape or actions.dtype != rows.dtype:
-            return False
-        if self.validate_actions and not self._quickly_valid(actions, self.num_envs):
-            return False
-        slots = self._slots
-        if any(slot.after_restart is not None for slot in slots):
-            return False
-        np.copyto(rows, actions)
-        for slot in slots:
-            slot.command, slot.payload = "step", None
-        for worker, group in enumerate(self._groups):
-            self._outbox[worker] = (list(group), [(position, "step_shared", None) for position in range(len(group))])
-        return True
 
     def _can_step_in_process(self) -> bool:
         """Whether a lockstep step takes the fast path of in-process envs (:meth:`EnvGroup.step_all`:

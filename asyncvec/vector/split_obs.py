@@ -128,6 +128,11 @@ def write_row(rows: Any, index: int, value: Any, field: str = "observation") -> 
 
     Unlike numpy assignment it never broadcasts nor casts across kinds.
     """
+    if type(rows) is np.ndarray and type(value) is np.ndarray and value.dtype == rows.dtype and (
+        value.shape == rows.shape[1:]
+    ):
+        rows[index] = value  # the common case (one array of the row's dtype and shape), without the walk
+        return
     _visit_row(rows, index, value, field, write=True)
 
 

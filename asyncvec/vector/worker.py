@@ -190,20 +190,14 @@ class EnvGroup:
         if published:
             rows = self._observation_rows()
             split = isinstance(rows, dict)  # a Dict may have entries that go by pipe (pipe_part)
-            array = rows if type(rows) is np.ndarray else None  # one array: the common case, written directly
             for slot, position in published:
                 result = results[slot]
                 observation = result[0]
-                if array is not None and type(observation) is np.ndarray and observation.dtype == array.dtype and (
-                    observation.shape == array.shape[1:]
-                ):
-                    array[indices[position]] = observation
-                else:
-                    try:
-                        write_row(rows, indices[position], observation)
-                    except Exception as exc:
-                        results[slot] = EnvFailure(error_payload(exc))
-                        continue
+                try:
+                    write_row(rows, indices[position], observation)
+                except Exception as exc:
+                    results[slot] = EnvFailure(error_payload(exc))
+                    continue
                 results[slot] = (pipe_part(rows, observation) if split else None, *result[1:])  # e.g. a Text entry
         return results
 
@@ -224,18 +218,12 @@ class EnvGroup:
         ``(position, error payload)`` of the envs that raised (their other entries are placeholders).
         """
         rows = self._observation_rows()
-        array = rows if type(rows) is np.ndarray else None
         rewards, terminations, truncations, infos, failures = [], [], [], [], []
         step, indices = self._step, self.indices
         for position, action in enumerate(actions):
             try:
                 observation, reward, terminated, truncated, info = step(position, action)
-                if array is not None and type(observation) is np.ndarray and observation.dtype == array.dtype and (
-                    observation.shape == array.shape[1:]
-                ):
-                    array[indices[position]] = observation
-                else:
-                    write_row(rows, indices[position], observation)
+                write_row(rows, indices[position], observation)
             except Exception as exc:
                 failures.append((position, error_payload(exc)))
                 reward, terminated, truncated, info = 0.0, False, False, {}
