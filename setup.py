@@ -26,7 +26,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["asyncvec", "asyncvec.*", "agents", "agents.*", "envs", "envs.*"]),
+    # agents/ and envs/ sit at the top of the repository (python agents/ppo.py in a clone) but install inside the
+    # package, as asyncvec.agents and asyncvec.envs: a library must not claim generic top-level names.
+    packages=find_packages(include=["asyncvec", "asyncvec.*"]) + ["asyncvec.agents", "asyncvec.envs"],
+    package_dir={"asyncvec.agents": "agents", "asyncvec.envs": "envs"},
     install_requires=[
         "gymnasium>=1.0,<2",
         "numpy>=1.24",
@@ -62,5 +65,15 @@ setup(
         + RLLIB
         + ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7"],
     },
-    entry_points={"console_scripts": ["asyncvec=asyncvec.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "asyncvec=asyncvec.cli:main",
+            # the agents, installed: asyncvec-ppo --env CartPole-v1 (= python -m asyncvec.agents.ppo, python agents/ppo.py)
+            "asyncvec-ppo=asyncvec.agents.ppo:cli",
+            "asyncvec-sac=asyncvec.agents.sac:cli",
+            "asyncvec-ppo-chunks=asyncvec.agents.ppo_chunks:cli",
+            "asyncvec-rloo=asyncvec.agents.rloo:cli",
+            "asyncvec-reinforce-pp=asyncvec.agents.reinforce_pp:cli",
+        ]
+    },
 )

@@ -8,10 +8,12 @@ import copy
 import difflib
 import functools
 import importlib
+import os
 import random
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
@@ -19,11 +21,10 @@ import numpy as np
 import torch
 from gymnasium.vector import AutoresetMode
 
-import envs as _example_envs  # noqa: F401  (registers the asyncvec/ ids)
 from asyncvec import AsyncLLMVectorEnv
-from asyncvec.extras import MissingExtraError
+from asyncvec.extras import MissingExtraError, missing_env_extra
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
-from envs.slow import SlowEnv
+from asyncvec.envs.slow import SlowEnv
 
 if TYPE_CHECKING:
     from asyncvec import VersionManager
@@ -34,8 +35,10 @@ def check_env_id(env_id: str) -> None:
     """Raises a ValueError when ``env_id`` is not registered, naming close matches.
 
     Gymnasium's ``module:EnvId`` form is accepted: ``module`` is imported first (its import
-    registers ``EnvId``), as ``gymnasium.make`` does, so ``--env mypkg:MyTask-v0`` works from
-    the command line; the error then names the module imported and the id it did not register.
+    registers ``EnvId``), as ``gymnasium.make`` does, so ``--env mymod:MyTask-v0`` works from
+    the command line. ``module`` is looked up on ``sys.path`` and then in the current folder
+    (as ``python -m`` would), so the folder that holds ``mymod.py`` needs no ``PYTHONPATH``; the
+    error names the module imported and the id it did not register.
 
     Example:
         >>> check_env_id("gymnasium.envs.classic_control:CartPole-v1")
@@ -46,13 +49,7 @@ def check_env_id(env_id: str) -> None:
     """
     module, _, name = env_id.rpartition(":")
     if module:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            missing = f"module {exc.name!r} was not found" if isinstance(exc, ModuleNotFoundError) and exc.name else str(exc)
-            raise ValueError(
-                f"env id {env_id!r}: importing {module!r} (which should register {name!r}) failed: {missing}"
-            ) from exc
+        import_user_module(module, f"env id {env_id!r}: importing {module!r} (which should register {name!r})")
     if name in gym.registry:
         return
     matches = difflib.get_close_matches(name, list(gym.registry), n=5, cutoff=0.5)
@@ -62,11 +59,45 @@ def check_env_id(env_id: str) -> None:
     raise ValueError(f"unknown env id {env_id!r}{hint}")
 
 
+def import_user_module(module: str, what: str) -> ModuleType:
+    """Imports a module the user named on the command line (``--env mymod:MyEnv-v0``, ``--reward
+    mymod:score``), from ``sys.path`` and then from the current folder, as ``python -m`` would: the
+    folder that holds ``mymod.py`` needs no ``PYTHONPATH``. A failure is a ValueError starting with
+    ``what`` and naming the module that was not found and where it was looked for.
+
+    Example:
+        >>> import_user_module("json", "--reward 'json:loads'").__name__
+        'json'
+        >>> import_user_module("no_such_module", "--reward 'no_such_module:f'")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: --reward 'no_such_module:f' failed: module 'no_such_module' was not found (looked in the current folder ...
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # last: a user's module never hides an installed one
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing = (
+            f"module {exc.name!r} was not found (looked in the current folder {cwd} and on sys.path)"
+            if isinstance(exc, ModuleNotFoundError) and exc.name
+            else str(exc)
+        )
+        raise ValueError(f"{what} failed: {missing}") from exc
+
+
 def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
     """The single-env observation and action spaces of ``env_id``, from one env built and closed here
     (so an agent can refuse unsupported spaces before it starts any worker)."""
     check_env_id(env_id)
-    env = flat_observations(gym.make(env_id))
+    try:
+        env = flat_observations(gym.make(env_id))
+    except gym.error.DependencyNotInstalled as exc:
+        missing = missing_env_extra(env_id, exc)
+        if missing is None:
+            raise
+        raise missing from exc
     try:
         return env.observation_space, env.action_space
     finally:
@@ -326,13 +357,30 @@ def exit_on_missing_extra(name: str) -> Iterator[None]:
         raise SystemExit(1) from None
 
 
+@contextlib.contextmanager
+def exit_on_setup_error(name: str) -> Iterator[None]:
+    """The agents' command lines, around building the agent: what the settings or the env got wrong
+    (an unknown env id, spaces the agent cannot take, an env whose library is missing) ends the run
+    with its one-line message and exit code 2, not a traceback; a missing extra as in
+    `exit_on_missing_extra`. Errors once training runs keep their traceback, and so do these with
+    ``ASYNCVEC_TRACEBACK=1``."""
+    with exit_on_missing_extra(name):
+        try:
+            yield
+        except (ValueError, gym.error.Error) as exc:
+            if os.environ.get("ASYNCVEC_TRACEBACK"):
+                raise
+            print(f"{name}: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+
 def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], log_path: Callable[[Any], Path],
                  checkpoint_path: Callable[[Any], Path | None], saves: str, track: bool, log_dir: str,
                  name: str) -> Any | None:  # fmt: skip
     """The agents' command line: builds the agent, trains it, prints ``summary(result)`` and where the
     logs and the checkpoint went. Ctrl-C stops the run cleanly (``train`` closes envs, workers and
     threads) and says at which step and where its checkpoint is. ``saves`` says when a checkpoint is
-    written (e.g. "after every update"); a missing extra ends it in one line (`exit_on_missing_extra`)."""
+    written (e.g. "after every update"); a setup error ends it in one line (`exit_on_setup_error`)."""
 
     def checkpoint_line(agent: Any) -> str:
         path = checkpoint_path(agent) if agent is not None else None
@@ -342,8 +390,9 @@ def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], log_pa
 
     agent = None
     try:
-        with exit_on_missing_extra(name):
+        with exit_on_setup_error(name):
             agent = build()
+        with exit_on_missing_extra(name):
             result = agent.train()
     except KeyboardInterrupt:
         step = agent.global_step if agent is not None else 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import importlib
 import itertools
 import json
 import math
@@ -25,7 +24,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from agents.common import LaggedWeights, check_env_id, seed_everything
+from asyncvec.agents.common import LaggedWeights, check_env_id, import_user_module, seed_everything
 from asyncvec import VersionManager, inference, rewards
 from asyncvec.buffers import GroupBatch
 from asyncvec.extras import check_installed
@@ -48,8 +47,9 @@ class LMArgs:
     """Options shared by the language-model agents (each agent's ``Args`` adds its own)."""
 
     env: str = "asyncvec/SingleDigitSums-v0"
-    """text env id: a one-step env's reset() observations are the prompts; a multi-turn env (its
-    episode goes on after a step, e.g. asyncvec/GuessNumber-v0) is played in an AsyncLLMVectorEnv"""
+    """text env id, or module:EnvId (module, in the current folder or installed, registers EnvId when imported):
+    a one-step env's reset() observations are the prompts; a multi-turn env (its episode goes on after a
+    step, e.g. asyncvec/GuessNumber-v0) is played in an AsyncLLMVectorEnv"""
     env_kwargs: str = "{}"
     """keyword arguments of gym.make(--env) as JSON, e.g. '{"max_number": 8, "transcript": false}'"""
     num_envs: int = 8
@@ -241,11 +241,7 @@ def load_reward_plugin(spec: str) -> str:
         return spec
     if not name:
         raise ValueError(f"--reward {spec!r}: expected module:name, the name of a reward function after the colon")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        missing = f"module {exc.name!r} was not found" if isinstance(exc, ModuleNotFoundError) and exc.name else str(exc)
-        raise ValueError(f"--reward {spec!r}: importing {module_name!r} failed: {missing}") from exc
+    module = import_user_module(module_name, f"--reward {spec!r}: importing {module_name!r}")
     if hasattr(module, name):
         plugin = getattr(module, name)
     elif name in rewards.available():

@@ -28,14 +28,10 @@ One default for every env (chosen on a wide suite, docs/agents.md); ``--preset``
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gymnasium as gym
 import numpy as np
@@ -45,7 +41,7 @@ import tyro
 from gymnasium.wrappers.utils import RunningMeanStd
 from torch.distributions import Categorical, Normal
 
-from agents.common import (
+from asyncvec.agents.common import (
     LaggedWeights,
     anneal,
     env_spaces,
@@ -85,9 +81,10 @@ PRESETS: dict[str, dict[str, object]] = {
 @dataclass
 class Args:
     env: str = "CartPole-v1"
-    """gymnasium env id"""
+    """gymnasium env id (CartPole-v1), or module:EnvId for your own env: module (a file in the current
+    folder or an installed package) is imported first and registers EnvId (mymod:MyEnv-v0)"""
     num_envs: int = 8
-    """number of parallel envs (worker processes)"""
+    """number of parallel envs"""
     mode: Literal["sync", "async"] = "async"
     """sync: act then learn, in lockstep; async: a collector thread acts while the learner trains"""
     backend: Literal["local", "ray"] = "local"
@@ -336,6 +333,11 @@ class PPO:
         # The spaces first, from one env here: a clear error before any worker starts.
         obs_space, self.action_space = env_spaces(args.env)
         flat_box = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
+        if isinstance(obs_space, gym.spaces.Text) or isinstance(self.action_space, gym.spaces.Text):
+            raise ValueError(
+                f"{args.env} is a text env (Text observations or actions), which PPO's MLP cannot take: train a "
+                f"language model on it with RLOO or REINFORCE++: asyncvec-rloo --env {args.env} (agents/rloo.py)"
+            )
         if not flat_box or not isinstance(self.action_space, (gym.spaces.Discrete, gym.spaces.Box)):
             raise ValueError(
                 f"PPO needs a flat Box observation space and a Discrete or Box action space; {args.env} has "
@@ -660,5 +662,10 @@ def main(args: Args) -> TrainResult | None:
     )
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``asyncvec-ppo``, ``python -m asyncvec.agents.ppo`` or, in a clone, ``python agents/ppo.py``."""
     main(tyro.cli(Args))
+
+
+if __name__ == "__main__":
+    cli()

@@ -45,14 +45,9 @@ machine's load, and learning with it: beside 2 busy processes on 2 cores the pol
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gymnasium as gym
 import numpy as np
@@ -61,7 +56,7 @@ import torch.nn as nn
 import tyro
 from gymnasium.vector import AutoresetMode
 
-from agents.common import anneal, check_env_id, layer_init, seed_everything
+from asyncvec.agents.common import anneal, check_env_id, exit_on_setup_error, layer_init, seed_everything
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
@@ -72,8 +67,9 @@ RESET = SOURCES.index("reset")
 
 @dataclass
 class Args:
-    env_id: str = "asyncvec/PixelCartPole-v0"
-    """a registered env with Dict(image, instruction) observations and a Box action space"""
+    env: str = "asyncvec/PixelCartPole-v0"
+    """a registered env with Dict(image, instruction) observations and a Box action space, or module:EnvId
+    (module, in the current folder or installed, registers EnvId when imported)"""
     image_size: int = 16
     """height and width of the camera image in pixels (passed to the env as ``size``)"""
     max_episode_steps: int = 200
@@ -213,12 +209,15 @@ class PPOChunks:
         self.args = args
         torch.set_num_threads(args.torch_threads)
         seed_everything(args.seed)
-        check_env_id(args.env_id)
-        probe = self.make_env()
+        check_env_id(args.env)
+        try:
+            probe = self.make_env()
+        except TypeError as exc:  # e.g. an env that takes no size argument
+            raise ValueError(f"{args.env}: gym.make({args.env!r}, size={args.image_size}) failed: {exc}") from exc
         self.observation_space, self.action_space = probe.observation_space, probe.action_space
         probe.close()
         if not isinstance(self.action_space, gym.spaces.Box):
-            raise ValueError(f"{args.env_id}: PPOChunks needs a Box action space, got {self.action_space}")
+            raise ValueError(f"{args.env}: PPOChunks needs a Box action space, got {self.action_space}")
         self.chunk_space = gym.spaces.Box(
             np.broadcast_to(self.action_space.low, (args.horizon, *self.action_space.shape)),
             np.broadcast_to(self.action_space.high, (args.horizon, *self.action_space.shape)),
@@ -234,7 +233,7 @@ class PPOChunks:
         kwargs: dict[str, Any] = {"size": self.args.image_size}
         if self.args.max_episode_steps > 0:
             kwargs["max_episode_steps"] = self.args.max_episode_steps
-        return gym.make(self.args.env_id, **kwargs)
+        return gym.make(self.args.env, **kwargs)
 
     # ------------------------------------------------------------------ acting
     def publish(self) -> None:
@@ -246,7 +245,7 @@ class PPOChunks:
     def evaluate(self, executor: ChunkExecutor, seed: int) -> float:
         """Mean return of the first episode of every env, from reset (``eval_rounds`` rounds)."""
         returns = []
-        limit = self.args.max_episode_steps or gym.spec(self.args.env_id).max_episode_steps or 1000
+        limit = self.args.max_episode_steps or gym.spec(self.args.env).max_episode_steps or 1000
         record_obs, executor.record_obs = executor.record_obs, False
         try:
             for round_ in range(self.args.eval_rounds):
@@ -424,11 +423,18 @@ def summary(args: Args, result: dict[str, Any]) -> str:
         f"{result['eval_end']:.1f}" if args.eval_rounds else "not evaluated (--eval-rounds 0)"
     )
     return (
-        f"PPO on chunks, {args.env_id}: {args.iterations} iterations in {result['seconds']:.1f} s; {evaluation}; "
+        f"PPO on chunks, {args.env}: {args.iterations} iterations in {result['seconds']:.1f} s; {evaluation}; "
         f"{result['trained_fraction']:.0%} of the executed actions trained on (executed actions by source: {sources})"
     )
 
 
+def cli() -> None:
+    """``asyncvec-ppo-chunks``, ``python -m asyncvec.agents.ppo_chunks`` or, in a clone, ``python agents/ppo_chunks.py``."""
+    args = tyro.cli(Args)
+    with exit_on_setup_error("PPO on chunks"):
+        agent = PPOChunks(args)
+    print(summary(args, agent.train()))
+
+
 if __name__ == "__main__":
-    cli_args = tyro.cli(Args)
-    print(summary(cli_args, PPOChunks(cli_args).train()))
+    cli()

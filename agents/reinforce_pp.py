@@ -28,18 +28,13 @@ never sampled them). After each update that trained on something the weights are
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import tyro
 
-from agents.common import exit_on_missing_extra
-from agents.lm_setup import LMAgent, LMArgs, LMTrainResult, summary
+from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
+from asyncvec.agents.lm_setup import LMAgent, LMArgs, LMTrainResult, summary
 from asyncvec.lm import EpisodeBatch, LMBatch
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
 
@@ -72,7 +67,7 @@ class ReinforcePP(LMAgent):
     everything; otherwise use it as a context manager or call ``close()``.
 
     Example:
-        >>> from agents.reinforce_pp import ReinforcePP, Args
+        >>> from asyncvec.agents.reinforce_pp import ReinforcePP, Args
         >>> args = Args(total_prompts=8, prompts_per_update=4, baseline=True, eval_prompts=0, progress=False)
         >>> ReinforcePP(args).train().final_version
         2
@@ -104,8 +99,15 @@ def train(args: Args) -> LMTrainResult:
     return ReinforcePP(args).train()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``asyncvec-reinforce-pp``, ``python -m asyncvec.agents.reinforce_pp`` or, in a clone, ``python agents/reinforce_pp.py``."""
     args = tyro.cli(Args)
     name = "REINFORCE++" + ("-baseline" if args.baseline else "")
+    with exit_on_setup_error(name):
+        agent = ReinforcePP(args)
     with exit_on_missing_extra(name):
-        print(summary(name, train(args)))
+        print(summary(name, agent.train()))
+
+
+if __name__ == "__main__":
+    cli()

@@ -26,18 +26,13 @@ never sampled them). After each update that trained on something the weights are
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 import tyro
 
-from agents.common import exit_on_missing_extra
-from agents.lm_setup import LMAgent, LMArgs, LMTrainResult, summary
+from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
+from asyncvec.agents.lm_setup import LMAgent, LMArgs, LMTrainResult, summary
 from asyncvec.lm import EpisodeBatch, LMBatch
 from asyncvec.losses import approx_kl, kl_penalized_rewards, masked_mean, rloo_advantages
 
@@ -52,7 +47,7 @@ class RLOO(LMAgent):
     otherwise use it as a context manager or call ``close()``.
 
     Example:
-        >>> from agents.rloo import RLOO, Args
+        >>> from asyncvec.agents.rloo import RLOO, Args
         >>> result = RLOO(Args(total_prompts=8, prompts_per_update=4, eval_prompts=0, progress=False)).train()
         >>> result.updates, result.final_version
         (2, 2)
@@ -93,7 +88,14 @@ def train(args: Args) -> LMTrainResult:
     return RLOO(args).train()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``asyncvec-rloo``, ``python -m asyncvec.agents.rloo`` or, in a clone, ``python agents/rloo.py``."""
     args = tyro.cli(Args)
+    with exit_on_setup_error("RLOO"):
+        agent = RLOO(args)
     with exit_on_missing_extra("RLOO"):
-        print(summary("RLOO", train(args)))
+        print(summary("RLOO", agent.train()))
+
+
+if __name__ == "__main__":
+    cli()

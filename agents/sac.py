@@ -27,16 +27,12 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gymnasium as gym
 import numpy as np
@@ -46,7 +42,7 @@ import torch.nn.functional as F
 import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
-from agents.common import (LaggedWeights, final_observations, final_return_text, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
+from asyncvec.agents.common import (LaggedWeights, final_observations, final_return_text, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
                            make_vector_env, run_from_cli, save_checkpoint, seed_everything)
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec._threads import release_if_held
@@ -59,9 +55,10 @@ LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 @dataclass
 class Args:
     env: str = "Pendulum-v1"
-    """gymnasium env id (Box action space)"""
+    """gymnasium env id with a Box action space (Pendulum-v1), or module:EnvId for your own env: module (a file
+    in the current folder or an installed package) is imported first and registers EnvId (mymod:MyEnv-v0)"""
     num_envs: int = 2
-    """number of parallel envs (worker processes)"""
+    """number of parallel envs"""
     mode: Literal["sync", "async"] = "async"
     """sync: act, store, learn, in turn; async: a collector thread acts while the learner trains"""
     backend: Literal["local", "ray"] = "local"
@@ -262,7 +259,7 @@ class SAC:
             self.envs.close()
             raise ValueError(
                 f"SAC needs a continuous (Box) action space; {args.env} has {self.action_space}. "
-                f"Use agents/ppo.py for discrete actions."
+                f"For discrete actions use PPO: asyncvec-ppo --env {args.env} (agents/ppo.py)."
             )
         if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
             self.envs.close()
@@ -551,7 +548,7 @@ class SAC:
             if collector is not None:
                 release_if_held(self._progress)  # a Ctrl-C as `with self._progress` was entered can leave it held
                 collector.stop()
-            logger.close()
+            logger.close(final_step=self.global_step)
             self.policy.close()
             self.envs.close()
         if self.checkpoint_dir is not None:
@@ -588,5 +585,10 @@ def main(args: Args) -> TrainResult | None:
     )
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """``asyncvec-sac``, ``python -m asyncvec.agents.sac`` or, in a clone, ``python agents/sac.py``."""
     main(tyro.cli(Args))
+
+
+if __name__ == "__main__":
+    cli()

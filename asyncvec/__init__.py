@@ -14,9 +14,20 @@ Example:
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# The agents and the example envs sit at the top of the repository (agents/, envs/) and install as
+# asyncvec.agents and asyncvec.envs (setup.py). Imported from a source tree instead (a clone's root first on
+# sys.path, whatever the install), this package has no such folders: its subpackages are also looked for
+# beside it.
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(__path__[0], "agents")) and os.path.isfile(
+    os.path.join(_SOURCE_ROOT, "agents", "ppo.py")
+):
+    __path__.append(_SOURCE_ROOT)
 
 # public name -> module that defines it
 _LAZY = {
@@ -69,7 +80,8 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 
 def _register_with_gymnasium() -> None:
-    """Lets ``gymnasium.make_vec("asyncvec/AsyncLLMVectorEnv-v0", ...)`` build an AsyncLLMVectorEnv.
+    """Lets ``gymnasium.make_vec("asyncvec/AsyncLLMVectorEnv-v0", ...)`` build an AsyncLLMVectorEnv, and
+    ``gymnasium.make`` the example envs of ``asyncvec.envs``.
 
     The entry point is a string, loaded only when that id is made (see asyncvec.integrations.gymnasium).
     """
@@ -79,6 +91,9 @@ def _register_with_gymnasium() -> None:
         register(
             id="asyncvec/AsyncLLMVectorEnv-v0", vector_entry_point="asyncvec.integrations.gymnasium:vector_entry_point"
         )
+    # The example envs (asyncvec/GuessNumber-v0, asyncvec/PixelPendulum-v0, ...): only their ids and entry-point
+    # strings, so their modules load when an id is made.
+    importlib.import_module("asyncvec.envs")
 
 
 _register_with_gymnasium()

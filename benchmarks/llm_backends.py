@@ -60,7 +60,7 @@ class Args:
     max_wait_ms: float = 5.0
     """longest wait for a batch to fill"""
     rloo: bool = True
-    """add RLOO sync vs async completions/s per backend (agents.rloo.RLOO sampling from each backend's policy)"""
+    """add RLOO sync vs async completions/s per backend (asyncvec.agents.rloo.RLOO sampling from each backend's policy)"""
     rloo_prompts: int = 64
     """prompts per RLOO run (8 completions each)"""
     out_dir: str | None = None
@@ -184,12 +184,12 @@ def measure_weight_sync(policies: dict[str, Any], reference: VersionedReference,
 
 def rloo_rows(args: Args, model_dir: Path, policies: dict[str, Any]) -> list[list[Any]]:
     """RLOO sync vs async completions/s on each backend, through the LM agents' importable API:
-    ``agents.rloo.RLOO(Args(...), policy=<the backend's policy>).train().samples_per_s`` (the
+    ``asyncvec.agents.rloo.RLOO(Args(...), policy=<the backend's policy>).train().samples_per_s`` (the
     learner's weights are published to the backend after every update)."""
     import torch
 
-    from agents.rloo import RLOO
-    from agents.rloo import Args as RLOOArgs
+    from asyncvec.agents.rloo import RLOO
+    from asyncvec.agents.rloo import Args as RLOOArgs
 
     rows = []
     for name in ("HFTextPolicy", "VLLMPolicy", "OpenAIPolicy -> vLLM server", "OpenAIPolicy -> asyncvec serve"):

@@ -56,9 +56,9 @@ import numpy as np
 import torch
 import tyro
 
-from agents.common import make_env_fn, make_policy, make_vector_env
-from agents.ppo import PPO, Actor, TrainResult
-from agents.ppo import Args as PPOArgs
+from asyncvec.agents.common import make_env_fn, make_policy, make_vector_env
+from asyncvec.agents.ppo import PPO, Actor, TrainResult
+from asyncvec.agents.ppo import Args as PPOArgs
 from asyncvec.inference.batcher import fit_batch_cost
 from benchmarks.report import machine_line, markdown_table, new_figure, save_figure, save_report
 

@@ -63,7 +63,7 @@ class Args:
     budget_scale: float = 1.0
     """multiply every task's env-step budget by this"""
     variants: str = '{"defaults": {}}'
-    """JSON object: variant name -> agents.ppo.Args fields that differ from the defaults (total_timesteps
+    """JSON object: variant name -> asyncvec.agents.ppo.Args fields that differ from the defaults (total_timesteps
     replaces the task's budget), e.g. '{"tis": {"correction": "tis"}, "vtrace": {"correction": "vtrace"}}'"""
     processes: int = 1
     """runs at once (one torch thread each); keep it at or below the idle cores"""
@@ -81,7 +81,7 @@ def run_one(job: dict) -> dict:
     """One PPO run in a child process; returns its summary and learning curve."""
     import torch
 
-    from agents import ppo
+    from asyncvec.agents import ppo
 
     torch.set_num_threads(1)
     overrides = {"total_timesteps": job["budget"], **job["overrides"]}

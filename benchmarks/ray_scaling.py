@@ -42,7 +42,7 @@ from asyncvec.distributed.cluster import LocalCluster  # noqa: E402
 from asyncvec.distributed.ray_env import RayBackend  # noqa: E402
 from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402
 from benchmarks.throughput import LockstepLoop, PartialBatchLoop, make_cartpole  # noqa: E402
-from envs.slow import SlowEnv  # noqa: E402
+from asyncvec.envs.slow import SlowEnv  # noqa: E402
 
 RAYLETS = 4
 

@@ -32,8 +32,8 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents import sac  # noqa: E402
-from agents.common import final_observations  # noqa: E402
+from asyncvec.agents import sac  # noqa: E402
+from asyncvec.agents.common import final_observations  # noqa: E402
 from asyncvec.collector import Transitions  # noqa: E402
 from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402
 

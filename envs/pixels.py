@@ -17,7 +17,7 @@ Registered ids (``import envs``):
 
 Example:
     >>> import gymnasium as gym
-    >>> import envs
+    >>> import asyncvec.envs
     >>> env = gym.make("asyncvec/PixelPendulum-v0")
     >>> obs, info = env.reset(seed=0)
     >>> obs["image"].shape, obs["image"].dtype, isinstance(obs["instruction"], str)

@@ -28,7 +28,7 @@ class SlowEnv(gym.Wrapper):
 
     Example:
         >>> import gymnasium as gym
-        >>> from envs.slow import SlowEnv
+        >>> from asyncvec.envs.slow import SlowEnv
         >>> env = SlowEnv(gym.make("CartPole-v1"), latency_ms=10, distribution="lognormal")
         >>> obs, info = env.reset(seed=0)
         >>> obs, reward, terminated, truncated, info = env.step(0)

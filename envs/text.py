@@ -6,7 +6,7 @@ because a model may emit it; only non-strings are rejected. Completions are pars
 with :func:`asyncvec.rewards.parse_leading_int` (strip whitespace, take the leading integer).
 
 Example:
-    >>> from envs.text import ArithmeticEnv
+    >>> from asyncvec.envs.text import ArithmeticEnv
     >>> env = ArithmeticEnv(single_digit=True)
     >>> prompt, info = env.reset(seed=0)
     >>> prompt
@@ -77,7 +77,7 @@ class ArithmeticEnv(gym.Env[str, str]):
         max_completion_length: ``max_length`` of the action space.
 
     Example:
-        >>> from envs.text import ArithmeticEnv
+        >>> from asyncvec.envs.text import ArithmeticEnv
         >>> env = ArithmeticEnv(max_operand=20, operations="*")
         >>> prompt, _ = env.reset(seed=3)
         >>> _, reward, terminated, truncated, info = env.step("no idea")
@@ -178,7 +178,7 @@ class GuessNumberEnv(gym.Env[str, str]):
         max_completion_length: ``max_length`` of the action space.
 
     Example:
-        >>> from envs.text import GuessNumberEnv
+        >>> from asyncvec.envs.text import GuessNumberEnv
         >>> env = GuessNumberEnv(max_number=16, max_turns=4)
         >>> obs, _ = env.reset(seed=0)
         >>> obs

@@ -21,7 +21,7 @@ PY="$WORK/venv/bin/python"
 
 cd "$WORK"  # away from the checkout: the installed package is what runs
 export OMP_NUM_THREADS=1
-"$PY" -m agents.rloo --total-prompts 4 --prompts-per-update 2 --group-size 2 --max-new-tokens 2 \
+"$PY" -m asyncvec.agents.rloo --total-prompts 4 --prompts-per-update 2 --group-size 2 --max-new-tokens 2 \
     --eval-prompts 4 --no-progress 2> rloo.err | tee rloo.out
 grep -q "RLOO: 2 updates" rloo.out || { cat rloo.err; exit 1; }
 "$WORK/venv/bin/asyncvec" free-port > /dev/null  # the console script is installed

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import tyro
 
-from agents import reinforce_pp, rloo
-from agents.lm_setup import LMTrainResult, solved_prompts, summary
+from asyncvec.agents import reinforce_pp, rloo
+from asyncvec.agents.lm_setup import LMTrainResult, solved_prompts, summary
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import quiet_model_libraries, sft_warm_start
 

@@ -68,7 +68,7 @@ def run(work: Path) -> None:
         return
     report(True, "vllm import", f"vllm {vllm.__version__}")
 
-    from agents.rloo import RLOO, Args
+    from asyncvec.agents.rloo import RLOO, Args
     from asyncvec.inference import build_tiny_lm
 
     folder = build_tiny_lm(work / "tiny-llama", arch="llama", n_layer=2, n_embd=128, n_head=2, seed=0)

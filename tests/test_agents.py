@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from agents import ppo, sac
-from agents.common import env_spaces, final_return_text, make_env_fn
+from asyncvec.agents import ppo, sac
+from asyncvec.agents.common import env_spaces, final_return_text, make_env_fn
 from asyncvec import Collector
 from asyncvec.buffers.rollout import Segment
 from asyncvec.metrics import EpisodeStats

@@ -125,7 +125,7 @@ def test_ppo_names_the_missing_env_module(user_pythonpath):
 
 
 def test_a_reward_module_that_is_missing_is_named():
-    from agents.lm_setup import LMArgs
+    from asyncvec.agents.lm_setup import LMArgs
 
     with pytest.raises(ValueError, match=r"--reward 'notapkg.rewards:score': importing 'notapkg.rewards' failed: module 'notapkg' was not found"):
         LMArgs(reward="notapkg.rewards:score")

@@ -13,7 +13,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-import envs  # noqa: F401  (registers the pixel envs)
+import asyncvec.envs  # noqa: F401  (registers the pixel envs)
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.control import (
     SOURCES,

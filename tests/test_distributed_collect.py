@@ -229,7 +229,7 @@ def test_collectors_that_no_node_can_host_fail_at_once_naming_the_resource(clust
 
 
 def test_ppo_with_the_ray_backend_learns_from_honestly_versioned_segments(cluster):
-    from agents.ppo import PPO, Args
+    from asyncvec.agents.ppo import PPO, Args
 
     args = Args(
         env="CartPole-v1",
@@ -266,7 +266,7 @@ def test_ppo_with_the_ray_backend_learns_from_honestly_versioned_segments(cluste
 
 
 def test_sac_with_the_ray_backend_trains_from_remote_replay(cluster):
-    from agents.sac import SAC, Args
+    from asyncvec.agents.sac import SAC, Args
 
     args = Args(
         env="Pendulum-v1",

@@ -14,8 +14,8 @@ MODULES = [
     "asyncvec.vector.placement",
     "asyncvec.collector",
     "asyncvec.metrics",
-    "envs.slow",
-    "agents.common",
+    "asyncvec.envs.slow",
+    "asyncvec.agents.common",
 ]
 
 

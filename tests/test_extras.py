@@ -68,14 +68,26 @@ def flat(text: str) -> str:
             "MissingExtraError: asyncvec.inference.OpenAIPolicy needs httpx, which is not installed "
             "(No module named 'httpx'); install it with: pip install 'asyncvec[serve]'",
         ),
+        (
+            "ray",
+            "import gymnasium as gym\nfrom asyncvec import AsyncLLMVectorEnv\n"
+            "AsyncLLMVectorEnv([lambda: gym.make('CartPole-v1')], backend='ray')\n",
+            "MissingExtraError: AsyncLLMVectorEnv(backend='ray') (RayBackend) needs ray, which is not installed "
+            "(No module named 'ray'); install it with: pip install 'asyncvec[ray]'",
+        ),
+        (
+            "Box2D",
+            run_script("agents/ppo.py", "--env", "LunarLander-v3", "--total-timesteps", "64"),
+            "PPO: LunarLander-v3 needs Box2D, which is not installed; install it with: pip install 'asyncvec[box2d]'",
+        ),
     ],
-    ids=["serve-fastapi", "rloo-transformers", "ppo-ray", "vllm", "openai-httpx"],
+    ids=["serve-fastapi", "rloo-transformers", "ppo-ray", "vllm", "openai-httpx", "vector-env-ray", "ppo-box2d"],
 )
 def test_a_missing_library_names_the_extra(blocked, code, expected):
     done = run_without(blocked, code)
     assert done.returncode != 0
     assert expected in flat(done.stderr), done.stderr[-3000:]
-    if blocked in ("fastapi", "transformers", "ray"):  # command lines: the message alone, exit code 1
+    if "agents/" in code or "asyncvec.cli" in code:  # command lines: the message alone, exit code 1
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
 
 

@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import envs  # noqa: F401  (registers the ids)
-from agents import rloo
+import asyncvec.envs  # noqa: F401  (registers the ids)
+from asyncvec.agents import rloo
 from asyncvec.inference import build_tiny_lm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from agents import ppo, sac
+from asyncvec.agents import ppo, sac
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -39,8 +39,8 @@ import numpy as np
 import pytest
 from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
 
-from agents import reinforce_pp, rloo
-from agents.lm_setup import make_prompt_env, make_text_policy, solved_prompts, summary
+from asyncvec.agents import reinforce_pp, rloo
+from asyncvec.agents.lm_setup import make_prompt_env, make_text_policy, solved_prompts, summary
 from asyncvec.inference import VLLMServer, build_tiny_lm
 from asyncvec.inference.checks import LOGP_TOLERANCE, VersionedReference
 from asyncvec.lm import sft_warm_start

@@ -10,11 +10,11 @@ import time
 import gymnasium as gym
 import pytest
 
-import envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
 from asyncvec.lm import EpisodeCollector, make_text_vector_env
 from asyncvec.vector import AsyncLLMVectorEnv
 from benchmarks.multiturn import SimulatedLM
-from envs.slow import SlowEnv
+from asyncvec.envs.slow import SlowEnv
 
 
 def _slow_cartpole() -> gym.Env:

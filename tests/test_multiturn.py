@@ -18,9 +18,9 @@ import asyncvec.lm
 import asyncvec.lm.chat
 import asyncvec.lm.episodes
 import asyncvec.lm.text_env
-import envs  # noqa: F401  (registers the ids)
-import envs.text
-from agents import lm_setup, reinforce_pp, rloo
+import asyncvec.envs  # noqa: F401  (registers the ids)
+import asyncvec.envs.text
+from asyncvec.agents import lm_setup, reinforce_pp, rloo
 from asyncvec.inference import HFTextPolicy, build_tiny_lm
 from asyncvec.inference.tiny_models import build_char_tokenizer
 from asyncvec.lm import (
@@ -260,12 +260,12 @@ def test_collector_rejects_envs_that_are_not_text():
 # ------------------------------------------------------------------------------ text envs
 def test_text_env_invalid_rules():
     lake = lambda: gym.make("FrozenLake-v1", is_slippery=False)  # noqa: E731
-    env = TextEnv(lake(), action_names=envs.text.FROZEN_LAKE_ACTIONS, max_invalid=2)
+    env = TextEnv(lake(), action_names=asyncvec.envs.text.FROZEN_LAKE_ACTIONS, max_invalid=2)
     env.reset(seed=0)
     obs, reward, terminated, truncated, info = env.step("")
     assert obs.startswith("Invalid action.") and reward == -0.1 and not (terminated or truncated)
     assert env.step("???")[3]  # the second invalid turn in a row ends it
-    env = TextEnv(lake(), action_names=envs.text.FROZEN_LAKE_ACTIONS, invalid_action="end")
+    env = TextEnv(lake(), action_names=asyncvec.envs.text.FROZEN_LAKE_ACTIONS, invalid_action="end")
     env.reset(seed=0)
     assert env.step("fly")[3]
     assert env.step("DOWN please")[4]["invalid_action"] is False
@@ -313,11 +313,11 @@ def test_string_env_gives_text_spaces_and_rejects_non_text():
 
 
 def test_calculator_tool_env_outcomes():
-    env = envs.text.CalculatorToolEnv(tool_median_ms=1.0, tool_sigma=0.0, tool_timeout_ms=0.5)
+    env = asyncvec.envs.text.CalculatorToolEnv(tool_median_ms=1.0, tool_sigma=0.0, tool_timeout_ms=0.5)
     env.reset(seed=0)
     obs, _, _, _, info = env.step("call: 2*3")
     assert obs == "error: timeout" and info["tool_timeout"]
-    env = envs.text.CalculatorToolEnv(tool_median_ms=1.0)
+    env = asyncvec.envs.text.CalculatorToolEnv(tool_median_ms=1.0)
     env.reset(seed=0)
     assert env.step("call: import os")[0] == "error: cannot evaluate"
     assert env.step("hm")[0].startswith("error: say")
@@ -559,7 +559,7 @@ def test_multi_turn_options_are_checked():
 
 
 @pytest.mark.parametrize(
-    "module", [asyncvec.lm, asyncvec.lm.chat, asyncvec.lm.episodes, asyncvec.lm.text_env, envs.text, lm_setup]
+    "module", [asyncvec.lm, asyncvec.lm.chat, asyncvec.lm.episodes, asyncvec.lm.text_env, asyncvec.envs.text, lm_setup]
 )
 def test_docstring_examples_run(module):
     failures, tried = doctest.testmod(module, verbose=False)

@@ -64,9 +64,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import envs  # noqa: F401  (registers the ids)
-from agents import rloo
-from agents.lm_setup import LMTrainResult, expert_conversations
+import asyncvec.envs  # noqa: F401  (registers the ids)
+from asyncvec.agents import rloo
+from asyncvec.agents.lm_setup import LMTrainResult, expert_conversations
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import load_causal_lm, sft_warm_start
 

@@ -10,11 +10,11 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-import envs  # noqa: F401  (registers the ids)
+import asyncvec.envs  # noqa: F401  (registers the ids)
 from asyncvec import AsyncLLMVectorEnv, WorkerError
 from asyncvec.vector.split_obs import shared_subspace
 from asyncvec.vector.worker import EnvGroup, dumps
-from envs.pixels import TASKS, make_pixel_env
+from asyncvec.envs.pixels import TASKS, make_pixel_env
 
 PIXEL_IDS = ["asyncvec/PixelPendulum-v0", "asyncvec/PixelMountainCarContinuous-v0", "asyncvec/PixelCartPole-v0"]
 

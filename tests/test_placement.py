@@ -13,7 +13,7 @@ import pytest
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.vector.placement import StepProfile, choose_placement, profile_env
-from envs.slow import SlowEnv
+from asyncvec.envs.slow import SlowEnv
 from toy_envs import CounterEnv, SleepyEnv
 
 
@@ -102,7 +102,7 @@ def test_explicit_envs_per_worker_wins_and_is_not_measured():
 
 def test_text_actions_are_not_probed():
     """Random strings are not meaningful actions of a text env: one env per worker, unmeasured."""
-    import envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+    import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
 
     with AsyncLLMVectorEnv([lambda: gym.make("asyncvec/GuessNumber-v0")] * 2) as vector_env:
         assert vector_env.placement.envs_per_worker == 1 and vector_env.placement.profile is None

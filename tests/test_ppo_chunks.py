@@ -24,8 +24,8 @@ import pytest
 import torch
 from gymnasium.vector import AutoresetMode
 
-import envs  # noqa: F401  (registers the pixel envs)
-from agents.ppo_chunks import Args, PPOChunks
+import asyncvec.envs  # noqa: F401  (registers the pixel envs)
+from asyncvec.agents.ppo_chunks import Args, PPOChunks
 from asyncvec.control import SOURCES, ChunkExecutor, SafetyFilter, action_logps_from_tokens
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import truncated_importance_weights

@@ -8,8 +8,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-import envs  # noqa: F401  (registers asyncvec/ ids)
-from envs.slow import SlowEnv
+import asyncvec.envs  # noqa: F401  (registers asyncvec/ ids)
+from asyncvec.envs.slow import SlowEnv
 
 
 def test_results_equal_the_wrapped_env():

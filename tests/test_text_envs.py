@@ -8,8 +8,8 @@ import re
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-import envs.text
-from envs.text import ArithmeticEnv, GuessNumberEnv
+import asyncvec.envs.text
+from asyncvec.envs.text import ArithmeticEnv, GuessNumberEnv
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,7 +26,7 @@ ENV_CONFIGS = [
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(envs.text)
+    result = doctest.testmod(asyncvec.envs.text)
     assert result.attempted > 5 and result.failed == 0
 
 

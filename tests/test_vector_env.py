@@ -317,7 +317,7 @@ def test_text_actions_to_any_number_of_envs_are_split_and_checked_without_copies
     """A ``send`` to a number of envs not seen before batches a ``Text`` action space as a ``Tuple``
     of the single space itself (gymnasium's ``batch_space`` deep-copies it per env: tens of ms for
     one send); the actions are split and checked as before, a bad one named by its env."""
-    import envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+    import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
 
     vec = AsyncLLMVectorEnv([lambda: gym.make("asyncvec/GuessNumber-v0", transcript=False)] * 3, batch_size=1)
     try:

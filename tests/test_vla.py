@@ -272,7 +272,7 @@ def test_no_action_tokens_are_never_played_as_the_policys_choice():
     plays as replaced, so a learner on the rollout (policy_choice) trains on none of them."""
     import tempfile
 
-    import envs  # noqa: F401  (registers the pixel envs)
+    import asyncvec.envs  # noqa: F401  (registers the pixel envs)
     from asyncvec import AsyncLLMVectorEnv
     from asyncvec.control import ChunkExecutor
 

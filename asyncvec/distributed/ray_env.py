@@ -46,6 +46,7 @@ from gymnasium import Env
 from gymnasium.vector.vector_env import AutoresetMode
 
 from asyncvec.distributed.runtime import connect, placement_problem, required_resources
+from asyncvec.extras import check_installed
 from asyncvec.vector.transport import Backend, Transport, WorkerSpec
 from asyncvec.vector.worker import BuildFailureError, EnvGroup
 
@@ -124,6 +125,9 @@ class RayBackend(Backend):
     actor_options: Mapping[str, Any] | Callable[[int], Mapping[str, Any]] | None = None
 
     local = False
+
+    def __post_init__(self) -> None:
+        check_installed("ray", extra="ray", feature="AsyncLLMVectorEnv(backend='ray') (RayBackend)")
 
     def options(self, worker: int) -> dict[str, Any]:
         """The ``.options(...)`` of worker ``worker``'s actor."""

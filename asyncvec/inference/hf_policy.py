@@ -47,7 +47,7 @@ class HFTextPolicy(TextPolicy):
         >>> import tempfile, gymnasium as gym
         >>> from asyncvec.inference import build_tiny_lm
         >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
-        >>> with HFTextPolicy(folder, None, lambda text: int(text.strip()[:1]), action_space=gym.spaces.Discrete(10),
+        >>> with HFTextPolicy(folder, action_parser=lambda text: int(text.strip()[:1]), action_space=gym.spaces.Discrete(10),
         ...                   max_new_tokens=2) as policy:
         ...     out = policy.submit("3+4=", env_id=0).result(timeout=30)
         >>> len(out.token_ids) <= 2 and abs(out.behavior_logp - sum(out.token_logps)) < 1e-9

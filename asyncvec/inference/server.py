@@ -153,7 +153,7 @@ def create_app(
         >>> from fastapi.testclient import TestClient
         >>> from asyncvec.inference import build_tiny_lm
         >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
-        >>> app = create_app(HFTextPolicy(folder, None, str, fallback=lambda obs, env_id: ""), model_name="tiny")
+        >>> app = create_app(HFTextPolicy(folder, action_parser=str, fallback=lambda obs, env_id: ""), model_name="tiny")
         >>> with TestClient(app) as client:
         ...     client.get("/version").json()["version"]
         0

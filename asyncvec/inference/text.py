@@ -234,7 +234,7 @@ class TextPolicy(BatchedPolicy):
             >>> import tempfile, gymnasium as gym
             >>> from asyncvec.inference import HFTextPolicy, build_tiny_lm
             >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
-            >>> with HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(8), max_new_tokens=2) as policy:
+            >>> with HFTextPolicy(folder, action_parser=str, action_space=gym.spaces.Text(8), max_new_tokens=2) as policy:
             ...     answers = [f.result(timeout=30) for f in policy.submit_group("3+4=", 4)]
             >>> len(answers)
             4

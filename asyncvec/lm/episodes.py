@@ -178,7 +178,7 @@ def make_text_vector_env(
     a list of env functions.
 
     Example:
-        >>> import envs  # registers asyncvec/GuessNumber-v0
+        >>> import asyncvec.envs  # registers asyncvec/GuessNumber-v0
         >>> vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2)
         >>> vec.num_envs, vec.batch_size
         (2, 1)
@@ -249,7 +249,7 @@ class EpisodeCollector:
         >>> from asyncvec.inference import HFTextPolicy, build_tiny_lm
         >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32, max_positions=256)
         >>> vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs={"max_turns": 2, "transcript": False})
-        >>> with HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(16), max_new_tokens=3) as policy, \\
+        >>> with HFTextPolicy(folder, action_parser=str, action_space=gym.spaces.Text(16), max_new_tokens=3) as policy, \\
         ...         EpisodeCollector(vec, policy, group_size=2) as collector:
         ...     batch = collector.collect(1, timeout=60)
         >>> [len(e.turns) for e in batch.episodes[0]], batch.episodes[0][0].seed == batch.episodes[0][1].seed

@@ -96,7 +96,7 @@ class GroupCollector:
         >>> import tempfile, gymnasium as gym
         >>> from asyncvec.inference import HFTextPolicy, build_tiny_lm
         >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
-        >>> with HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(8), max_new_tokens=3) as policy, \\
+        >>> with HFTextPolicy(folder, action_parser=str, action_space=gym.spaces.Text(8), max_new_tokens=3) as policy, \\
         ...         RewardService("exact_answer") as rewarder, \\
         ...         GroupCollector(policy, rewarder, ["1+2=", "3+4=", "5+1="], group_size=2) as collector:
         ...     batch = collector.collect(3, timeout=60)
@@ -261,7 +261,7 @@ def score_completions(policy: Any, reward_service: RewardService, prompts: list[
         >>> import tempfile, gymnasium as gym
         >>> from asyncvec.inference import HFTextPolicy, build_tiny_lm
         >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
-        >>> with HFTextPolicy(folder, None, str, action_space=gym.spaces.Text(8), max_new_tokens=2) as policy, \\
+        >>> with HFTextPolicy(folder, action_parser=str, action_space=gym.spaces.Text(8), max_new_tokens=2) as policy, \\
         ...         RewardService("exact_answer") as rewarder:
         ...     len(score_completions(policy, rewarder, ["1+2=", "3+4="], timeout=60))
         2

@@ -35,7 +35,7 @@ from asyncvec.vector.placement import (
 )
 from asyncvec.vector.split_obs import check_row, is_fixed_shape, merge_row, row_templates, shared_subspace, write_row
 from asyncvec.vector.transport import Backend, InProcessBackend, ProcessBackend, Transport, WorkerSpec
-from asyncvec.vector.worker import BuildFailure, EnvFailure
+from asyncvec.vector.worker import BuildFailure, EnvFailure, make_env
 
 __all__ = ["AsyncLLMVectorEnv", "restart_seed"]
 
@@ -350,7 +350,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         does: shared memory must exist before the workers start)."""
         render_mode = None
         if self.backend.local:
-            dummy = self.env_fns[0]()
+            dummy = make_env(self.env_fns[0], 0)
             self._set_spaces(dummy.observation_space, dummy.action_space, dummy.metadata, dummy.render_mode)
             render_mode = dummy.render_mode
             dummy.close()
@@ -1142,7 +1142,7 @@ class AsyncLLMVectorEnv(VectorEnv):
 
         Example:
             >>> import multiprocessing, threading, time, gymnasium as gym
-            >>> from envs.slow import SlowEnv
+            >>> from asyncvec.envs.slow import SlowEnv
             >>> envs = AsyncLLMVectorEnv([lambda: SlowEnv(gym.make("CartPole-v1"), latency_ms=500)], batch_size=1)
             >>> envs.send_reset([0], [0]); _ = envs.recv()
             >>> envs.send([0], [0])  # a step of 500 ms

@@ -46,7 +46,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
-from gymnasium import Env
+from gymnasium import Env, Space
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
@@ -100,6 +100,22 @@ def dumps(message: Any) -> bytes:
     return buffer.getvalue()
 
 
+def make_env(fn: Callable[[], Env], index: int) -> Env:
+    """``fn()``, refused with a TypeError naming ``env_fns[index]`` unless it is an env with gymnasium
+    spaces (a plain text game is the common case: it names the wrapper that gives it spaces)."""
+    env = fn()
+    missing = [name for name in ("observation_space", "action_space") if not isinstance(getattr(env, name, None), Space)]
+    missing += [f"{name}()" for name in ("reset", "step") if not callable(getattr(env, name, None))]
+    if missing:
+        raise TypeError(
+            f"env_fns[{index}]() returned a {type(env).__name__}, which is not a gymnasium env: it has no "
+            f"{' and no '.join(missing)} (a gymnasium env has both spaces, as gymnasium.Space, and reset() and "
+            f"step()). A game with plain reset() -> str and step(str) -> (str, reward, done) runs wrapped: "
+            f"lambda: asyncvec.lm.StringEnv({type(env).__name__}(...))"
+        )
+    return env
+
+
 def error_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
     """An exception as plain data that crosses any transport, the original pickled when possible."""
     try:
@@ -151,7 +167,7 @@ class EnvGroup:
         for position, fn in enumerate(self.env_fns):
             self._mark(position)
             try:
-                self.envs.append(fn())
+                self.envs.append(make_env(fn, self.indices[position]))
             except BaseException as exc:
                 self.close()
                 raise BuildFailureError(BuildFailure(position, error_payload(exc))) from exc
