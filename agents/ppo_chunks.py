@@ -29,8 +29,12 @@ EXECUTED actions, one sample per tick and env:
 * **Advantage.** GAE over the ticks with ``V`` of each tick's image: the action played at tick
   ``t`` is credited with the rewards from ``t`` on, compared with ``V(o_t)``.
 
-The instruction is ignored (each pixel env has one task in a few phrasings); the network reads
-the image only (``obs_key="image"``).
+**What the network reads.** The camera image, resized to ``--image-size`` pixels a side, and, when the
+observation is a ``Dict`` with a ``Text`` instruction, the instruction as a bag of words hashed into
+``--instruction-buckets`` numbers (`asyncvec.control.HashedInstruction`), joined to the image's
+features: a task whose instruction names the goal (asyncvec/PixelReach-v0) is learnable. Any env
+whose observation is an image ``Box(H, W, C)`` or a ``Dict`` holding one under ``"image"`` works;
+its ``gym.make`` options come from ``--env-kwargs``.
 
 **The clock.** Learning runs the executor on a simulated clock by default
 (``--latency-ticks 2``): each chunk arrives exactly 2 ticks after its request, ticks are not
@@ -45,6 +49,7 @@ machine's load, and learning with it: beside 2 busy processes on 2 cores the pol
 from __future__ import annotations
 
 import copy
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -58,7 +63,7 @@ from gymnasium.vector import AutoresetMode
 
 from asyncvec.agents.common import anneal, check_env_id, exit_on_setup_error, layer_init, seed_everything
 from asyncvec import AsyncLLMVectorEnv
-from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout
+from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout, HashedInstruction
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import decoupled_ppo_loss, gae, masked_mean
 
@@ -70,8 +75,14 @@ class Args:
     env: str = "asyncvec/PixelCartPole-v0"
     """a registered env with Dict(image, instruction) observations and a Box action space, or module:EnvId
     (module, in the current folder or installed, registers EnvId when imported)"""
+    env_kwargs: str = '{"size": 16}'
+    """keyword arguments of gym.make, as JSON (the asyncvec/Pixel* envs take size: the camera image's side in pixels;
+    give '{}' for an env that takes none)"""
     image_size: int = 16
-    """height and width of the camera image in pixels (passed to the env as ``size``)"""
+    """side of the square image the network reads: camera images of another size are resized to it (bilinear)"""
+    instruction_buckets: int = 64
+    """a Dict observation's Text instruction is read as its words hashed into this many buckets, next to the image
+    (0: the instruction is ignored)"""
     max_episode_steps: int = 200
     """time limit of an episode (0: the env's own)"""
     num_envs: int = 8
@@ -128,29 +139,51 @@ class Args:
     """torch.set_num_threads"""
 
 
-def image_encoder(image_size: int) -> nn.Sequential:
-    """Two stride-2 convolutions and a linear layer: ``[B, 3, S, S]`` in 0-1 -> ``[B, 128]``."""
-    side = image_size // 4
-    return nn.Sequential(
-        layer_init(nn.Conv2d(3, 16, 4, stride=2, padding=1)), nn.ReLU(),
-        layer_init(nn.Conv2d(16, 32, 4, stride=2, padding=1)), nn.ReLU(),
-        nn.Flatten(), layer_init(nn.Linear(32 * side * side, 128)), nn.ReLU(),
-    )
+class ObservationEncoder(nn.Module):
+    """The flat observation (the image's pixels, then any other numbers: the hashed instruction) ->
+    ``[B, 128]``: the image scaled to 0-1 and resized to ``image_size``, two stride-2 convolutions,
+    then a linear layer over the convolutions' output and the other numbers."""
+
+    def __init__(self, image_space: gym.spaces.Box, extra: int, image_size: int) -> None:
+        super().__init__()
+        self.image_shape, self.image_size = tuple(image_space.shape), image_size
+        self.image_numbers = int(np.prod(image_space.shape))
+        low, high = float(np.min(image_space.low)), float(np.max(image_space.high))
+        self.low, self.range = (low, high - low) if np.isfinite([low, high]).all() and high > low else (0.0, 1.0)
+        side = image_size // 4
+        self.convolutions = nn.Sequential(
+            layer_init(nn.Conv2d(self.image_shape[2], 16, 4, stride=2, padding=1)), nn.ReLU(),
+            layer_init(nn.Conv2d(16, 32, 4, stride=2, padding=1)), nn.ReLU(), nn.Flatten(),
+        )  # fmt: skip
+        self.head = nn.Sequential(layer_init(nn.Linear(32 * side * side + extra, 128)), nn.ReLU())
+
+    def forward(self, observations: torch.Tensor) -> torch.Tensor:
+        observations = observations.reshape(len(observations), -1)  # an image-only observation comes unflattened
+        images = observations[:, : self.image_numbers].reshape(-1, *self.image_shape).permute(0, 3, 1, 2)
+        images = (images - self.low) / self.range
+        if images.shape[-2:] != (self.image_size, self.image_size):
+            images = nn.functional.interpolate(images, size=(self.image_size,) * 2, mode="bilinear", antialias=True)
+        return self.head(torch.cat([self.convolutions(images), observations[:, self.image_numbers :]], dim=1))
 
 
 class ChunkActorCritic(nn.Module):
-    """Two small CNNs on the image (actor and critic apart, as CleanRL's continuous PPO: the value
-    loss, large at first, never washes out a warm-started actor); heads: a Gaussian over H
-    actions, and a value.
+    """Two small encoders (actor and critic apart, as CleanRL's continuous PPO: the value loss, large
+    at first, never washes out a warm-started actor); heads: a Gaussian over H actions, and a value.
 
-    ``forward(images)`` is the policy's view (``(mean [B, H, d], log_std [H, d])``), as
-    `GaussianChunkPolicy` calls it; images are ``[B, S, S, 3]`` floats in 0-255.
+    Inputs are flat observations ``[B, D]`` (``gymnasium.spaces.flatten`` of the observation:
+    the image's pixels first). ``forward(observations)`` is the policy's view (``(mean [B, H, d],
+    log_std [H, d])``), as `GaussianChunkPolicy` calls it.
     """
 
-    def __init__(self, image_size: int, horizon: int, action_space: gym.spaces.Box, init_log_std: float) -> None:
+    def __init__(self, observation_space: gym.Space, image_size: int, horizon: int, action_space: gym.spaces.Box,
+                 init_log_std: float) -> None:  # fmt: skip
         super().__init__()
+        is_dict = isinstance(observation_space, gym.spaces.Dict)
+        image_space = observation_space["image"] if is_dict else observation_space
+        extra = gym.spaces.flatdim(observation_space) - int(np.prod(image_space.shape))
         self.horizon, self.action_dim = horizon, int(np.prod(action_space.shape))
-        self.actor_encoder, self.critic_encoder = image_encoder(image_size), image_encoder(image_size)
+        self.actor_encoder = ObservationEncoder(image_space, extra, image_size)
+        self.critic_encoder = ObservationEncoder(image_space, extra, image_size)
         self.actor_mean = layer_init(nn.Linear(128, horizon * self.action_dim), std=0.01)
         self.critic = layer_init(nn.Linear(128, 1), std=1.0)
         self.log_std = nn.Parameter(torch.full((horizon, self.action_dim), float(init_log_std)))
@@ -158,28 +191,25 @@ class ChunkActorCritic(nn.Module):
         self.register_buffer("center", (high + low) / 2)
         self.register_buffer("scale", (high - low) / 2)
 
-    def features(self, images: torch.Tensor) -> torch.Tensor:
-        return self.actor_encoder(images.permute(0, 3, 1, 2) / 255.0)
-
-    def forward(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.chunk_mean(self.features(images)), self.log_std
+    def forward(self, observations: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.chunk_mean(self.actor_encoder(observations)), self.log_std
 
     def chunk_mean(self, features: torch.Tensor) -> torch.Tensor:
         """Unsquashed, as CleanRL's continuous PPO: the executor clips what it executes, and a mean
         past a bound lets the policy become sure of a saturated action without shrinking sigma."""
         return self.center + self.scale * self.actor_mean(features).reshape(-1, self.horizon, self.action_dim)
 
-    def value(self, images: torch.Tensor) -> torch.Tensor:
-        return self.critic(self.critic_encoder(images.permute(0, 3, 1, 2) / 255.0)).squeeze(-1)
+    def value(self, observations: torch.Tensor) -> torch.Tensor:
+        return self.critic(self.critic_encoder(observations)).squeeze(-1)
 
-    def action_logp(self, chunk_images: torch.Tensor, which: torch.Tensor, index: torch.Tensor,
+    def action_logp(self, chunk_obs: torch.Tensor, which: torch.Tensor, index: torch.Tensor,
                     actions: torch.Tensor) -> torch.Tensor:
-        """log-prob of action ``index`` of the chunk requested with ``chunk_images[which]``, on its own.
+        """log-prob of action ``index`` of the chunk requested with ``chunk_obs[which]``, on its own.
 
-        (Several executed actions share a chunk: its image goes through the network once.)
+        (Several executed actions share a chunk: its observation goes through the network once.)
         """
         unique, inverse = torch.unique(which, return_inverse=True)
-        mean = self.chunk_mean(self.features(chunk_images[unique]))[inverse, index]
+        mean = self.chunk_mean(self.actor_encoder(chunk_obs[unique]))[inverse, index]
         std = self.log_std[index].exp()
         return torch.distributions.Normal(mean, std).log_prob(actions).sum(-1)
 
@@ -188,9 +218,9 @@ class ChunkActorCritic(nn.Module):
 class ChunkBatch:
     """One rollout flattened to ``T * num_envs`` samples (one per tick and env)."""
 
-    images: torch.Tensor  # the tick's observation: value targets
-    chunk_images: torch.Tensor  # [num_chunks + 1]: the observation each chunk was requested with (last: zeros)
-    chunk_row: torch.Tensor  # per sample: the row of its chunk in chunk_images (the zeros row: no chunk)
+    observations: torch.Tensor  # the tick's observation, flat: value targets
+    chunk_obs: torch.Tensor  # [num_chunks + 1]: the observation each chunk was requested with (last: zeros)
+    chunk_row: torch.Tensor  # per sample: the row of its chunk in chunk_obs (the zeros row: no chunk)
     chunk_index: torch.Tensor  # j: the action's index in its chunk
     actions: torch.Tensor  # the chunk's own sample (unclipped), to which the log-prob belongs
     behavior_logp: torch.Tensor  # mu: the action's log-prob under its own chunk's policy version
@@ -211,29 +241,69 @@ class PPOChunks:
         seed_everything(args.seed)
         check_env_id(args.env)
         try:
+            self.env_kwargs = json.loads(args.env_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--env-kwargs {args.env_kwargs!r} is not JSON: {exc}") from None
+        if not isinstance(self.env_kwargs, dict):
+            raise ValueError(f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}")
+        try:
             probe = self.make_env()
-        except TypeError as exc:  # e.g. an env that takes no size argument
-            raise ValueError(f"{args.env}: gym.make({args.env!r}, size={args.image_size}) failed: {exc}") from exc
+        except TypeError as exc:  # an env that takes none of --env-kwargs
+            raise ValueError(
+                f"{args.env}: gym.make({args.env!r}, **{self.env_kwargs}) failed: {exc} (--env-kwargs)"
+            ) from exc
         self.observation_space, self.action_space = probe.observation_space, probe.action_space
         probe.close()
         if not isinstance(self.action_space, gym.spaces.Box):
             raise ValueError(f"{args.env}: PPOChunks needs a Box action space, got {self.action_space}")
+        space = self.observation_space
+        image = space.spaces.get("image") if isinstance(space, gym.spaces.Dict) else space
+        if not (isinstance(image, gym.spaces.Box) and len(image.shape) == 3):
+            raise ValueError(
+                f"{args.env}: PPOChunks needs image observations, a Box (height, width, channels) or a Dict holding "
+                f"one under 'image' (and a Text 'instruction' if any), got {self.observation_space}"
+            )
         self.chunk_space = gym.spaces.Box(
             np.broadcast_to(self.action_space.low, (args.horizon, *self.action_space.shape)),
             np.broadcast_to(self.action_space.high, (args.horizon, *self.action_space.shape)),
             dtype=np.float32,
         )
-        self.agent = ChunkActorCritic(args.image_size, args.horizon, self.action_space, args.init_log_std)
+        self.agent = ChunkActorCritic(self.observation_space, args.image_size, args.horizon, self.action_space,
+                                      args.init_log_std)
         self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=args.learning_rate, eps=1e-5)
         self.version = 0
         self.clip_coef = args.clip_coef
         self.policy: GaussianChunkPolicy | None = None
 
     def make_env(self) -> gym.Env:
-        kwargs: dict[str, Any] = {"size": self.args.image_size}
+        """The env as the policy sees it: a Dict observation keeps its image and its instruction, hashed."""
+        kwargs: dict[str, Any] = dict(self.env_kwargs)
         if self.args.max_episode_steps > 0:
             kwargs["max_episode_steps"] = self.args.max_episode_steps
-        return gym.make(self.args.env, **kwargs)
+        env = gym.make(self.args.env, **kwargs)
+        space = env.observation_space
+        if isinstance(space, gym.spaces.Dict) and "image" in space.spaces:
+            instruction = space.spaces.get("instruction")
+            reads_instruction = self.args.instruction_buckets > 0 and isinstance(instruction, gym.spaces.Text)
+            env = gym.wrappers.FilterObservation(env, ["image", "instruction"] if reads_instruction else ["image"])
+            if reads_instruction:
+                env = HashedInstruction(env, self.args.instruction_buckets)
+        return env
+
+    def flatten(self, observations: Any) -> torch.Tensor:
+        """A batch of observations (``[N, ...]`` arrays, or a dict of them, as a vector env gives) as
+        the network's input ``[N, D]``: the same order as ``gymnasium.spaces.flatten``."""
+        if isinstance(self.observation_space, gym.spaces.Dict):
+            parts = [np.asarray(observations[key]) for key in self.observation_space.spaces]
+            parts = [part.reshape(len(part), -1) for part in parts]
+            return torch.as_tensor(np.concatenate(parts, axis=1), dtype=torch.float32)
+        array = np.asarray(observations)
+        return torch.as_tensor(array.reshape(len(array), -1), dtype=torch.float32)
+
+    def make_policy(self, **kwargs: Any) -> GaussianChunkPolicy:
+        """A `GaussianChunkPolicy` over a copy of the learner's network, reading whole observations."""
+        network = copy.deepcopy(self.agent)
+        return GaussianChunkPolicy(network, self.chunk_space, observation_space=self.observation_space, **kwargs)
 
     # ------------------------------------------------------------------ acting
     def publish(self) -> None:
@@ -263,14 +333,15 @@ class PPOChunks:
         return float(np.mean(returns))
 
     # ------------------------------------------------------------------ learning
-    def behavior_clone(self, images: np.ndarray, chunks: np.ndarray, steps: int, batch_size: int = 128) -> float:
-        """A warm start: regress the chunk mean on demonstration chunks ``[N, H, *action_shape]``; returns the last loss."""
-        images_t = torch.as_tensor(images, dtype=torch.float32)
+    def behavior_clone(self, observations: Any, chunks: np.ndarray, steps: int, batch_size: int = 128) -> float:
+        """A warm start: regress the chunk mean on demonstration chunks ``[N, H, *action_shape]``, each
+        after its observation (a batch as `flatten` takes, from ``make_env()``'s envs); returns the last loss."""
+        inputs = self.flatten(observations)
         targets = torch.as_tensor(chunks, dtype=torch.float32).reshape(len(chunks), self.args.horizon, -1)
         loss = torch.zeros(())
         for _ in range(steps):
-            idx = torch.randint(len(images_t), (batch_size,))
-            loss = ((self.agent(images_t[idx])[0] - targets[idx]) ** 2).mean()
+            idx = torch.randint(len(inputs), (batch_size,))
+            loss = ((self.agent(inputs[idx])[0] - targets[idx]) ** 2).mean()
             self.optimizer.zero_grad()
             loss.backward()
             self.optimizer.step()
@@ -283,11 +354,10 @@ class PPOChunks:
         if rollout.observations is None:
             raise ValueError("prepare needs a rollout from ChunkExecutor(record_obs=True)")
         T, n = rollout.rewards.shape
-        images = torch.as_tensor(np.stack([obs["image"] for obs in rollout.observations]), dtype=torch.float32)
+        observations = torch.stack([self.flatten(obs) for obs in rollout.observations])  # [T, n, D]
         chunk_ids = sorted(rollout.chunk_obs)
-        chunk_images = torch.as_tensor(np.stack(
-            [rollout.chunk_obs[c]["image"] for c in chunk_ids] + [np.zeros(images.shape[2:], dtype=np.float32)]
-        ), dtype=torch.float32)
+        flat = [gym.spaces.flatten(self.observation_space, rollout.chunk_obs[c]) for c in chunk_ids]
+        chunk_obs = torch.as_tensor(np.stack([*flat, np.zeros(observations.shape[2])]), dtype=torch.float32)
         row_of = {c: row for row, c in enumerate(chunk_ids)}
         chunk_row = torch.as_tensor([row_of.get(int(c), len(chunk_ids)) for c in rollout.chunk_id.reshape(-1)])
         index = torch.as_tensor(rollout.chunk_index.reshape(-1)).clamp(min=0)
@@ -301,8 +371,8 @@ class PPOChunks:
         )
         value_mask = torch.as_tensor(rollout.source.reshape(-1) != RESET)
         with torch.no_grad():
-            values = agent.value(images.flatten(0, 1)).reshape(T, n)
-            bootstrap = agent.value(torch.as_tensor(rollout.next_obs["image"], dtype=torch.float32))
+            values = agent.value(observations.flatten(0, 1)).reshape(T, n)
+            bootstrap = agent.value(self.flatten(rollout.next_obs))
             # NEXT_STEP autoreset: the observation after a truncated step is its final observation
             next_values = torch.cat([values[1:], bootstrap.unsqueeze(0)])
             advantages, returns = gae(
@@ -310,10 +380,10 @@ class PPOChunks:
                 torch.as_tensor(rollout.terminated), torch.as_tensor(rollout.truncated),
                 gamma=args.gamma, lam=args.gae_lambda, final_values=next_values,
             )
-            prox = agent.action_logp(chunk_images, chunk_row, index, actions)
+            prox = agent.action_logp(chunk_obs, chunk_row, index, actions)
         return ChunkBatch(
-            images.flatten(0, 1), chunk_images, chunk_row, index, actions, torch.nan_to_num(behavior), versions, prox,
-            advantages.reshape(-1), returns.reshape(-1), policy_mask, value_mask,
+            observations.flatten(0, 1), chunk_obs, chunk_row, index, actions, torch.nan_to_num(behavior), versions,
+            prox, advantages.reshape(-1), returns.reshape(-1), policy_mask, value_mask,
         )
 
     def loss(self, batch: ChunkBatch, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -323,14 +393,14 @@ class PPOChunks:
         if mask.any():
             mean, std = advantages[mask].mean(), advantages[mask].std().nan_to_num(0.0)
             advantages = (advantages - mean) / (std + 1e-8)
-        logp = self.agent.action_logp(batch.chunk_images, batch.chunk_row[idx], batch.chunk_index[idx], batch.actions[idx])
+        logp = self.agent.action_logp(batch.chunk_obs, batch.chunk_row[idx], batch.chunk_index[idx], batch.actions[idx])
         policy_loss, stats = decoupled_ppo_loss(
             logp, batch.prox_logp[idx], batch.behavior_logp[idx], advantages,
             clip_coef=self.clip_coef, behavior_cap=self.args.behavior_cap, mask=mask,
         )
         if not mask.any():
             policy_loss = 0.0 * logp.sum()
-        values = self.agent.value(batch.images[idx])
+        values = self.agent.value(batch.observations[idx])
         value_loss = 0.5 * masked_mean((values - batch.returns[idx]) ** 2, batch.value_mask[idx])
         stats = {**stats, "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach()}
         return policy_loss + self.args.vf_coef * value_loss, stats
@@ -366,10 +436,7 @@ class PPOChunks:
             envs = AsyncLLMVectorEnv(env_fns, autoreset_mode=AutoresetMode.NEXT_STEP)
         else:
             envs = gym.vector.SyncVectorEnv(env_fns, autoreset_mode=AutoresetMode.NEXT_STEP)
-        self.policy = GaussianChunkPolicy(
-            copy.deepcopy(self.agent), self.chunk_space, obs_key="image", max_batch_size=args.num_envs, max_wait_ms=1.0,
-            seed=args.seed,
-        )
+        self.policy = self.make_policy(max_batch_size=args.num_envs, max_wait_ms=1.0, seed=args.seed)
         self.policy.load_weights(copy.deepcopy(self.agent.state_dict()), self.version + 1)
         self.version += 1
         executor = ChunkExecutor(
@@ -429,7 +496,7 @@ def summary(args: Args, result: dict[str, Any]) -> str:
 
 
 def cli() -> None:
-    """``asyncvec-ppo-chunks``, ``python -m asyncvec.agents.ppo_chunks`` or, in a clone, ``python agents/ppo_chunks.py``."""
+    """``asyncvec-ppo-chunks``, ``python -m asyncvec.agents.ppo_chunks``, in a clone ``python agents/ppo_chunks.py``."""
     args = tyro.cli(Args)
     with exit_on_setup_error("PPO on chunks"):
         agent = PPOChunks(args)

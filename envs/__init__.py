@@ -16,6 +16,7 @@ _ENVS = {
     "asyncvec/PixelPendulum-v0": ("asyncvec.envs.pixels:make_pixel_env", {"task": "pendulum"}),
     "asyncvec/PixelMountainCarContinuous-v0": ("asyncvec.envs.pixels:make_pixel_env", {"task": "mountain_car"}),
     "asyncvec/PixelCartPole-v0": ("asyncvec.envs.pixels:make_pixel_env", {"task": "cartpole"}),
+    "asyncvec/PixelReach-v0": ("asyncvec.envs.pixels:PixelReachEnv", {}),
     "asyncvec/FrozenLakeText-v0": ("asyncvec.envs.text:make_frozen_lake_text", {}),
     "asyncvec/CalculatorTool-v0": ("asyncvec.envs.text:CalculatorToolEnv", {}),
 }

@@ -8,16 +8,18 @@ gauge along the bottom edge (one bar per velocity, centred, right = positive), s
 single frame holds the whole state. The instruction is drawn per episode from a few
 phrasings of the task (seeded by ``reset``), so a policy must read it rather than memorize it.
 
-Registered ids (``import envs``):
+Registered ids (``import asyncvec``):
 
 * ``asyncvec/PixelPendulum-v0``: Pendulum-v1, torque in [-2, 2], 200 steps.
 * ``asyncvec/PixelMountainCarContinuous-v0``: MountainCarContinuous-v0, force in [-1, 1].
 * ``asyncvec/PixelCartPole-v0``: CartPole-v1 with a continuous force in [-1, 1] (scaled to
   the original 10 N), 500 steps.
+* ``asyncvec/PixelReach-v0``: not classic control: move a dot onto the coloured square that the
+  instruction names (:class:`PixelReachEnv`); the only one whose instruction changes the task.
 
 Example:
     >>> import gymnasium as gym
-    >>> import asyncvec.envs
+    >>> import asyncvec
     >>> env = gym.make("asyncvec/PixelPendulum-v0")
     >>> obs, info = env.reset(seed=0)
     >>> obs["image"].shape, obs["image"].dtype, isinstance(obs["instruction"], str)
@@ -35,7 +37,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["INSTRUCTION_CHARSET", "TASKS", "Canvas", "PixelControlEnv", "make_pixel_env"]
+__all__ = ["INSTRUCTION_CHARSET", "TASKS", "Canvas", "PixelControlEnv", "PixelReachEnv", "make_pixel_env"]
 
 #: characters an instruction may use (the ``Text`` space's charset)
 INSTRUCTION_CHARSET = string.ascii_letters + string.digits + " .,'-"
@@ -252,6 +254,76 @@ class PixelControlEnv(gym.Wrapper):
     def step(self, action: Any):
         _, reward, terminated, truncated, info = self.env.step(action)
         return self._observe(), reward, terminated, truncated, info
+
+    def render(self) -> np.ndarray | None:
+        return self._canvas.image.copy() if self.render_mode == "rgb_array" else None
+
+
+class PixelReachEnv(gym.Env):
+    """Move a dot onto the coloured square that the instruction names: the instruction matters.
+
+    Three squares (red, green, blue) and a black dot are drawn at random places each episode; the
+    instruction names one square (``"move the dot onto the green square"``, a few phrasings). The
+    action is the dot's velocity, ``Box(-1, 1, (2,))``, a tenth of the field per step at most. The
+    reward per step is minus the distance from the dot to the named square's centre (the field is
+    the unit square); an episode is ``max_steps`` steps (truncated). A policy that ignores the
+    instruction heads for the wrong square two times in three.
+
+    Example:
+        >>> env = PixelReachEnv(size=16)
+        >>> obs, _ = env.reset(seed=0)
+        >>> obs["image"].shape, obs["instruction"].split()[-2] in PixelReachEnv.COLORS
+        ((16, 16, 3), True)
+    """
+
+    COLORS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220)}
+    PHRASES = ("move the dot onto the {} square", "put the dot on the {} square", "go to the {} square")
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, size: int = 64, max_steps: int = 40, render_mode: str | None = None) -> None:
+        if render_mode not in (None, "rgb_array"):
+            raise ValueError(f"render_mode must be None or 'rgb_array', got {render_mode!r}")
+        if not isinstance(size, int) or size < 8:
+            raise ValueError(f"size must be an int >= 8 pixels, got {size!r}")
+        self.render_mode, self.size, self.max_steps = render_mode, size, int(max_steps)
+        text = gym.spaces.Text(INSTRUCTION_MAX_LENGTH, min_length=1, charset=INSTRUCTION_CHARSET)
+        self.observation_space = gym.spaces.Dict(
+            {"image": gym.spaces.Box(0, 255, (size, size, 3), np.uint8), "instruction": text}
+        )
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self._canvas = Canvas(size)
+        self._half = 0.1  # half the side of a square, in field units
+
+    def _observe(self) -> dict[str, Any]:
+        canvas, scale = self._canvas, self.size
+        canvas.clear()
+        for color, (x, y) in zip(self.COLORS.values(), self._squares, strict=True):
+            canvas.rect((x - self._half) * scale, (y - self._half) * scale, (x + self._half) * scale,
+                        (y + self._half) * scale, color)  # fmt: skip
+        canvas.disc((self._dot[0] * scale, self._dot[1] * scale), max(1.0, 0.06 * scale), (0, 0, 0))
+        return {"image": canvas.image.copy(), "instruction": self._instruction}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        super().reset(seed=seed)
+        rng = self.np_random
+        while True:  # squares apart, so each is seen whole
+            squares = rng.uniform(0.15, 0.85, size=(3, 2))
+            if min(np.abs(squares[i] - squares[j]).max() for i in range(3) for j in range(i)) > 2.5 * self._half:
+                break
+        self._squares = squares
+        self._dot = rng.uniform(0.1, 0.9, size=2)
+        self._target = int(rng.integers(3))
+        phrase = self.PHRASES[int(rng.integers(len(self.PHRASES)))]
+        self._instruction = phrase.format(list(self.COLORS)[self._target])
+        self._steps = 0
+        return self._observe(), {"target": self._target}
+
+    def step(self, action: Any):
+        move = np.clip(np.asarray(action, dtype=np.float64).reshape(2), -1.0, 1.0) * 0.1
+        self._dot = np.clip(self._dot + move, 0.0, 1.0)
+        self._steps += 1
+        reward = -float(np.linalg.norm(self._dot - self._squares[self._target]))
+        return self._observe(), reward, False, self._steps >= self.max_steps, {"target": self._target}
 
     def render(self) -> np.ndarray | None:
         return self._canvas.image.copy() if self.render_mode == "rgb_array" else None

@@ -14,7 +14,8 @@ import asyncvec.envs  # noqa: F401  (registers the ids)
 from asyncvec import AsyncLLMVectorEnv, WorkerError
 from asyncvec.vector.split_obs import shared_subspace
 from asyncvec.vector.worker import EnvGroup, dumps
-from asyncvec.envs.pixels import TASKS, make_pixel_env
+from asyncvec.control import HashedInstruction, hashed_words
+from asyncvec.envs.pixels import TASKS, PixelReachEnv, make_pixel_env
 
 PIXEL_IDS = ["asyncvec/PixelPendulum-v0", "asyncvec/PixelMountainCarContinuous-v0", "asyncvec/PixelCartPole-v0"]
 
@@ -54,6 +55,39 @@ def test_pixel_env_rejects_bad_arguments() -> None:
         make_pixel_env("walker")
     with pytest.raises(ValueError, match="size must be an int >= 8"):
         make_pixel_env("pendulum", size=4)
+
+
+def test_reach_env_rewards_the_named_square_only() -> None:
+    env = gym.make("asyncvec/PixelReach-v0", size=16)
+    obs, info = env.reset(seed=5)
+    assert env.observation_space.contains(obs) and obs["image"].shape == (16, 16, 3)
+    inner = env.unwrapped
+    named = list(PixelReachEnv.COLORS)[info["target"]]
+    assert named in obs["instruction"]
+    color = np.array(PixelReachEnv.COLORS[named])
+    assert (obs["image"].reshape(-1, 3) == color).all(axis=1).any(), "the named square is drawn"
+    total, steps = 0.0, 0
+    while True:  # heading for the named square ends on it; the reward is minus the distance to it
+        heading = inner._squares[inner._target] - inner._dot
+        obs, reward, terminated, truncated, _ = env.step(np.clip(heading / 0.1, -1, 1).astype(np.float32))
+        total, steps = total + reward, steps + 1
+        assert not terminated and reward <= 0.0
+        if truncated:
+            break
+    assert steps == 40 and reward > -1e-6 and total > -5.0
+    with pytest.raises(ValueError, match="size must be an int >= 8"):
+        PixelReachEnv(size=4)
+
+
+def test_hashed_instruction_feeds_a_network_the_words() -> None:
+    env = HashedInstruction(gym.make("asyncvec/PixelReach-v0", size=16), buckets=64)
+    first, _ = env.reset(seed=0)
+    assert env.observation_space.contains(first)
+    words = {tuple(env.reset(seed=seed)[0]["instruction"]) for seed in range(20)}
+    assert len(words) > 3  # colours and phrasings differ: so do the features
+    np.testing.assert_array_equal(hashed_words("Go to the RED square", 64), hashed_words("go to the red square", 64))
+    with pytest.raises(ValueError, match="expected a Dict observation space with a Text 'instruction'"):
+        HashedInstruction(gym.make("Pendulum-v1"))
 
 
 def test_continuous_cartpole_pushes_both_ways() -> None:

@@ -27,6 +27,7 @@ from gymnasium.vector import AutoresetMode
 import asyncvec.envs  # noqa: F401  (registers the pixel envs)
 from asyncvec.agents.ppo_chunks import Args, PPOChunks
 from asyncvec.control import SOURCES, ChunkExecutor, SafetyFilter, action_logps_from_tokens
+from asyncvec.control import hashed_words
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import truncated_importance_weights
 
@@ -34,27 +35,29 @@ torch.set_num_threads(1)
 HORIZON = 4
 
 
-def demonstrations(size: int, horizon: int, samples: int, seed: int, noise: float = 0.5):
+def demonstrations(algo: PPOChunks, samples: int, seed: int, noise: float = 0.5):
     """A scripted controller on CartPole's state (a push toward the pole's lean and spin), executed
-    with Gaussian noise; each image is paired with the controller's next ``horizon`` actions."""
-    env = gym.make("asyncvec/PixelCartPole-v0", size=size, max_episode_steps=200)
+    with Gaussian noise in ``algo``'s env; each observation is paired with the controller's next
+    ``horizon`` actions."""
+    env, horizon = algo.make_env(), algo.args.horizon
     rng = np.random.default_rng(seed)
-    images, chunks, episode_images, episode_actions = [], [], [], []
+    observations, chunks, episode_obs, episode_actions = [], [], [], []
     obs, _ = env.reset(seed=seed)
-    while len(images) < samples:
+    while len(observations) < samples:
         _, _, angle, spin = env.unwrapped.state
         action = float(np.clip(3.0 * angle + 0.5 * spin, -1.0, 1.0))
-        episode_images.append(obs["image"])
+        episode_obs.append(obs)
         episode_actions.append(action)
         obs, _, terminated, truncated, _ = env.step(np.array([action + rng.normal(0.0, noise)], dtype=np.float32))
         if terminated or truncated:
             for t in range(len(episode_actions) - horizon + 1):
-                images.append(episode_images[t])
+                observations.append(episode_obs[t])
                 chunks.append(np.asarray(episode_actions[t : t + horizon], dtype=np.float32)[:, None])
-            episode_images, episode_actions = [], []
+            episode_obs, episode_actions = [], []
             obs, _ = env.reset()
     env.close()
-    return np.stack(images), np.stack(chunks)
+    batch = {key: np.stack([obs[key] for obs in observations]) for key in ("image", "instruction")}
+    return batch, np.stack(chunks)
 
 
 def small_args(**overrides) -> Args:
@@ -71,18 +74,17 @@ def test_action_logps_from_tokens() -> None:
 
 def test_gaussian_chunk_policy_reports_each_action() -> None:
     algo = PPOChunks(small_args())
-    net = copy.deepcopy(algo.agent)
-    obs = {"image": np.full((16, 16, 3), 100, np.uint8), "instruction": "balance"}
-    with GaussianChunkPolicy(net, algo.chunk_space, obs_key="image", max_wait_ms=1) as policy:
+    obs = {"image": np.full((16, 16, 3), 100, np.uint8), "instruction": hashed_words("balance the pole", 64)}
+    with algo.make_policy(max_wait_ms=1) as policy:
         out = policy.submit(obs, env_id=0).result(timeout=30)
-    with GaussianChunkPolicy(net, algo.chunk_space, obs_key="camera") as wrong_key:
+    with GaussianChunkPolicy(copy.deepcopy(algo.agent), algo.chunk_space, obs_key="camera") as wrong_key:
         with pytest.raises(ValueError, match="no key 'camera'"):
             wrong_key.submit(obs, env_id=3)
     assert out.action.shape == (HORIZON, 1) and len(out.token_logps) == HORIZON
     assert math.isclose(sum(out.token_logps), out.behavior_logp, rel_tol=1e-6)
-    image = torch.as_tensor(obs["image"][None], dtype=torch.float32).repeat(HORIZON, 1, 1, 1)
+    flat = algo.flatten({key: value[None] for key, value in obs.items()}).repeat(HORIZON, 1)
     with torch.no_grad():
-        expected = algo.agent.action_logp(image, torch.zeros(HORIZON, dtype=torch.long), torch.arange(HORIZON),
+        expected = algo.agent.action_logp(flat, torch.zeros(HORIZON, dtype=torch.long), torch.arange(HORIZON),
                                           torch.as_tensor(out.action))
     np.testing.assert_allclose(out.token_logps, expected.numpy(), rtol=1e-5, atol=1e-5)
 
@@ -90,11 +92,10 @@ def test_gaussian_chunk_policy_reports_each_action() -> None:
 def test_seeded_policy_answers_do_not_depend_on_batching() -> None:
     algo = PPOChunks(small_args())
     images = np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
-    observations = [{"image": image, "instruction": "balance"} for image in images]
+    observations = [{"image": image, "instruction": hashed_words("balance", 64)} for image in images]
     answers = []
     for batched in (True, False):
-        with GaussianChunkPolicy(copy.deepcopy(algo.agent), algo.chunk_space, obs_key="image", seed=7,
-                                 max_batch_size=6, max_wait_ms=50) as policy:
+        with algo.make_policy(seed=7, max_batch_size=6, max_wait_ms=50) as policy:
             if batched:  # one batch of 6
                 outs = policy.act(observations, timeout=30)
             else:  # one request at a time
@@ -114,7 +115,7 @@ def mixed_rollout():
     algo = PPOChunks(small_args(max_episode_steps=12))
     envs_ = gym.vector.SyncVectorEnv([algo.make_env] * 4, autoreset_mode=AutoresetMode.NEXT_STEP)
     weights = {0: copy.deepcopy(algo.agent.state_dict())}
-    policy = GaussianChunkPolicy(copy.deepcopy(algo.agent), algo.chunk_space, obs_key="image", max_wait_ms=1)
+    policy = algo.make_policy(max_wait_ms=1)
     safety = SafetyFilter(envs_.single_action_space, max_delta=1.0)
     executor = ChunkExecutor(envs_, policy, period_s=0.005, horizon=HORIZON, safety=safety, record_obs=True)
     with torch.no_grad():  # version 1: other weights, still sane actions
@@ -151,10 +152,10 @@ def test_rollout_records_each_actions_own_chunk(mixed_rollout) -> None:
     for version in (0, 1):  # mu of each executed action = its chunk's action j, under its version's weights
         rows = played & (rollout.policy_version == version)
         net.load_state_dict(weights[version])
-        images = torch.as_tensor(np.stack([rollout.chunk_obs[c]["image"] for c in rollout.chunk_id[rows]]),
-                                 dtype=torch.float32)
+        chunk_obs = [rollout.chunk_obs[c] for c in rollout.chunk_id[rows]]
+        flat = algo.flatten({key: np.stack([obs[key] for obs in chunk_obs]) for key in ("image", "instruction")})
         with torch.no_grad():
-            recomputed = net.action_logp(images, torch.arange(len(images)), torch.as_tensor(rollout.chunk_index[rows]),
+            recomputed = net.action_logp(flat, torch.arange(len(flat)), torch.as_tensor(rollout.chunk_index[rows]),
                                          torch.as_tensor(rollout.proposed[rows], dtype=torch.float32))
         np.testing.assert_allclose(rollout.action_logp[rows], recomputed.numpy(), rtol=1e-4, atol=1e-4)
         assert not np.allclose(rollout.action_logp[rows], rollout.behavior_logp[rows])  # not the joint one
@@ -239,8 +240,8 @@ def test_returns_improve_over_a_warm_start() -> None:
         args = Args(seed=seed, image_size=16, num_envs=8, ticks_per_rollout=64, iterations=30, update_epochs=10,
                     num_minibatches=1, init_log_std=-0.5, eval_rounds=8, latency_ticks=2)
         algo = PPOChunks(args)
-        images, chunks = demonstrations(16, args.horizon, 800, seed)
-        algo.behavior_clone(images, chunks, steps=150, batch_size=64)
+        observations, chunks = demonstrations(algo, 800, seed)
+        algo.behavior_clone(observations, chunks, steps=150, batch_size=64)
         history = algo.train()
         results.append((seed, history["eval_start"], history["eval_end"], history["trained_fraction"]))
         assert 0.85 < history["trained_fraction"] < 1.0, history  # episode starts wait 2 ticks for a chunk
@@ -248,3 +249,41 @@ def test_returns_improve_over_a_warm_start() -> None:
     margins = [end - start for _, start, end, _ in results]
     print("seed, eval_start, eval_end, trained_fraction:", results, "margins:", margins)
     assert min(margins) > MIN_MARGIN, results
+
+
+class CameraOnly(gym.Env):
+    """An env whose observation is the image alone (no Dict, no instruction) and takes no size."""
+
+    observation_space = gym.spaces.Box(0, 255, (20, 20, 3), np.uint8)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), -float(np.abs(action).sum()), False, False, {}
+
+
+gym.register("test/CameraOnly-v0", entry_point=CameraOnly, max_episode_steps=20)
+
+
+def test_any_image_env_trains_resized_to_image_size() -> None:
+    algo = PPOChunks(small_args(env="test/CameraOnly-v0", env_kwargs="{}", image_size=8, max_episode_steps=0))
+    history = algo.train()
+    assert history["trained_fraction"] > 0.5 and algo.version == 2
+    with pytest.raises(ValueError, match=r"gym.make\('test/CameraOnly-v0', \*\*\{'size': 16\}\) failed"):
+        PPOChunks(small_args(env="test/CameraOnly-v0"))
+    with pytest.raises(ValueError, match="PPOChunks needs image observations"):
+        PPOChunks(small_args(env="MountainCarContinuous-v0", env_kwargs="{}"))
+
+
+@pytest.mark.parametrize("buckets", [64, 0])
+def test_the_network_reads_the_instruction_unless_told_not_to(buckets: int) -> None:
+    algo = PPOChunks(small_args(env="asyncvec/PixelReach-v0", instruction_buckets=buckets))
+    obs, _ = gym.make("asyncvec/PixelReach-v0", size=16).reset(seed=0)
+    with torch.no_grad():  # the same image, two instructions
+        means = [algo.agent(algo.flatten({"image": obs["image"][None], **(
+            {"instruction": hashed_words(text, buckets)[None]} if buckets else {})}))[0]
+            for text in ("go to the red square", "go to the blue square")]  # fmt: skip
+    assert (not torch.allclose(*means)) if buckets else torch.equal(*means)

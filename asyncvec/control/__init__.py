@@ -30,6 +30,7 @@ from asyncvec.control.chunks import (
     request_threshold,
     ticks_met_bound,
 )
+from asyncvec.control.instructions import HashedInstruction, hashed_words
 from asyncvec.control.rollback import RollbackEvent, RollbackGuard
 from asyncvec.control.safety import SAFETY_REASONS, SafetyFilter, SafetyWrapper
 
@@ -45,7 +46,9 @@ __all__ = [
     "SafetyFilter",
     "SafetyWrapper",
     "GaussianChunkPolicy",
+    "HashedInstruction",
     "action_logps_from_tokens",
+    "hashed_words",
     "request_threshold",
     "ticks_met_bound",
 ]

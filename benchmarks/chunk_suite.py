@@ -1,0 +1,177 @@
+"""PPO on action chunks (agents/ppo_chunks.py) on a suite of pixel tasks, several seeds each.
+
+Each run: a behaviour-cloned warm start from a scripted expert (``--demos`` noisy expert samples,
+``--bc-steps`` steps of regression), then ``--iterations`` of PPO on the simulated clock, the mean
+return of ``--eval-rounds`` x 8 episodes from reset before and after RL. The improvement is the
+difference. One variant per ``--variants`` entry (Args fields changed from agents/ppo_chunks.py's
+defaults), every task and seed, two runs at a time (one per core: each run is one thread).
+
+Tasks (none keyed anywhere in the agent; image size and horizon vary):
+
+* ``cartpole``: asyncvec/PixelCartPole-v0, 16 px, H=8: the task agents/ppo_chunks.py's defaults
+  were measured on before this suite existed.
+* ``reach``: asyncvec/PixelReach-v0, 16 px, H=8: a dot onto the square the instruction names.
+* ``reach32``: the same at 32 px with H=4.
+* ``pendulum``: asyncvec/PixelPendulum-v0, 24 px, H=4, swing-up (the expert pumps energy, then
+  balances).
+
+Run (about 12 minutes on 2 cores for the two default variants):
+    python benchmarks/chunk_suite.py
+    python benchmarks/chunk_suite.py --tasks reach --seeds 1 --iterations 2 --eval-rounds 1   # a smoke run
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.report import markdown_table, new_figure, save_report  # noqa: E402  (after the path)
+
+
+@dataclass(frozen=True)
+class Task:
+    env: str
+    size: int
+    horizon: int
+    max_episode_steps: int
+
+
+TASKS = {
+    "cartpole": Task("asyncvec/PixelCartPole-v0", 16, 8, 200),
+    "reach": Task("asyncvec/PixelReach-v0", 16, 8, 40),
+    "reach32": Task("asyncvec/PixelReach-v0", 32, 4, 40),
+    "pendulum": Task("asyncvec/PixelPendulum-v0", 24, 4, 200),
+}
+
+
+@dataclass
+class Args:
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    """keys of TASKS"""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    variants: str = '{"defaults": {}, "image only": {"instruction_buckets": 0}}'
+    """JSON: variant name -> agents/ppo_chunks.py Args fields changed from the defaults"""
+    iterations: int = 20
+    eval_rounds: int = 4
+    demos: int = 800
+    bc_steps: int = 150
+    processes: int = 2
+    name: str = "chunk_suite"
+
+
+def expert_action(task: str, env: Any) -> np.ndarray:
+    """A scripted controller on the simulator state (the warm start's demonstrator)."""
+    inner = env.unwrapped  # the simulator under the pixel wrapper
+    if task == "cartpole":
+        _, _, angle, spin = inner.state
+        return np.array([np.clip(3.0 * angle + 0.5 * spin, -1.0, 1.0)])
+    if task.startswith("reach"):
+        heading = inner._squares[inner._target] - inner._dot
+        return np.clip(heading / 0.1, -1.0, 1.0)
+    theta, speed = inner.state
+    upright = ((theta + np.pi) % (2 * np.pi)) - np.pi
+    if np.cos(upright) > 0.85:  # near the top: balance
+        return np.array([np.clip(-8.0 * upright - 1.5 * speed, -2.0, 2.0)])
+    return np.array([2.0 if speed >= 0 else -2.0])  # pump energy: push along the motion
+
+
+def demonstrations(task: str, algo: Any, samples: int, seed: int, noise: float = 0.5) -> tuple[dict, np.ndarray]:
+    env, horizon = algo.make_env(), algo.args.horizon
+    rng = np.random.default_rng(seed)
+    high = env.action_space.high
+    observations, chunks, episode_obs, episode_actions = [], [], [], []
+    obs, _ = env.reset(seed=seed)
+    while len(observations) < samples:
+        action = expert_action(task, env)
+        episode_obs.append(obs)
+        episode_actions.append(action)
+        noisy = np.clip(action + rng.normal(0.0, noise, size=action.shape) * high, -high, high)
+        obs, _, terminated, truncated, _ = env.step(noisy.astype(np.float32))
+        if terminated or truncated:
+            for t in range(len(episode_actions) - horizon + 1):
+                observations.append(episode_obs[t])
+                chunks.append(np.asarray(episode_actions[t : t + horizon], dtype=np.float32))
+            episode_obs, episode_actions = [], []
+            obs, _ = env.reset()
+    env.close()
+    batch = {key: np.stack([o[key] for o in observations]) for key in observations[0]}
+    return batch, np.stack(chunks)
+
+
+def run(job: dict) -> dict:
+    import torch
+
+    from asyncvec.agents.ppo_chunks import Args as ChunkArgs
+    from asyncvec.agents.ppo_chunks import PPOChunks
+
+    torch.set_num_threads(1)
+    task = TASKS[job["task"]]
+    args = ChunkArgs(
+        env=task.env, env_kwargs=json.dumps({"size": task.size}), image_size=task.size, horizon=task.horizon,
+        max_episode_steps=task.max_episode_steps, iterations=job["iterations"], eval_rounds=job["eval_rounds"],
+        seed=job["seed"], **job["fields"],
+    )  # fmt: skip
+    algo = PPOChunks(args)
+    start = time.perf_counter()
+    observations, chunks = demonstrations(job["task"], algo, job["demos"], job["seed"])
+    algo.behavior_clone(observations, chunks, steps=job["bc_steps"], batch_size=64)
+    history = algo.train()
+    return {**job, "eval_start": history["eval_start"], "eval_end": history["eval_end"],
+            "trained_fraction": history["trained_fraction"], "seconds": time.perf_counter() - start}  # fmt: skip
+
+
+def main(args: Args) -> list[dict]:
+    variants = json.loads(args.variants)
+    jobs = [
+        {"variant": name, "fields": fields, "task": task, "seed": seed, "iterations": args.iterations,
+         "eval_rounds": args.eval_rounds, "demos": args.demos, "bc_steps": args.bc_steps}
+        for task in args.tasks for seed in args.seeds for name, fields in variants.items()
+    ]  # fmt: skip
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.processes, mp_context=context) as pool:
+        results = []
+        for result in pool.map(run, jobs):
+            results.append(result)
+            print(f"{result['variant']:>12} {result['task']:>9} seed {result['seed']}: {result['eval_start']:8.1f} -> "
+                  f"{result['eval_end']:8.1f} ({result['seconds']:.0f} s)", flush=True)  # fmt: skip
+    rows = []
+    for name in variants:
+        for task in args.tasks:
+            runs = [r for r in results if r["variant"] == name and r["task"] == task]
+            gains = [r["eval_end"] - r["eval_start"] for r in runs]
+            cells = [f"{r['eval_start']:.1f} -> {r['eval_end']:.1f} ({r['eval_end'] - r['eval_start']:+.1f})" for r in runs]
+            rows.append([name, task, *cells, f"{np.mean(gains):+.1f}", f"{min(gains):+.1f}"])
+    headers = ["variant", "task", *[f"seed {s}" for s in args.seeds], "mean gain", "worst gain"]
+    table = markdown_table(headers, rows)
+    figure, axes = new_figure(width=8.0)
+    labels = [f"{name}\n{task}" for name in variants for task in args.tasks]
+    for i, (name, task) in enumerate((n, t) for n in variants for t in args.tasks):
+        gains = [r["eval_end"] - r["eval_start"] for r in results if r["variant"] == name and r["task"] == task]
+        axes.scatter([i] * len(gains), gains, color="C0" if i < len(args.tasks) else "C1")
+    axes.axhline(0.0, color="grey", linewidth=0.8)
+    axes.set_xticks(range(len(labels)), labels, fontsize=7)
+    axes.set_ylabel("eval return after RL - after the warm start")
+    axes.set_title("agents/ppo_chunks.py on pixel tasks, per seed")
+    figure.tight_layout()
+    command = "python benchmarks/chunk_suite.py " + " ".join(sys.argv[1:])
+    notes = (f"{args.iterations} iterations of 64 ticks x 8 envs after {args.bc_steps} behaviour-cloning steps on "
+             f"{args.demos} noisy expert samples; {args.eval_rounds} x 8 evaluation episodes before and after RL.")  # fmt: skip
+    for path in save_report(args.name, table, figure, command=command.strip(), notes=notes):
+        print(path)
+    print(table)
+    return results
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
