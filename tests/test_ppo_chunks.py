@@ -184,11 +184,13 @@ def test_replaced_actions_get_zero_policy_loss_weight(mixed_rollout) -> None:
     assert wild_loss == pytest.approx(base_loss, rel=1e-5, abs=1e-6)
     for a, b in zip(base_grads, wild_grads, strict=True):
         torch.testing.assert_close(a, b)
-    # and a policy action's advantage does move the loss
+    # and a policy action's advantage does move the gradient (not necessarily the loss's value: with the
+    # advantages normalized over the policy's actions and weights near 1 the loss stays near 0)
     moved = copy.copy(batch)
     moved.advantages = torch.where(batch.policy_mask, batch.advantages + torch.randn_like(batch.advantages),
                                    batch.advantages)
-    assert algo.loss(moved, everything)[0].item() != pytest.approx(base_loss, rel=1e-4)
+    _, moved_grads = loss_and_grads(moved)
+    assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(base_grads, moved_grads, strict=True))
 
 
 def test_importance_weights_use_each_actions_own_chunk(mixed_rollout) -> None:
