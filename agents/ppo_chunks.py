@@ -80,9 +80,6 @@ class Args:
     give '{}' for an env that takes none)"""
     image_size: int = 16
     """side of the square image the network reads: camera images of another size are resized to it (bilinear)"""
-    encoder: Literal["keypoints", "cnn"] = "keypoints"
-    """how the network reads the image: "keypoints" (convolutions modulated by the instruction, then each channel's
-    expected position: a spatial softmax) or "cnn" (two stride-2 convolutions, flattened)"""
     instruction_buckets: int = 64
     """a Dict observation's Text instruction is read as its words hashed into this many buckets, next to the image
     (0: the instruction is ignored)"""
@@ -144,48 +141,21 @@ class Args:
 
 class ObservationEncoder(nn.Module):
     """The flat observation (the image's pixels, then any other numbers: the hashed instruction) ->
-    ``[B, 128]``. The image is scaled to 0-1 and resized to ``image_size``, then:
+    ``[B, 128]``: the image scaled to 0-1 and resized to ``image_size``, two stride-2 convolutions,
+    then a linear layer over the convolutions' output and the other numbers, and a ReLU."""
 
-    * ``"keypoints"``: two convolutions (the second of stride 2), each channel modulated by the
-      other numbers (FiLM, Perez et al. 2018: a per-channel scale and shift, zero at first), then a
-      spatial softmax (Levine et al. 2016): each channel's expected (x, y) position, so where
-      things are, and which thing the instruction names, is what the head reads;
-    * ``"cnn"``: two stride-2 convolutions flattened, joined to the other numbers.
-
-    A linear layer and a ReLU make the 128 features.
-    """
-
-    def __init__(self, image_space: gym.spaces.Box, extra: int, image_size: int, kind: str = "keypoints") -> None:
+    def __init__(self, image_space: gym.spaces.Box, extra: int, image_size: int) -> None:
         super().__init__()
-        self.image_shape, self.image_size, self.kind = tuple(image_space.shape), image_size, kind
+        self.image_shape, self.image_size = tuple(image_space.shape), image_size
         self.image_numbers = int(np.prod(image_space.shape))
         low, high = float(np.min(image_space.low)), float(np.max(image_space.high))
         self.low, self.range = (low, high - low) if np.isfinite([low, high]).all() and high > low else (0.0, 1.0)
-        channels = self.image_shape[2]
-        if kind == "keypoints":
-            self.convolutions = nn.Sequential(
-                layer_init(nn.Conv2d(channels, 32, 3, stride=1, padding=1)), nn.ReLU(),
-                layer_init(nn.Conv2d(32, 32, 3, stride=2, padding=1)),
-            )  # fmt: skip
-            self.film = nn.Linear(extra, 64) if extra else None
-            if self.film is not None:
-                nn.init.zeros_(self.film.weight), nn.init.zeros_(self.film.bias)
-            side = (image_size + 1) // 2
-            grid = torch.linspace(-1.0, 1.0, side)
-            self.register_buffer("grid_x", grid.repeat(side))  # flattened [side * side], row-major
-            self.register_buffer("grid_y", grid.repeat_interleave(side))
-            self.temperature = nn.Parameter(torch.ones(()))
-            width = 64 + extra
-        elif kind == "cnn":
-            side = image_size // 4
-            self.convolutions = nn.Sequential(
-                layer_init(nn.Conv2d(channels, 16, 4, stride=2, padding=1)), nn.ReLU(),
-                layer_init(nn.Conv2d(16, 32, 4, stride=2, padding=1)), nn.ReLU(), nn.Flatten(),
-            )  # fmt: skip
-            width = 32 * side * side + extra
-        else:
-            raise ValueError(f"encoder must be 'keypoints' or 'cnn', got {kind!r}")
-        self.head = nn.Sequential(layer_init(nn.Linear(width, 128)), nn.ReLU())
+        side = image_size // 4
+        self.convolutions = nn.Sequential(
+            layer_init(nn.Conv2d(self.image_shape[2], 16, 4, stride=2, padding=1)), nn.ReLU(),
+            layer_init(nn.Conv2d(16, 32, 4, stride=2, padding=1)), nn.ReLU(), nn.Flatten(),
+        )  # fmt: skip
+        self.head = nn.Sequential(layer_init(nn.Linear(32 * side * side + extra, 128)), nn.ReLU())
 
     def forward(self, observations: torch.Tensor) -> torch.Tensor:
         observations = observations.reshape(len(observations), -1)  # an image-only observation comes unflattened
@@ -193,16 +163,7 @@ class ObservationEncoder(nn.Module):
         images = (images - self.low) / self.range
         if images.shape[-2:] != (self.image_size, self.image_size):
             images = nn.functional.interpolate(images, size=(self.image_size,) * 2, mode="bilinear", antialias=True)
-        other = observations[:, self.image_numbers :]
-        if self.kind == "cnn":
-            return self.head(torch.cat([self.convolutions(images), other], dim=1))
-        maps = self.convolutions(images)  # [B, 32, side, side]
-        if self.film is not None:
-            scale, shift = self.film(other).unsqueeze(-1).unsqueeze(-1).chunk(2, dim=1)
-            maps = maps * (1.0 + scale) + shift
-        attention = torch.softmax(torch.relu(maps).flatten(2) / self.temperature, dim=-1)  # [B, 32, side * side]
-        points = torch.cat([attention @ self.grid_x, attention @ self.grid_y], dim=1)  # [B, 64]
-        return self.head(torch.cat([points, other], dim=1))
+        return self.head(torch.cat([self.convolutions(images), observations[:, self.image_numbers :]], dim=1))
 
 
 class ChunkActorCritic(nn.Module):
@@ -215,14 +176,14 @@ class ChunkActorCritic(nn.Module):
     """
 
     def __init__(self, observation_space: gym.Space, image_size: int, horizon: int, action_space: gym.spaces.Box,
-                 init_log_std: float, encoder: str = "keypoints") -> None:  # fmt: skip
+                 init_log_std: float) -> None:  # fmt: skip
         super().__init__()
         is_dict = isinstance(observation_space, gym.spaces.Dict)
         image_space = observation_space["image"] if is_dict else observation_space
         extra = gym.spaces.flatdim(observation_space) - int(np.prod(image_space.shape))
         self.horizon, self.action_dim = horizon, int(np.prod(action_space.shape))
-        self.actor_encoder = ObservationEncoder(image_space, extra, image_size, encoder)
-        self.critic_encoder = ObservationEncoder(image_space, extra, image_size, encoder)
+        self.actor_encoder = ObservationEncoder(image_space, extra, image_size)
+        self.critic_encoder = ObservationEncoder(image_space, extra, image_size)
         self.actor_mean = layer_init(nn.Linear(128, horizon * self.action_dim), std=0.01)
         self.critic = layer_init(nn.Linear(128, 1), std=1.0)
         self.log_std = nn.Parameter(torch.full((horizon, self.action_dim), float(init_log_std)))
@@ -308,7 +269,7 @@ class PPOChunks:
             dtype=np.float32,
         )
         self.agent = ChunkActorCritic(self.observation_space, args.image_size, args.horizon, self.action_space,
-                                      args.init_log_std, args.encoder)
+                                      args.init_log_std)
         self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=args.learning_rate, eps=1e-5)
         self.version = 0
         self.clip_coef = args.clip_coef
