@@ -1,4 +1,4 @@
-"""The runnable examples in the docstrings of the vector env, collector, metrics and agents."""
+"""The runnable examples in the docstrings of the vector env, collector, metrics, agents, example envs and extras."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ MODULES = [
     "asyncvec.collector",
     "asyncvec.metrics",
     "asyncvec.envs.slow",
+    "asyncvec.envs.pixels",
     "asyncvec.agents.common",
+    "asyncvec.extras",
+    "asyncvec.control.instructions",
 ]
 
 
