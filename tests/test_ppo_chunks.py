@@ -26,38 +26,13 @@ from gymnasium.vector import AutoresetMode
 
 import asyncvec.envs  # noqa: F401  (registers the pixel envs)
 from asyncvec.agents.ppo_chunks import Args, PPOChunks
-from asyncvec.control import SOURCES, ChunkExecutor, SafetyFilter, action_logps_from_tokens
-from asyncvec.control import hashed_words
+from asyncvec.control import SOURCES, ChunkExecutor, SafetyFilter, action_logps_from_tokens, hashed_words
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import truncated_importance_weights
+from benchmarks.chunk_suite import demonstrations
 
 torch.set_num_threads(1)
 HORIZON = 4
-
-
-def demonstrations(algo: PPOChunks, samples: int, seed: int, noise: float = 0.5):
-    """A scripted controller on CartPole's state (a push toward the pole's lean and spin), executed
-    with Gaussian noise in ``algo``'s env; each observation is paired with the controller's next
-    ``horizon`` actions."""
-    env, horizon = algo.make_env(), algo.args.horizon
-    rng = np.random.default_rng(seed)
-    observations, chunks, episode_obs, episode_actions = [], [], [], []
-    obs, _ = env.reset(seed=seed)
-    while len(observations) < samples:
-        _, _, angle, spin = env.unwrapped.state
-        action = float(np.clip(3.0 * angle + 0.5 * spin, -1.0, 1.0))
-        episode_obs.append(obs)
-        episode_actions.append(action)
-        obs, _, terminated, truncated, _ = env.step(np.array([action + rng.normal(0.0, noise)], dtype=np.float32))
-        if terminated or truncated:
-            for t in range(len(episode_actions) - horizon + 1):
-                observations.append(episode_obs[t])
-                chunks.append(np.asarray(episode_actions[t : t + horizon], dtype=np.float32)[:, None])
-            episode_obs, episode_actions = [], []
-            obs, _ = env.reset()
-    env.close()
-    batch = {key: np.stack([obs[key] for obs in observations]) for key in ("image", "instruction")}
-    return batch, np.stack(chunks)
 
 
 def small_args(**overrides) -> Args:
@@ -242,7 +217,7 @@ def test_returns_improve_over_a_warm_start() -> None:
         args = Args(seed=seed, image_size=16, num_envs=8, ticks_per_rollout=64, iterations=30, update_epochs=10,
                     num_minibatches=1, init_log_std=-0.5, eval_rounds=8, latency_ticks=2)
         algo = PPOChunks(args)
-        observations, chunks = demonstrations(algo, 800, seed)
+        observations, chunks = demonstrations("cartpole", algo, 800, seed)  # a scripted controller, with noise
         algo.behavior_clone(observations, chunks, steps=150, batch_size=64)
         history = algo.train()
         results.append((seed, history["eval_start"], history["eval_end"], history["trained_fraction"]))
