@@ -60,7 +60,7 @@ from asyncvec.agents.common import (
 )
 from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
-from asyncvec.metrics import EpisodeStats, RunLogger
+from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.versioning import adapt_max_staleness
 
 
@@ -321,6 +321,9 @@ class TrainResult:
     staleness_mean: float
     dropped_samples: int
     history: list[dict] = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """wall seconds of the run per stage of the loop: collect_wait (the learner waiting for a segment:
+    acting, in sync mode), update, publish"""
 
 
 class PPO:
@@ -570,6 +573,7 @@ class PPO:
                            progress=args.progress, hparams=asdict(args))
         history: list[dict] = []
         reached_at = None
+        stages = StageClock()
         start = time.monotonic()
         start_step = self.global_step  # after --resume: steps/s counts this run's steps only
         collector = None
@@ -582,19 +586,23 @@ class PPO:
             else:
                 obs, _ = self.envs.reset(seed=args.seed)
             while self.global_step < args.total_timesteps:
-                if collector is not None:
-                    segment = self._next_segment(collector)
-                else:
-                    obs = self._sync_segment(episodes, obs)
-                    segment = self.store.get(timeout=0)
+                with stages("collect_wait"):
+                    if collector is not None:
+                        segment = self._next_segment(collector)
+                    else:
+                        obs = self._sync_segment(episodes, obs)
+                        segment = self.store.get(timeout=0)
                 self.global_step += segment.rewards.size
-                stats = self.update(segment)
-                self.versions.publish(self._actor_weights())
+                with stages("update"):
+                    stats = self.update(segment)
+                with stages("publish"):
+                    self.versions.publish(self._actor_weights())
                 returns = collector.recent_returns() if collector is not None else episodes.returns()
                 mean20 = float(np.mean(returns[-20:])) if returns else float("nan")
                 elapsed = time.monotonic() - start
                 row = {**stats, "charts/episodic_return": mean20, "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
-                       "charts/version": self.versions.current_version, "time/wall_s": elapsed, "global_step": self.global_step}
+                       "charts/version": self.versions.current_version, "time/wall_s": elapsed, "global_step": self.global_step,
+                       **stages.scalars()}
                 if collector is not None:
                     m = collector.metrics()
                     row.update({"charts/policy_latency_p50_ms": m["policy_latency_p50_ms"], "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
@@ -623,6 +631,7 @@ class PPO:
             global_step=self.global_step, updates=self.updates, wall_time_s=wall, env_steps_per_s=(self.global_step - start_step) / wall,
             episodic_returns=returns, final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
             reached_target_s=reached_at, staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
+            stage_seconds=dict(stages.totals),
         )
 
     def close(self) -> None:
@@ -656,6 +665,7 @@ def main(args: Args) -> TrainResult | None:
             f"PPO {result.global_step} steps in {result.wall_time_s:.1f} s ({result.env_steps_per_s:.0f} steps/s), "
             f"{final_return_text(result.final_return, 20)}, mean staleness {result.staleness_mean:.2f}"
             + (f", reached the target after {result.reached_target_s:.1f} s" if result.reached_target_s is not None else "")
+            + f"\ntime: {StageClock.words(result.stage_seconds)}"
         ),
         log_path=lambda agent: agent.log_path, checkpoint_path=lambda agent: agent.checkpoint_path,
         saves="after every update", track=args.track, log_dir=args.log_dir, name="PPO",

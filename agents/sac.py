@@ -47,7 +47,7 @@ from asyncvec.agents.common import (LaggedWeights, final_observations, final_ret
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec._threads import release_if_held
 from asyncvec.collector import Transitions
-from asyncvec.metrics import EpisodeStats, RunLogger
+from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 
@@ -205,6 +205,9 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     starved_gradient_steps: int = 0
     """gradient steps that waited because fewer than a batch of samples were within --max-staleness"""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """wall seconds of the run per stage of the loop: collect (sync: act, step, store) or collect_wait (async:
+    the learner waiting for samples), update (gradient steps), publish"""
 
 
 class NStepIndex:
@@ -281,6 +284,7 @@ class SAC:
         self.global_step = 0
         self.gradient_steps = 0
         self.starved_gradient_steps = 0
+        self.stages = StageClock()  # seconds per stage of the loop (collect, update, publish), logged as time/*
         self._starved = False  # the last gradient step found too few eligible samples
         self._stopping = threading.Event()
         self._progress = threading.Condition()
@@ -370,6 +374,7 @@ class SAC:
     def gradient_step(self) -> dict[str, float] | None:
         """One critic (and every ``policy_frequency``-th an actor) update; None if it must wait for data."""
         args = self.args
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             batch = self.buffer.sample(
                 args.batch_size, current_version=self.versions.current_version, max_staleness=args.max_staleness
@@ -408,8 +413,10 @@ class SAC:
                 for p, tp in zip(net.parameters(), target_net.parameters()):
                     tp.mul_(1 - args.tau).add_(args.tau * p)
         self.gradient_steps += 1
+        self.stages.add("update", time.perf_counter() - wall, time.thread_time() - cpu)
         if self.gradient_steps % args.publish_every == 0:
-            self.versions.publish({k: v.detach().clone() for k, v in self.actor.state_dict().items()})
+            with self.stages("publish"):
+                self.versions.publish({k: v.detach().clone() for k, v in self.actor.state_dict().items()})
         return stats
 
     def _wait_for_eligible(self, exc: ValueError) -> None:
@@ -493,23 +500,24 @@ class SAC:
                 episode_ids = ids.copy()
             while self.global_step < args.total_timesteps:
                 if collector is None:
-                    outputs = self.policy.act(obs, env_ids=ids, timeout=60)
-                    actions = np.stack([o.action for o in outputs])
-                    next_obs, rewards, terminated, truncated, info = self.envs.step(np.clip(actions, self.action_space.low, self.action_space.high))
-                    done = terminated | truncated
-                    final = final_observations(next_obs, done, info)
-                    self.store(Transitions(
-                        env_ids=ids, obs=obs, action=actions, reward=rewards, next_obs=final, terminated=terminated,
-                        truncated=truncated, behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
-                        policy_version=np.array([o.policy_version for o in outputs]), fallback=np.array([o.fallback for o in outputs]),
-                        episode_id=episode_ids.copy(),
-                    ))
-                    episodes.update(ids, rewards, done)
-                    episode_ids[done] = episode_ids.max() + 1 + np.arange(done.sum())
-                    obs = next_obs
-                    steps_due = self._gradient_steps_due()
+                    with self.stages("collect"):
+                        outputs = self.policy.act(obs, env_ids=ids, timeout=60)
+                        actions = np.stack([o.action for o in outputs])
+                        next_obs, rewards, terminated, truncated, info = self.envs.step(np.clip(actions, self.action_space.low, self.action_space.high))
+                        done = terminated | truncated
+                        final = final_observations(next_obs, done, info)
+                        self.store(Transitions(
+                            env_ids=ids, obs=obs, action=actions, reward=rewards, next_obs=final, terminated=terminated,
+                            truncated=truncated, behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
+                            policy_version=np.array([o.policy_version for o in outputs]), fallback=np.array([o.fallback for o in outputs]),
+                            episode_id=episode_ids.copy(),
+                        ))
+                        episodes.update(ids, rewards, done)
+                        episode_ids[done] = episode_ids.max() + 1 + np.arange(done.sum())
+                        obs = next_obs
+                        steps_due = self._gradient_steps_due()
                 else:
-                    with self._progress:
+                    with self.stages("collect_wait"), self._progress:
                         if self._gradient_steps_due() <= 0:
                             self._progress.wait(0.05)
                     collector.check()
@@ -518,7 +526,7 @@ class SAC:
                     step_stats = self.gradient_step()
                     if step_stats is None:  # too few eligible samples: act more first
                         if collector is not None:
-                            with self._progress:
+                            with self.stages("collect_wait"), self._progress:
                                 self._progress.wait(0.05)
                         break
                     stats = step_stats
@@ -529,7 +537,7 @@ class SAC:
                     returns = collector.recent_returns() if collector is not None else episodes.returns()
                     mean10 = float(np.mean(returns[-10:])) if returns else float("nan")
                     elapsed = time.monotonic() - start
-                    row = {**stats, "charts/episodic_return": mean10, "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
+                    row = {**stats, **self.stages.scalars(), "charts/episodic_return": mean10, "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
                            "charts/gradient_steps": self.gradient_steps, "time/wall_s": elapsed, "global_step": self.global_step}
                     if collector is not None:
                         m = collector.metrics()
@@ -562,7 +570,7 @@ class SAC:
             env_steps_per_s=(self.global_step - start_step) / wall, episodic_returns=returns,
             final_return=float(np.mean(returns[-10:])) if returns else float("nan"), reached_target_s=reached_at,
             staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
-            starved_gradient_steps=self.starved_gradient_steps,
+            starved_gradient_steps=self.starved_gradient_steps, stage_seconds=dict(self.stages.totals),
         )
 
 
@@ -578,6 +586,7 @@ def main(args: Args) -> TrainResult | None:
         lambda result: (
             f"SAC {result.global_step} steps, {result.gradient_steps} gradient steps in {result.wall_time_s:.1f} s "
             f"({result.env_steps_per_s:.0f} steps/s), {final_return_text(result.final_return, 10)}"
+            f"\ntime: {StageClock.words(result.stage_seconds)}"
         ),
         log_path=lambda agent: Path(args.log_dir) / agent.run_name,
         checkpoint_path=lambda agent: agent.checkpoint_dir / "sac.pt" if agent.checkpoint_dir is not None else None,

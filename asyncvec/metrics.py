@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["EpisodeStats", "RunLogger"]
+__all__ = ["EpisodeStats", "RunLogger", "StageClock"]
 
 
 class EpisodeStats:
@@ -53,6 +56,62 @@ class EpisodeStats:
     def mean_return(self, last: int | None = None) -> float:
         items = self.returns(last)
         return float(np.mean(items)) if items else float("nan")
+
+
+class StageClock:
+    """Wall-clock and CPU seconds per stage of a learner's loop (Sample Factory's habit): where the
+    time goes, logged beside the returns instead of measured from outside.
+
+    ``with clock("update"): ...`` times one pass of a stage (``add`` records one measured
+    elsewhere). ``scalars()`` gives, per stage, the mean wall seconds of the passes since its last
+    call (``time/update_s``) and their CPU seconds on the timing thread (``time/update_cpu_s``:
+    below the wall time when the stage waited or other threads ran); ``totals`` the wall seconds
+    of the whole run, which ``StageClock.words`` says in words.
+
+    Example:
+        >>> clock = StageClock()
+        >>> with clock("update"):
+        ...     _ = sum(range(1000))
+        >>> sorted(clock.scalars()), clock.count["update"]
+        (['time/update_cpu_s', 'time/update_s'], 1)
+        >>> StageClock.words({"collect_wait": 12.25, "update": 30.0})
+        'collect wait 12.2 s, update 30.0 s'
+    """
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.count: dict[str, int] = {}
+        self._since: dict[str, list[float]] = {}  # stage -> [wall, cpu, passes] since the last scalars()
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - wall, time.thread_time() - cpu)
+
+    def add(self, stage: str, wall_s: float, cpu_s: float = float("nan")) -> None:
+        self.totals[stage] = self.totals.get(stage, 0.0) + wall_s
+        self.count[stage] = self.count.get(stage, 0) + 1
+        since = self._since.setdefault(stage, [0.0, 0.0, 0])
+        since[0] += wall_s
+        since[1] += cpu_s
+        since[2] += 1
+
+    def scalars(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for stage, (wall, cpu, passes) in self._since.items():
+            if passes:
+                out[f"time/{stage}_s"] = wall / passes
+                out[f"time/{stage}_cpu_s"] = cpu / passes
+        self._since = {stage: [0.0, 0.0, 0] for stage in self._since}
+        return out
+
+    @staticmethod
+    def words(seconds: Mapping[str, float]) -> str:
+        """Seconds per stage (``totals``, or ``TrainResult.stage_seconds``) in words."""
+        return ", ".join(f"{stage.replace('_', ' ')} {value:.1f} s" for stage, value in seconds.items())
 
 
 class RunLogger:

@@ -448,14 +448,13 @@ class TimedCalls:
 
 
 class TimedPPO(PPO):
-    """PPO that records, from outside ``agents/ppo.py``, each update's wall and CPU time, the
-    staleness of every sample it learns from and, in sync mode, the time of every batched
-    policy call and lockstep env step (the stages of the sync model, measured in the run)."""
+    """PPO that records, from outside ``agents/ppo.py``, the staleness of every sample it learns
+    from and, in sync mode, the time of every batched policy call and lockstep env step (the
+    stages of the sync model, measured in the run). Each update's wall and CPU time are PPO's own
+    (``time/update_s``, ``time/update_cpu_s`` in its history)."""
 
     def __init__(self, args: PPOArgs) -> None:
         super().__init__(args)
-        self.update_s: list[float] = []
-        self.update_cpu_s: list[float] = []
         self.staleness_counts = np.zeros(0, dtype=np.int64)
         self.policy_calls = self.env_steps = None
         if args.mode == "sync":  # the async Collector needs the env itself (send/recv)
@@ -470,11 +469,7 @@ class TimedPPO(PPO):
             self.staleness_counts = counts
         else:
             self.staleness_counts[: counts.size] += counts
-        wall, cpu = time.perf_counter(), time.thread_time()
-        out = super().update(segment)
-        self.update_cpu_s.append(time.thread_time() - cpu)
-        self.update_s.append(time.perf_counter() - wall)
-        return out
+        return super().update(segment)
 
 
 @dataclass
@@ -544,8 +539,8 @@ def run_once(regime: Regime, mode: str, seed: int, args: Args) -> Run:
         seed,
         regime.update_epochs,
         result,
-        agent.update_s,
-        agent.update_cpu_s,
+        [row["time/update_s"] for row in result.history],
+        [row["time/update_cpu_s"] for row in result.history],
         agent.staleness_counts,
         agent.policy_calls.seconds if agent.policy_calls else [],
         agent.env_steps.seconds if agent.env_steps else [],

@@ -22,7 +22,7 @@ from asyncvec.agents import ppo, sac
 from asyncvec.agents.common import env_spaces, final_return_text, make_env_fn
 from asyncvec import Collector
 from asyncvec.buffers.rollout import Segment
-from asyncvec.metrics import EpisodeStats
+from asyncvec.metrics import EpisodeStats, StageClock
 from terminal import sigint_as_in_a_terminal
 
 
@@ -79,6 +79,23 @@ def test_ppo_runs_on_continuous_actions(env, mode, no_leftover_children):
     result = ppo.train(ppo.Args(env=env, mode=mode, num_envs=4, num_steps=32, total_timesteps=512, progress=False))
     assert result.global_step == 512 and result.updates == 4
     assert np.isfinite(result.history[-1]["losses/value_loss"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_learners_time_their_stages(mode, no_leftover_children):
+    """Sample Factory's habit: where the loop's time goes, per stage, in the history (TensorBoard) and the result."""
+    result = ppo.train(ppo.Args(mode=mode, num_envs=4, num_steps=32, total_timesteps=512, progress=False))
+    assert set(result.stage_seconds) == {"collect_wait", "update", "publish"}
+    row = result.history[-1]
+    assert 0 < row["time/update_s"] < result.wall_time_s and 0 <= row["time/update_cpu_s"]
+    assert sum(result.stage_seconds.values()) <= result.wall_time_s
+    assert result.stage_seconds["update"] == pytest.approx(sum(r["time/update_s"] for r in result.history))
+    done = sac.train(sac.Args(mode=mode, num_envs=2, total_timesteps=600, learning_starts=200, batch_size=64,
+                              progress=False))  # fmt: skip
+    collect = "collect" if mode == "sync" else "collect_wait"
+    assert {collect, "update", "publish"} <= set(done.stage_seconds), done.stage_seconds
+    assert done.stage_seconds["update"] > 0 and "time/update_s" in done.history[-1]
+    assert StageClock.words(result.stage_seconds).startswith("collect wait ")
 
 
 @pytest.mark.parametrize("env, size", [("FrozenLake-v1", 16), ("Blackjack-v1", 45)])
