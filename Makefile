@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # heaviest first. A crashed worker ends the run.
 TEST_WORKERS ?= 2
 
-.PHONY: demo demo-llm test test-user-install bench bench-pipeline clean
+.PHONY: demo demo-llm lint test test-user-install bench bench-pipeline clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ demo: $(VENV)/.plots
 # A tiny language model learns single-digit sums with RLOO and REINFORCE++ (CPU, a few minutes).
 demo-llm: $(VENV)/.test
 	$(PY) scripts/demo_llm.py
+
+# ruff's lint and format checks as pyproject.toml configures them (tests/test_style.py adds the reasons after
+# `# noqa`); .ci/run runs this before `make test`. `ruff format .` and `ruff check --fix .` mend most findings.
+lint: $(VENV)/.test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 # tests/conftest.py's FRESH_INTERPRETER_MODULES (in-process vLLM engines, the HF FrozenLake learning test) run one
 # after another, each in a fresh interpreter, as one unit of the xdist run (tests/test_fresh_interpreter_lane.py);

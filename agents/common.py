@@ -22,9 +22,9 @@ import torch
 from gymnasium.vector import AutoresetMode
 
 from asyncvec import AsyncLLMVectorEnv
+from asyncvec.envs.slow import SlowEnv
 from asyncvec.extras import MissingExtraError, missing_env_extra
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
-from asyncvec.envs.slow import SlowEnv
 
 if TYPE_CHECKING:
     from asyncvec import VersionManager
@@ -182,7 +182,9 @@ def make_vector_env(
     )
 
 
-def make_policy(module: torch.nn.Module, action_space: gym.Space, num_envs: int, policy_latency_ms: float = 0.0) -> BatchedPolicy:
+def make_policy(
+    module: torch.nn.Module, action_space: gym.Space, num_envs: int, policy_latency_ms: float = 0.0
+) -> BatchedPolicy:
     """A TorchPolicy, behind a LatencyModel playing a remote model server when latency > 0.
 
     The server takes batches of up to ``num_envs``, waits up to 2 ms to fill one, and serves
@@ -191,7 +193,9 @@ def make_policy(module: torch.nn.Module, action_space: gym.Space, num_envs: int,
     local = TorchPolicy(module, action_space, max_batch_size=num_envs, max_wait_ms=1.0)
     if policy_latency_ms <= 0:
         return local
-    return LatencyModel(local, a_ms=policy_latency_ms, b_ms=0.0, max_batch_size=num_envs, max_wait_ms=2.0, max_inflight_batches=4)
+    return LatencyModel(
+        local, a_ms=policy_latency_ms, b_ms=0.0, max_batch_size=num_envs, max_wait_ms=2.0, max_inflight_batches=4
+    )
 
 
 class LaggedWeights:
@@ -287,7 +291,9 @@ def make_ray_collectors(
     from asyncvec.distributed import RayCollectors
 
     check_env_id(env_id)
-    env_fns = [make_env_fn(env_id, env_latency_ms, distribution, seed=i, normalize_obs=normalize_obs) for i in range(num_envs)]
+    env_fns = [
+        make_env_fn(env_id, env_latency_ms, distribution, seed=i, normalize_obs=normalize_obs) for i in range(num_envs)
+    ]
     return RayCollectors(
         env_fns, num_collectors=num_collectors, address=address, autoreset_mode=AutoresetMode.SAME_STEP
     )

@@ -24,8 +24,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from asyncvec.agents.common import LaggedWeights, check_env_id, import_user_module, seed_everything
 from asyncvec import VersionManager, inference, rewards
+from asyncvec.agents.common import LaggedWeights, check_env_id, import_user_module, seed_everything
 from asyncvec.buffers import GroupBatch
 from asyncvec.extras import check_installed
 from asyncvec.group_collector import GroupCollector, score_completions
@@ -186,7 +186,9 @@ class LMArgs:
         except json.JSONDecodeError as exc:
             raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}: {exc}") from None
         if not isinstance(env_kwargs, dict):
-            raise ValueError(f"--env-kwargs must be a JSON object of gym.make keyword arguments, got {self.env_kwargs!r}")
+            raise ValueError(
+                f"--env-kwargs must be a JSON object of gym.make keyword arguments, got {self.env_kwargs!r}"
+            )
         if self.temperature == 0:
             raise ValueError("--temperature must be > 0: policy-gradient learning needs sampled completions")
         if self.backend == "openai":
@@ -383,7 +385,6 @@ def served_model_name(base_url: str, model_dir: Path) -> str:
     raise ValueError(f"--base-url {base_url} serves {served}: pick one with --served-model")
 
 
-
 def make_text_policy(
     args: LMArgs,
     model_dir: Path,
@@ -535,7 +536,11 @@ def expert_conversations(
             while not done:
                 chat.add_observation(obs)
                 if max_context_tokens is not None and len(chat) > max_context_tokens - args.max_new_tokens:
-                    shorter = chat.fit(max_context_tokens - args.max_new_tokens) if args.on_overflow == "drop_oldest" else None
+                    shorter = (
+                        chat.fit(max_context_tokens - args.max_new_tokens)
+                        if args.on_overflow == "drop_oldest"
+                        else None
+                    )
                     if shorter is None and chat.num_turns == 0:
                         raise ValueError(
                             f"--sft-steps: the first prompt of {args.env} ({len(chat)} tokens) leaves no room for "
@@ -592,13 +597,17 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
         if args.model:
             model_dir = Path(args.model)
             if not model_dir.is_dir():
-                raise FileNotFoundError(f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)")
+                raise FileNotFoundError(
+                    f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)"
+                )
         else:  # conversations need a longer context than one-step prompts
             model_dir = inference.build_tiny_lm(workdir / "tiny-lm", seed=args.seed, max_positions=512)
         if args.sft_steps:
             model, tokenizer = load_causal_lm(model_dir)  # the context as HFTextPolicy reads it
             examples = expert_conversations(args, tokenizer, getattr(model.config, "max_position_embeddings", None))
-            model_dir = sft_warm_start(model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed)
+            model_dir = sft_warm_start(
+                model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed
+            )
         learner, tokenizer = load_causal_lm(model_dir, args.device)
         reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
         envs = stack.enter_context(make_text_vector_env(args.env, args.num_envs, env_kwargs=env_kwargs))
@@ -653,12 +662,14 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMPar
         model_dir = prepare_model(args, workdir)
         learner, tokenizer = load_causal_lm(model_dir, args.device)
         reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
-        rewarder = stack.enter_context(RewardService(
+        rewarder = stack.enter_context(
+            RewardService(
                 args.reward,
                 timeout_s=args.reward_timeout_s,
                 num_workers=args.reward_workers,
                 cache_size=args.reward_cache_size,
-            ))
+            )
+        )
         sync = policy is not None or args.backend == "openai"
         if policy is not None:
             check_given_policy(policy, args)
@@ -859,7 +870,9 @@ class LMAgent(abc.ABC):
         """``policy``: a text policy to sample from instead of one built from ``--backend`` (it
         stays open after the run); the learner's starting weights are published to it first."""
         self.args = args
-        check_installed("transformers", extra="hf", feature=f"agents/{self.name}.py (its learner is a transformers model)")
+        check_installed(
+            "transformers", extra="hf", feature=f"agents/{self.name}.py (its learner is a transformers model)"
+        )
         seed_everything(args.seed)
         if args.backend != "vllm":  # an in-process vLLM engine on the CPU binds the torch threads itself
             torch.set_num_threads(args.torch_threads)
@@ -1063,20 +1076,24 @@ def summary(name: str, result: LMTrainResult) -> str:
     """A one-paragraph report of a run, printed by the agents' CLIs and the demo."""
     curve = ", ".join(f"{r:.2f}" for r in result.reward_curve)
     return (
-        f"{name}: {result.updates} updates, {result.samples} completions in {result.wall_time_s:.1f} s "
-        f"({result.samples_per_s:.0f} completions/s)\n"
-        f"  reward curve (per update): [{curve}]\n"
-        f"  {eval_line(result.eval_reward_before, result.eval_reward_after)}\n"
-        f"  stale {result.stale_fraction:.1%}, IS-truncated {result.truncated_fraction:.1%}, "
-        f"flagged {result.flagged_fraction:.1%}, unparsable {result.fallback_fraction:.1%}, "
-        f"missed deadlines {result.missed_deadline_fraction:.1%}, "
-        f"mean staleness {result.staleness_mean:.2f}, final version {result.final_version}"
-    ) + "".join(
-        f"\n  eval {when}: success {d['success']:.3f}, mean turns {d['turns_mean']:.2f}"
-        for when, d in zip(("before RL", "after RL"), result.eval_details)
-    ) + (
-        f"\n  target {'reached' if result.reached_target else 'not confirmed'} (checked on batches sampled by the "
-        f"weights of the moment: [{', '.join(f'{r:.2f}' for r in result.target_confirmations)}])"
-        if result.target_confirmations
-        else ""
+        (
+            f"{name}: {result.updates} updates, {result.samples} completions in {result.wall_time_s:.1f} s "
+            f"({result.samples_per_s:.0f} completions/s)\n"
+            f"  reward curve (per update): [{curve}]\n"
+            f"  {eval_line(result.eval_reward_before, result.eval_reward_after)}\n"
+            f"  stale {result.stale_fraction:.1%}, IS-truncated {result.truncated_fraction:.1%}, "
+            f"flagged {result.flagged_fraction:.1%}, unparsable {result.fallback_fraction:.1%}, "
+            f"missed deadlines {result.missed_deadline_fraction:.1%}, "
+            f"mean staleness {result.staleness_mean:.2f}, final version {result.final_version}"
+        )
+        + "".join(
+            f"\n  eval {when}: success {d['success']:.3f}, mean turns {d['turns_mean']:.2f}"
+            for when, d in zip(("before RL", "after RL"), result.eval_details)
+        )
+        + (
+            f"\n  target {'reached' if result.reached_target else 'not confirmed'} (checked on batches sampled by the "
+            f"weights of the moment: [{', '.join(f'{r:.2f}' for r in result.target_confirmations)}])"
+            if result.target_confirmations
+            else ""
+        )
     )

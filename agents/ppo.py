@@ -41,6 +41,7 @@ import tyro
 from gymnasium.wrappers.utils import RunningMeanStd
 from torch.distributions import Categorical, Normal
 
+from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.agents.common import (
     LaggedWeights,
     anneal,
@@ -58,23 +59,41 @@ from asyncvec.agents.common import (
     seed_everything,
     stored_action_space,
 )
-from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.versioning import adapt_max_staleness
-
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
 # left at their default; anything passed with another value wins.
 PRESETS: dict[str, dict[str, object]] = {
     # CleanRL's ppo.py (classic control): 128 steps/env, 4 minibatches x 4 epochs, an entropy bonus.
-    "cleanrl": dict(num_steps=128, learning_rate=2.5e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=4,
-                    update_epochs=4, ent_coef=0.01, target_kl=None, normalize_obs=False, normalize_rewards=False,
-                    clip_vloss=True),
+    "cleanrl": dict(
+        num_steps=128,
+        learning_rate=2.5e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=4,
+        update_epochs=4,
+        ent_coef=0.01,
+        target_kl=None,
+        normalize_obs=False,
+        normalize_rewards=False,
+        clip_vloss=True,
+    ),
     # CleanRL's ppo_continuous_action.py (MuJoCo): 2,048 steps per update, 32 minibatches x 10 epochs.
-    "cleanrl-continuous": dict(num_steps=256, learning_rate=3e-4, gamma=0.99, gae_lambda=0.95, num_minibatches=32,
-                               update_epochs=10, ent_coef=0.0, target_kl=None, normalize_obs=True,
-                               normalize_rewards=True, clip_vloss=True),
+    "cleanrl-continuous": dict(
+        num_steps=256,
+        learning_rate=3e-4,
+        gamma=0.99,
+        gae_lambda=0.95,
+        num_minibatches=32,
+        update_epochs=10,
+        ent_coef=0.0,
+        target_kl=None,
+        normalize_obs=True,
+        normalize_rewards=True,
+        clip_vloss=True,
+    ),
 }
 
 
@@ -269,8 +288,10 @@ class Actor(nn.Module):
         out = action_space.n if self.discrete else int(np.prod(action_space.shape))
         self.obs_norm = RunningNorm(obs_dim, enabled=normalize_obs)
         self.body = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, hidden)), nn.Tanh(),
-            layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+            layer_init(nn.Linear(obs_dim, hidden)),
+            nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden)),
+            nn.Tanh(),
             layer_init(nn.Linear(hidden, out), std=0.01),
         )
         if not self.discrete:
@@ -298,8 +319,10 @@ class Critic(nn.Module):
         super().__init__()
         self.obs_norm = obs_norm if obs_norm is not None else RunningNorm(obs_dim, enabled=False)
         self.body = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, hidden)), nn.Tanh(),
-            layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+            layer_init(nn.Linear(obs_dim, hidden)),
+            nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden)),
+            nn.Tanh(),
             layer_init(nn.Linear(hidden, 1), std=1.0),
         )
 
@@ -347,15 +370,28 @@ class PPO:
                 f"observation space {obs_space} and action space {self.action_space}"
             )
         if args.backend == "ray":
-            self.envs = make_ray_collectors(args.env, args.num_envs, args.env_latency_ms, args.env_latency_dist,
-                                            address=args.ray_address, num_collectors=args.ray_collectors)
+            self.envs = make_ray_collectors(
+                args.env,
+                args.num_envs,
+                args.env_latency_ms,
+                args.env_latency_dist,
+                address=args.ray_address,
+                num_collectors=args.ray_collectors,
+            )
         else:
-            self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 4),
-                                        distribution=args.env_latency_dist)
+            self.envs = make_vector_env(
+                args.env,
+                args.num_envs,
+                args.env_latency_ms,
+                batch_size=max(1, args.num_envs // 4),
+                distribution=args.env_latency_dist,
+            )
         obs_dim = obs_space.shape[0]
         self.actor = Actor(obs_dim, self.action_space, args.hidden, normalize_obs=args.normalize_obs)
         self.critic = Critic(obs_dim, args.hidden, obs_norm=self.actor.obs_norm)
-        self.optimizer = torch.optim.Adam([*self.actor.parameters(), *self.critic.parameters()], lr=args.learning_rate, eps=1e-5)
+        self.optimizer = torch.optim.Adam(
+            [*self.actor.parameters(), *self.critic.parameters()], lr=args.learning_rate, eps=1e-5
+        )
         self.reward_scaler = RewardScaler(args.num_envs, args.gamma) if args.normalize_rewards else None
         self.policy = make_policy(copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms)
         self.max_staleness = args.max_staleness  # lowered and raised by --adaptive-staleness
@@ -390,8 +426,12 @@ class PPO:
         if self.checkpoint_path is not None:
             save_checkpoint(
                 self.checkpoint_path,
-                actor=self.actor.state_dict(), critic=self.critic.state_dict(), optimizer=self.optimizer.state_dict(),
-                version=self.versions.current_version, global_step=self.global_step, updates=self.updates,
+                actor=self.actor.state_dict(),
+                critic=self.critic.state_dict(),
+                optimizer=self.optimizer.state_dict(),
+                version=self.versions.current_version,
+                global_step=self.global_step,
+                updates=self.updates,
                 reward_scaler=self.reward_scaler.state_dict() if self.reward_scaler is not None else None,
                 args=asdict(self.args),
             )
@@ -422,11 +462,25 @@ class PPO:
             if args.correction == "vtrace":
                 # The trace stops at every episode end; a truncated step's reward carries gamma V(final obs).
                 discounts = args.gamma * (~(terminated | truncated)).float()
-                targets = vtrace(torch.as_tensor(segment.behavior_logp), prox_logp, rewards + args.gamma * final_values,
-                                 values, bootstrap, discounts)
+                targets = vtrace(
+                    torch.as_tensor(segment.behavior_logp),
+                    prox_logp,
+                    rewards + args.gamma * final_values,
+                    values,
+                    bootstrap,
+                    discounts,
+                )
                 return targets.pg_advantages, targets.vs
-            return gae(rewards, values, bootstrap, terminated, truncated, gamma=args.gamma, lam=args.gae_lambda,
-                       final_values=final_values)
+            return gae(
+                rewards,
+                values,
+                bootstrap,
+                terminated,
+                truncated,
+                gamma=args.gamma,
+                lam=args.gae_lambda,
+                final_values=final_values,
+            )
 
     def update(self, segment) -> dict[str, float]:
         """One PPO update on a [T, N] segment; returns loss and correction statistics."""
@@ -459,9 +513,14 @@ class PPO:
             _, offpolicy = truncated_importance_weights(prox_logp, behavior_logp, args.is_cap, mask=valid)
 
         b = {
-            "obs": obs.reshape(T * N, -1), "actions": actions.reshape(T * N, *actions.shape[2:]),
-            "behavior_logp": behavior_logp.reshape(-1), "prox_logp": prox_logp.reshape(-1), "values": values.reshape(-1),
-            "advantages": advantages.reshape(-1), "returns": returns.reshape(-1), "valid": valid.reshape(-1),
+            "obs": obs.reshape(T * N, -1),
+            "actions": actions.reshape(T * N, *actions.shape[2:]),
+            "behavior_logp": behavior_logp.reshape(-1),
+            "prox_logp": prox_logp.reshape(-1),
+            "values": values.reshape(-1),
+            "advantages": advantages.reshape(-1),
+            "returns": returns.reshape(-1),
+            "valid": valid.reshape(-1),
         }
         frac = 1.0 - self.global_step / args.total_timesteps if args.anneal_lr else 1.0
         clip = anneal(self.optimizer, args.learning_rate, args.clip_coef, frac)
@@ -486,7 +545,9 @@ class PPO:
                     break
                 adv = b["advantages"][idx]
                 adv = (adv - adv[mask].mean()) / (adv[mask].std() + 1e-8) if mask.sum() > 1 else adv
-                pg_loss, pg_stats = self._policy_loss(logp, b["prox_logp"][idx], b["behavior_logp"][idx], adv, clip, mask)
+                pg_loss, pg_stats = self._policy_loss(
+                    logp, b["prox_logp"][idx], b["behavior_logp"][idx], adv, clip, mask
+                )
                 value = self.critic(b["obs"][idx])
                 v_error = (value - b["returns"][idx]) ** 2
                 if args.clip_vloss:
@@ -499,8 +560,13 @@ class PPO:
                 loss.backward()
                 nn.utils.clip_grad_norm_([*self.actor.parameters(), *self.critic.parameters()], args.max_grad_norm)
                 self.optimizer.step()
-                for key, value in {"policy_loss": pg_loss, "value_loss": v_loss, "entropy": ent, "approx_kl": approx_kl,
-                                   **pg_stats}.items():
+                for key, value in {
+                    "policy_loss": pg_loss,
+                    "value_loss": v_loss,
+                    "entropy": ent,
+                    "approx_kl": approx_kl,
+                    **pg_stats,
+                }.items():
                     stats.setdefault(key, []).append(float(value.detach()) if torch.is_tensor(value) else float(value))
             if stopped_early:
                 break
@@ -529,7 +595,9 @@ class PPO:
     def _policy_loss(self, logp, prox_logp, behavior_logp, adv, clip, mask):
         args = self.args
         if args.correction == "decoupled":
-            loss, stats = decoupled_ppo_loss(logp, prox_logp, behavior_logp, adv, clip, behavior_cap=args.is_cap, mask=mask)
+            loss, stats = decoupled_ppo_loss(
+                logp, prox_logp, behavior_logp, adv, clip, behavior_cap=args.is_cap, mask=mask
+            )
             stats["is_weight_mean"] = stats.pop("behavior_weight_mean")
             stats["is_clipped_fraction"] = stats.pop("behavior_clipped_fraction")
             stats["is_ess"] = stats.pop("behavior_ess")
@@ -541,7 +609,11 @@ class PPO:
             surrogate = torch.min(ratio.clamp(max=args.is_cap) * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
             loss = -surrogate[mask].mean()
             _, w_stats = truncated_importance_weights(logp.detach(), behavior_logp, args.is_cap, mask=mask)
-            return loss, {"is_weight_mean": w_stats["mean_weight"], "is_clipped_fraction": w_stats["clipped_fraction"], "is_ess": w_stats["ess"]}
+            return loss, {
+                "is_weight_mean": w_stats["mean_weight"],
+                "is_clipped_fraction": w_stats["clipped_fraction"],
+                "is_ess": w_stats["ess"],
+            }
         return ppo_clip_loss(logp, behavior_logp, adv, clip, mask=mask)
 
     # ------------------------------------------------------------------ acting
@@ -552,14 +624,24 @@ class PPO:
         for _ in range(self.args.num_steps):
             outputs = self.policy.act(obs, env_ids=ids, timeout=60)
             actions = np.stack([np.asarray(o.action) for o in outputs])
-            executed = np.clip(actions, self.action_space.low, self.action_space.high) if isinstance(self.action_space, gym.spaces.Box) else actions
+            executed = (
+                np.clip(actions, self.action_space.low, self.action_space.high)
+                if isinstance(self.action_space, gym.spaces.Box)
+                else actions
+            )
             next_obs, rewards, terminated, truncated, info = self.envs.step(executed)
             done = terminated | truncated
             final = final_observations(next_obs, done, info)
             self.store.add(
-                ids, obs, actions, rewards, terminated, truncated,
+                ids,
+                obs,
+                actions,
+                rewards,
+                terminated,
+                truncated,
                 np.array([o.behavior_logp for o in outputs], dtype=np.float32),
-                np.array([o.policy_version for o in outputs]), next_obs=final,
+                np.array([o.policy_version for o in outputs]),
+                next_obs=final,
                 fallback=np.array([o.fallback for o in outputs]),
             )
             episodes.update(ids, rewards, done)
@@ -569,8 +651,13 @@ class PPO:
     def train(self) -> TrainResult:
         """Trains until ``total_timesteps`` (or ``target_return``); closes envs and policy."""
         args = self.args
-        logger = RunLogger(Path(args.log_dir) / self.run_name, track=args.track, total_steps=args.total_timesteps,
-                           progress=args.progress, hparams=asdict(args))
+        logger = RunLogger(
+            Path(args.log_dir) / self.run_name,
+            track=args.track,
+            total_steps=args.total_timesteps,
+            progress=args.progress,
+            hparams=asdict(args),
+        )
         history: list[dict] = []
         reached_at = None
         stages = StageClock()
@@ -580,9 +667,19 @@ class PPO:
         episodes = EpisodeStats(args.num_envs)
         try:
             if args.mode == "async" and args.backend == "ray":
-                collector = make_ray_collector(self.envs, self.actor, self.store, self.versions, policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed).start()
+                collector = make_ray_collector(
+                    self.envs,
+                    self.actor,
+                    self.store,
+                    self.versions,
+                    policy_latency_ms=args.policy_latency_ms,
+                    policy_lag=args.policy_lag,
+                    seed=args.seed,
+                ).start()
             elif args.mode == "async":
-                collector = Collector(self.envs, self.policy, self.store, version_manager=self.versions, seed=args.seed).start()
+                collector = Collector(
+                    self.envs, self.policy, self.store, version_manager=self.versions, seed=args.seed
+                ).start()
             else:
                 obs, _ = self.envs.reset(seed=args.seed)
             while self.global_step < args.total_timesteps:
@@ -600,18 +697,34 @@ class PPO:
                 returns = collector.recent_returns() if collector is not None else episodes.returns()
                 mean20 = float(np.mean(returns[-20:])) if returns else float("nan")
                 elapsed = time.monotonic() - start
-                row = {**stats, "charts/episodic_return": mean20, "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
-                       "charts/version": self.versions.current_version, "time/wall_s": elapsed, "global_step": self.global_step,
-                       **stages.scalars()}
+                row = {
+                    **stats,
+                    "charts/episodic_return": mean20,
+                    "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
+                    "charts/version": self.versions.current_version,
+                    "time/wall_s": elapsed,
+                    "global_step": self.global_step,
+                    **stages.scalars(),
+                }
                 if collector is not None:
                     m = collector.metrics()
-                    row.update({"charts/policy_latency_p50_ms": m["policy_latency_p50_ms"], "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
-                                "charts/policy_batch_size": m.get("policy/mean_batch_size", float("nan")),
-                                "charts/policy_queue_depth": m.get("policy/queue_depth", float("nan")), "charts/fallback_rate": m["fallback_rate"]})
+                    row.update(
+                        {
+                            "charts/policy_latency_p50_ms": m["policy_latency_p50_ms"],
+                            "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
+                            "charts/policy_batch_size": m.get("policy/mean_batch_size", float("nan")),
+                            "charts/policy_queue_depth": m.get("policy/queue_depth", float("nan")),
+                            "charts/fallback_rate": m["fallback_rate"],
+                        }
+                    )
                 history.append(row)
                 logger.log(row, self.global_step)
                 if self.updates % 10 == 0:
-                    logger.histogram("staleness/histogram", segment.staleness(self.versions.current_version).ravel(), self.global_step)
+                    logger.histogram(
+                        "staleness/histogram",
+                        segment.staleness(self.versions.current_version).ravel(),
+                        self.global_step,
+                    )
                     if collector is not None:
                         logger.histogram("charts/policy_latency_ms", collector.latencies() * 1000, self.global_step)
                 self.save()
@@ -628,9 +741,16 @@ class PPO:
         returns = collector.recent_returns() if collector is not None else episodes.returns()
         staleness = self.versions.staleness_stats()
         return TrainResult(
-            global_step=self.global_step, updates=self.updates, wall_time_s=wall, env_steps_per_s=(self.global_step - start_step) / wall,
-            episodic_returns=returns, final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
-            reached_target_s=reached_at, staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
+            global_step=self.global_step,
+            updates=self.updates,
+            wall_time_s=wall,
+            env_steps_per_s=(self.global_step - start_step) / wall,
+            episodic_returns=returns,
+            final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
+            reached_target_s=reached_at,
+            staleness_mean=staleness.mean,
+            dropped_samples=staleness.dropped,
+            history=history,
             stage_seconds=dict(stages.totals),
         )
 
@@ -664,11 +784,19 @@ def main(args: Args) -> TrainResult | None:
         lambda result: (
             f"PPO {result.global_step} steps in {result.wall_time_s:.1f} s ({result.env_steps_per_s:.0f} steps/s), "
             f"{final_return_text(result.final_return, 20)}, mean staleness {result.staleness_mean:.2f}"
-            + (f", reached the target after {result.reached_target_s:.1f} s" if result.reached_target_s is not None else "")
+            + (
+                f", reached the target after {result.reached_target_s:.1f} s"
+                if result.reached_target_s is not None
+                else ""
+            )
             + f"\ntime: {StageClock.words(result.stage_seconds)}"
         ),
-        log_path=lambda agent: agent.log_path, checkpoint_path=lambda agent: agent.checkpoint_path,
-        saves="after every update", track=args.track, log_dir=args.log_dir, name="PPO",
+        log_path=lambda agent: agent.log_path,
+        checkpoint_path=lambda agent: agent.checkpoint_path,
+        saves="after every update",
+        track=args.track,
+        log_dir=args.log_dir,
+        name="PPO",
     )
 
 

@@ -61,8 +61,8 @@ import torch.nn as nn
 import tyro
 from gymnasium.vector import AutoresetMode
 
-from asyncvec.agents.common import anneal, check_env_id, exit_on_setup_error, layer_init, seed_everything
 from asyncvec import AsyncLLMVectorEnv
+from asyncvec.agents.common import anneal, check_env_id, exit_on_setup_error, layer_init, seed_everything
 from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout, HashedInstruction
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import decoupled_ppo_loss, gae, masked_mean
@@ -202,8 +202,9 @@ class ChunkActorCritic(nn.Module):
     def value(self, observations: torch.Tensor) -> torch.Tensor:
         return self.critic(self.critic_encoder(observations)).squeeze(-1)
 
-    def action_logp(self, chunk_obs: torch.Tensor, which: torch.Tensor, index: torch.Tensor,
-                    actions: torch.Tensor) -> torch.Tensor:
+    def action_logp(
+        self, chunk_obs: torch.Tensor, which: torch.Tensor, index: torch.Tensor, actions: torch.Tensor
+    ) -> torch.Tensor:
         """log-prob of action ``index`` of the chunk requested with ``chunk_obs[which]``, on its own.
 
         (Several executed actions share a chunk: its observation goes through the network once.)
@@ -268,8 +269,9 @@ class PPOChunks:
             np.broadcast_to(self.action_space.high, (args.horizon, *self.action_space.shape)),
             dtype=np.float32,
         )
-        self.agent = ChunkActorCritic(self.observation_space, args.image_size, args.horizon, self.action_space,
-                                      args.init_log_std)
+        self.agent = ChunkActorCritic(
+            self.observation_space, args.image_size, args.horizon, self.action_space, args.init_log_std
+        )
         self.optimizer = torch.optim.Adam(self.agent.parameters(), lr=args.learning_rate, eps=1e-5)
         self.version = 0
         self.clip_coef = args.clip_coef
@@ -376,14 +378,29 @@ class PPOChunks:
             # NEXT_STEP autoreset: the observation after a truncated step is its final observation
             next_values = torch.cat([values[1:], bootstrap.unsqueeze(0)])
             advantages, returns = gae(
-                torch.as_tensor(rollout.rewards, dtype=torch.float32), values, bootstrap,
-                torch.as_tensor(rollout.terminated), torch.as_tensor(rollout.truncated),
-                gamma=args.gamma, lam=args.gae_lambda, final_values=next_values,
+                torch.as_tensor(rollout.rewards, dtype=torch.float32),
+                values,
+                bootstrap,
+                torch.as_tensor(rollout.terminated),
+                torch.as_tensor(rollout.truncated),
+                gamma=args.gamma,
+                lam=args.gae_lambda,
+                final_values=next_values,
             )
             prox = agent.action_logp(chunk_obs, chunk_row, index, actions)
         return ChunkBatch(
-            observations.flatten(0, 1), chunk_obs, chunk_row, index, actions, torch.nan_to_num(behavior), versions,
-            prox, advantages.reshape(-1), returns.reshape(-1), policy_mask, value_mask,
+            observations.flatten(0, 1),
+            chunk_obs,
+            chunk_row,
+            index,
+            actions,
+            torch.nan_to_num(behavior),
+            versions,
+            prox,
+            advantages.reshape(-1),
+            returns.reshape(-1),
+            policy_mask,
+            value_mask,
         )
 
     def loss(self, batch: ChunkBatch, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -395,8 +412,13 @@ class PPOChunks:
             advantages = (advantages - mean) / (std + 1e-8)
         logp = self.agent.action_logp(batch.chunk_obs, batch.chunk_row[idx], batch.chunk_index[idx], batch.actions[idx])
         policy_loss, stats = decoupled_ppo_loss(
-            logp, batch.prox_logp[idx], batch.behavior_logp[idx], advantages,
-            clip_coef=self.clip_coef, behavior_cap=self.args.behavior_cap, mask=mask,
+            logp,
+            batch.prox_logp[idx],
+            batch.behavior_logp[idx],
+            advantages,
+            clip_coef=self.clip_coef,
+            behavior_cap=self.args.behavior_cap,
+            mask=mask,
         )
         if not mask.any():
             policy_loss = 0.0 * logp.sum()
@@ -440,8 +462,14 @@ class PPOChunks:
         self.policy.load_weights(copy.deepcopy(self.agent.state_dict()), self.version + 1)
         self.version += 1
         executor = ChunkExecutor(
-            envs, self.policy, period_s=args.period_s, horizon=args.horizon, overlap=args.overlap,
-            request_at=args.request_at, record_obs=True, latency_ticks=args.latency_ticks,
+            envs,
+            self.policy,
+            period_s=args.period_s,
+            horizon=args.horizon,
+            overlap=args.overlap,
+            request_at=args.request_at,
+            record_obs=True,
+            latency_ticks=args.latency_ticks,
         )
         start = time.perf_counter()
         history: dict[str, Any] = {"episode_returns": [], "sources": dict.fromkeys(SOURCES, 0)}
@@ -487,7 +515,9 @@ def summary(args: Args, result: dict[str, Any]) -> str:
     sources = ", ".join(f"{name} {count}" for name, count in result["sources"].items())
     evaluation = (
         f"mean return of {args.eval_rounds} x {args.num_envs} evaluation episodes {result['eval_start']:.1f} -> "
-        f"{result['eval_end']:.1f}" if args.eval_rounds else "not evaluated (--eval-rounds 0)"
+        f"{result['eval_end']:.1f}"
+        if args.eval_rounds
+        else "not evaluated (--eval-rounds 0)"
     )
     return (
         f"PPO on chunks, {args.env}: {args.iterations} iterations in {result['seconds']:.1f} s; {evaluation}; "

@@ -42,10 +42,21 @@ import torch.nn.functional as F
 import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
-from asyncvec.agents.common import (LaggedWeights, final_observations, final_return_text, load_checkpoint, make_policy, make_ray_collector, make_ray_collectors,
-                           make_vector_env, run_from_cli, save_checkpoint, seed_everything)
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec._threads import release_if_held
+from asyncvec.agents.common import (
+    LaggedWeights,
+    final_observations,
+    final_return_text,
+    load_checkpoint,
+    make_policy,
+    make_ray_collector,
+    make_ray_collectors,
+    make_vector_env,
+    run_from_cli,
+    save_checkpoint,
+    seed_everything,
+)
 from asyncvec.collector import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 
@@ -185,7 +196,9 @@ class Actor(nn.Module):
 class SoftQ(nn.Module):
     def __init__(self, obs_dim: int, act_dim: int, hidden: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(obs_dim + act_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(obs_dim + act_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+        )
 
     def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
         return self.net(torch.cat([obs, action], -1)).squeeze(-1)
@@ -254,9 +267,22 @@ class SAC:
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
         if args.backend == "ray":
-            self.envs = make_ray_collectors(args.env, args.num_envs, args.env_latency_ms, args.env_latency_dist, address=args.ray_address, num_collectors=args.ray_collectors)
+            self.envs = make_ray_collectors(
+                args.env,
+                args.num_envs,
+                args.env_latency_ms,
+                args.env_latency_dist,
+                address=args.ray_address,
+                num_collectors=args.ray_collectors,
+            )
         else:
-            self.envs = make_vector_env(args.env, args.num_envs, args.env_latency_ms, batch_size=max(1, args.num_envs // 2), distribution=args.env_latency_dist)
+            self.envs = make_vector_env(
+                args.env,
+                args.num_envs,
+                args.env_latency_ms,
+                batch_size=max(1, args.num_envs // 2),
+                distribution=args.env_latency_dist,
+            )
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(self.action_space, gym.spaces.Box):
             self.envs.close()
@@ -298,8 +324,17 @@ class SAC:
     def store(self, t: Transitions) -> None:
         """Adds a batch of transitions to the replay buffer and links them for n-step targets."""
         slots = self.buffer.add(
-            t.obs, t.action, t.reward, t.next_obs, t.terminated, t.truncated, t.policy_version,
-            behavior_logp=t.behavior_logp, env_id=t.env_ids, episode_id=t.episode_id, fallback=t.fallback,
+            t.obs,
+            t.action,
+            t.reward,
+            t.next_obs,
+            t.terminated,
+            t.truncated,
+            t.policy_version,
+            behavior_logp=t.behavior_logp,
+            env_id=t.env_ids,
+            episode_id=t.episode_id,
+            fallback=t.fallback,
         )
         self.index.link(slots, t.env_ids, t.episode_id, t.terminated | t.truncated)
         with self._progress:
@@ -329,9 +364,18 @@ class SAC:
     def _gather(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
         """The transitions at ``slots`` ([B, k]; -1 entries read slot 0 and must be masked), as tensors."""
         rows = self.buffer.gather(np.maximum(slots.reshape(-1), 0), self.versions.current_version)
-        fields = {"obs": rows.obs, "action": rows.action, "reward": rows.reward, "next_obs": rows.next_obs,
-                  "terminated": rows.terminated, "behavior_logp": rows.behavior_logp}
-        return {k: torch.as_tensor(np.asarray(v), dtype=torch.float32).reshape(*slots.shape, *np.shape(v)[1:]) for k, v in fields.items()}
+        fields = {
+            "obs": rows.obs,
+            "action": rows.action,
+            "reward": rows.reward,
+            "next_obs": rows.next_obs,
+            "terminated": rows.terminated,
+            "behavior_logp": rows.behavior_logp,
+        }
+        return {
+            k: torch.as_tensor(np.asarray(v), dtype=torch.float32).reshape(*slots.shape, *np.shape(v)[1:])
+            for k, v in fields.items()
+        }
 
     # ------------------------------------------------------------------ learning
 
@@ -436,7 +480,8 @@ class SAC:
                 )
             warnings.warn(
                 message,
-                RuntimeWarning, stacklevel=3,
+                RuntimeWarning,
+                stacklevel=3,
             )
         self.starved_gradient_steps += 1
         with self._progress:
@@ -451,12 +496,20 @@ class SAC:
         self.buffer.save(self.checkpoint_dir / "replay")
         save_checkpoint(
             self.checkpoint_dir / "sac.pt",
-            actor=self.actor.state_dict(), qf1=self.qf1.state_dict(), qf2=self.qf2.state_dict(),
-            qf1_target=self.qf1_target.state_dict(), qf2_target=self.qf2_target.state_dict(),
-            log_alpha=self.log_alpha.detach(), q_optimizer=self.q_optimizer.state_dict(),
-            actor_optimizer=self.actor_optimizer.state_dict(), alpha_optimizer=self.alpha_optimizer.state_dict(),
-            version=self.versions.current_version, global_step=self.global_step, gradient_steps=self.gradient_steps,
-            index=(self.index.next_slot, self.index.episode), args=asdict(self.args),
+            actor=self.actor.state_dict(),
+            qf1=self.qf1.state_dict(),
+            qf2=self.qf2.state_dict(),
+            qf1_target=self.qf1_target.state_dict(),
+            qf2_target=self.qf2_target.state_dict(),
+            log_alpha=self.log_alpha.detach(),
+            q_optimizer=self.q_optimizer.state_dict(),
+            actor_optimizer=self.actor_optimizer.state_dict(),
+            alpha_optimizer=self.alpha_optimizer.state_dict(),
+            version=self.versions.current_version,
+            global_step=self.global_step,
+            gradient_steps=self.gradient_steps,
+            index=(self.index.next_slot, self.index.episode),
+            args=asdict(self.args),
         )
 
     def _resume(self) -> None:
@@ -480,8 +533,13 @@ class SAC:
     def train(self) -> TrainResult:
         """Trains until ``total_timesteps`` (or ``target_return``); closes envs and policy."""
         args = self.args
-        logger = RunLogger(Path(args.log_dir) / self.run_name, track=args.track, total_steps=args.total_timesteps,
-                           progress=args.progress, hparams=asdict(args))
+        logger = RunLogger(
+            Path(args.log_dir) / self.run_name,
+            track=args.track,
+            total_steps=args.total_timesteps,
+            progress=args.progress,
+            hparams=asdict(args),
+        )
         history: list[dict] = []
         start = time.monotonic()
         reached_at = None
@@ -492,7 +550,16 @@ class SAC:
         stats: dict[str, float] = {}
         try:
             if args.mode == "async" and args.backend == "ray":
-                collector = make_ray_collector(self.envs, self.actor, self.store, self.versions, policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed, pace=self._pace).start()
+                collector = make_ray_collector(
+                    self.envs,
+                    self.actor,
+                    self.store,
+                    self.versions,
+                    policy_latency_ms=args.policy_latency_ms,
+                    policy_lag=args.policy_lag,
+                    seed=args.seed,
+                    pace=self._pace,
+                ).start()
             elif args.mode == "async":
                 collector = Collector(self.envs, self.policy, self.store, seed=args.seed, pace=self._pace).start()
             else:
@@ -503,15 +570,26 @@ class SAC:
                     with self.stages("collect"):
                         outputs = self.policy.act(obs, env_ids=ids, timeout=60)
                         actions = np.stack([o.action for o in outputs])
-                        next_obs, rewards, terminated, truncated, info = self.envs.step(np.clip(actions, self.action_space.low, self.action_space.high))
+                        next_obs, rewards, terminated, truncated, info = self.envs.step(
+                            np.clip(actions, self.action_space.low, self.action_space.high)
+                        )
                         done = terminated | truncated
                         final = final_observations(next_obs, done, info)
-                        self.store(Transitions(
-                            env_ids=ids, obs=obs, action=actions, reward=rewards, next_obs=final, terminated=terminated,
-                            truncated=truncated, behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
-                            policy_version=np.array([o.policy_version for o in outputs]), fallback=np.array([o.fallback for o in outputs]),
-                            episode_id=episode_ids.copy(),
-                        ))
+                        self.store(
+                            Transitions(
+                                env_ids=ids,
+                                obs=obs,
+                                action=actions,
+                                reward=rewards,
+                                next_obs=final,
+                                terminated=terminated,
+                                truncated=truncated,
+                                behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
+                                policy_version=np.array([o.policy_version for o in outputs]),
+                                fallback=np.array([o.fallback for o in outputs]),
+                                episode_id=episode_ids.copy(),
+                            )
+                        )
                         episodes.update(ids, rewards, done)
                         episode_ids[done] = episode_ids.max() + 1 + np.arange(done.sum())
                         obs = next_obs
@@ -537,12 +615,24 @@ class SAC:
                     returns = collector.recent_returns() if collector is not None else episodes.returns()
                     mean10 = float(np.mean(returns[-10:])) if returns else float("nan")
                     elapsed = time.monotonic() - start
-                    row = {**stats, **self.stages.scalars(), "charts/episodic_return": mean10, "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
-                           "charts/gradient_steps": self.gradient_steps, "time/wall_s": elapsed, "global_step": self.global_step}
+                    row = {
+                        **stats,
+                        **self.stages.scalars(),
+                        "charts/episodic_return": mean10,
+                        "charts/env_steps_per_s": (self.global_step - start_step) / elapsed,
+                        "charts/gradient_steps": self.gradient_steps,
+                        "time/wall_s": elapsed,
+                        "global_step": self.global_step,
+                    }
                     if collector is not None:
                         m = collector.metrics()
-                        row.update({"charts/policy_latency_p50_ms": m["policy_latency_p50_ms"], "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
-                                    "charts/fallback_rate": m["fallback_rate"]})
+                        row.update(
+                            {
+                                "charts/policy_latency_p50_ms": m["policy_latency_p50_ms"],
+                                "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
+                                "charts/fallback_rate": m["fallback_rate"],
+                            }
+                        )
                     history.append(row)
                     logger.log(row, self.global_step)
                     if args.target_return is not None and len(returns) >= 10 and mean10 >= args.target_return:
@@ -566,11 +656,18 @@ class SAC:
         staleness = self.versions.staleness_stats()
         self.versions.close()
         return TrainResult(
-            global_step=self.global_step, gradient_steps=self.gradient_steps, wall_time_s=wall,
-            env_steps_per_s=(self.global_step - start_step) / wall, episodic_returns=returns,
-            final_return=float(np.mean(returns[-10:])) if returns else float("nan"), reached_target_s=reached_at,
-            staleness_mean=staleness.mean, dropped_samples=staleness.dropped, history=history,
-            starved_gradient_steps=self.starved_gradient_steps, stage_seconds=dict(self.stages.totals),
+            global_step=self.global_step,
+            gradient_steps=self.gradient_steps,
+            wall_time_s=wall,
+            env_steps_per_s=(self.global_step - start_step) / wall,
+            episodic_returns=returns,
+            final_return=float(np.mean(returns[-10:])) if returns else float("nan"),
+            reached_target_s=reached_at,
+            staleness_mean=staleness.mean,
+            dropped_samples=staleness.dropped,
+            history=history,
+            starved_gradient_steps=self.starved_gradient_steps,
+            stage_seconds=dict(self.stages.totals),
         )
 
 
@@ -590,7 +687,10 @@ def main(args: Args) -> TrainResult | None:
         ),
         log_path=lambda agent: Path(args.log_dir) / agent.run_name,
         checkpoint_path=lambda agent: agent.checkpoint_dir / "sac.pt" if agent.checkpoint_dir is not None else None,
-        saves="every --checkpoint-every env steps", track=args.track, log_dir=args.log_dir, name="SAC",
+        saves="every --checkpoint-every env steps",
+        track=args.track,
+        log_dir=args.log_dir,
+        name="SAC",
     )
 
 

@@ -63,11 +63,32 @@ Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
 
 def _write(sink: Sink, t: Transitions) -> None:
     if isinstance(sink, RolloutStore):
-        sink.add(t.env_ids, t.obs, t.action, t.reward, t.terminated, t.truncated, t.behavior_logp,
-                 t.policy_version, next_obs=t.next_obs, fallback=t.fallback)
+        sink.add(
+            t.env_ids,
+            t.obs,
+            t.action,
+            t.reward,
+            t.terminated,
+            t.truncated,
+            t.behavior_logp,
+            t.policy_version,
+            next_obs=t.next_obs,
+            fallback=t.fallback,
+        )
     elif isinstance(sink, ReplayBuffer):
-        sink.add(t.obs, t.action, t.reward, t.next_obs, t.terminated, t.truncated, t.policy_version,
-                 behavior_logp=t.behavior_logp, env_id=t.env_ids, episode_id=t.episode_id, fallback=t.fallback)
+        sink.add(
+            t.obs,
+            t.action,
+            t.reward,
+            t.next_obs,
+            t.terminated,
+            t.truncated,
+            t.policy_version,
+            behavior_logp=t.behavior_logp,
+            env_id=t.env_ids,
+            episode_id=t.episode_id,
+            fallback=t.fallback,
+        )
     else:
         sink(t)
 
@@ -324,7 +345,9 @@ class Collector:
 
     def _executable(self, action: Any) -> Any:
         if isinstance(self._action_space, spaces.Box):
-            return np.clip(np.asarray(action, dtype=self._action_space.dtype), self._action_space.low, self._action_space.high)
+            return np.clip(
+                np.asarray(action, dtype=self._action_space.dtype), self._action_space.low, self._action_space.high
+            )
         return action
 
     def _batch_actions(self, actions: list[Any]) -> Any:
@@ -372,7 +395,9 @@ class Collector:
         if self._wakeable:
             self.env.wake()
 
-    def _handle_results(self, obs: Any, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict) -> None:
+    def _handle_results(
+        self, obs: Any, rewards: np.ndarray, terminated: np.ndarray, truncated: np.ndarray, info: dict
+    ) -> None:
         env_ids = info["env_id"]
         same_step = self.env.autoreset_mode == AutoresetMode.SAME_STEP
         rows, next_obs, reset_sends = [], [], []
@@ -408,7 +433,9 @@ class Collector:
         batch = Transitions(
             env_ids=ids,
             obs=concatenate(self._space, [row[3] for row in rows], create_empty_array(self._space, n)),
-            action=concatenate(self._action_space, [o.action for o in outputs], create_empty_array(self._action_space, n)),
+            action=concatenate(
+                self._action_space, [o.action for o in outputs], create_empty_array(self._action_space, n)
+            ),
             reward=rewards[ks],
             next_obs=concatenate(self._space, next_obs, create_empty_array(self._space, n)),
             terminated=terminated[ks],

@@ -172,7 +172,9 @@ def main(args: Args) -> list[dict]:
         for task in args.tasks:
             runs = [r for r in results if r["variant"] == name and r["task"] == task]
             gains = [r["eval_end"] - r["eval_start"] for r in runs]
-            cells = [f"{r['eval_start']:.1f} -> {r['eval_end']:.1f} ({r['eval_end'] - r['eval_start']:+.1f})" for r in runs]
+            cells = [
+                f"{r['eval_start']:.1f} -> {r['eval_end']:.1f} ({r['eval_end'] - r['eval_start']:+.1f})" for r in runs
+            ]
             gaps = [r["expert"] - r["eval_start"] for r in runs]
             closed = np.mean([gain / gap for gain, gap in zip(gains, gaps, strict=True) if gap > 0] or [np.nan])
             expert = np.mean([r["expert"] for r in runs])

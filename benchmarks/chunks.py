@@ -157,15 +157,34 @@ def part_chunks(args: Args) -> tuple[str, list[dict]]:
                 result.update(latency=name, horizon=horizon)
                 results.append(result)
                 mode = "one action per call" if horizon == 1 else f"chunks of H={horizon}"
-                row = [name, mode, result["met"], result["bound"], result["vs_bound"], result["p95_ms"],
-                       int(result["k"]), result["policy_choice"], result["late"], result["tick_ms"]]
+                row = [
+                    name,
+                    mode,
+                    result["met"],
+                    result["bound"],
+                    result["vs_bound"],
+                    result["p95_ms"],
+                    int(result["k"]),
+                    result["policy_choice"],
+                    result["late"],
+                    result["tick_ms"],
+                ]
                 rows.append(row)
                 print(markdown_table(HEADERS, [row]).splitlines()[-1], flush=True)
     return markdown_table(HEADERS, rows), results
 
 
 HEADERS = [
-    "latency ms", "mode", "ticks met", "bound", "vs bound", "p95 ms", "k", "policy's own action", "late ticks", "tick ms",
+    "latency ms",
+    "mode",
+    "ticks met",
+    "bound",
+    "vs bound",
+    "p95 ms",
+    "k",
+    "policy's own action",
+    "late ticks",
+    "tick ms",
 ]
 
 
@@ -239,18 +258,40 @@ def part_obs(args: Args) -> tuple[str, list[dict]]:
             pair = {}
             for shared in (True, False):
                 pair[shared] = {
-                    "env": kind, "size": size, "shared": shared,
+                    "env": kind,
+                    "size": size,
+                    "shared": shared,
                     "bytes": _pickled_bytes_per_step(kind, size, shared),
                     "env_steps_per_s": max(rate for rate, _ in runs[shared]),
                     "parent_cpu_us": min(cpu for _, cpu in runs[shared]),
                 }
                 results.append(pair[shared])
             shm, pipe = pair[True], pair[False]
-            rows.append([kind, f"{size}x{size}", shm["bytes"], pipe["bytes"], shm["parent_cpu_us"], pipe["parent_cpu_us"],
-                         shm["env_steps_per_s"], pipe["env_steps_per_s"], shm["env_steps_per_s"] / pipe["env_steps_per_s"]])
+            rows.append(
+                [
+                    kind,
+                    f"{size}x{size}",
+                    shm["bytes"],
+                    pipe["bytes"],
+                    shm["parent_cpu_us"],
+                    pipe["parent_cpu_us"],
+                    shm["env_steps_per_s"],
+                    pipe["env_steps_per_s"],
+                    shm["env_steps_per_s"] / pipe["env_steps_per_s"],
+                ]
+            )
             print(rows[-1], flush=True)
-    headers = ["env", "image", "bytes pickled/step: shm", "bytes pickled/step: pipe", "parent CPU us/step: shm",
-               "parent CPU us/step: pipe", "env steps/s: shm", "env steps/s: pipe", "steps/s shm / pipe"]
+    headers = [
+        "env",
+        "image",
+        "bytes pickled/step: shm",
+        "bytes pickled/step: pipe",
+        "parent CPU us/step: shm",
+        "parent CPU us/step: pipe",
+        "env steps/s: shm",
+        "env steps/s: pipe",
+        "steps/s shm / pipe",
+    ]
     return markdown_table(headers, rows), results
 
 
@@ -278,15 +319,21 @@ def main(args: Args) -> dict[str, Any]:
         ax.legend(fontsize=8)
     if args.part in ("obs", "all"):
         table, results = part_obs(args)
-        tables.append(f"Image + instruction observations, {args.num_envs} PixelPendulum envs, lockstep steps:\n\n{table}")
+        tables.append(
+            f"Image + instruction observations, {args.num_envs} PixelPendulum envs, lockstep steps:\n\n{table}"
+        )
         out["obs"] = results
         ax = axes[1]
         groups = [(r["env"], r["size"]) for r in results if r["shared"]]
         x = np.arange(len(groups))
-        for offset, shared, color, label in ((-0.2, True, "tab:blue", "image in shared memory"),
-                                             (0.2, False, "tab:gray", "all pickled (pipe)")):
-            values = [next(r["env_steps_per_s"] for r in results if (r["env"], r["size"]) == g and r["shared"] == shared)
-                      for g in groups]
+        for offset, shared, color, label in (
+            (-0.2, True, "tab:blue", "image in shared memory"),
+            (0.2, False, "tab:gray", "all pickled (pipe)"),
+        ):
+            values = [
+                next(r["env_steps_per_s"] for r in results if (r["env"], r["size"]) == g and r["shared"] == shared)
+                for g in groups
+            ]
             ax.bar(x + offset, values, width=0.4, color=color, label=label)
         ax.set_xticks(x, [f"{env}\n{size}px" for env, size in groups], fontsize=7)
         ax.set_ylabel("env steps/s")

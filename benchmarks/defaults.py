@@ -38,7 +38,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import RESULTS_DIR, machine_line, markdown_table, new_figure, save_report  # noqa: E402
+from benchmarks.report import RESULTS_DIR, machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
 
 ZOO = "rl-baselines3-zoo benchmark.md"
 CLEANRL = "CleanRL docs (ppo.md)"
@@ -72,25 +72,87 @@ TASKS: dict[str, Task] = {
     t.key: t
     for t in [
         Task("ppo", "CartPole-v1", 475, 100_000, f"{ZOO}: PPO 500 at 100k; gymnasium threshold 475", floor=25),
-        Task("ppo", "Acrobot-v1", -100, 500_000, f"{CLEANRL}: ppo.py -82.5 at 500k; gymnasium threshold -100", floor=-500,
-             cap=100_000),
-        Task("ppo", "MountainCar-v0", -110, 1_000_000, f"{ZOO}: PPO -110.4 at 1M; gymnasium threshold -110", floor=-200,
-             cap=150_000),
-        Task("ppo", "Pendulum-v1", -200, 100_000, f"{ZOO}: PPO -172 (+-104) at 100k (tuned, gSDE)", floor=-1200,
-             cap=150_000),
-        Task("ppo", "MountainCarContinuous-v0", 90, 20_000, f"{ZOO}: PPO 88.3 at 20k (tuned, gSDE); gymnasium threshold 90",
-             floor=0),
-        Task("ppo", "LunarLander-v3", 200, 1_000_000, f"{ZOO}: PPO 242 at 1M (v2); gymnasium threshold 200", floor=-150,
-             cap=100_000),
-        Task("ppo", "InvertedPendulum-v5", 950, 1_000_000, "rl-baselines3-zoo ppo.yml: 1M (InvertedPendulum-v3); "
-             "gymnasium threshold 950", floor=20, cap=100_000),
+        Task(
+            "ppo",
+            "Acrobot-v1",
+            -100,
+            500_000,
+            f"{CLEANRL}: ppo.py -82.5 at 500k; gymnasium threshold -100",
+            floor=-500,
+            cap=100_000,
+        ),
+        Task(
+            "ppo",
+            "MountainCar-v0",
+            -110,
+            1_000_000,
+            f"{ZOO}: PPO -110.4 at 1M; gymnasium threshold -110",
+            floor=-200,
+            cap=150_000,
+        ),
+        Task(
+            "ppo",
+            "Pendulum-v1",
+            -200,
+            100_000,
+            f"{ZOO}: PPO -172 (+-104) at 100k (tuned, gSDE)",
+            floor=-1200,
+            cap=150_000,
+        ),
+        Task(
+            "ppo",
+            "MountainCarContinuous-v0",
+            90,
+            20_000,
+            f"{ZOO}: PPO 88.3 at 20k (tuned, gSDE); gymnasium threshold 90",
+            floor=0,
+        ),
+        Task(
+            "ppo",
+            "LunarLander-v3",
+            200,
+            1_000_000,
+            f"{ZOO}: PPO 242 at 1M (v2); gymnasium threshold 200",
+            floor=-150,
+            cap=100_000,
+        ),
+        Task(
+            "ppo",
+            "InvertedPendulum-v5",
+            950,
+            1_000_000,
+            "rl-baselines3-zoo ppo.yml: 1M (InvertedPendulum-v3); gymnasium threshold 950",
+            floor=20,
+            cap=100_000,
+        ),
         Task("sac", "Pendulum-v1", -200, 20_000, f"{ZOO}: SAC -157 (+-89) at 20k", floor=-1200, cap=15_000),
-        Task("sac", "MountainCarContinuous-v0", 90, 50_000, f"{ZOO}: SAC 94.7 at 50k; gymnasium threshold 90", floor=0,
-             cap=15_000),
-        Task("sac", "LunarLanderContinuous-v3", 200, 500_000, f"{ZOO}: SAC 260 at 500k (v2); gymnasium threshold 200",
-             floor=-150, cap=15_000),
-        Task("sac", "InvertedPendulum-v5", 950, 1_000_000, "rl-baselines3-zoo sac.yml: 1M (MuJoCo default); gymnasium "
-             "threshold 950", floor=20, cap=15_000),
+        Task(
+            "sac",
+            "MountainCarContinuous-v0",
+            90,
+            50_000,
+            f"{ZOO}: SAC 94.7 at 50k; gymnasium threshold 90",
+            floor=0,
+            cap=15_000,
+        ),
+        Task(
+            "sac",
+            "LunarLanderContinuous-v3",
+            200,
+            500_000,
+            f"{ZOO}: SAC 260 at 500k (v2); gymnasium threshold 200",
+            floor=-150,
+            cap=15_000,
+        ),
+        Task(
+            "sac",
+            "InvertedPendulum-v5",
+            950,
+            1_000_000,
+            "rl-baselines3-zoo sac.yml: 1M (MuJoCo default); gymnasium threshold 950",
+            floor=20,
+            cap=15_000,
+        ),
     ]
 }
 
@@ -130,8 +192,15 @@ def run_one(job: dict) -> dict:
         from asyncvec.agents import ppo as agent
     else:
         from asyncvec.agents import sac as agent
-    args = agent.Args(env=task.env, mode=job["mode"], seed=job["seed"], total_timesteps=job["budget"],
-                      target_return=task.reference, progress=False, **job["variant"])
+    args = agent.Args(
+        env=task.env,
+        mode=job["mode"],
+        seed=job["seed"],
+        total_timesteps=job["budget"],
+        target_return=task.reference,
+        progress=False,
+        **job["variant"],
+    )
     result = agent.train(args)
     steps = [int(row["global_step"]) for row in result.history]
     curve = [float(row["charts/episodic_return"]) for row in result.history]
@@ -171,9 +240,16 @@ def run_suite(args: Args, path: Path) -> None:
     done = {(r["task"], r["mode"], r["seed"], variant_label(r["variant"])) for r in load_rows(path)}
     # Modes interleaved per seed, so that a noisy spell of the machine hits both alike.
     jobs = [
-        {"task": t, "mode": m, "seed": s, "variant": variant,
-         "budget": 2_048 if args.quick else max(1, int(TASKS[t].run_budget * scale))}
-        for t in tasks for s in seeds for m in modes
+        {
+            "task": t,
+            "mode": m,
+            "seed": s,
+            "variant": variant,
+            "budget": 2_048 if args.quick else max(1, int(TASKS[t].run_budget * scale)),
+        }
+        for t in tasks
+        for s in seeds
+        for m in modes
         if (t, m, s, variant_label(variant)) not in done
     ]
     print(f"{len(jobs)} runs to do ({len(done)} rows already in {path}); {machine_line()}", flush=True)
@@ -189,8 +265,12 @@ def run_suite(args: Args, path: Path) -> None:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(job)], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1])
+        proc = subprocess.run(
+            [sys.executable, __file__, "--one", json.dumps(job)],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
         stop.set()
         sampler.join()
         if proc.returncode != 0:
@@ -200,9 +280,14 @@ def run_suite(args: Args, path: Path) -> None:
         row.update(load_mean=float(np.mean(loads)), load_max=float(np.max(loads)), process_s=time.monotonic() - started)
         with path.open("a") as f:
             f.write(json.dumps(row) + "\n")
-        reached = f"reached {TASKS[job['task']].reference:g} at {row['reached_at']:,}" if row["reached_at"] else "not reached"
-        print(f"{job['task']} {job['mode']} seed {job['seed']}: {reached}, final {row['final']:.1f}, "
-              f"{row['steps']:,} steps in {row['wall_s']:.0f} s, load {row['load_mean']:.1f}", flush=True)
+        reached = (
+            f"reached {TASKS[job['task']].reference:g} at {row['reached_at']:,}" if row["reached_at"] else "not reached"
+        )
+        print(
+            f"{job['task']} {job['mode']} seed {job['seed']}: {reached}, final {row['final']:.1f}, "
+            f"{row['steps']:,} steps in {row['wall_s']:.0f} s, load {row['load_mean']:.1f}",
+            flush=True,
+        )
 
 
 def _k(steps: int | None) -> str:
@@ -221,29 +306,74 @@ def summarize(rows: list[dict]) -> tuple[str, str]:
             if not runs:
                 continue
             for r in runs:
-                per_seed.append([
-                    key, mode, r["seed"], f"{task.reference:g}", f"{r['budget']:,}", _k(r["reached_at"]),
-                    r["final"], r["best"], "yes" if r["final"] <= task.floor else "no", r["steps_per_s"], r["load_mean"],
-                ])
+                per_seed.append(
+                    [
+                        key,
+                        mode,
+                        r["seed"],
+                        f"{task.reference:g}",
+                        f"{r['budget']:,}",
+                        _k(r["reached_at"]),
+                        r["final"],
+                        r["best"],
+                        "yes" if r["final"] <= task.floor else "no",
+                        r["steps_per_s"],
+                        r["load_mean"],
+                    ]
+                )
             reached = [r["reached_at"] for r in runs if r["reached_at"] is not None]
             medians[mode] = float(np.median(reached)) if len(reached) == len(runs) else None
             budget = max(r["budget"] for r in runs)
-            task_rows.append([
-                key, mode, f"{task.reference:g}", f"{task.budget:,}", task.source,
-                f"{budget:,}" + (" (capped)" if budget < 2 * task.budget else ""),
-                ", ".join(_k(r["reached_at"]) if r["reached_at"] else f"never ({r['best']:.0f})" for r in runs),
-                f"{len(reached)}/{len(runs)}", f"{sum(r['final'] <= task.floor for r in runs)}/{len(runs)}",
-                f"{min(r['load_mean'] for r in runs):.1f}-{max(r['load_max'] for r in runs):.1f}", "",
-            ])
+            task_rows.append(
+                [
+                    key,
+                    mode,
+                    f"{task.reference:g}",
+                    f"{task.budget:,}",
+                    task.source,
+                    f"{budget:,}" + (" (capped)" if budget < 2 * task.budget else ""),
+                    ", ".join(_k(r["reached_at"]) if r["reached_at"] else f"never ({r['best']:.0f})" for r in runs),
+                    f"{len(reached)}/{len(runs)}",
+                    f"{sum(r['final'] <= task.floor for r in runs)}/{len(runs)}",
+                    f"{min(r['load_mean'] for r in runs):.1f}-{max(r['load_max'] for r in runs):.1f}",
+                    "",
+                ]
+            )
         if medians.get("sync") and medians.get("async"):
             task_rows[-1][-1] = f"{medians['async'] / medians['sync']:.2f}"
         verdicts += task_rows
     seed_table = markdown_table(
-        ["task", "mode", "seed", "reference", "run budget", "steps to reference", "final mean return",
-         "best mean return", "ended at floor", "env-steps/s", "load (mean)"], per_seed)
+        [
+            "task",
+            "mode",
+            "seed",
+            "reference",
+            "run budget",
+            "steps to reference",
+            "final mean return",
+            "best mean return",
+            "ended at floor",
+            "env-steps/s",
+            "load (mean)",
+        ],
+        per_seed,
+    )
     verdict_table = markdown_table(
-        ["task", "mode", "reference score", "reference budget", "source", "run budget", "steps to reference per seed "
-         "(best mean if never)", "seeds reached", "ended at floor", "load", "async/sync median steps"], verdicts)
+        [
+            "task",
+            "mode",
+            "reference score",
+            "reference budget",
+            "source",
+            "run budget",
+            "steps to reference per seed (best mean if never)",
+            "seeds reached",
+            "ended at floor",
+            "load",
+            "async/sync median steps",
+        ],
+        verdicts,
+    )
     return verdict_table, seed_table
 
 
@@ -257,13 +387,14 @@ def plot(rows: list[dict]):
         task = TASKS[key]
         for mode, color in (("sync", "tab:blue"), ("async", "tab:orange")):
             for i, r in enumerate(r for r in rows if r["task"] == key and r["mode"] == mode):
-                ax.plot(r["curve_steps"], r["curve"], color=color, alpha=0.8, linewidth=1,
-                        label=mode if i == 0 else None)
+                ax.plot(
+                    r["curve_steps"], r["curve"], color=color, alpha=0.8, linewidth=1, label=mode if i == 0 else None
+                )
         ax.axhline(task.reference, color="gray", linestyle="--", linewidth=0.8)
         ax.set_title(key, fontsize=9)
         ax.xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k")
         ax.legend(loc="lower right", fontsize=7)
-    for ax in axes[len(keys):]:
+    for ax in axes[len(keys) :]:
         ax.axis("off")
     fig.tight_layout()
     return fig
@@ -272,9 +403,31 @@ def plot(rows: list[dict]):
 def variants_table(rows: list[dict]) -> str:
     """One line per run, whatever its variant (for comparisons of single settings)."""
     return markdown_table(
-        ["variant", "task", "mode", "seed", "run budget", "steps to reference", "final mean return", "env-steps/s", "load"],
-        [[variant_label(r["variant"]), r["task"], r["mode"], r["seed"], f"{r['budget']:,}", _k(r["reached_at"]),
-          r["final"], r["steps_per_s"], r["load_mean"]] for r in rows],
+        [
+            "variant",
+            "task",
+            "mode",
+            "seed",
+            "run budget",
+            "steps to reference",
+            "final mean return",
+            "env-steps/s",
+            "load",
+        ],
+        [
+            [
+                variant_label(r["variant"]),
+                r["task"],
+                r["mode"],
+                r["seed"],
+                f"{r['budget']:,}",
+                _k(r["reached_at"]),
+                r["final"],
+                r["steps_per_s"],
+                r["load_mean"],
+            ]
+            for r in rows
+        ],
     )
 
 
@@ -284,8 +437,14 @@ def report(path: Path, args: Args) -> None:
         table = variants_table(rows)
         print(f"\n{table}\n")
         command = "python benchmarks/defaults.py " + " ".join(sys.argv[1:])
-        for out in save_report(args.name, table, plot(rows), out_dir=args.out_dir, command=command.strip(),
-                               notes=f"Rows: {path.name} ({len(rows)} runs, one process each)."):
+        for out in save_report(
+            args.name,
+            table,
+            plot(rows),
+            out_dir=args.out_dir,
+            command=command.strip(),
+            notes=f"Rows: {path.name} ({len(rows)} runs, one process each).",
+        ):
             print(f"wrote {out}")
         return
     rows = [r for r in load_rows(path) if variant_label(r["variant"]) == variant_label(json.loads(args.variant))]

@@ -70,12 +70,12 @@ import numpy as np
 import tyro
 
 import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+from asyncvec.envs.slow import SlowEnv
 from asyncvec.inference.text import TextPolicy
 from asyncvec.inference.tiny_models import build_char_tokenizer
 from asyncvec.inference.types import BackendResult, TextPrompt
 from asyncvec.lm import Episode, EpisodeCollector, make_text_vector_env, text_space
 from benchmarks.report import machine_line, markdown_table, new_figure, save_report
-from asyncvec.envs.slow import SlowEnv
 
 
 @dataclass
@@ -286,7 +286,10 @@ def fluid_bound(call_s: dict[int, float], env_s: float, num_envs: int, inflight:
             continue
         x1, x2 = (inflight * h2 - num_envs * g2) / det, (num_envs * g1 - inflight * h1) / det
         if x1 >= 0 and x2 >= 0 and x1 + x2 > best:
-            best, how = x1 + x2, f"{x1 / (x1 + x2):.0%} of turns in calls of {b1}, {x2 / (x1 + x2):.0%} in calls of {b2}"
+            best, how = (
+                x1 + x2,
+                f"{x1 / (x1 + x2):.0%} of turns in calls of {b1}, {x2 / (x1 + x2):.0%} in calls of {b2}",
+            )
     return best, how
 
 
@@ -294,9 +297,10 @@ def run_mode(args: Args, lockstep: bool) -> dict[str, float]:
     vec = make_text_vector_env([make_env(args, i) for i in range(args.num_envs)])
     episodes = args.rounds * args.num_envs
     try:
-        with make_policy(args, hold=not lockstep) as policy, EpisodeCollector(
-            vec, policy, args.group_size, lockstep=lockstep, seed=args.seed
-        ) as collector:
+        with (
+            make_policy(args, hold=not lockstep) as policy,
+            EpisodeCollector(vec, policy, args.group_size, lockstep=lockstep, seed=args.seed) as collector,
+        ):
             per_round, measured = args.num_envs // args.group_size, episodes // args.group_size
             # steady state: groups keep starting while the measured ones run (no tail of idle envs)
             collector.start(per_round * (args.rounds + 3), ahead=measured + per_round)
@@ -407,7 +411,9 @@ def main(args: Args) -> dict[str, Any]:
         f"{b}: {m * 1000:.1f} ms ({c} calls; c({b}) {stages['call_s'][b] * 1000:.1f})"
         for b, (m, c) in asyn["call_by_size_s"].items() if b <= 4
     )  # fmt: skip
-    fits = "; ".join(f"{name} {a:.2f} + {b:.3f} x longest + {d:.3f} x B ms" for name, (a, b, d) in stages["fits_ms"].items())
+    fits = "; ".join(
+        f"{name} {a:.2f} + {b:.3f} x longest + {d:.3f} x B ms" for name, (a, b, d) in stages["fits_ms"].items()
+    )
     stage_line = (
         f"stages: c(B), a call's cost fitted on its longest completion ({fits}; {args.stage_calls} timed calls of "
         f"each size before and after the runs, {k} at once, and the async run's calls), at the mean longest "

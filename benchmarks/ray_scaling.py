@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -37,12 +36,12 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncvec import AsyncLLMVectorEnv  # noqa: E402
-from asyncvec.distributed.cluster import LocalCluster  # noqa: E402
-from asyncvec.distributed.ray_env import RayBackend  # noqa: E402
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402
-from benchmarks.throughput import LockstepLoop, PartialBatchLoop, make_cartpole  # noqa: E402
-from asyncvec.envs.slow import SlowEnv  # noqa: E402
+from asyncvec import AsyncLLMVectorEnv  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.distributed.cluster import LocalCluster  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.distributed.ray_env import RayBackend  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.envs.slow import SlowEnv  # noqa: E402  (after the repository is put on sys.path)
+from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
+from benchmarks.throughput import LockstepLoop, PartialBatchLoop, make_cartpole  # noqa: E402  (after the repository is put on sys.path)
 
 RAYLETS = 4
 
@@ -82,7 +81,9 @@ def spread(cluster: LocalCluster, raylets: int) -> RayBackend:
     node_ids = cluster.node_ids[:raylets]
     return RayBackend(
         num_cpus=0.1,
-        actor_options=lambda w: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[w % raylets], soft=True)},
+        actor_options=lambda w: {
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[w % raylets], soft=True)
+        },
     )
 
 
@@ -128,7 +129,9 @@ def scaling(cluster: LocalCluster, args: Args, seconds: float) -> tuple[list[lis
     for n in args.actors:
         raylets = min(n, RAYLETS)
         loops[f"{n} actors / {raylets} raylets"] = PartialBatchLoop(
-            AsyncLLMVectorEnv([env_fn] * n, batch_size=max(1, n // 2), envs_per_worker=1, backend=spread(cluster, raylets))
+            AsyncLLMVectorEnv(
+                [env_fn] * n, batch_size=max(1, n // 2), envs_per_worker=1, backend=spread(cluster, raylets)
+            )
         )
     n_max = max(args.actors)
     loops[f"{n_max} local worker processes"] = PartialBatchLoop(
@@ -150,8 +153,12 @@ def overhead(cluster: LocalCluster, args: Args, seconds: float) -> list[list]:
     fns = [make_cartpole] * 4
     loops = {
         "local worker processes (1 env each)": LockstepLoop(AsyncLLMVectorEnv(fns, envs_per_worker=1)),
-        "Ray actors (1 env each)": LockstepLoop(AsyncLLMVectorEnv(fns, envs_per_worker=1, backend=spread(cluster, RAYLETS))),
-        "Ray actor (envs_per_worker=4)": LockstepLoop(AsyncLLMVectorEnv(fns, envs_per_worker=4, backend=spread(cluster, 1))),
+        "Ray actors (1 env each)": LockstepLoop(
+            AsyncLLMVectorEnv(fns, envs_per_worker=1, backend=spread(cluster, RAYLETS))
+        ),
+        "Ray actor (envs_per_worker=4)": LockstepLoop(
+            AsyncLLMVectorEnv(fns, envs_per_worker=4, backend=spread(cluster, 1))
+        ),
     }
     try:
         rates = interleaved(loops, seconds, args.rounds)
@@ -167,7 +174,9 @@ def latency(cluster: LocalCluster, args: Args, seconds: float) -> list[list]:
     env_fn = partial(make_sleepy, args.latency_ms)
     loops = {
         "local worker processes": StampedLoop(AsyncLLMVectorEnv([env_fn] * 8, batch_size=4)),
-        "Ray actors (4 raylets)": StampedLoop(AsyncLLMVectorEnv([env_fn] * 8, batch_size=4, backend=spread(cluster, RAYLETS))),
+        "Ray actors (4 raylets)": StampedLoop(
+            AsyncLLMVectorEnv([env_fn] * 8, batch_size=4, backend=spread(cluster, RAYLETS))
+        ),
     }
     try:
         interleaved(loops, seconds, args.rounds)
@@ -178,7 +187,14 @@ def latency(cluster: LocalCluster, args: Args, seconds: float) -> list[list]:
     for label, loop in loops.items():
         delivery, blocked = np.asarray(loop.delivery_ms), np.asarray(loop.blocked_ms)
         rows.append(
-            [label, np.percentile(delivery, 50), np.percentile(delivery, 99), np.percentile(blocked, 50), np.percentile(blocked, 99), len(delivery)]
+            [
+                label,
+                np.percentile(delivery, 50),
+                np.percentile(delivery, 99),
+                np.percentile(blocked, 50),
+                np.percentile(blocked, 99),
+                len(delivery),
+            ]
         )
     return rows
 
@@ -230,21 +246,40 @@ def main(args: Args) -> dict[str, list]:
     try:
         results["scaling"], rates = scaling(cluster, args, seconds)
         scaling_table = markdown_table(
-            ["configuration", "env-steps/s", "linear (n x 1 actor)", "fraction of linear", "fraction of bound n/latency"],
+            [
+                "configuration",
+                "env-steps/s",
+                "linear (n x 1 actor)",
+                "fraction of linear",
+                "fraction of bound n/latency",
+            ],
             results["scaling"],
         )
         print("\n### scaling, sleep-bound envs\n" + scaling_table, flush=True)
         results["overhead"] = overhead(cluster, args, seconds)
-        overhead_table = markdown_table(["raw CartPole x4, lockstep step()", "ms per vector step", "us per env-step", "vs local processes"], results["overhead"])
+        overhead_table = markdown_table(
+            ["raw CartPole x4, lockstep step()", "ms per vector step", "us per env-step", "vs local processes"],
+            results["overhead"],
+        )
         print("\n### per-step overhead\n" + overhead_table, flush=True)
         results["latency"] = latency(cluster, args, seconds)
         latency_table = markdown_table(
-            ["8 sleep-bound envs, recv batch 4", "delivery p50 ms", "delivery p99 ms", "recv blocked p50 ms", "recv blocked p99 ms", "samples"],
+            [
+                "8 sleep-bound envs, recv batch 4",
+                "delivery p50 ms",
+                "delivery p99 ms",
+                "recv blocked p50 ms",
+                "recv blocked p99 ms",
+                "samples",
+            ],
             results["latency"],
         )
         print("\n### recv latency with partial batches\n" + latency_table, flush=True)
         results["recovery"] = [recovery(cluster, args, graceful) for graceful in (True, False)]
-        recovery_table = markdown_table(["node removal (2 of 8 actors on it)", "lost envs answer again (s)", "all 8 stepping normally (s)"], results["recovery"])
+        recovery_table = markdown_table(
+            ["node removal (2 of 8 actors on it)", "lost envs answer again (s)", "all 8 stepping normally (s)"],
+            results["recovery"],
+        )
         print("\n### recovery\n" + recovery_table, flush=True)
     finally:
         cluster.shutdown()
@@ -255,12 +290,16 @@ def main(args: Args) -> dict[str, list]:
     measured = [row[1] for row in results["scaling"][: len(counts)]]
     ax_scale.plot(counts, measured, "o-", label="Ray actors, measured")
     ax_scale.plot(counts, [n * measured[0] for n in counts], "--", color="gray", label="linear (n x 1 actor)")
-    ax_scale.plot(counts, [0.85 * n * measured[0] for n in counts], ":", color="tab:red", label="0.85 x linear (target)")
+    ax_scale.plot(
+        counts, [0.85 * n * measured[0] for n in counts], ":", color="tab:red", label="0.85 x linear (target)"
+    )
     ax_scale.set_xlabel("actors (one sleep-bound env each)")
     ax_scale.set_ylabel("env-steps/s")
     ax_scale.set_title(f"{args.latency_ms:.0f} ms sleeping steps, 1-4 raylets", fontsize=9)
     ax_scale.legend(fontsize=7)
-    ax_over.barh([row[0] for row in results["overhead"]][::-1], [row[1] for row in results["overhead"]][::-1], color="tab:blue")
+    ax_over.barh(
+        [row[0] for row in results["overhead"]][::-1], [row[1] for row in results["overhead"]][::-1], color="tab:blue"
+    )
     ax_over.set_xlabel("ms per lockstep step, raw CartPole x4")
     ax_over.tick_params(axis="y", labelsize=7)
     table = "\n\n".join(
@@ -272,7 +311,14 @@ def main(args: Args) -> dict[str, list]:
         ]
     )
     command = " ".join(["python benchmarks/ray_scaling.py", *sys.argv[1:]])
-    save_report("ray_scaling", table, figure, out_dir=args.out_dir, command=command, notes="All raylets share one host: relative figures only.")
+    save_report(
+        "ray_scaling",
+        table,
+        figure,
+        out_dir=args.out_dir,
+        command=command,
+        notes="All raylets share one host: relative figures only.",
+    )
     return results
 
 

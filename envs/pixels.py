@@ -77,7 +77,9 @@ class Canvas:
         cx, cy = center
         self.paint((self._xs - cx) ** 2 + (self._ys - cy) ** 2 <= radius**2, color)
 
-    def segment(self, start: tuple[float, float], end: tuple[float, float], width: float, color: tuple[int, int, int]) -> None:
+    def segment(
+        self, start: tuple[float, float], end: tuple[float, float], width: float, color: tuple[int, int, int]
+    ) -> None:
         (x0, y0), (x1, y1) = start, end
         dx, dy = x1 - x0, y1 - y0
         length2 = dx * dx + dy * dy

@@ -49,7 +49,9 @@ class SlowEnv(gym.Wrapper):
     ) -> None:
         super().__init__(env)
         if latency_ms < 0 or reset_latency_ms < 0:
-            raise ValueError(f"latencies must be >= 0 ms, got latency_ms={latency_ms}, reset_latency_ms={reset_latency_ms}")
+            raise ValueError(
+                f"latencies must be >= 0 ms, got latency_ms={latency_ms}, reset_latency_ms={reset_latency_ms}"
+            )
         if distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
         if not 0 <= jitter <= 1:

@@ -45,10 +45,7 @@ COMPLETION_CHARSET = string.printable
 
 def _check_action(action: object) -> str:
     if not isinstance(action, str):
-        raise TypeError(
-            "action must be a str (the model's completion), "
-            f"got {type(action).__name__}: {action!r}"
-        )
+        raise TypeError(f"action must be a str (the model's completion), got {type(action).__name__}: {action!r}")
     return action
 
 
@@ -97,24 +94,19 @@ class ArithmeticEnv(gym.Env[str, str]):
         max_completion_length: int = 32,
     ) -> None:
         if single_digit:
-            if max_operand not in (None, 9) or (
-                operations is not None and tuple(operations) != ("+",)
-            ):
+            if max_operand not in (None, 9) or (operations is not None and tuple(operations) != ("+",)):
                 raise ValueError(
                     "single_digit=True fixes max_operand=9 and operations=('+',); "
                     f"got max_operand={max_operand!r}, operations={operations!r}"
                 )
             max_operand, operations = 9, ("+",)
         self.min_operand = _check_int("min_operand", min_operand, 0)
-        self.max_operand = _check_int(
-            "max_operand", 99 if max_operand is None else max_operand, self.min_operand
-        )
+        self.max_operand = _check_int("max_operand", 99 if max_operand is None else max_operand, self.min_operand)
         self.operations = tuple(ARITHMETIC_OPERATIONS if operations is None else operations)
         unknown = [op for op in self.operations if op not in ARITHMETIC_OPERATIONS]
         if unknown or not self.operations:
             raise ValueError(
-                f"operations must be a non-empty subset of {tuple(ARITHMETIC_OPERATIONS)}, "
-                f"got {operations!r}"
+                f"operations must be a non-empty subset of {tuple(ARITHMETIC_OPERATIONS)}, got {operations!r}"
             )
         _check_int("max_completion_length", max_completion_length, 1)
 
@@ -124,20 +116,14 @@ class ArithmeticEnv(gym.Env[str, str]):
             max_length=2 * operand_digits + 2,
             charset=string.digits + "".join(self.operations) + "=",
         )
-        self.action_space = spaces.Text(
-            min_length=0, max_length=max_completion_length, charset=COMPLETION_CHARSET
-        )
+        self.action_space = spaces.Text(min_length=0, max_length=max_completion_length, charset=COMPLETION_CHARSET)
         self._prompt: str | None = None
         self._answer = 0
 
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[str, dict[str, Any]]:
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """Draw a new problem; ``info`` is empty (the answer comes with ``step``)."""
         super().reset(seed=seed)
-        left, right = (
-            int(x) for x in self.np_random.integers(self.min_operand, self.max_operand + 1, size=2)
-        )
+        left, right = (int(x) for x in self.np_random.integers(self.min_operand, self.max_operand + 1, size=2))
         symbol = self.operations[int(self.np_random.integers(len(self.operations)))]
         self._prompt = f"{left}{symbol}{right}="
         self._answer = ARITHMETIC_OPERATIONS[symbol](left, right)
@@ -220,17 +206,13 @@ class GuessNumberEnv(gym.Env[str, str]):
             max_length=max_length,
             charset=string.ascii_letters + string.digits + " .:?\n",
         )
-        self.action_space = spaces.Text(
-            min_length=0, max_length=max_completion_length, charset=COMPLETION_CHARSET
-        )
+        self.action_space = spaces.Text(min_length=0, max_length=max_completion_length, charset=COMPLETION_CHARSET)
         self._secret = 0
         self._turn = 0
         self._lines: list[str] = []
         self._done = True
 
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[str, dict[str, Any]]:
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """Draw a new secret number and return the intro."""
         super().reset(seed=seed)
         self._secret = int(self.np_random.integers(1, self.max_number + 1))
@@ -251,13 +233,7 @@ class GuessNumberEnv(gym.Env[str, str]):
             feedback, shown = "invalid", "?"
         else:
             shown = str(guess)
-            feedback = (
-                "correct"
-                if guess == self._secret
-                else "higher"
-                if guess < self._secret
-                else "lower"
-            )
+            feedback = "correct" if guess == self._secret else "higher" if guess < self._secret else "lower"
         if feedback == "higher":
             self._low = max(self._low, guess + 1)
         elif feedback == "lower":

@@ -8,8 +8,8 @@ import glob
 import os
 import signal
 import subprocess
-import threading
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,13 +17,13 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from terminal import sigint_as_in_a_terminal
 
+from asyncvec import Collector
 from asyncvec.agents import ppo, sac
 from asyncvec.agents.common import env_spaces, final_return_text, make_env_fn
-from asyncvec import Collector
 from asyncvec.buffers.rollout import Segment
 from asyncvec.metrics import EpisodeStats, StageClock
-from terminal import sigint_as_in_a_terminal
 
 
 class ActionEchoEnv(gym.Env):
@@ -65,7 +65,9 @@ def test_ppo_stores_the_sampled_action_and_sends_the_env_the_clipped_one(mode, n
                 segment = agent.store.get(timeout=60)
         actions = segment.actions[..., 0]
         assert np.abs(actions).max() > 1.0, "the store keeps the unclipped sample"
-        np.testing.assert_allclose(segment.rewards, np.clip(actions, -1.0, 1.0), rtol=1e-6)  # the env executed the clipped one
+        np.testing.assert_allclose(
+            segment.rewards, np.clip(actions, -1.0, 1.0), rtol=1e-6
+        )  # the env executed the clipped one
         with torch.no_grad():  # the behavior log-prob belongs to the stored (unclipped) action
             logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.actions))
         np.testing.assert_allclose(segment.behavior_logp, logp.numpy(), rtol=1e-4, atol=1e-4)
@@ -124,7 +126,11 @@ def test_sac_refuses_discrete_actions():
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [({"policy_lag": 5, "max_staleness": 2}, "exceeds --max-staleness"), ({"num_envs": 0}, "--num-envs must be >= 1"), ({"is_cap": 0}, "--is-cap")],
+    [
+        ({"policy_lag": 5, "max_staleness": 2}, "exceeds --max-staleness"),
+        ({"num_envs": 0}, "--num-envs must be >= 1"),
+        ({"is_cap": 0}, "--is-cap"),
+    ],
 )
 def test_ppo_argument_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -140,8 +146,11 @@ def test_negative_latencies_are_refused(agent, field):
 
 
 def test_ppo_names_the_spaces_it_needs_before_starting_workers(no_leftover_children):
-    with pytest.raises(ValueError, match=r"PPO needs a flat Box observation space and a Discrete or Box action space; "
-                                         r"asyncvec/Arithmetic-v0 has observation space Text"):
+    with pytest.raises(
+        ValueError,
+        match=r"PPO needs a flat Box observation space and a Discrete or Box action space; "
+        r"asyncvec/Arithmetic-v0 has observation space Text",
+    ):
         ppo.PPO(ppo.Args(env="asyncvec/Arithmetic-v0"))
 
 
@@ -158,9 +167,27 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_ppo_script(tmp_path, *flags):
     return subprocess.Popen(
-        [sys.executable, "agents/ppo.py", "--num-envs", "2", "--num-steps", "16", "--update-epochs", "2", "--no-progress",
-         "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "runs"), *flags],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "agents/ppo.py",
+            "--num-envs",
+            "2",
+            "--num-steps",
+            "16",
+            "--update-epochs",
+            "2",
+            "--no-progress",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--log-dir",
+            str(tmp_path / "runs"),
+            *flags,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         preexec_fn=sigint_as_in_a_terminal,  # Ctrl-C reaches it even when this run ignores SIGINT
     )
 
@@ -207,8 +234,16 @@ def test_ppo_ctrl_c_stops_cleanly_with_the_step_and_checkpoint(tmp_path):
 def test_ppo_checkpoint_resume_and_tensorboard(tmp_path, no_leftover_children):
     # 64 steps per env: the episodic-return tag needs an episode to end, and a near-random CartPole episode
     # outlasts 32 steps one time in 6 (both envs: 1 run in 40; it failed a make test) but 64 only 1 in 85 (both: 1 in 7,000)
-    common = dict(num_envs=2, num_steps=32, total_timesteps=128, update_epochs=2, progress=False,
-                  checkpoint_dir=str(tmp_path / "ckpt"), log_dir=str(tmp_path / "runs"), track=True)
+    common = dict(
+        num_envs=2,
+        num_steps=32,
+        total_timesteps=128,
+        update_epochs=2,
+        progress=False,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        log_dir=str(tmp_path / "runs"),
+        track=True,
+    )
     first = ppo.train(ppo.Args(**common))
     assert first.global_step == 128 and first.updates == 2
     events = glob.glob(str(tmp_path / "runs" / "*" / "events.out.tfevents.*"))
@@ -218,8 +253,15 @@ def test_ppo_checkpoint_resume_and_tensorboard(tmp_path, no_leftover_children):
     accumulator = EventAccumulator(events[0])
     accumulator.Reload()
     tags = set(accumulator.Tags()["scalars"])
-    assert {"charts/episodic_return", "charts/env_steps_per_s", "losses/policy_loss", "staleness/mean",
-            "charts/policy_latency_p99_ms", "charts/policy_batch_size", "losses/is_ess"} <= tags
+    assert {
+        "charts/episodic_return",
+        "charts/env_steps_per_s",
+        "losses/policy_loss",
+        "staleness/mean",
+        "charts/policy_latency_p99_ms",
+        "charts/policy_batch_size",
+        "losses/is_ess",
+    } <= tags
     resumed = ppo.PPO(ppo.Args(**{**common, "total_timesteps": 256, "resume": True}))
     assert resumed.global_step == 128 and resumed.versions.current_version == 2
     result = resumed.train()
@@ -229,8 +271,17 @@ def test_ppo_checkpoint_resume_and_tensorboard(tmp_path, no_leftover_children):
 
 
 def test_sac_checkpoint_holds_the_replay_buffer(tmp_path, no_leftover_children):
-    common = dict(num_envs=1, total_timesteps=300, learning_starts=100, batch_size=32, hidden=32, progress=False,
-                  checkpoint_dir=str(tmp_path / "ckpt"), mode="sync", n_step=3)
+    common = dict(
+        num_envs=1,
+        total_timesteps=300,
+        learning_starts=100,
+        batch_size=32,
+        hidden=32,
+        progress=False,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        mode="sync",
+        n_step=3,
+    )
     first = sac.train(sac.Args(**common))
     assert first.global_step == 300 and first.gradient_steps > 0
     resumed = sac.SAC(sac.Args(**{**common, "total_timesteps": 400, "resume": True}))
@@ -242,8 +293,17 @@ def test_sac_checkpoint_holds_the_replay_buffer(tmp_path, no_leftover_children):
 
 @pytest.mark.parametrize("correction", ["none", "tis", "vtrace", "decoupled"])
 def test_ppo_corrections_run_and_report_is_stats(correction):
-    result = ppo.train(ppo.Args(num_envs=2, num_steps=16, total_timesteps=96, update_epochs=2, progress=False,
-                                correction=correction, policy_lag=1))
+    result = ppo.train(
+        ppo.Args(
+            num_envs=2,
+            num_steps=16,
+            total_timesteps=96,
+            update_epochs=2,
+            progress=False,
+            correction=correction,
+            policy_lag=1,
+        )
+    )
     assert result.updates == 3
     last = result.history[-1]
     assert last["staleness/max"] >= 1, "policy_lag=1 makes samples one version stale"
@@ -260,19 +320,36 @@ def cartpole_segment(rewards, terminated, truncated, first_obs, next_first_obs, 
     next_obs[..., 0] = next_first_obs
     last_obs = np.zeros((N, 4), np.float32)
     last_obs[:, 0] = last_first_obs
-    defaults = dict(actions=np.zeros((T, N), np.int64), values=np.full((T, N), np.nan, np.float32),
-                    behavior_logp=np.full((T, N), -0.7, np.float32), policy_version=np.zeros((T, N), np.int64),
-                    fallback=np.zeros((T, N), bool))
-    return Segment(obs=obs, rewards=np.asarray(rewards, np.float32), terminated=np.asarray(terminated),
-                   truncated=np.asarray(truncated), last_obs=last_obs, next_obs=next_obs, **{**defaults, **fields})
+    defaults = dict(
+        actions=np.zeros((T, N), np.int64),
+        values=np.full((T, N), np.nan, np.float32),
+        behavior_logp=np.full((T, N), -0.7, np.float32),
+        policy_version=np.zeros((T, N), np.int64),
+        fallback=np.zeros((T, N), bool),
+    )
+    return Segment(
+        obs=obs,
+        rewards=np.asarray(rewards, np.float32),
+        terminated=np.asarray(terminated),
+        truncated=np.asarray(truncated),
+        last_obs=last_obs,
+        next_obs=next_obs,
+        **{**defaults, **fields},
+    )
 
 
 @pytest.fixture(scope="module")
 def learner():
     """One small PPO whose update and targets the tests below call directly; each test sets what it needs."""
     agent = ppo.PPO(ppo.Args(num_envs=2, num_steps=4, progress=False))
-    initial = copy.deepcopy({"args": agent.args, "actor": agent.actor.state_dict(), "critic": agent.critic.state_dict(),
-                             "optimizer": agent.optimizer.state_dict()})
+    initial = copy.deepcopy(
+        {
+            "args": agent.args,
+            "actor": agent.actor.state_dict(),
+            "critic": agent.critic.state_dict(),
+            "optimizer": agent.optimizer.state_dict(),
+        }
+    )
 
     def reset(**args) -> ppo.PPO:
         agent.args = dataclasses.replace(initial["args"], **args)
@@ -280,7 +357,9 @@ def learner():
         agent.critic.load_state_dict(initial["critic"])
         agent.optimizer.load_state_dict(initial["optimizer"])
         agent.max_staleness = agent.versions.max_lag = agent.args.max_staleness
-        agent.reward_scaler = ppo.RewardScaler(agent.args.num_envs, agent.args.gamma) if agent.args.normalize_rewards else None
+        agent.reward_scaler = (
+            ppo.RewardScaler(agent.args.num_envs, agent.args.gamma) if agent.args.normalize_rewards else None
+        )
         torch.manual_seed(0)
         return agent
 
@@ -294,9 +373,12 @@ def test_ppo_bootstraps_a_truncated_episode_from_its_final_observation(learner, 
     # one starts at step 2. Env 1: the same steps, but the episode terminates after step 1 (no future).
     agent = learner(gamma=0.5, gae_lambda=1.0, correction=correction)
     segment = cartpole_segment(
-        rewards=np.ones((3, 2)), terminated=[[False, False], [False, True], [False, False]],
-        truncated=[[False, False], [True, False], [False, False]], first_obs=[[1, 1], [2, 2], [3, 3]],
-        next_first_obs=[[2, 2], [10, 10], [4, 4]], last_first_obs=[4, 4],
+        rewards=np.ones((3, 2)),
+        terminated=[[False, False], [False, True], [False, False]],
+        truncated=[[False, False], [True, False], [False, False]],
+        first_obs=[[1, 1], [2, 2], [3, 3]],
+        next_first_obs=[[2, 2], [10, 10], [4, 4]],
+        last_first_obs=[4, 4],
     )
     values = torch.as_tensor(segment.obs[..., 0])
     on_policy = torch.as_tensor(segment.behavior_logp)  # pi_prox = mu: V-trace's weights are 1
@@ -319,8 +401,12 @@ def test_ppo_never_trains_on_fallback_samples(learner):
     T, N = 4, 2
     fallback = np.array([[False, True], [False, False], [True, False], [False, False]])
     common = dict(
-        rewards=rng.normal(size=(T, N)), terminated=np.zeros((T, N), bool), truncated=np.zeros((T, N), bool),
-        first_obs=rng.normal(size=(T, N)), next_first_obs=rng.normal(size=(T, N)), last_first_obs=rng.normal(size=N),
+        rewards=rng.normal(size=(T, N)),
+        terminated=np.zeros((T, N), bool),
+        truncated=np.zeros((T, N), bool),
+        first_obs=rng.normal(size=(T, N)),
+        next_first_obs=rng.normal(size=(T, N)),
+        last_first_obs=rng.normal(size=N),
         fallback=fallback,
     )
     actions = rng.integers(0, 2, size=(T, N))
@@ -346,8 +432,14 @@ def test_adaptive_staleness_halves_on_degenerate_weights_and_recovers(learner):
     T, N = 4, 2
     agent = learner(update_epochs=1, max_staleness=8, adaptive_staleness=True)
     never = np.zeros((T, N), bool)
-    segment = cartpole_segment(rewards=np.ones((T, N)), terminated=never, truncated=never, first_obs=np.zeros((T, N)),
-                               next_first_obs=np.zeros((T, N)), last_first_obs=np.zeros(N))
+    segment = cartpole_segment(
+        rewards=np.ones((T, N)),
+        terminated=never,
+        truncated=never,
+        first_obs=np.zeros((T, N)),
+        next_first_obs=np.zeros((T, N)),
+        last_first_obs=np.zeros(N),
+    )
 
     def learner_logp():
         with torch.no_grad():
@@ -369,10 +461,23 @@ def test_adaptive_staleness_halves_on_degenerate_weights_and_recovers(learner):
 def test_sac_small_max_staleness_waits_for_fresh_samples_instead_of_crashing(mode, no_leftover_children):
     # A version is one step of every env (publish_every = num_envs * utd gradient steps), so max_staleness=4
     # keeps about 10 samples: fewer than a batch. Gradient steps wait for fresh data; training goes on.
-    agent = sac.SAC(sac.Args(env="Pendulum-v1", mode=mode, total_timesteps=600, learning_starts=200, batch_size=32,
-                             hidden=32, buffer_size=1_000, max_staleness=4, progress=False))
+    agent = sac.SAC(
+        sac.Args(
+            env="Pendulum-v1",
+            mode=mode,
+            total_timesteps=600,
+            learning_starts=200,
+            batch_size=32,
+            hidden=32,
+            buffer_size=1_000,
+            max_staleness=4,
+            progress=False,
+        )
+    )
     assert agent.args.publish_every == 2
-    with pytest.warns(RuntimeWarning, match=r"max-staleness 4 keeps the samples of the last 5 versions, about 10 env steps"):
+    with pytest.warns(
+        RuntimeWarning, match=r"max-staleness 4 keeps the samples of the last 5 versions, about 10 env steps"
+    ):
         result = agent.train()
     assert result.global_step >= 600 and result.gradient_steps > 0
     assert result.starved_gradient_steps > 0
@@ -383,8 +488,17 @@ def test_sac_small_max_staleness_waits_for_fresh_samples_instead_of_crashing(mod
 def test_sac_interrupted_with_its_lock_held_still_stops_the_collector(no_leftover_children):
     # A Ctrl-C that lands as `with agent._progress:` is entered leaves the lock held by the main thread; the
     # collector thread's next `with agent._progress:` would then wait forever, and so would stopping it.
-    agent = sac.SAC(sac.Args(env="Pendulum-v1", mode="async", total_timesteps=5_000, learning_starts=100,
-                             batch_size=32, hidden=32, progress=False))
+    agent = sac.SAC(
+        sac.Args(
+            env="Pendulum-v1",
+            mode="async",
+            total_timesteps=5_000,
+            learning_starts=100,
+            batch_size=32,
+            hidden=32,
+            progress=False,
+        )
+    )
 
     def interrupted_step():
         agent._progress.acquire()

@@ -74,10 +74,21 @@ def test_rloo_trains_on_a_user_env_with_a_user_reward(user_pythonpath, tmp_path)
     done = run_agent(
         user_pythonpath,
         "rloo.py",
-        "--env", "mypkg:MyTask-v0",
-        "--reward", "mypkg:my_reward",
-        "--total-prompts", "4", "--prompts-per-update", "2", "--group-size", "2",
-        "--max-new-tokens", "2", "--eval-prompts", "0", "--no-progress",
+        "--env",
+        "mypkg:MyTask-v0",
+        "--reward",
+        "mypkg:my_reward",
+        "--total-prompts",
+        "4",
+        "--prompts-per-update",
+        "2",
+        "--group-size",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--eval-prompts",
+        "0",
+        "--no-progress",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RLOO: 2 updates" in done.stdout
@@ -119,15 +130,22 @@ def test_missing_module_or_name_is_named(user_pythonpath, options, message):
 
 
 def test_ppo_names_the_missing_env_module(user_pythonpath):
-    done = run_agent(user_pythonpath, "ppo.py", "--env", "notapkg:MyCartPole-v0", "--total-timesteps", "64", timeout=120)
+    done = run_agent(
+        user_pythonpath, "ppo.py", "--env", "notapkg:MyCartPole-v0", "--total-timesteps", "64", timeout=120
+    )
     assert done.returncode != 0
-    assert "importing 'notapkg' (which should register 'MyCartPole-v0') failed: module 'notapkg' was not found" in flat(done.stderr)
+    assert "importing 'notapkg' (which should register 'MyCartPole-v0') failed: module 'notapkg' was not found" in flat(
+        done.stderr
+    )
 
 
 def test_a_reward_module_that_is_missing_is_named():
     from asyncvec.agents.lm_setup import LMArgs
 
-    with pytest.raises(ValueError, match=r"--reward 'notapkg.rewards:score': importing 'notapkg.rewards' failed: module 'notapkg' was not found"):
+    with pytest.raises(
+        ValueError,
+        match=r"--reward 'notapkg.rewards:score': importing 'notapkg.rewards' failed: module 'notapkg' was not found",
+    ):
         LMArgs(reward="notapkg.rewards:score")
     with pytest.raises(ValueError, match=r"--reward 'json:__name__': json.__name__ is a str, not a reward function"):
         LMArgs(reward="json:__name__")

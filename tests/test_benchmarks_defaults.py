@@ -8,8 +8,9 @@ from benchmarks import defaults
 
 
 def test_defaults_suite_appends_rows_resumes_and_reports(tmp_path, capsys, no_leftover_children):
-    args = defaults.Args(tasks=["ppo:CartPole-v1"], seeds=[1], modes=["sync"], budget_scale=0.01, out_dir=str(tmp_path),
-                         name="suite")
+    args = defaults.Args(
+        tasks=["ppo:CartPole-v1"], seeds=[1], modes=["sync"], budget_scale=0.01, out_dir=str(tmp_path), name="suite"
+    )
     defaults.main(args)
     rows = [json.loads(line) for line in (tmp_path / "suite.jsonl").read_text().splitlines()]
     assert len(rows) == 1

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from asyncvec.buffers import ImageCompression, ReplayBuffer, RolloutStore, is_image_space
-from asyncvec.buffers import _images
+from asyncvec.buffers import ImageCompression, ReplayBuffer, RolloutStore, _images, is_image_space
 
 SIZE = 48
 IMAGE = spaces.Box(0, 255, (SIZE, SIZE, 3), np.uint8)

@@ -345,7 +345,7 @@ def test_one_writer_and_one_reader_thread_see_consistent_rows() -> None:
                     assert np.all(batch.obs == batch.episode_id[:, None])
                     assert np.all(batch.reward == batch.episode_id)
                     assert np.all(batch.policy_version == batch.episode_id // 10)
-        except BaseException as error:  # noqa: BLE001
+        except BaseException as error:  # noqa: BLE001  (any error of the thread, re-raised in the test)
             errors.append(error)
 
     threads = [threading.Thread(target=write), threading.Thread(target=read)]

@@ -207,7 +207,9 @@ def test_bad_input_names_the_field_and_env() -> None:
     with pytest.raises(ValueError, match=r"policy_version: row 0: expected a value >= 0"):
         add(version=-3)
     with pytest.raises(ValueError, match=r"fallback: expected bool values, shape \(2,\)"):
-        store.add(np.array([0, 2]), np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], zeros, zeros, 0.0, 0, fallback=[True])
+        store.add(
+            np.array([0, 2]), np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], zeros, zeros, 0.0, 0, fallback=[True]
+        )
     add()
     add()
     with pytest.raises(ValueError, match=r"add: env 0 already holds 2 steps.*max_steps_ahead=0"):

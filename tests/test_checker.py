@@ -8,9 +8,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+from toy_envs import CounterEnv
 
 from asyncvec import AsyncLLMVectorEnv, VectorEnvCheckError, check_vector_env
-from toy_envs import CounterEnv
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.vector import AutoresetMode
+from toy_envs import CounterEnv, SleepyEnv
 
 from asyncvec import AsyncLLMVectorEnv, Collector, ReplayBuffer, RolloutStore, VersionManager
 from asyncvec.collector import CollectorError
 from asyncvec.inference import LatencyModel, TorchPolicy
-from toy_envs import CounterEnv, SleepyEnv
 
 
 def cartpole_envs(n=4, mode=AutoresetMode.SAME_STEP, batch_size=1):

@@ -118,7 +118,9 @@ def test_rejects_bad_arguments(pixel_envs) -> None:
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4, latency_ticks=0)
     with pytest.raises(RuntimeError, match="call reset"):
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4).run(1)
-    disabled = gym.vector.SyncVectorEnv([lambda: gym.make("Pendulum-v1")], autoreset_mode=gym.vector.AutoresetMode.DISABLED)
+    disabled = gym.vector.SyncVectorEnv(
+        [lambda: gym.make("Pendulum-v1")], autoreset_mode=gym.vector.AutoresetMode.DISABLED
+    )
     with pytest.raises(ValueError, match="NEXT_STEP or SAME_STEP, got DISABLED"):
         ChunkExecutor(disabled, policy, period_s=PERIOD_S, horizon=4)
     with pytest.raises(TypeError, match="needs a Box single_action_space"):
@@ -223,7 +225,9 @@ def test_policy_error_names_the_env(pixel_envs) -> None:
 @pytest.mark.parametrize("fallback", ["zero", "hold", "function"])
 def test_fallback_when_no_chunk_arrives(pixel_envs, fallback) -> None:
     policy = ScriptedChunks(4, latency_s=5.0)  # never in time
-    rule = (lambda obs, env_id: np.array([0.25 * (env_id + 1)], dtype=np.float32)) if fallback == "function" else fallback
+    rule = (
+        (lambda obs, env_id: np.array([0.25 * (env_id + 1)], dtype=np.float32)) if fallback == "function" else fallback
+    )
     executor = ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4, fallback=rule)
     executor.reset(seed=0)
     rollout = executor.run(10)
@@ -294,7 +298,7 @@ def test_simulated_clock_names_a_policy_that_never_answers(short_envs, monkeypat
 
 
 def test_same_step_autoreset_has_no_reset_ticks() -> None:
-    make = lambda: gym.make("asyncvec/PixelPendulum-v0", max_episode_steps=6)  # noqa: E731
+    make = lambda: gym.make("asyncvec/PixelPendulum-v0", max_episode_steps=6)  # noqa: E731  (a one-line env factory)
     with AsyncLLMVectorEnv([make] * 2, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP) as vector_env:
         policy = ScriptedChunks(8, latency_s=0.03)
         executor = ChunkExecutor(vector_env, policy, period_s=PERIOD_S, horizon=8)
@@ -402,8 +406,17 @@ def test_chunks_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/chunks.py end to end at a tiny size: it writes its table and plot."""
     from benchmarks.chunks import Args, main
 
-    results = main(Args(part="chunks", num_envs=2, latencies_ms=[60.0], horizons=[1, 4], ticks=15, warmup_ticks=5,
-                        out_dir=str(tmp_path)))
+    results = main(
+        Args(
+            part="chunks",
+            num_envs=2,
+            latencies_ms=[60.0],
+            horizons=[1, 4],
+            ticks=15,
+            warmup_ticks=5,
+            out_dir=str(tmp_path),
+        )
+    )
     assert [row["horizon"] for row in results["chunks"]] == [1, 4]
     assert all(0.0 <= row["met"] <= 1.0 and 0.0 < row["bound"] <= 1.0 for row in results["chunks"])
     assert (tmp_path / "chunks.md").exists() and (tmp_path / "chunks.png").exists()

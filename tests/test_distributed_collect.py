@@ -12,6 +12,7 @@ import time
 import gymnasium as gym
 import numpy as np
 import pytest
+import ray  # noqa: E402  (in the test extra: these tests never skip)
 import torch
 
 from asyncvec import ReplayBuffer, VersionManager
@@ -19,8 +20,6 @@ from asyncvec.collector import CollectorError
 from asyncvec.distributed import DistributedCollector, RayCollectors, RayPolicy, RoutedPolicy
 from asyncvec.distributed.cluster import local_cluster
 from asyncvec.inference import TorchPolicy
-
-import ray  # noqa: E402  (in the test extra: these tests never skip)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -223,7 +222,10 @@ def test_collectors_that_no_node_can_host_fail_at_once_naming_the_resource(clust
         r"host it: it needs \{'nowhere': 1.0\}",
     ):
         RayCollectors(
-            [CARTPOLE] * 2, num_collectors=1, actor_options={"num_cpus": 0, "resources": {"nowhere": 1}}, start_timeout_s=60
+            [CARTPOLE] * 2,
+            num_collectors=1,
+            actor_options={"num_cpus": 0, "resources": {"nowhere": 1}},
+            start_timeout_s=60,
         )
     assert time.monotonic() - start < 30, "the error came before start_timeout_s"
 

@@ -155,7 +155,11 @@ def test_a_replica_whose_completions_the_parser_rejects_still_serves_probes(tmp_
     built = []
 
     def build():
-        built.append(HFTextPolicy(model_dir, action_parser=lambda text: None, action_space=gym.spaces.Discrete(2), max_new_tokens=2))
+        built.append(
+            HFTextPolicy(
+                model_dir, action_parser=lambda text: None, action_space=gym.spaces.Discrete(2), max_new_tokens=2
+            )
+        )
         return built[-1]
 
     router = RoutedPolicy([build, build], probe_interval_s=0.2, probe_timeout_s=20)

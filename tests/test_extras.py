@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from terminal import sigint_as_in_a_terminal
 
 ROOT = Path(__file__).resolve().parents[1]

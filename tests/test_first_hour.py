@@ -184,7 +184,17 @@ def test_a_text_game_without_spaces_names_the_wrapper(user_folder, monkeypatch):
 
 def test_sac_progress_bar_reaches_the_end(tmp_path):
     done = run(
-        ["asyncvec-sac", "--env", "Pendulum-v1", "--num-envs", "1", "--total-timesteps", "600", "--learning-starts", "64"],
+        [
+            "asyncvec-sac",
+            "--env",
+            "Pendulum-v1",
+            "--num-envs",
+            "1",
+            "--total-timesteps",
+            "600",
+            "--learning-starts",
+            "64",
+        ],
         tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]

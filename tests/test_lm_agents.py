@@ -18,9 +18,9 @@ import asyncvec.group_collector
 import asyncvec.lm
 import asyncvec.lm.groups
 import asyncvec.lm.learner
+from asyncvec import rewards
 from asyncvec.agents import lm_setup, reinforce_pp, rloo
 from asyncvec.agents.lm_setup import solved_prompts
-from asyncvec import rewards
 from asyncvec.buffers import CompletionGroups
 from asyncvec.group_collector import ScoredCompletion
 from asyncvec.inference import AsyncvecServer, HFTextPolicy, PolicyOutput, build_tiny_lm
@@ -369,7 +369,6 @@ def test_each_update_publishes_a_version_the_policy_answers_with(tiny_dir):
     assert [row["charts/version"] for row in result.history] == [1, 2, 3] and result.final_version == 3
 
 
-
 # ------------------------------------------------------------------------------ --target-reward
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_target_is_confirmed_by_a_batch_of_the_current_weights_only(tiny_dir, mode):
@@ -409,8 +408,12 @@ def test_a_run_stops_only_once_a_batch_of_the_final_weights_confirms_the_target(
     # trained on (update 11); the second confirms it
     assert result.updates == 11 and result.reached_target and len(calls) == 2
     assert result.target_confirmations == [c.reward for c in calls]
-    assert "target reached (checked on batches sampled by the weights of the moment: [" in lm_setup.summary("RLOO", result)
-    budget = rloo.Args(model=str(tiny_dir), group_size=2, prompts_per_update=2, total_prompts=20, target_reward=-1.0, **QUIET)
+    assert "target reached (checked on batches sampled by the weights of the moment: [" in lm_setup.summary(
+        "RLOO", result
+    )
+    budget = rloo.Args(
+        model=str(tiny_dir), group_size=2, prompts_per_update=2, total_prompts=20, target_reward=-1.0, **QUIET
+    )
     short = rloo.RLOO(budget).train()  # the target is reached on the last prompts: none are left to confirm it
     assert short.updates == 10 and not short.reached_target and math.isnan(short.target_confirmations[0])
 
@@ -474,11 +477,17 @@ def test_multi_turn_episodes_through_an_asyncvec_server(asyncvec_server, tmp_pat
             versions = [t.policy_version for t in episode.turns]
             assert versions == sorted(versions) and result.start_version <= versions[0] < result.final_version
             for turn, later in zip(episode.turns, episode.turns[1:]):  # the history is never re-tokenized
-                assert later.prompt_ids[: len(turn.prompt_ids) + len(turn.completion_ids)] == turn.prompt_ids + turn.completion_ids
+                assert (
+                    later.prompt_ids[: len(turn.prompt_ids) + len(turn.completion_ids)]
+                    == turn.prompt_ids + turn.completion_ids
+                )
             for turn in episode.turns:
                 assert len(turn.completion_logps) == len(turn.completion_ids) > 0 and max(turn.completion_logps) <= 0.0
                 turns += 1
-    assert turns >= 3 * 2 * 2 and max(t.policy_version for g in popped[-1].episodes for e in g for t in e.turns) > result.start_version
+    assert (
+        turns >= 3 * 2 * 2
+        and max(t.policy_version for g in popped[-1].episodes for e in g for t in e.turns) > result.start_version
+    )
 
 
 # ------------------------------------------------------------------------------ bad input
@@ -488,7 +497,11 @@ def test_multi_turn_episodes_through_an_asyncvec_server(asyncvec_server, tmp_pat
         ({"env": "asyncvec/SingleDigitSum-v0"}, ValueError, "did you mean asyncvec/SingleDigitSums-v0"),
         ({"env": "CartPole-v1"}, ValueError, "not gymnasium.spaces.Text; wrap the env in asyncvec.lm.TextEnv"),
         ({"env": "Pendulum-v1"}, ValueError, "not gymnasium.spaces.Text; wrap it in a gymnasium wrapper"),
-        ({"env": "asyncvec/GuessNumber-v0", "is_level": "sequence"}, ValueError, "multi-turn episodes use --is-level token"),
+        (
+            {"env": "asyncvec/GuessNumber-v0", "is_level": "sequence"},
+            ValueError,
+            "multi-turn episodes use --is-level token",
+        ),
         ({"reward": "no_such_plugin"}, ValueError, "no reward plugin named 'no_such_plugin'"),
         ({"model": "/nonexistent/model"}, FileNotFoundError, "--model /nonexistent/model"),
         ({"backend": "openai", "base_url": "http://127.0.0.1:9"}, ValueError, "--base-url http://127.0.0.1:9"),
@@ -564,7 +577,8 @@ def test_completion_logps_use_the_sampling_temperature(tiny_dir):
 
 
 @pytest.mark.parametrize(
-    "module", [lm_setup, rloo, reinforce_pp, asyncvec.lm, asyncvec.lm.learner, asyncvec.group_collector, asyncvec.lm.groups]
+    "module",
+    [lm_setup, rloo, reinforce_pp, asyncvec.lm, asyncvec.lm.learner, asyncvec.group_collector, asyncvec.lm.groups],
 )
 def test_docstring_examples_run(module):
     failures, tried = doctest.testmod(module, verbose=False)

@@ -38,13 +38,13 @@ import httpx
 import numpy as np
 import pytest
 from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
+from test_multiturn_learning import EVAL_EPISODES, FROZEN_LAKE, RL, check_learned, frozen_lake_warm_start
 
 from asyncvec.agents import reinforce_pp, rloo
 from asyncvec.agents.lm_setup import make_prompt_env, make_text_policy, solved_prompts, summary
 from asyncvec.inference import VLLMServer, build_tiny_lm
 from asyncvec.inference.checks import LOGP_TOLERANCE, VersionedReference
 from asyncvec.lm import sft_warm_start
-from test_multiturn_learning import EVAL_EPISODES, FROZEN_LAKE, RL, check_learned, frozen_lake_warm_start
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -219,8 +219,10 @@ def test_rloo_improves_frozen_lake_on_a_vllm_server_every_turn_matching_the_weig
     check_episodes([groups for groups, _ in popped], result.start_version, FROZEN_LAKE["max_new_tokens"])
     episodes = [e for groups, _ in popped for group in groups.episodes for e in group]
     spanning = sum(len({t.policy_version for t in e.turns}) > 1 for e in episodes)
-    print(f"{spanning} of {len(episodes)} episodes span a publish, publish s "
-          f"{[round(r['time/publish_s'], 2) for r in result.history]}, batch retries {policy_stats.get('retries')}")
+    print(
+        f"{spanning} of {len(episodes)} episodes span a publish, publish s "
+        f"{[round(r['time/publish_s'], 2) for r in result.history]}, batch retries {policy_stats.get('retries')}"
+    )
     assert spanning >= 4, spanning
 
     # Honest versions: each turn against the weights of the version it carries (its prompt ids as sent),

@@ -11,10 +11,10 @@ import gymnasium as gym
 import pytest
 
 import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+from asyncvec.envs.slow import SlowEnv
 from asyncvec.lm import EpisodeCollector, make_text_vector_env
 from asyncvec.vector import AsyncLLMVectorEnv
 from benchmarks.multiturn import SimulatedLM
-from asyncvec.envs.slow import SlowEnv
 
 
 def _slow_cartpole() -> gym.Env:
@@ -45,7 +45,9 @@ def test_wake_ends_a_waiting_recv_and_the_result_still_comes() -> None:
 
 def _guess(latency_ms: float):
     def make() -> gym.Env:
-        env = gym.make("asyncvec/GuessNumber-v0", max_number=16, max_turns=6, transcript=False, max_completion_length=64)
+        env = gym.make(
+            "asyncvec/GuessNumber-v0", max_number=16, max_turns=6, transcript=False, max_completion_length=64
+        )
         return SlowEnv(env, latency_ms=latency_ms)
 
     return make

@@ -14,12 +14,12 @@ import gymnasium as gym
 import pytest
 import torch
 
+import asyncvec.envs  # noqa: F401  (registers the ids)
+import asyncvec.envs.text
 import asyncvec.lm
 import asyncvec.lm.chat
 import asyncvec.lm.episodes
 import asyncvec.lm.text_env
-import asyncvec.envs  # noqa: F401  (registers the ids)
-import asyncvec.envs.text
 from asyncvec.agents import lm_setup, reinforce_pp, rloo
 from asyncvec.inference import HFTextPolicy, build_tiny_lm
 from asyncvec.inference.tiny_models import build_char_tokenizer
@@ -86,7 +86,10 @@ def test_an_encode_cache_gives_the_same_ids(template):
         tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
     cache = {}
     for _ in range(2):  # the second conversation reads its texts from the cache
-        plain, cached = Conversation(tok, system_prompt="Go."), Conversation(tok, system_prompt="Go.", encode_cache=cache)
+        plain, cached = (
+            Conversation(tok, system_prompt="Go."),
+            Conversation(tok, system_prompt="Go.", encode_cache=cache),
+        )
         for obs in ("start", "higher", "higher"):
             assert cached.add_observation(obs) == plain.add_observation(obs)
             plain.add_completion([13, 1], "7")
@@ -129,9 +132,10 @@ def test_collector_groups_share_a_seed_and_turns_carry_everything(tiny_dir, lock
 def test_context_overflow_ends_the_episode_truncated(tiny_dir):
     vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs=GUESS8)
     try:
-        with _policy(tiny_dir) as policy, EpisodeCollector(
-            vec, policy, group_size=2, max_context_tokens=60
-        ) as collector:
+        with (
+            _policy(tiny_dir) as policy,
+            EpisodeCollector(vec, policy, group_size=2, max_context_tokens=60) as collector,
+        ):
             batch = collector.collect(2, timeout=120)
         episodes = [e for g in batch.episodes for e in g]
         # The untrained model names the number about 1 turn in 13: that episode is won before it overflows.
@@ -149,9 +153,10 @@ def test_drop_oldest_goes_on_past_the_context_and_trains_each_turn_in_the_contex
     model, _ = load_causal_lm(folder)
     vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs={**GUESS8, "max_turns": 6})
     try:
-        with _policy(folder) as policy, EpisodeCollector(
-            vec, policy, group_size=2, on_overflow="drop_oldest"
-        ) as collector:
+        with (
+            _policy(folder) as policy,
+            EpisodeCollector(vec, policy, group_size=2, on_overflow="drop_oldest") as collector,
+        ):
             given, submit = [], policy.submit  # the prompts the engine was given
             policy.submit = lambda prompt, **kwargs: given.append(tuple(prompt.prompt)) or submit(prompt, **kwargs)
             batch = collector.collect(2, timeout=120)
@@ -236,9 +241,10 @@ def test_deadline_misses_send_an_empty_completion_and_are_not_trained_on(tiny_di
     try:
         from asyncvec.inference import LatencyModel
 
-        with LatencyModel(_policy(tiny_dir), a_ms=300, b_ms=0, deadline_ms=50) as slow, EpisodeCollector(
-            vec, slow, group_size=2, tokenizer=build_char_tokenizer(), max_new_tokens=3
-        ) as collector:
+        with (
+            LatencyModel(_policy(tiny_dir), a_ms=300, b_ms=0, deadline_ms=50) as slow,
+            EpisodeCollector(vec, slow, group_size=2, tokenizer=build_char_tokenizer(), max_new_tokens=3) as collector,
+        ):
             batch = collector.collect(1, timeout=120)
         turns = [t for e in batch.episodes[0] for t in e.turns]
         assert turns and all(t.missed_deadline and not t.trainable for t in turns)
@@ -259,7 +265,7 @@ def test_collector_rejects_envs_that_are_not_text():
 
 # ------------------------------------------------------------------------------ text envs
 def test_text_env_invalid_rules():
-    lake = lambda: gym.make("FrozenLake-v1", is_slippery=False)  # noqa: E731
+    lake = lambda: gym.make("FrozenLake-v1", is_slippery=False)  # noqa: E731  (a one-line env factory)
     env = TextEnv(lake(), action_names=asyncvec.envs.text.FROZEN_LAKE_ACTIONS, max_invalid=2)
     env.reset(seed=0)
     obs, reward, terminated, truncated, info = env.step("")

@@ -12,10 +12,10 @@ import pytest
 
 import asyncvec.envs  # noqa: F401  (registers the ids)
 from asyncvec import AsyncLLMVectorEnv, WorkerError
-from asyncvec.vector.split_obs import shared_subspace
-from asyncvec.vector.worker import EnvGroup, dumps
 from asyncvec.control import HashedInstruction, hashed_words
 from asyncvec.envs.pixels import TASKS, PixelReachEnv, make_pixel_env
+from asyncvec.vector.split_obs import shared_subspace
+from asyncvec.vector.worker import EnvGroup, dumps
 
 PIXEL_IDS = ["asyncvec/PixelPendulum-v0", "asyncvec/PixelMountainCarContinuous-v0", "asyncvec/PixelCartPole-v0"]
 

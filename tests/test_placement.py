@@ -10,11 +10,11 @@ from functools import partial
 import gymnasium as gym
 import numpy as np
 import pytest
+from toy_envs import CounterEnv, SleepyEnv
 
 from asyncvec import AsyncLLMVectorEnv
-from asyncvec.vector.placement import StepProfile, choose_placement, profile_env
 from asyncvec.envs.slow import SlowEnv
-from toy_envs import CounterEnv, SleepyEnv
+from asyncvec.vector.placement import StepProfile, choose_placement, profile_env
 
 
 def profile(step_s, cpu_share, round_trip_s=100e-6):
@@ -151,8 +151,9 @@ def test_contradictory_placement_arguments_are_refused(kwargs, match):
 
 
 def test_an_in_process_env_that_raises_names_itself_and_closes(tmp_path):
-    from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
     from toy_envs import FaultyEnv
+
+    from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
 
     fns = [partial(CounterEnv, max_len=50), partial(FaultyEnv, "raise", 2, str(tmp_path / "once"), max_len=50)]
     envs = AsyncLLMVectorEnv(fns, in_process=True)

@@ -59,8 +59,9 @@ def test_gaussian_chunk_policy_reports_each_action() -> None:
     assert math.isclose(sum(out.token_logps), out.behavior_logp, rel_tol=1e-6)
     flat = algo.flatten({key: value[None] for key, value in obs.items()}).repeat(HORIZON, 1)
     with torch.no_grad():
-        expected = algo.agent.action_logp(flat, torch.zeros(HORIZON, dtype=torch.long), torch.arange(HORIZON),
-                                          torch.as_tensor(out.action))
+        expected = algo.agent.action_logp(
+            flat, torch.zeros(HORIZON, dtype=torch.long), torch.arange(HORIZON), torch.as_tensor(out.action)
+        )
     np.testing.assert_allclose(out.token_logps, expected.numpy(), rtol=1e-5, atol=1e-5)
 
 
@@ -130,8 +131,12 @@ def test_rollout_records_each_actions_own_chunk(mixed_rollout) -> None:
         chunk_obs = [rollout.chunk_obs[c] for c in rollout.chunk_id[rows]]
         flat = algo.flatten({key: np.stack([obs[key] for obs in chunk_obs]) for key in ("image", "instruction")})
         with torch.no_grad():
-            recomputed = net.action_logp(flat, torch.arange(len(flat)), torch.as_tensor(rollout.chunk_index[rows]),
-                                         torch.as_tensor(rollout.proposed[rows], dtype=torch.float32))
+            recomputed = net.action_logp(
+                flat,
+                torch.arange(len(flat)),
+                torch.as_tensor(rollout.chunk_index[rows]),
+                torch.as_tensor(rollout.proposed[rows], dtype=torch.float32),
+            )
         np.testing.assert_allclose(rollout.action_logp[rows], recomputed.numpy(), rtol=1e-4, atol=1e-4)
         assert not np.allclose(rollout.action_logp[rows], rollout.behavior_logp[rows])  # not the joint one
 
@@ -162,8 +167,9 @@ def test_replaced_actions_get_zero_policy_loss_weight(mixed_rollout) -> None:
     # and a policy action's advantage does move the gradient (not necessarily the loss's value: with the
     # advantages normalized over the policy's actions and weights near 1 the loss stays near 0)
     moved = copy.copy(batch)
-    moved.advantages = torch.where(batch.policy_mask, batch.advantages + torch.randn_like(batch.advantages),
-                                   batch.advantages)
+    moved.advantages = torch.where(
+        batch.policy_mask, batch.advantages + torch.randn_like(batch.advantages), batch.advantages
+    )
     _, moved_grads = loss_and_grads(moved)
     assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-6) for a, b in zip(base_grads, moved_grads, strict=True))
 
@@ -172,12 +178,15 @@ def test_importance_weights_use_each_actions_own_chunk(mixed_rollout) -> None:
     algo, _, rollout = mixed_rollout
     batch = algo.prepare(rollout)
     played = torch.as_tensor(rollout.policy_choice.reshape(-1))
-    torch.testing.assert_close(batch.behavior_logp[played],
-                               torch.as_tensor(rollout.action_logp.reshape(-1)[played.numpy()], dtype=torch.float32))
+    torch.testing.assert_close(
+        batch.behavior_logp[played],
+        torch.as_tensor(rollout.action_logp.reshape(-1)[played.numpy()], dtype=torch.float32),
+    )
     torch.testing.assert_close(batch.versions, torch.as_tensor(rollout.policy_version.reshape(-1)))
     # the learner holds version 1's weights: its actions have weight 1, version 0's have pi_1/mu_0 != 1
-    weights, _ = truncated_importance_weights(batch.prox_logp, batch.behavior_logp, cap=algo.args.behavior_cap,
-                                              mask=batch.policy_mask)
+    weights, _ = truncated_importance_weights(
+        batch.prox_logp, batch.behavior_logp, cap=algo.args.behavior_cap, mask=batch.policy_mask
+    )
     fresh = batch.policy_mask & (batch.versions == 1)
     stale = batch.policy_mask & (batch.versions == 0)
     torch.testing.assert_close(weights[fresh], torch.ones(int(fresh.sum())), atol=1e-3, rtol=1e-3)
@@ -214,8 +223,18 @@ MIN_MARGIN = 5.0
 def test_returns_improve_over_a_warm_start() -> None:
     results = []
     for seed in LEARNING_SEEDS:
-        args = Args(seed=seed, image_size=16, num_envs=8, ticks_per_rollout=64, iterations=30, update_epochs=10,
-                    num_minibatches=1, init_log_std=-0.5, eval_rounds=8, latency_ticks=2)
+        args = Args(
+            seed=seed,
+            image_size=16,
+            num_envs=8,
+            ticks_per_rollout=64,
+            iterations=30,
+            update_epochs=10,
+            num_minibatches=1,
+            init_log_std=-0.5,
+            eval_rounds=8,
+            latency_ticks=2,
+        )
         algo = PPOChunks(args)
         observations, chunks = demonstrations("cartpole", algo, 800, seed)  # a scripted controller, with noise
         algo.behavior_clone(observations, chunks, steps=150, batch_size=64)

@@ -21,14 +21,13 @@ import pytest
 import ray
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from test_vector_env import run_both
+from toy_envs import CounterEnv, FaultyEnv, SleepyEnv
 
 from asyncvec import AsyncLLMVectorEnv, check_vector_env
 from asyncvec.distributed.cluster import local_cluster
 from asyncvec.distributed.ray_env import RayBackend
 from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
-from test_vector_env import run_both
-from toy_envs import CounterEnv, FaultyEnv, SleepyEnv
-
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -65,7 +64,10 @@ def test_restarts_in_place_on_ray(cluster, tmp_path):
     Each comes back truncated at its last observation; env 0 matches SyncVectorEnv step for step.
     """
     clean = partial(CounterEnv, max_len=50)
-    fns = [clean] + [partial(FaultyEnv, fault, at, str(tmp_path / f"{fault}-once"), max_len=50) for fault, at in (("kill", 2), ("hang", 4))]
+    fns = [clean] + [
+        partial(FaultyEnv, fault, at, str(tmp_path / f"{fault}-once"), max_len=50)
+        for fault, at in (("kill", 2), ("hang", 4))
+    ]
     # step_timeout: long enough for Ray to report the killed actor on a loaded machine (with 2 s, `make test` once
     # saw the kill reported as a StepTimeout); the hang costs it once
     envs = AsyncLLMVectorEnv(fns, backend="ray", max_restarts=1, step_timeout=8.0, envs_per_worker=1)
@@ -101,7 +103,9 @@ def test_restarts_in_place_on_ray(cluster, tmp_path):
 def test_shared_actor_faults_on_ray(cluster, tmp_path):
     """Envs 0 and 1 share an actor. Env 0 raises: rebuilt alone inside the actor. Then the actor is
     SIGKILLed: both envs restart in place; env 2, on its own actor, is untouched."""
-    fns = [partial(FaultyEnv, "raise", 2, str(tmp_path / "raise-once"), max_len=50)] + [partial(CounterEnv, max_len=50)] * 2
+    fns = [partial(FaultyEnv, "raise", 2, str(tmp_path / "raise-once"), max_len=50)] + [
+        partial(CounterEnv, max_len=50)
+    ] * 2
     envs = AsyncLLMVectorEnv(fns, envs_per_worker=2, backend="ray", max_restarts=2)
     try:
         envs.reset(seed=0)
@@ -166,7 +170,9 @@ def test_partial_batches_resources_and_errors_on_ray(cluster):
 def test_reserved_actor_options():
     with pytest.raises(ValueError, match="max_restarts"):
         RayBackend(actor_options={"max_restarts": 5}).options(0)
-    options = RayBackend(num_cpus=0.5, resources={"sim": 1}, actor_options=lambda w: {"resources": {f"node_{w}": 1}}).options(2)
+    options = RayBackend(
+        num_cpus=0.5, resources={"sim": 1}, actor_options=lambda w: {"resources": {f"node_{w}": 1}}
+    ).options(2)
     assert options["resources"] == {"sim": 1, "node_2": 1} and options["num_cpus"] == 0.5
     assert options["max_task_retries"] == 0, "a step is never retried"
 
@@ -191,7 +197,9 @@ def test_an_unplaceable_worker_fails_fast_naming_the_resource(cluster):
     """Each worker holds 1 CPU on a node that has 1: the second can never start beside the
     first, which is an error at once (not a StartTimeout), naming the CPU."""
     start = time.monotonic()
-    with pytest.raises(WorkerError, match=r"Unschedulable: .*it needs \{'CPU': 1.0, 'node_2': 1.0\}.*\{'CPU': 0.0\} left beside worker") as err:
+    with pytest.raises(
+        WorkerError, match=r"Unschedulable: .*it needs \{'CPU': 1.0, 'node_2': 1.0\}.*\{'CPU': 0.0\} left beside worker"
+    ) as err:
         AsyncLLMVectorEnv([CounterEnv] * 2, backend=RayBackend(num_cpus=1, resources={"node_2": 1}), start_timeout=120)
     elapsed = time.monotonic() - start
     print(f"failed in {elapsed:.1f} s: {err.value}")
@@ -208,7 +216,11 @@ def test_an_actor_rebuilt_between_messages_is_a_restart_not_a_silent_reset(clust
     never-reset env, no ResetNeeded), and worker_pids names the new process."""
     backend = RayBackend(num_cpus=0.25, actor_options=lambda w: {"name": f"rebuilt-between-messages-{w}"})
     envs = AsyncLLMVectorEnv(
-        [order_enforced_counter] * 2, backend=backend, autoreset_mode=AutoresetMode.SAME_STEP, max_restarts=2, envs_per_worker=1
+        [order_enforced_counter] * 2,
+        backend=backend,
+        autoreset_mode=AutoresetMode.SAME_STEP,
+        max_restarts=2,
+        envs_per_worker=1,
     )
     try:
         envs.reset(seed=0)
@@ -256,7 +268,10 @@ def test_a_node_crash_moves_envs_to_new_actors_or_says_why(cluster):
         envs_per_worker=1,
     )
     pinned = AsyncLLMVectorEnv(
-        [CounterEnv], backend=RayBackend(num_cpus=0.25, resources={f"node_{node}": 1}), max_restarts=1, envs_per_worker=1
+        [CounterEnv],
+        backend=RayBackend(num_cpus=0.25, resources={f"node_{node}": 1}),
+        max_restarts=1,
+        envs_per_worker=1,
     )
     try:
         assert set(movable.worker_nodes) == {node_id} == set(pinned.worker_nodes)
@@ -281,12 +296,16 @@ def test_a_node_crash_moves_envs_to_new_actors_or_says_why(cluster):
         assert all(f"NodeLost: the Ray actor's node {node_id}" in reason for reason in reasons.values()), reasons
         assert movable.restarts == [1, 1]
         assert node_id not in movable.worker_nodes and set(movable.worker_nodes) <= set(cluster.node_ids)
-        assert not set(movable.worker_pids) & set(pids) and all(os.path.exists(f"/proc/{p}") for p in movable.worker_pids)
+        assert not set(movable.worker_pids) & set(pids) and all(
+            os.path.exists(f"/proc/{p}") for p in movable.worker_pids
+        )
         for _ in range(3):
             _, _, _, _, info = movable.step(np.ones(2, dtype=np.int64))
             assert not info.get("_env_restarted", np.zeros(2, bool)).any(), info.get("restart_reason")
         assert movable.restarts == [1, 1]
-        with pytest.raises(WorkerError, match=rf"env 0 failed in .*Unschedulable: no alive node .* 'node_{node}': 1") as err:
+        with pytest.raises(
+            WorkerError, match=rf"env 0 failed in .*Unschedulable: no alive node .* 'node_{node}': 1"
+        ) as err:
             while True:  # the pinned actor's orphan may answer a last step
                 pinned.step(np.ones(1, dtype=np.int64))
         assert f"while restarting its worker after: NodeLost: the Ray actor's node {node_id}" in str(err.value)
@@ -351,8 +370,6 @@ def test_local_ray_started_by_the_env_is_shut_down_by_close():
     line = [x for x in out.stdout.splitlines() if x.startswith("STARTED")][-1]
     assert line.endswith("LEFT []"), line
     assert int(line.split()[1]) >= 3, "a local Ray has a GCS, a raylet and the actors"
-
-
 
 
 def test_ray_placement_is_measured_and_never_in_process(cluster):

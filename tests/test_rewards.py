@@ -393,9 +393,7 @@ def test_combined_reward_as_scorer(name):
     async def one(prompt, completion, **info):
         return 1.0
 
-    with RewardService(
-        CombinedReward({name: 1.0, "exact_answer": 1.0}), timeout_s=WAIT_S
-    ) as service:
+    with RewardService(CombinedReward({name: 1.0, "exact_answer": 1.0}), timeout_s=WAIT_S) as service:
         assert service.submit("1+2=", "3").result(WAIT_S).reward == 2.0
 
 
@@ -517,9 +515,9 @@ def test_hf_label_selection():
     with torch.no_grad():
         logits = model(**encoded).logits[0]
     assert scorer.score_batch(["3+4="], ["7"])[0] == pytest.approx(logits[1].item(), abs=1e-6)
-    assert HFRewardModel(model, tokenizer, label=2).score_batch(["3+4="], ["7"])[
-        0
-    ] == pytest.approx(logits[2].item(), abs=1e-6)
+    assert HFRewardModel(model, tokenizer, label=2).score_batch(["3+4="], ["7"])[0] == pytest.approx(
+        logits[2].item(), abs=1e-6
+    )
     with pytest.raises(ValueError, match="label must be in"):
         HFRewardModel(model, tokenizer, label=3)
 
@@ -534,9 +532,7 @@ def test_hf_requires_pad_tokens():
 def test_service_batches_hf_model_and_matches_direct_scores(rm_path):
     direct = HFRewardModel.from_pretrained(rm_path)
     expected = [direct.score_batch([p], [r])[0] for p, r in PAIRS]
-    with RewardService.from_pretrained(
-        rm_path, max_batch_size=8, max_wait_s=0.2, timeout_s=WAIT_S
-    ) as service:
+    with RewardService.from_pretrained(rm_path, max_batch_size=8, max_wait_s=0.2, timeout_s=WAIT_S) as service:
         futures = [service.submit(p, r, ignored_info=1) for p, r in PAIRS]
         results = [f.result(WAIT_S) for f in futures]
         stats = service.stats()

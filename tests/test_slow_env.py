@@ -48,7 +48,8 @@ def test_uniform_jitter_stays_in_range():
 
 
 @pytest.mark.parametrize(
-    "kwargs, field", [({"latency_ms": -1}, "latencies"), ({"distribution": "pareto"}, "distribution"), ({"jitter": 2}, "jitter")]
+    "kwargs, field",
+    [({"latency_ms": -1}, "latencies"), ({"distribution": "pareto"}, "distribution"), ({"jitter": 2}, "jitter")],
 )
 def test_bad_arguments(kwargs, field):
     with pytest.raises(ValueError, match=field):

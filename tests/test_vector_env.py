@@ -10,11 +10,11 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from toy_envs import CounterEnv, SleepyEnv
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.vector.checker import check_vector_env, first_difference
 from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
-from toy_envs import CounterEnv, SleepyEnv
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
 KINDS = ["box", "discrete", "dict", "text"]
@@ -220,7 +220,7 @@ def test_recv_arrival_order_and_rows_match_env():
         assert order == [1, 2, 0]
         # the row of env 2 carries env 2's own observation
         envs.send(np.array([2]), [2])
-        obs, rew, *_ , info = envs.recv(timeout=10)
+        obs, rew, *_, info = envs.recv(timeout=10)
         assert info["env_id"].tolist() == [2] and obs[0][0] == 2.0  # its second step
     finally:
         envs.close()

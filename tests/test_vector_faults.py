@@ -10,12 +10,12 @@ from functools import partial
 
 import numpy as np
 import pytest
+from conftest import live_children
 from gymnasium.vector import AutoresetMode
+from toy_envs import CounterEnv, FaultyEnv
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
-from conftest import live_children
-from toy_envs import CounterEnv, FaultyEnv
 
 FAULTS = ["raise", "kill", "hang"]
 
@@ -186,7 +186,7 @@ def test_bad_box_action_names_the_space():
         envs.async_reset(seed=0)
         _, _, _, _, info = envs.recv(timeout=10)
         env_id = int(info["env_id"][0])
-        with pytest.raises(ValueError, match=rf"shape \(2,\), expected \(1,\) of Box\(-2.0, 2.0, \(1,\), float32\)"):
+        with pytest.raises(ValueError, match=r"shape \(2,\), expected \(1,\) of Box\(-2.0, 2.0, \(1,\), float32\)"):
             envs.send(np.zeros((1, 2)), [env_id])
         with pytest.raises(ValueError, match=rf"for env {env_id} is not in the action space Box"):
             envs.send(np.array([[3.5]]), [env_id])
@@ -323,7 +323,10 @@ def test_observation_of_the_wrong_shape_names_the_env():
 
     envs = AsyncLLMVectorEnv([CounterEnv, ShortObs], envs_per_worker=2)
     envs.reset(seed=0)
-    with pytest.raises(WorkerError, match=r"env 1 failed in step\(\): ValueError: observation of env 1 has shape \(2,\), expected \(3,\)"):
+    with pytest.raises(
+        WorkerError,
+        match=r"env 1 failed in step\(\): ValueError: observation of env 1 has shape \(2,\), expected \(3,\)",
+    ):
         envs.step(np.ones(2, dtype=np.int64))
     assert envs.closed
 
@@ -371,7 +374,9 @@ def test_runs_with_a_restart_are_reproducible(tmp_path, fault, mode, envs_per_wo
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("fault, placement", [("raise", {}), ("raise", {"in_process": True}), ("kill", {"envs_per_worker": 1})])
+@pytest.mark.parametrize(
+    "fault, placement", [("raise", {}), ("raise", {"in_process": True}), ("kill", {"envs_per_worker": 1})]
+)
 def test_a_rebuilt_env_resets_with_its_restart_seed(tmp_path, fault, placement):
     """Env 1 (seed 11) faults on its first step; the next step is its rebuilt env's reset,
     seeded with ``restart_seed(11, 1)``, and the episode goes on as a fresh env's would."""

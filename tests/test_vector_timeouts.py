@@ -20,10 +20,10 @@ from functools import partial
 import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode
+from toy_envs import CounterEnv
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, WorkerError
-from toy_envs import CounterEnv
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -53,14 +53,21 @@ class CallEnv(CounterEnv):
 @pytest.fixture(scope="module")
 def ray_started():
     import ray
+
     if ray.is_initialized():  # left by an earlier module in this process: use it as it is
         yield
         return
     # A Ray of its own (never one that $RAY_ADDRESS names). Actors import this module and
     # toy_envs from here, and asyncvec from where the driver does.
     path = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     yield
     ray.shutdown()
 
@@ -74,15 +81,18 @@ def backend(request):
 
 # The failure paths are the transport's, not the timeout's: on Ray (slower to start) only with one.
 FAILURE_CASES = pytest.mark.parametrize(
-    "backend, step_timeout", [("process", None), ("process", 3.0), ("ray", 3.0)], indirect=["backend"],
+    "backend, step_timeout",
+    [("process", None), ("process", 3.0), ("ray", 3.0)],
+    indirect=["backend"],
     ids=["process-no_timeout", "process-step_timeout", "ray-step_timeout"],
 )
 
 
 def make_envs(backend, step_timeout, **kwargs):
     # 3 envs, 2 per worker: one worker hosts two envs, the other one.
-    return AsyncLLMVectorEnv([partial(CallEnv, max_len=50)] * 3, backend=backend, step_timeout=step_timeout,
-                             envs_per_worker=2, **kwargs)
+    return AsyncLLMVectorEnv(
+        [partial(CallEnv, max_len=50)] * 3, backend=backend, step_timeout=step_timeout, envs_per_worker=2, **kwargs
+    )
 
 
 def assert_idle(envs):
@@ -257,11 +267,13 @@ def test_lockstep_reset_autoreset_modes_with_step_timeout():
 def test_a_killed_worker_reseeds_its_envs(backend, tmp_path):
     """Env 1 kills its worker (process or actor) at step 3, taking env 0 with it; both come back
     truncated and reset on the next step with ``restart_seed(seed, 1)``, on either transport."""
-    from asyncvec.vector.async_llm_vector_env import restart_seed
     from test_vector_faults import run_with_a_fault
 
-    trace, restarts = run_with_a_fault(tmp_path / "fault-once", "kill", AutoresetMode.NEXT_STEP, 2, steps=5,
-                                       backend=backend, step_timeout=10.0)
+    from asyncvec.vector.async_llm_vector_env import restart_seed
+
+    trace, restarts = run_with_a_fault(
+        tmp_path / "fault-once", "kill", AutoresetMode.NEXT_STEP, 2, steps=5, backend=backend, step_timeout=10.0
+    )
     assert restarts == [1, 1, 0, 0]
     truncated_at_3, obs_at_4 = trace[1 + 4 * 2 + 3], trace[1 + 4 * 3]
     assert truncated_at_3.tolist() == [True, True, False, False]

@@ -11,7 +11,7 @@ from asyncvec.inference.action_tokens import ActionTokenizer
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from asyncvec.inference.vla import (  # noqa: E402
+from asyncvec.inference.vla import (  # noqa: E402  (after pytest.importorskip of torch and transformers)
     TinyVLAModel,
     TinyVLAPolicy,
     build_tiny_vla,
@@ -249,8 +249,11 @@ def test_docstring_examples():
 def test_score_refuses_a_chunk_of_the_wrong_length(folder):
     with TinyVLAPolicy(folder, SPACE, chunk_size=2) as policy:
         assert policy.score([_obs()], np.zeros((1, 2, 2), np.float32)).shape == (1,)
-        with pytest.raises(ValueError, match=r"actions have shape \(1, 3, 2\), expected \(1, 2, 2\): a chunk of "
-                                             r"chunk_size=2 actions of 2 dimensions per observation"):
+        with pytest.raises(
+            ValueError,
+            match=r"actions have shape \(1, 3, 2\), expected \(1, 2, 2\): a chunk of "
+            r"chunk_size=2 actions of 2 dimensions per observation",
+        ):
             policy.score([_obs()], np.zeros((1, 3, 2), np.float32))
     with TinyVLAPolicy(folder, SPACE) as single, pytest.raises(ValueError, match=r"expected \(2, 2\): one action"):
         single.score([_obs(), _obs(seed=1)], np.zeros((2, 1, 2), np.float32))
@@ -276,14 +279,16 @@ def test_no_action_tokens_are_never_played_as_the_policys_choice():
     from asyncvec import AsyncLLMVectorEnv
     from asyncvec.control import ChunkExecutor
 
-    model, tokenizer = load_tiny_vla(build_tiny_vla(tempfile.mkdtemp(), image_size=64, n_layer=1, n_embd=32,
-                                                    vision_dim=32, seed=0))
+    model, tokenizer = load_tiny_vla(
+        build_tiny_vla(tempfile.mkdtemp(), image_size=64, n_layer=1, n_embd=32, vision_dim=32, seed=0)
+    )
     with torch.no_grad():
         model.language_model.get_output_embeddings().weight.zero_()  # greedy picks id 0: no action token
     with AsyncLLMVectorEnv([lambda: gym.make("asyncvec/PixelPendulum-v0")] * 2) as vector_env:
         space = vector_env.single_action_space
-        with TinyVLAPolicy(model, space, tokenizer=tokenizer, chunk_size=4, temperature=0.0, constrained=False,
-                           max_wait_ms=1) as policy:
+        with TinyVLAPolicy(
+            model, space, tokenizer=tokenizer, chunk_size=4, temperature=0.0, constrained=False, max_wait_ms=1
+        ) as policy:
             executor = ChunkExecutor(vector_env, policy, period_s=0.02, horizon=4)
             executor.reset(seed=0)
             rollouts = []

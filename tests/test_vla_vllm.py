@@ -25,14 +25,31 @@ INSTRUCTIONS = ("push the cube left", "go", "balance the pole upright", "stop no
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return build_tiny_vla(tmp_path_factory.mktemp("vla") / "tiny", arch="gpt2", image_size=32, patch_size=8,
-                          vision_dim=32, n_layer=2, n_embd=64, max_positions=64, seed=0)
+    return build_tiny_vla(
+        tmp_path_factory.mktemp("vla") / "tiny",
+        arch="gpt2",
+        image_size=32,
+        patch_size=8,
+        vision_dim=32,
+        n_layer=2,
+        n_embd=64,
+        max_positions=64,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="module")
 def policy(folder):
-    policy = VLLMVLAPolicy(folder, SPACE, chunk_size=CHUNK, max_batch_size=8, max_wait_ms=20, seed=0,
-                           fallback="zero", engine_kwargs={"enforce_eager": True})
+    policy = VLLMVLAPolicy(
+        folder,
+        SPACE,
+        chunk_size=CHUNK,
+        max_batch_size=8,
+        max_wait_ms=20,
+        seed=0,
+        fallback="zero",
+        engine_kwargs={"enforce_eager": True},
+    )
     lm_dir = policy.language_model_dir
     yield policy
     policy.close()
@@ -46,22 +63,38 @@ def policy(folder):
 
 def _observations(count, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"image": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "instruction": INSTRUCTIONS[i % 4]}
-            for i in range(count)]
+    return [
+        {"image": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "instruction": INSTRUCTIONS[i % 4]}
+        for i in range(count)
+    ]
 
 
 def _teacher_forced(model, tokenizer, obs, token_ids, constrained=True):
     """transformers' log-prob of each emitted token, one observation at a time (no padding)."""
     ids = torch.tensor([tokenizer(obs["instruction"]).input_ids])
     with torch.no_grad():
-        return model.action_logprobs(torch.from_numpy(obs["image"][None]), ids, torch.ones_like(ids),
-                                     torch.tensor([list(token_ids)]), constrained=constrained)[0].double().numpy()
+        return (
+            model.action_logprobs(
+                torch.from_numpy(obs["image"][None]),
+                ids,
+                torch.ones_like(ids),
+                torch.tensor([list(token_ids)]),
+                constrained=constrained,
+            )[0]
+            .double()
+            .numpy()
+        )
 
 
 def _max_logp_error(model, tokenizer, observations, outputs, constrained=True):
-    return max(float(np.abs(_teacher_forced(model, tokenizer, obs, out.token_ids, constrained)
-                            - np.asarray(out.token_logps)).max())
-               for obs, out in zip(observations, outputs, strict=True))
+    return max(
+        float(
+            np.abs(
+                _teacher_forced(model, tokenizer, obs, out.token_ids, constrained) - np.asarray(out.token_logps)
+            ).max()
+        )
+        for obs, out in zip(observations, outputs, strict=True)
+    )
 
 
 def test_action_chunks_and_logprobs_match_transformers(policy, folder):
@@ -81,9 +114,13 @@ def test_action_chunks_and_logprobs_match_transformers(policy, folder):
     print(f"vLLM vs transformers teacher-forced action-token log-probs: max abs diff {error:.2e}")
     assert error < LOGP_TOLERANCE
     # the torch-side score (teacher-forced, same weights) agrees with what vLLM sampled from
-    scored = policy.score({"image": np.stack([o["image"] for o in observations]),
-                           "instruction": [o["instruction"] for o in observations]},
-                          np.stack([out.action for out in outputs]))
+    scored = policy.score(
+        {
+            "image": np.stack([o["image"] for o in observations]),
+            "instruction": [o["instruction"] for o in observations],
+        },
+        np.stack([out.action for out in outputs]),
+    )
     assert np.allclose(scored, [out.behavior_logp for out in outputs], atol=CHUNK * 2 * LOGP_TOLERANCE)
 
 
@@ -91,8 +128,13 @@ def test_unconstrained_tokens_that_are_no_action_become_a_counted_fallback(polic
     policy.constrained = False  # sample the whole vocabulary: the random model emits text tokens too
     try:
         observations = _observations(6, seed=1)
-        outputs = policy.act({"image": np.stack([o["image"] for o in observations]),
-                              "instruction": [o["instruction"] for o in observations]}, timeout=120)
+        outputs = policy.act(
+            {
+                "image": np.stack([o["image"] for o in observations]),
+                "instruction": [o["instruction"] for o in observations],
+            },
+            timeout=120,
+        )
     finally:
         policy.constrained = True
     rejected = [out for out in outputs if out.fallback]
@@ -115,8 +157,13 @@ def test_weight_update_reaches_vision_and_lm_with_its_version_and_a_bad_one_chan
     policy.load_weights(learner.state_dict(), version=1)
     assert policy.engine_version() == "1"
     observations = _observations(4, seed=2)
-    outputs = policy.act({"image": np.stack([o["image"] for o in observations]),
-                          "instruction": [o["instruction"] for o in observations]}, timeout=120)
+    outputs = policy.act(
+        {
+            "image": np.stack([o["image"] for o in observations]),
+            "instruction": [o["instruction"] for o in observations],
+        },
+        timeout=120,
+    )
     assert all(out.policy_version == 1 for out in outputs)
     assert _max_logp_error(learner, tokenizer, observations, outputs) < LOGP_TOLERANCE
     old, _ = load_tiny_vla(folder)
@@ -130,8 +177,13 @@ def test_weight_update_reaches_vision_and_lm_with_its_version_and_a_bad_one_chan
     with pytest.raises(ValueError, match="missing"):
         policy.load_weights(missing_vision, version=2)
     assert policy.policy_version == 1 and policy.engine_version() == "1"
-    again = policy.act({"image": np.stack([o["image"] for o in observations]),
-                        "instruction": [o["instruction"] for o in observations]}, timeout=120)
+    again = policy.act(
+        {
+            "image": np.stack([o["image"] for o in observations]),
+            "instruction": [o["instruction"] for o in observations],
+        },
+        timeout=120,
+    )
     assert all(out.policy_version == 1 for out in again)
     assert _max_logp_error(learner, tokenizer, observations, again) < LOGP_TOLERANCE
 

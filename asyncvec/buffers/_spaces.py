@@ -87,9 +87,7 @@ class SpaceCodec:
             every leaf a plain array.
     """
 
-    def __init__(
-        self, space: spaces.Space, field: str, image_compression: ImageCompression | None = None
-    ) -> None:
+    def __init__(self, space: spaces.Space, field: str, image_compression: ImageCompression | None = None) -> None:
         if not isinstance(space, spaces.Space):
             raise TypeError(f"{field}: expected a gymnasium.spaces.Space, got {type(space).__name__}")
         self.space = space
@@ -122,9 +120,7 @@ class SpaceCodec:
     def _compress(self, columns: list[np.ndarray]) -> list[np.ndarray]:
         if not self.compressed:
             return columns
-        return [
-            column if codec is None else codec.compress(column) for codec, column in zip(self.compressors, columns)
-        ]
+        return [column if codec is None else codec.compress(column) for codec, column in zip(self.compressors, columns)]
 
     # -- encoding ---------------------------------------------------------------------
     def encode(self, value: Any, n: int, row_label: RowLabel = default_row_label) -> list[np.ndarray]:

@@ -22,11 +22,11 @@ Example:
 
 from asyncvec.control.chunks import (
     SOURCES,
-    action_logps_from_tokens,
     Chunk,
     ChunkExecutor,
     ChunkRollout,
     ChunkStream,
+    action_logps_from_tokens,
     request_threshold,
     ticks_met_bound,
 )

@@ -58,10 +58,19 @@ class GaussianChunkPolicy(TorchPolicy):
         ((4, 1), 4, True)
     """
 
-    def __init__(self, module: torch.nn.Module, chunk_space: gym.spaces.Box, *, obs_key: str | None = None,
-                 seed: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        chunk_space: gym.spaces.Box,
+        *,
+        obs_key: str | None = None,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(chunk_space, gym.spaces.Box) or len(chunk_space.shape) < 1:
-            raise ValueError(f"GaussianChunkPolicy: chunk_space must be a Box of shape (H, *action_shape), got {chunk_space!r}")
+            raise ValueError(
+                f"GaussianChunkPolicy: chunk_space must be a Box of shape (H, *action_shape), got {chunk_space!r}"
+            )
         super().__init__(module, chunk_space, **kwargs)
         self.obs_key = obs_key
         self.horizon = int(chunk_space.shape[0])
@@ -97,6 +106,8 @@ class GaussianChunkPolicy(TorchPolicy):
         actions = action.cpu().numpy()
         logps = per_action.cpu().numpy().astype(np.float64)
         return [
-            BackendResult(action=self._to_action(actions[i]), logp=float(logps[i].sum()), token_logps=tuple(logps[i].tolist()))
+            BackendResult(
+                action=self._to_action(actions[i]), logp=float(logps[i].sum()), token_logps=tuple(logps[i].tolist())
+            )
             for i in range(size)
         ]

@@ -79,10 +79,10 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
-import copy
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
@@ -438,7 +438,9 @@ class ChunkExecutor:
         if self.request_at is not None:
             return self.request_at
         if self.latency_ticks is not None:
-            return request_threshold([self.latency_ticks * self.period_s], self.period_s, self.horizon, self.request_margin)
+            return request_threshold(
+                [self.latency_ticks * self.period_s], self.period_s, self.horizon, self.request_margin
+            )
         return request_threshold(self._latencies, self.period_s, self.horizon, self.request_margin)
 
     def run(self, ticks: int) -> ChunkRollout:
@@ -531,13 +533,29 @@ class ChunkExecutor:
             self._tick += 1
             next_time += self.period_s
             now = time.perf_counter()
-            if now > next_time and not simulated:  # this tick overran the next one's start: count it, do not burst to catch up
+            if (
+                now > next_time and not simulated
+            ):  # this tick overran the next one's start: count it, do not burst to catch up
                 late[row] = True
                 self._counts["late_ticks"] += 1
                 next_time = now
         return ChunkRollout(
-            actions, proposed, rewards, terminated, truncated, versions, logps, chunk_ids, chunk_index, source,
-            safety_replaced, late, tick_time, action_logp, chunk_obs, observations,
+            actions,
+            proposed,
+            rewards,
+            terminated,
+            truncated,
+            versions,
+            logps,
+            chunk_ids,
+            chunk_index,
+            source,
+            safety_replaced,
+            late,
+            tick_time,
+            action_logp,
+            chunk_obs,
+            observations,
             copy.deepcopy(self._obs) if self.record_obs else None,
         )
 
@@ -578,7 +596,9 @@ class ChunkExecutor:
         future = self._pending[env_id]
         if future is None:
             return
-        if self.latency_ticks is not None:  # simulated clock: the answer arrives exactly latency_ticks after its request
+        if (
+            self.latency_ticks is not None
+        ):  # simulated clock: the answer arrives exactly latency_ticks after its request
             if tick < self._request_tick[env_id] + self.latency_ticks:
                 return
             self._wait_for_answer(future, env_id)
@@ -598,9 +618,16 @@ class ChunkExecutor:
             self._all_latencies.append(float(output.latency_s))
         else:
             self._counts["policy_fallbacks"] += 1
-        chunk = Chunk(actions, int(output.policy_version), float(output.behavior_logp), self._next_chunk_id, tick,
-                      bool(output.fallback), action_logps_from_tokens(output.token_logps, self.horizon),
-                      requested_with)
+        chunk = Chunk(
+            actions,
+            int(output.policy_version),
+            float(output.behavior_logp),
+            self._next_chunk_id,
+            tick,
+            bool(output.fallback),
+            action_logps_from_tokens(output.token_logps, self.horizon),
+            requested_with,
+        )
         self._next_chunk_id += 1
         self._counts["chunks"] += 1
         self._counts["overlap_dropped"] += self._streams[env_id].install(chunk)

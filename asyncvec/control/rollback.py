@@ -163,7 +163,11 @@ class RollbackGuard:
         weights = self.checkpoints[best_version]
         logger.warning(
             "RollbackGuard: version %d scored %.4g, below the best (version %d, %.4g) by more than %.4g: rolling back",
-            bad_version, score, best_version, self.best_score, self.margin,
+            bad_version,
+            score,
+            best_version,
+            self.best_score,
+            self.margin,
         )
         if self._pause is not None:
             self._pause()

@@ -81,7 +81,9 @@ class SafetyFilter:
         if not isinstance(action_space, gym.spaces.Box):
             raise TypeError(f"SafetyFilter needs a Box action space, got {action_space!r}")
         if not (callable(safe_action) or safe_action in ("hold", "zero")):
-            raise ValueError(f"safe_action must be 'hold', 'zero' or a function(obs, previous, env_id), got {safe_action!r}")
+            raise ValueError(
+                f"safe_action must be 'hold', 'zero' or a function(obs, previous, env_id), got {safe_action!r}"
+            )
         if predicate is not None and not callable(predicate):
             raise TypeError(f"predicate must be a function(obs, action) -> bool, got {type(predicate).__name__}")
         self.action_space = action_space
@@ -166,7 +168,9 @@ class SafetyFilter:
     def stats(self) -> dict[str, int | float]:
         """Counts: checked, replaced, one per reason (an action may have several), replaced_fraction."""
         counts: dict[str, int | float] = dict(self._counts)
-        counts["replaced_fraction"] = self._counts["replaced"] / self._counts["checked"] if self._counts["checked"] else 0.0
+        counts["replaced_fraction"] = (
+            self._counts["replaced"] / self._counts["checked"] if self._counts["checked"] else 0.0
+        )
         return counts
 
     def log(self, logger: Any, step: int, prefix: str = "safety/") -> None:
@@ -208,5 +212,10 @@ class SafetyWrapper(gym.Wrapper):
     def step(self, action: Any):
         executed, reason = self.safety(self._obs, action, env_id=0)
         self._obs, reward, terminated, truncated, info = self.env.step(executed)
-        info = {**info, "safety_replaced": reason is not None, "safety_reason": reason or "", "executed_action": executed}
+        info = {
+            **info,
+            "safety_replaced": reason is not None,
+            "safety_reason": reason or "",
+            "executed_action": executed,
+        }
         return self._obs, reward, terminated, truncated, info

@@ -106,7 +106,9 @@ class LocalCluster:
             self.shutdown()
             raise
 
-    def _node_args(self, index: int, num_cpus: float | None = None, resources: Mapping[str, float] | None = None) -> dict:
+    def _node_args(
+        self, index: int, num_cpus: float | None = None, resources: Mapping[str, float] | None = None
+    ) -> dict:
         return {
             "num_cpus": self._num_cpus if num_cpus is None else num_cpus,
             "resources": {**self._resources, **(resources or {}), f"node_{index}": NODE_UNITS},

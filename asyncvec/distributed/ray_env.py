@@ -207,7 +207,9 @@ class RayTransport(Transport):
             if self._ready_refs[worker] is None:
                 self._ready_refs[worker] = self._actors[worker].ready.remote()
             try:
-                ok, info = ray.get(self._ready_refs[worker], timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
+                ok, info = ray.get(
+                    self._ready_refs[worker], timeout=max(0.0, min(_POLL_S, deadline - time.monotonic()))
+                )
             except GetTimeoutError:
                 ok, info = None, None
             except RayActorError:  # still restarting: ask the next incarnation

@@ -132,7 +132,9 @@ def placement_problem(
                     free[name] = free.get(name, 0.0) - amount
         if _fits(need, free):
             return None
-        short = {name: round(free.get(name, 0.0), 6) for name, amount in need.items() if free.get(name, 0.0) < amount - 1e-9}
+        short = {
+            name: round(free.get(name, 0.0), 6) for name, amount in need.items() if free.get(name, 0.0) < amount - 1e-9
+        }
         reasons.append(f"node {node['NodeID'][:8]} has {short} left beside {', '.join(holders)}")
     return (
         f"it needs {need}, and on every node that could host it the actors started with it hold what it "

@@ -27,15 +27,15 @@ for _library in ("fastapi", "uvicorn", "transformers"):
     check_installed(_library, extra="serve", feature="asyncvec serve (asyncvec.inference.server)")
 hide_unloadable_torch_libraries()
 
-from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.exceptions import RequestValidationError  # noqa: E402
-from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field, field_validator  # noqa: E402
-from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
+from fastapi.exceptions import RequestValidationError  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
+from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
+from pydantic import BaseModel, ConfigDict, Field, field_validator  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 
-from asyncvec.inference.hf_policy import HFTextPolicy  # noqa: E402
-from asyncvec.inference.text import MAX_STOP_STRINGS  # noqa: E402
-from asyncvec.inference.types import BackendResult, PolicyError, PolicyOutput, TextPrompt  # noqa: E402
+from asyncvec.inference.hf_policy import HFTextPolicy  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
+from asyncvec.inference.text import MAX_STOP_STRINGS  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
+from asyncvec.inference.types import BackendResult, PolicyError, PolicyOutput, TextPrompt  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 
 MAX_PROMPTS_PER_REQUEST = 256
 MAX_N = 64

@@ -35,8 +35,12 @@ from torch import nn
 
 from asyncvec.inference.action_tokens import ActionTokenizer
 from asyncvec.inference.base import BatchedPolicy, split_batch
-from asyncvec.inference.tiny_models import (ARCHS, DEFAULT_VOCAB, _make_tokenizer_config_portable, build_char_tokenizer,
-                                            check_lm_sizes)
+from asyncvec.inference.tiny_models import (
+    DEFAULT_VOCAB,
+    _make_tokenizer_config_portable,
+    build_char_tokenizer,
+    check_lm_sizes,
+)
 from asyncvec.inference.types import BackendResult, PolicyOutput
 from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
 
@@ -315,8 +319,17 @@ def build_tiny_vla(
         >>> sorted(p.name for p in folder.iterdir() if p.suffix == ".json")[:2]
         ['config.json', 'tokenizer.json']
     """
-    heads = check_lm_sizes(arch, n_head, image_size=image_size, patch_size=patch_size, vision_dim=vision_dim,
-                           n_layer=n_layer, n_embd=n_embd, max_positions=max_positions, num_bins=num_bins)
+    heads = check_lm_sizes(
+        arch,
+        n_head,
+        image_size=image_size,
+        patch_size=patch_size,
+        vision_dim=vision_dim,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        max_positions=max_positions,
+        num_bins=num_bins,
+    )
     if image_size % patch_size:
         raise ValueError(f"image_size {image_size} must be a multiple of patch_size {patch_size}")
     if isinstance(vision_layers, bool) or not isinstance(vision_layers, int) or vision_layers < 0:
@@ -629,4 +642,3 @@ class TinyVLAPolicy(BatchedPolicy):
         if isinstance(weights, nn.Module):
             weights = weights.state_dict()
         apply_state_dict(self.model, load_state_dict_source(weights))
-

@@ -26,8 +26,13 @@ from torch import nn
 from asyncvec.inference.tiny_models import _make_tokenizer_config_portable
 from asyncvec.inference.types import BackendResult
 from asyncvec.inference.vla import TinyVLAModel, TinyVLAPolicy, resolve_vla
-from asyncvec.inference.vllm_policy import (_import_vllm, check_weight_versions, close_engine, reload_engine_weights,
-                                            start_engine)
+from asyncvec.inference.vllm_policy import (
+    _import_vllm,
+    check_weight_versions,
+    close_engine,
+    reload_engine_weights,
+    start_engine,
+)
 from asyncvec.inference.weights import ParameterSpec, WeightsSource, apply_state_dict, state_dict_of
 
 __all__ = ["VLLMVLAPolicy", "LANGUAGE_MODEL_PREFIX"]

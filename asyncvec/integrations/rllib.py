@@ -33,7 +33,7 @@ from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 
 require("ray.rllib", "RLlib (ray[rllib])", "rllib")
 
-from ray.tune.registry import register_env  # noqa: E402
+from ray.tune.registry import register_env  # noqa: E402  (after require: a missing library names its extra)
 
 __all__ = ["make_creator", "register"]
 

@@ -38,7 +38,7 @@ from asyncvec.vector.errors import WorkerError
 
 require("stable_baselines3", "stable-baselines3", "sb3")
 
-from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn  # noqa: E402
+from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices, VecEnvObs, VecEnvStepReturn  # noqa: E402  (after require: a missing library names its extra)
 
 __all__ = ["SB3VecEnv"]
 

@@ -36,10 +36,10 @@ from asyncvec.vector.errors import WorkerError
 
 require("tianshou", "tianshou", "tianshou")
 
-import tianshou.data  # noqa: E402
-from tianshou.data import Batch  # noqa: E402
-from tianshou.env import BaseVectorEnv  # noqa: E402
-from tianshou.env.worker import EnvWorker  # noqa: E402
+import tianshou.data  # noqa: E402  (after require: a missing library names its extra)
+from tianshou.data import Batch  # noqa: E402  (after require: a missing library names its extra)
+from tianshou.env import BaseVectorEnv  # noqa: E402  (after require: a missing library names its extra)
+from tianshou.env.worker import EnvWorker  # noqa: E402  (after require: a missing library names its extra)
 
 __all__ = ["AsyncCollector", "AsyncvecEnvWorker", "TianshouVectorEnv"]
 

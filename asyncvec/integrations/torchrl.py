@@ -39,7 +39,7 @@ require("torchrl", "TorchRL", "torchrl")
 if _start_method is None:
     multiprocessing.set_start_method(None, force=True)
 
-from torchrl.envs import EnvBase, GymWrapper  # noqa: E402
+from torchrl.envs import EnvBase, GymWrapper  # noqa: E402  (after require: a missing library names its extra)
 
 __all__ = ["make_env", "wrap"]
 

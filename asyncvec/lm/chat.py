@@ -94,7 +94,9 @@ class Conversation:
         if use_chat_template and not has_template:
             raise ValueError("use_chat_template=True, but the tokenizer has no chat_template")
         self.uses_template = has_template if use_chat_template is None else bool(use_chat_template)
-        self.messages: list[dict[str, str]] = [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        self.messages: list[dict[str, str]] = (
+            [] if system_prompt is None else [{"role": "system", "content": system_prompt}]
+        )
         self.ids: list[int] = []
         """the token ids so far (after :meth:`add_observation`: the prompt of the next turn)"""
         self.num_turns = 0
@@ -140,7 +142,7 @@ class Conversation:
                     "Conversation: the tokenizer's chat template is not prefix-stable (rendering a new turn "
                     "changed the text of earlier ones); pass use_chat_template=False for the plain format"
                 )
-            new_text = self._pending_suffix + after[len(before):]
+            new_text = self._pending_suffix + after[len(before) :]
             self._rendered = after
         else:
             plain = self.plain
@@ -165,10 +167,10 @@ class Conversation:
         if self.uses_template:
             full = self._render(generation_prompt=False)
             head = self._rendered + text
-            suffix = full[len(head):] if full.startswith(head) else ""
+            suffix = full[len(head) :] if full.startswith(head) else ""
             eos = self.tokenizer.eos_token
             if token_ids and token_ids[-1] == self.tokenizer.eos_token_id and eos and suffix.startswith(eos):
-                suffix = suffix[len(eos):]  # the sampled eos already closed the turn
+                suffix = suffix[len(eos) :]  # the sampled eos already closed the turn
             self._rendered = full[: len(full) - len(suffix)] if suffix else full
             self._pending_suffix = suffix
         else:

@@ -287,8 +287,8 @@ class EpisodeCollector:
         self.max_new_tokens = max_new_tokens or getattr(getattr(policy, "defaults", None), "max_new_tokens", None)
         if not self.max_new_tokens:
             raise TypeError("EpisodeCollector: pass max_new_tokens= (the policy has no sampling defaults)")
-        self.max_context_tokens = max_context_tokens or getattr(policy, "max_positions", None) or getattr(
-            policy, "max_model_len", None
+        self.max_context_tokens = (
+            max_context_tokens or getattr(policy, "max_positions", None) or getattr(policy, "max_model_len", None)
         )
         self.seed = int(seed)
         self.lockstep = bool(lockstep)
@@ -395,7 +395,9 @@ class EpisodeCollector:
     def check(self) -> None:
         """Raises the first error of the collection thread, if any."""
         if self._error is not None:
-            raise RuntimeError(f"episode collection failed: {type(self._error).__name__}: {self._error}") from self._error
+            raise RuntimeError(
+                f"episode collection failed: {type(self._error).__name__}: {self._error}"
+            ) from self._error
 
     def stats(self) -> dict[str, float]:
         """Counters: groups, episodes, turns, terminated, truncated, context_overflows, dropped_turns, env_errors,

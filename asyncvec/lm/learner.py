@@ -503,7 +503,9 @@ class EpisodeBatch:
         rows, columns = (self.turn_ids >= 0).nonzero(as_tuple=True)
         trained[rows, self.turn_ids[rows, columns]] = True
         per_turn = masked_normalize(returns, trained)
-        gathered = per_turn.gather(1, self.turn_ids.clamp(min=0)) if per_turn.numel() else torch.zeros_like(self.behavior_logp)
+        gathered = (
+            per_turn.gather(1, self.turn_ids.clamp(min=0)) if per_turn.numel() else torch.zeros_like(self.behavior_logp)
+        )
         return torch.where(self.mask, gathered, torch.zeros_like(gathered))
 
 

@@ -181,8 +181,7 @@ def _describe(fn: object) -> str:
 def _check_plugin_signature(name: str, fn: object) -> None:
     if not callable(fn):
         raise TypeError(
-            f"reward plugin {name!r} must be a callable f(prompt, completion, **info), "
-            f"got {type(fn).__name__}"
+            f"reward plugin {name!r} must be a callable f(prompt, completion, **info), got {type(fn).__name__}"
         )
     try:
         signature = inspect.signature(fn)
@@ -224,8 +223,7 @@ def check_reward(value: object, source: str) -> float:
     if not isinstance(value, numbers.Real):
         hint = " (call .item() on a tensor)" if hasattr(value, "item") else ""
         raise TypeError(
-            f"reward {source!r} returned {value!r} of type {type(value).__name__}; "
-            f"expected a real number (float){hint}"
+            f"reward {source!r} returned {value!r} of type {type(value).__name__}; expected a real number (float){hint}"
         )
     result = float(value)
     if not math.isfinite(result):
@@ -292,9 +290,7 @@ def _call(name: str, fn: RewardFn, prompt: str, completion: str, info: Mapping[s
     return check_reward(value, name)
 
 
-async def _acall(
-    name: str, fn: RewardFn, prompt: str, completion: str, info: Mapping[str, Any]
-) -> float:
+async def _acall(name: str, fn: RewardFn, prompt: str, completion: str, info: Mapping[str, Any]) -> float:
     if isinstance(fn, CombinedReward):
         return await fn.ascore(prompt, completion, **info)
     value = fn(prompt, completion, **info)
@@ -343,8 +339,7 @@ class CombinedReward:
     def __init__(self, weights: Mapping[str, float]) -> None:
         if not isinstance(weights, Mapping):
             raise TypeError(
-                f"CombinedReward weights must be a mapping {{plugin name: weight}}, "
-                f"got {type(weights).__name__}"
+                f"CombinedReward weights must be a mapping {{plugin name: weight}}, got {type(weights).__name__}"
             )
         if not weights:
             raise ValueError("CombinedReward weights must name at least one plugin")
@@ -357,9 +352,7 @@ class CombinedReward:
                     f"got {weight!r} of type {type(weight).__name__}"
                 )
             if not math.isfinite(weight):
-                raise ValueError(
-                    f"CombinedReward weight for {name!r} must be finite, got {weight!r}"
-                )
+                raise ValueError(f"CombinedReward weight for {name!r} must be finite, got {weight!r}")
             self._plugins[name] = get(name)
             self.weights[name] = float(weight)
         self.is_async: bool = any(_is_async(fn) for fn in self._plugins.values())
@@ -454,15 +447,9 @@ def exact_answer(prompt: str, completion: str, *, answer: int | None = None, **i
     if answer is None:
         answer = solve_arithmetic(prompt)
         if answer is None:
-            raise ValueError(
-                "exact_answer needs info['answer'] or a prompt ending in 'a+b=', "
-                f"got prompt {prompt!r}"
-            )
+            raise ValueError(f"exact_answer needs info['answer'] or a prompt ending in 'a+b=', got prompt {prompt!r}")
     elif isinstance(answer, bool) or not isinstance(answer, numbers.Integral):
-        raise TypeError(
-            f"exact_answer: info['answer'] must be an int, "
-            f"got {answer!r} of type {type(answer).__name__}"
-        )
+        raise TypeError(f"exact_answer: info['answer'] must be an int, got {answer!r} of type {type(answer).__name__}")
     return 1.0 if parse_leading_int(completion) == int(answer) else 0.0
 
 
@@ -539,10 +526,7 @@ class HFRewardModel:
         if not 0 <= self.label < num_labels:
             raise ValueError(f"label must be in [0, {num_labels}) for this model, got {label!r}")
         if tokenizer.pad_token_id is None:
-            raise ValueError(
-                "tokenizer.pad_token is None; set one "
-                "(e.g. tokenizer.pad_token = tokenizer.eos_token)"
-            )
+            raise ValueError("tokenizer.pad_token is None; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)")
         if config.pad_token_id is None:
             raise ValueError(
                 "model.config.pad_token_id is None; set model.config.pad_token_id = "
@@ -732,17 +716,13 @@ class RewardService:
         self._counts: collections.Counter[str] = collections.Counter()
         self._closed = False
 
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            self.num_workers, thread_name_prefix="asyncvec-reward"
-        )
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.num_workers, thread_name_prefix="asyncvec-reward")
         self._loop = asyncio.new_event_loop()
         self._queue: asyncio.Queue[_Request] = asyncio.Queue()
         self._pending: set[_Request] = set()  # touched on the loop thread only
         self._tasks: set[asyncio.Task[None]] = set()  # the loop keeps only weak references
         self._slots = asyncio.Semaphore(self.num_workers)
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="asyncvec-reward-loop", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncvec-reward-loop", daemon=True)
         self._thread.start()
         self._dispatcher = asyncio.run_coroutine_threadsafe(self._dispatch(), self._loop)
 
@@ -765,9 +745,7 @@ class RewardService:
         with self._lock:
             return self._version
 
-    def submit(
-        self, prompt: str, response: str, **info: Any
-    ) -> concurrent.futures.Future[RewardResult]:
+    def submit(self, prompt: str, response: str, **info: Any) -> concurrent.futures.Future[RewardResult]:
         """Queue one pair for scoring; ``info`` is passed to plugin scorers.
 
         Returns:
@@ -794,9 +772,7 @@ class RewardService:
                 self._loop.call_soon_threadsafe(self._admit, request)
                 return future
             self._counts["cache_hits"] += 1
-        future.set_result(
-            RewardResult(cached, False, time.perf_counter() - start, version, cached=True)
-        )
+        future.set_result(RewardResult(cached, False, time.perf_counter() - start, version, cached=True))
         return future
 
     def set_version(self, version: int) -> None:
@@ -825,15 +801,11 @@ class RewardService:
         """
         load = getattr(self._scorer, "load_weights", None)
         if load is None:
-            raise TypeError(
-                f"scorer {self._name!r} has no load_weights(); use set_version() for plugin scorers"
-            )
+            raise TypeError(f"scorer {self._name!r} has no load_weights(); use set_version() for plugin scorers")
         with self._weights_lock:
             new_version = self.version + 1 if version is None else _check_version(version)
             if new_version == self.version:
-                raise ValueError(
-                    f"version must differ from the current version {new_version} after new weights"
-                )
+                raise ValueError(f"version must differ from the current version {new_version} after new weights")
             load(weights)
             self.set_version(new_version)
         return new_version
@@ -968,11 +940,7 @@ class RewardService:
                 with self._lock:
                     version = self._version
                 if self._async:
-                    values = [
-                        await _acall(
-                            self._name, self._scorer, request.prompt, request.response, request.info
-                        )
-                    ]
+                    values = [await _acall(self._name, self._scorer, request.prompt, request.response, request.info)]
                 else:
                     call = functools.partial(
                         _call,
@@ -984,9 +952,7 @@ class RewardService:
                     )
                     values = [await self._loop.run_in_executor(self._executor, call)]
         except Exception as exc:  # scorer failures flag the requests; the service keeps going
-            logger.warning(
-                "reward scorer %r failed on %d request(s): %r", self._name, len(batch), exc
-            )
+            logger.warning("reward scorer %r failed on %d request(s): %r", self._name, len(batch), exc)
             with self._lock:
                 version = self._version
             for request in batch:
@@ -1004,9 +970,7 @@ class RewardService:
         with self._lock:
             self._counts["batches"] += 1
         if len(values) != len(prompts):
-            raise ValueError(
-                f"{self._name}.score_batch returned {len(values)} scores for {len(prompts)} pairs"
-            )
+            raise ValueError(f"{self._name}.score_batch returned {len(values)} scores for {len(prompts)} pairs")
         return version, values
 
     def _finish(self, batch: list[_Request], values: list[Any], version: int) -> None:
@@ -1026,9 +990,7 @@ class RewardService:
                 self._resolve(request, RewardResult(reward, False, 0.0, version, False))
 
     async def _shutdown(self) -> None:
-        tasks = [
-            task for task in asyncio.all_tasks(self._loop) if task is not asyncio.current_task()
-        ]
+        tasks = [task for task in asyncio.all_tasks(self._loop) if task is not asyncio.current_task()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -1036,9 +998,7 @@ class RewardService:
             if request.timer is not None:
                 request.timer.cancel()
             if not request.future.done():
-                request.future.set_exception(
-                    RuntimeError("RewardService was closed before the request was scored")
-                )
+                request.future.set_exception(RuntimeError("RewardService was closed before the request was scored"))
         self._pending.clear()
 
 

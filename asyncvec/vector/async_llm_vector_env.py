@@ -129,10 +129,7 @@ def _copy_batch(batch: Any) -> Any:
 
 def _take_info(infos: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
     """Rows of a gymnasium vector info dict (arrays and ``_key`` masks sized ``num_envs``)."""
-    return {
-        key: _take_info(value, rows) if isinstance(value, dict) else value[rows]
-        for key, value in infos.items()
-    }
+    return {key: _take_info(value, rows) if isinstance(value, dict) else value[rows] for key, value in infos.items()}
 
 
 def _resolve_backend(backend: str | Backend, context: str | None, daemon: bool) -> Backend:
@@ -680,7 +677,10 @@ class AsyncLLMVectorEnv(VectorEnv):
         if len(group) > 1:
             note = f"\n(its worker also hosted envs {[i for i in group if i != culprit]}, rebuilt with it)"
         command = self._slots[culprit].command
-        if any(self._slots[i].command not in _ENV_COMMANDS for i in lost) or self._slots[culprit].restarts >= self.max_restarts:
+        if (
+            any(self._slots[i].command not in _ENV_COMMANDS for i in lost)
+            or self._slots[culprit].restarts >= self.max_restarts
+        ):
             self._give_up(culprit, command, payload, note)
         try:
             self._transport.restart(worker)
@@ -754,9 +754,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         if isinstance(space, spaces.Box):
             action = np.asarray(action)
             if action.shape != space.shape:
-                raise ValueError(
-                    f"action for env {env_id} has shape {action.shape}, expected {space.shape} of {space}"
-                )
+                raise ValueError(f"action for env {env_id} has shape {action.shape}, expected {space.shape} of {space}")
             if np.issubdtype(action.dtype, np.number) and action.dtype != space.dtype:
                 action = action.astype(space.dtype)
         if not space.contains(action):
@@ -868,7 +866,9 @@ class AsyncLLMVectorEnv(VectorEnv):
         self.reset_async(seed=seed, options=options)
         return self.reset_wait()
 
-    def reset_async(self, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
+    def reset_async(
+        self, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> None:
         """Sends ``reset`` to the sub-environments; :meth:`reset_wait` collects the results."""
         self._assert_idle("reset_async")
         options = None if options is None else dict(options)
@@ -997,7 +997,9 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     # ------------------------------------------------------------------ EnvPool API
 
-    def async_reset(self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
+    def async_reset(
+        self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> None:
         """Resets every env without waiting; the reset observations come out of :meth:`recv`.
 
         Reset results carry reward 0 and ``terminated = truncated = False``.
@@ -1022,7 +1024,9 @@ class AsyncLLMVectorEnv(VectorEnv):
         with self._lock:
             self._assert_is_running()
             if self._state != _LockstepState.DEFAULT:
-                raise AlreadyPendingCallError(f"Calling `send` while waiting for `{self._state.value}`.", self._state.value)
+                raise AlreadyPendingCallError(
+                    f"Calling `send` while waiting for `{self._state.value}`.", self._state.value
+                )
             ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in np.asarray(env_ids).reshape(-1)]
             self._check_free(ids)
             for i, action in zip(ids, self._split_actions(actions, ids)):
@@ -1059,7 +1063,9 @@ class AsyncLLMVectorEnv(VectorEnv):
         with self._lock:
             self._assert_is_running()
             if self._state != _LockstepState.DEFAULT:
-                raise AlreadyPendingCallError(f"Calling `send_reset` while waiting for `{self._state.value}`.", self._state.value)
+                raise AlreadyPendingCallError(
+                    f"Calling `send_reset` while waiting for `{self._state.value}`.", self._state.value
+                )
             ids = [int(i) for i in np.asarray(env_ids).reshape(-1)]
             seeds = [None] * len(ids) if seeds is None else list(seeds)
             if len(seeds) != len(ids):
@@ -1091,11 +1097,16 @@ class AsyncLLMVectorEnv(VectorEnv):
             self._assert_is_running()
             in_flight = self.in_flight
             if not in_flight:
-                raise NoAsyncCallError("Calling `recv` with no env in flight: call `async_reset` or `send` first.", "recv")
+                raise NoAsyncCallError(
+                    "Calling `recv` with no env in flight: call `async_reset` or `send` first.", "recv"
+                )
             target = min(self.batch_size, len(in_flight))
             needed = target if at_least is None else max(1, min(int(at_least), target))
             self._wait_until(
-                lambda: len(self._arrivals) >= needed, timeout, f"recv: fewer than {needed} envs answered", wakeable=True
+                lambda: len(self._arrivals) >= needed,
+                timeout,
+                f"recv: fewer than {needed} envs answered",
+                wakeable=True,
             )
             if len(self._arrivals) < target:  # at_least: take the answers that are ready, without waiting
                 try:
@@ -1222,7 +1233,9 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def _check_spaces(self) -> None:
         for i in range(self.num_envs):
-            self._send(i, "check_spaces", (self.observation_mode, self.single_observation_space, self.single_action_space))
+            self._send(
+                i, "check_spaces", (self.observation_mode, self.single_observation_space, self.single_action_space)
+            )
         for index, (same_obs, same_action) in enumerate(self._finish_calls("check_spaces", self.start_timeout)):
             if not same_obs:
                 raise RuntimeError(

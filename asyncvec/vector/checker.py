@@ -46,7 +46,9 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     if isinstance(a, np.ndarray):
         b_arr = np.asarray(b)
         if a.shape != b_arr.shape or a.dtype != b_arr.dtype or not np.array_equal(a, b_arr, equal_nan=True):
-            return f"{path}: {a} != {b_arr}" + (f" (dtype {a.dtype} vs {b_arr.dtype})" if a.dtype != b_arr.dtype else "")
+            return f"{path}: {a} != {b_arr}" + (
+                f" (dtype {a.dtype} vs {b_arr.dtype})" if a.dtype != b_arr.dtype else ""
+            )
         return None
     return None if a == b else f"{path}: {a!r} != {b!r}"
 
@@ -78,7 +80,11 @@ def _step_problems(env: VectorEnv, result: tuple, size: int, where: str) -> list
     problems = []
     if size == env.num_envs and not env.observation_space.contains(obs):
         problems.append(f"{where}: observations are not in observation_space {env.observation_space}")
-    for name, array, kind in (("rewards", rewards, "f"), ("terminations", terminations, "b"), ("truncations", truncations, "b")):
+    for name, array, kind in (
+        ("rewards", rewards, "f"),
+        ("terminations", terminations, "b"),
+        ("truncations", truncations, "b"),
+    ):
         if not isinstance(array, np.ndarray) or array.shape != (size,):
             problems.append(f"{where}: {name} must be a numpy array of shape ({size},), got {array!r}")
         elif array.dtype.kind != kind and not (kind == "f" and array.dtype.kind in "iu"):
@@ -86,7 +92,9 @@ def _step_problems(env: VectorEnv, result: tuple, size: int, where: str) -> list
     return problems + _info_problems(info, size, where)
 
 
-def _autoreset_problems(mode: AutoresetMode, env: VectorEnv, previous_done: np.ndarray, result: tuple, t: int) -> list[str]:
+def _autoreset_problems(
+    mode: AutoresetMode, env: VectorEnv, previous_done: np.ndarray, result: tuple, t: int
+) -> list[str]:
     obs, rewards, terminations, truncations, info = result
     where = f"step {t}"
     problems = []
@@ -109,7 +117,9 @@ def _autoreset_problems(mode: AutoresetMode, env: VectorEnv, previous_done: np.n
             elif not env.single_observation_space.contains(info["final_obs"][i]):
                 problems.append(f"{where}: info['final_obs'][{i}] is not in single_observation_space")
         if mask is not None and np.any(mask & ~done):
-            problems.append(f"{where}: info['_final_obs'] is set for envs that did not end: {np.flatnonzero(mask & ~done)}")
+            problems.append(
+                f"{where}: info['_final_obs'] is set for envs that did not end: {np.flatnonzero(mask & ~done)}"
+            )
     return problems
 
 
@@ -125,7 +135,9 @@ def _space_problems(env: VectorEnv) -> list[str]:
     for batched, single in (("observation_space", "single_observation_space"), ("action_space", "single_action_space")):
         expected = batch_space(getattr(env, single), env.num_envs)
         if getattr(env, batched) != expected:
-            problems.append(f"{batched} is {getattr(env, batched)}, expected batch_space({single}, {env.num_envs}) = {expected}")
+            problems.append(
+                f"{batched} is {getattr(env, batched)}, expected batch_space({single}, {env.num_envs}) = {expected}"
+            )
     mode = env.metadata.get("autoreset_mode")
     if not isinstance(mode, AutoresetMode):
         problems.append(f"metadata['autoreset_mode'] must be an AutoresetMode, got {mode!r}")
@@ -241,7 +253,9 @@ def check_vector_env(
             if compare:
                 found = first_difference(result, reference.step(actions), f"step {t}")
                 if found:
-                    problems.append(f"not reproducible by SyncVectorEnv(env_fns) with the same seeds and actions: {found}")
+                    problems.append(
+                        f"not reproducible by SyncVectorEnv(env_fns) with the same seeds and actions: {found}"
+                    )
             previous_done = np.logical_or(result[2], result[3])
             if mode == AutoresetMode.DISABLED and previous_done.any():
                 options = {"reset_mask": previous_done.copy()}

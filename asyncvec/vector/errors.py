@@ -23,9 +23,7 @@ class WorkerError(RuntimeError):
     The original exception, when it could be pickled back, is chained as ``__cause__``.
     """
 
-    def __init__(
-        self, env_index: int, command: str, exc_type: str, message: str, worker_traceback: str = ""
-    ) -> None:
+    def __init__(self, env_index: int, command: str, exc_type: str, message: str, worker_traceback: str = "") -> None:
         self.env_index = env_index
         self.command = command
         self.exc_type = exc_type

@@ -128,8 +128,11 @@ def write_row(rows: Any, index: int, value: Any, field: str = "observation") -> 
 
     Unlike numpy assignment it never broadcasts nor casts across kinds.
     """
-    if type(rows) is np.ndarray and type(value) is np.ndarray and value.dtype == rows.dtype and (
-        value.shape == rows.shape[1:]
+    if (
+        type(rows) is np.ndarray
+        and type(value) is np.ndarray
+        and value.dtype == rows.dtype
+        and (value.shape == rows.shape[1:])
     ):
         rows[index] = value  # the common case (one array of the row's dtype and shape), without the walk
         return
@@ -145,7 +148,9 @@ def _visit_row(rows: Any, index: int, value: Any, field: str, write: bool) -> No
         return
     if isinstance(rows, tuple):
         if not isinstance(value, (tuple, list)) or len(value) != len(rows):
-            raise ValueError(f"{field} of env {index} is not a tuple of {len(rows)} entries: got {type(value).__name__}")
+            raise ValueError(
+                f"{field} of env {index} is not a tuple of {len(rows)} entries: got {type(value).__name__}"
+            )
         for position, (sub_rows, sub_value) in enumerate(zip(rows, value)):
             _visit_row(sub_rows, index, sub_value, f"{field}[{position}]", write)
         return

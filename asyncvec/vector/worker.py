@@ -104,7 +104,9 @@ def make_env(fn: Callable[[], Env], index: int) -> Env:
     """``fn()``, refused with a TypeError naming ``env_fns[index]`` unless it is an env with gymnasium
     spaces (a plain text game is the common case: it names the wrapper that gives it spaces)."""
     env = fn()
-    missing = [name for name in ("observation_space", "action_space") if not isinstance(getattr(env, name, None), Space)]
+    missing = [
+        name for name in ("observation_space", "action_space") if not isinstance(getattr(env, name, None), Space)
+    ]
     missing += [f"{name}()" for name in ("reset", "step") if not callable(getattr(env, name, None))]
     if missing:
         raise TypeError(
@@ -344,7 +346,9 @@ class BuildFailureError(Exception):
 
     def __init__(self, failure: BuildFailure) -> None:
         self.failure = failure
-        super().__init__(f"env at position {failure.position} failed to build: {failure.payload[0]}: {failure.payload[1]}")
+        super().__init__(
+            f"env at position {failure.position} failed to build: {failure.payload[0]}: {failure.payload[1]}"
+        )
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
