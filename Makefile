@@ -53,11 +53,13 @@ demo: $(VENV)/.plots
 demo-llm: $(VENV)/.test
 	$(PY) scripts/demo_llm.py
 
-# ruff's lint and format checks as pyproject.toml configures them (tests/test_style.py adds the reasons after
-# `# noqa`); .ci/run runs this before `make test`. `ruff format .` and `ruff check --fix .` mend most findings.
+# ruff's lint and format checks and mypy --strict on the core rooms (asyncvec/vector, asyncvec/buffers, losses.py,
+# versioning.py), as pyproject.toml configures them (tests/test_style.py adds the reasons after `# noqa`); .ci/run
+# runs this before `make test`. `ruff format .` and `ruff check --fix .` mend most of ruff's findings.
 lint: $(VENV)/.test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 # tests/conftest.py's FRESH_INTERPRETER_MODULES (in-process vLLM engines, the HF FrozenLake learning test) run one
 # after another, each in a fresh interpreter, as one unit of the xdist run (tests/test_fresh_interpreter_lane.py);

@@ -65,7 +65,7 @@ setup(
         + RLLIB
         + ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "matplotlib>=3.7"]
         # `make lint` (pyproject.toml): pinned, so a new release's rules or formatting never turn CI red by themselves
-        + ["ruff==0.17.6"],
+        + ["ruff==0.17.6", "mypy==2.4.1"],
     },
     entry_points={
         "console_scripts": [

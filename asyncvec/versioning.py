@@ -222,7 +222,9 @@ class VersionManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             # Read a callable source outside the lock: it is user code.
-            in_use = _check_int("version_in_use", version_in_use() if polled else version_in_use, minimum=0)
+            in_use = _check_int(
+                "version_in_use", version_in_use() if callable(version_in_use) else version_in_use, minimum=0
+            )
             with self._cond:
                 if self._closed.value:
                     return False
@@ -269,6 +271,7 @@ class VersionManager:
     # -- statistics ---------------------------------------------------------------------
     def record_staleness(self, staleness: int | Iterable[int]) -> None:
         """Add one staleness value, or many, to the statistics."""
+        items: list[Any]
         try:
             items = list(staleness)  # type: ignore[arg-type]
         except TypeError:  # a single number

@@ -212,7 +212,7 @@ def column_nbytes(column: Any) -> int:
     if isinstance(column, BlobColumn):
         return column.disk_bytes()
     if column.dtype == _OBJECT:
-        return column.nbytes + sum(sys.getsizeof(blob) for blob in column if isinstance(blob, bytes))
+        return int(column.nbytes) + sum(sys.getsizeof(blob) for blob in column if isinstance(blob, bytes))
     return int(column.nbytes)
 
 
@@ -245,7 +245,8 @@ def write_json_atomic(path: Path, payload: dict[str, Any], fsync: bool) -> None:
 
 def read_json(path: Path) -> dict[str, Any]:
     with open(path, encoding="utf-8") as file:
-        return json.load(file)
+        data: dict[str, Any] = json.load(file)
+    return data
 
 
 class DirectoryLock:

@@ -33,7 +33,7 @@ METHODS = {"zlib": ZLIB, "quantize": QUANTIZE, "jpeg": JPEG}
 MIN_PIXELS = 64
 
 
-def is_image_space(space: spaces.Space) -> bool:
+def is_image_space(space: spaces.Space[Any]) -> bool:
     """Whether a leaf space is stored as an image when compression is on: a uint8 ``Box`` of
     shape ``(H, W)`` or ``(H, W, C)`` with ``C`` in 1, 3, 4 and at least 64 pixels.
 
@@ -170,7 +170,7 @@ def resolve_image_compression(spec: Any) -> ImageCompression | None:
 
 def _up_filter(values: np.ndarray) -> np.ndarray:
     """PNG's "up" filter over axis 1 (image rows) of a batch, mod 256."""
-    filtered = values.copy()
+    filtered: np.ndarray = values.copy()
     np.subtract(values[:, 1:], values[:, :-1], out=filtered[:, 1:])
     return filtered
 

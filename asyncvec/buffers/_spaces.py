@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from gymnasium import spaces
@@ -36,7 +36,7 @@ class Leaf:
 
     path: tuple[str | int, ...]
     label: str  # for error messages, e.g. "obs['image']"
-    space: spaces.Space
+    space: spaces.Space[Any]
     shape: tuple[int, ...]  # per sample
     dtype: np.dtype
     # True when the dtype alone guarantees membership (a uint8 Box over [0, 255]), so the
@@ -87,7 +87,7 @@ class SpaceCodec:
             every leaf a plain array.
     """
 
-    def __init__(self, space: spaces.Space, field: str, image_compression: ImageCompression | None = None) -> None:
+    def __init__(self, space: spaces.Space[Any], field: str, image_compression: ImageCompression | None = None) -> None:
         if not isinstance(space, spaces.Space):
             raise TypeError(f"{field}: expected a gymnasium.spaces.Space, got {type(space).__name__}")
         self.space = space
@@ -100,7 +100,7 @@ class SpaceCodec:
         ]
         self.compressed = any(codec is not None for codec in self.compressors)
         self._single = len(self.leaves) == 1 and not self.leaves[0].path
-        self._batched_cache: dict[tuple[int, int], spaces.Space] = {}
+        self._batched_cache: dict[tuple[int, int], spaces.Space[Any]] = {}
 
     def column_names(self, prefix: str | None = None) -> list[str]:
         """Stable, file-name-safe column names, one per leaf."""
@@ -137,7 +137,7 @@ class SpaceCodec:
         if leaf.is_text:
             return self._encode_text(leaf, value, n, row_label)
         if leaf.quick_check(value, n):
-            return value
+            return cast(np.ndarray, value)
         array = np.asarray(value)
         expected_shape = (n, *leaf.shape)
         if array.shape != expected_shape:
@@ -171,7 +171,7 @@ class SpaceCodec:
                 raise ValueError(f"{leaf.label}: {row_label(row)}: value {text!r} is not in {leaf.space}")
         if n == 0:
             return np.empty((0, *leaf.shape), leaf.dtype)
-        return np.stack([flatten(leaf.space, text) for text in value])
+        return np.stack([cast(np.ndarray, flatten(leaf.space, text)) for text in value])
 
     def quick_encode(self, value: Any, n: int, check_values: bool = True) -> list[np.ndarray] | None:
         """The leaves of ``value`` if every leaf passes :meth:`Leaf.quick_check`, else None.
@@ -224,7 +224,7 @@ def _show(value: np.ndarray | np.generic) -> str:
     return f"<array shape {np.shape(value)}, min {np.min(value)}, max {np.max(value)}>"
 
 
-def _walk(space: spaces.Space, label: str, path: tuple[str | int, ...]) -> Iterator[Leaf]:
+def _walk(space: spaces.Space[Any], label: str, path: tuple[str | int, ...]) -> Iterator[Leaf]:
     if isinstance(space, spaces.Dict):
         for key, subspace in space.spaces.items():
             yield from _walk(subspace, f"{label}[{key!r}]", (*path, key))
@@ -241,7 +241,7 @@ def _walk(space: spaces.Space, label: str, path: tuple[str | int, ...]) -> Itera
             and bool(np.all(space.low == np.iinfo(dtype).min) and np.all(space.high == np.iinfo(dtype).max))
         )
         low, high = _bounds(space)
-        yield Leaf(path, label, space, tuple(space.shape), dtype, dtype_is_space=full_range, low=low, high=high)
+        yield Leaf(path, label, space, tuple(space.shape or ()), dtype, dtype_is_space=full_range, low=low, high=high)
     else:
         raise TypeError(
             f"{label}: {space} is not supported; expected Box, Discrete, MultiDiscrete, "
@@ -249,7 +249,7 @@ def _walk(space: spaces.Space, label: str, path: tuple[str | int, ...]) -> Itera
         )
 
 
-def _bounds(space: spaces.Space) -> tuple[Any, Any]:
+def _bounds(space: spaces.Space[Any]) -> tuple[Any, Any]:
     """Inclusive bounds equivalent to ``space.contains`` for values of the space's dtype (see
     :meth:`Leaf.quick_check`): a scalar when every element shares it, else an array; None for
     an infinite side next to an elementwise other side."""
@@ -257,11 +257,16 @@ def _bounds(space: spaces.Space) -> tuple[Any, Any]:
         return int(space.start), int(space.start + space.n - 1)
     if isinstance(space, spaces.MultiBinary):
         return 0, 1
+    low: Any
+    high: Any
     if isinstance(space, spaces.MultiDiscrete):
         low, high = np.asarray(space.start), np.asarray(space.start + space.nvec - 1)
     else:
-        low, high = np.asarray(space.low), np.asarray(space.high)
-    low, high = _shared(np.broadcast_to(low, space.shape)), _shared(np.broadcast_to(high, space.shape))
+        box = cast(spaces.Box, space)
+        low, high = np.asarray(box.low), np.asarray(box.high)
+    shape = space.shape or ()
+    bounds: tuple[Any, Any] = _shared(np.broadcast_to(low, shape)), _shared(np.broadcast_to(high, shape))
+    low, high = bounds
     # An infinite shared bound next to an elementwise other side checks nothing: drop it
     # (NaN still fails the other side's comparison).
     if type(high) is np.ndarray and type(low) is not np.ndarray and low == -np.inf:
@@ -345,7 +350,7 @@ def as_column(
     return array
 
 
-def _assemble(space: spaces.Space, leaves: Iterator[Any]) -> Any:
+def _assemble(space: spaces.Space[Any], leaves: Iterator[Any]) -> Any:
     if isinstance(space, spaces.Dict):
         return {key: _assemble(subspace, leaves) for key, subspace in space.spaces.items()}
     if isinstance(space, spaces.Tuple):

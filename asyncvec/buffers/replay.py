@@ -178,8 +178,8 @@ class ReplayBuffer:
     def __init__(
         self,
         capacity: int,
-        observation_space: spaces.Space,
-        action_space: spaces.Space,
+        observation_space: spaces.Space[Any],
+        action_space: spaces.Space[Any],
         *,
         prioritized: bool = False,
         alpha: float = 0.6,
@@ -233,7 +233,7 @@ class ReplayBuffer:
         plain = len(single) == 2 and all(not leaf.path and not leaf.is_text for leaf in single)
         plain = plain and not self._obs.compressed  # blobs are written, not the arrays given
         self._plain_leaves = (single[0].dtype, single[1].dtype) if plain else None
-        self._plain_signatures: dict[int, tuple] = {}
+        self._plain_signatures: dict[int, tuple[Any, ...]] = {}
         self._rng = np.random.default_rng(seed)
         self._lock = threading.Lock()
         self._closed = False
@@ -254,7 +254,7 @@ class ReplayBuffer:
         # pass them skips their write (what a buffer without such columns would cost).
         self._default_only: set[str] = set()
         if self.storage_dir is None:
-            self._columns = allocate(self._specs, None)  # type: ignore[assignment]
+            self._columns = allocate(self._specs, None)
             self._fill_defaults(self._columns)
         else:
             self.storage_dir.mkdir(parents=True, exist_ok=True)
@@ -606,17 +606,17 @@ class ReplayBuffer:
 
     def _quick_rows(
         self,
-        obs,
-        action,
-        reward,
-        next_obs,
-        terminated,
-        truncated,
-        policy_version,
-        behavior_logp,
-        env_id,
-        episode_id,
-        fallback,
+        obs: Any,
+        action: Any,
+        reward: Any,
+        next_obs: Any,
+        terminated: Any,
+        truncated: Any,
+        policy_version: Any,
+        behavior_logp: Any,
+        env_id: Any,
+        episode_id: Any,
+        fallback: Any,
     ) -> list[Any] | None:
         """The values to write, in the order of ``_write_columns``, for a batch that needs no
         conversion: ndarrays of the stored dtype and shape, and metadata given as one plain
@@ -645,11 +645,11 @@ class ReplayBuffer:
                  obs.shape, action.shape, next_obs.shape, terminated.shape, truncated.shape) == signature
         ):  # fmt: skip
             # Plain array spaces, arrays of the stored dtypes and shapes: one tuple comparison.
-            leaves = [obs, action, next_obs, reward, terminated, truncated]
+            leaves: list[Any] | None = [obs, action, next_obs, reward, terminated, truncated]
         else:
             leaves = self._quick_arrays(obs, action, reward, next_obs, terminated, truncated, n, check_values)
-            if leaves is None:
-                return None
+        if leaves is None:
+            return None
         if type(policy_version) is int and policy_version >= 0:
             version = policy_version
         else:
@@ -700,7 +700,17 @@ class ReplayBuffer:
         leaves += (version, logp, env_ids, episode_ids, fallback_flags)
         return leaves
 
-    def _quick_arrays(self, obs, action, reward, next_obs, terminated, truncated, n: int, check_values: bool):
+    def _quick_arrays(
+        self,
+        obs: Any,
+        action: Any,
+        reward: Any,
+        next_obs: Any,
+        terminated: Any,
+        truncated: Any,
+        n: int,
+        check_values: bool,
+    ) -> list[Any] | None:
         """The space leaves, reward, terminated and truncated of a batch that needs at most a
         float narrowing, checked leaf by leaf (values too with ``check_values``); else None."""
         obs_leaves = self._obs.quick_encode(obs, n, check_values)
@@ -720,8 +730,9 @@ class ReplayBuffer:
                 return None
         return [*obs_leaves, *action_leaves, *next_obs_leaves, reward, terminated, truncated]
 
-    def _plain_signature(self, n: int) -> tuple:
+    def _plain_signature(self, n: int) -> tuple[Any, ...]:
         """What _quick_rows compares a batch of ``n`` against: dtypes, then shapes."""
+        assert self._plain_leaves is not None  # only called for a plain layout
         obs_dtype, action_dtype = self._plain_leaves
         obs_shape, action_shape = (n, *self._obs.leaves[0].shape), (n, *self._action.leaves[0].shape)
         return (
@@ -740,17 +751,17 @@ class ReplayBuffer:
 
     def _checked_rows(
         self,
-        obs,
-        action,
-        reward,
-        next_obs,
-        terminated,
-        truncated,
-        policy_version,
-        behavior_logp,
-        env_id,
-        episode_id,
-        fallback,
+        obs: Any,
+        action: Any,
+        reward: Any,
+        next_obs: Any,
+        terminated: Any,
+        truncated: Any,
+        policy_version: Any,
+        behavior_logp: Any,
+        env_id: Any,
+        episode_id: Any,
+        fallback: Any,
     ) -> list[np.ndarray]:
         """The values to write as ``(n, ...)`` arrays (the order of ``_write_columns``):
         converted where lossless, checked against the spaces, with errors that name the
@@ -1031,7 +1042,7 @@ class ReplayBuffer:
         return f"ReplayBuffer(size={len(self)}, capacity={self.capacity}, prioritized={self.prioritized}{where})"
 
 
-def _read_meta(path: Path) -> tuple[dict[str, Any], tuple[spaces.Space, spaces.Space]]:
+def _read_meta(path: Path) -> tuple[dict[str, Any], tuple[spaces.Space[Any], spaces.Space[Any]]]:
     if not (path / _META).exists():
         raise FileNotFoundError(f"{path}: no {_META}; not a saved ReplayBuffer")
     meta = read_json(path / _META)

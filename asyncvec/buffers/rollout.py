@@ -116,8 +116,8 @@ class RolloutStore:
         self,
         num_steps: int,
         num_envs: int,
-        observation_space: spaces.Space,
-        action_space: spaces.Space,
+        observation_space: spaces.Space[Any],
+        action_space: spaces.Space[Any],
         *,
         max_steps_ahead: int | None = None,
         image_compression: bool | str | ImageCompression | None = None,
@@ -309,7 +309,8 @@ class RolloutStore:
     def steps_per_env(self) -> list[int]:
         """Steps each env holds now (can exceed ``num_steps`` by ``max_steps_ahead``)."""
         with self._cond:
-            return self._cursor.tolist()
+            steps: list[int] = self._cursor.tolist()
+            return steps
 
     def clear(self) -> None:
         """Drop every stored step and bootstrap observation (e.g. after a policy reset)."""

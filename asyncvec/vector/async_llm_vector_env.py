@@ -62,7 +62,7 @@ _NO_RESULT = object()  # a worker's answer can be None, so "no answer yet" needs
 class _CallFailure:
     """An env method raised inside a call; the worker itself is fine."""
 
-    payload: tuple
+    payload: tuple[Any, ...]
 
 
 @dataclass
@@ -83,7 +83,7 @@ class _Slot:
     command: str | None = None  # what the user asked of it and ``recv`` has not returned yet
     payload: Any = None  # kept to repeat a reset after a restart
     result: Any = _NO_RESULT  # answer received, not yet delivered
-    info_extra: dict = field(default_factory=dict)
+    info_extra: dict[Any, Any] = field(default_factory=dict)
     restarts: int = 0
     seed: int | None = None  # the last seed the caller gave this env's reset
     reseed: int | None = None  # a rebuilt env's restart_seed, until a message hands it to the worker
@@ -144,7 +144,7 @@ def _resolve_backend(backend: str | Backend, context: str | None, daemon: bool) 
     raise ValueError(f"backend must be 'process', 'ray' or a Backend instance, got {backend!r}")
 
 
-class AsyncLLMVectorEnv(VectorEnv):
+class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     """Runs sub-environments in workers; fast envs never wait for slow ones.
 
     Two APIs over the same workers:
@@ -223,7 +223,7 @@ class AsyncLLMVectorEnv(VectorEnv):
 
     def __init__(
         self,
-        env_fns: Sequence[Callable[[], Env]],
+        env_fns: Sequence[Callable[[], Env[Any, Any]]],
         *,
         batch_size: int | None = None,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
@@ -286,21 +286,23 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._outbox: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
         self._state = _LockstepState.DEFAULT
         self._lockstep_ids: list[int] = []
-        self._action_spaces: dict[int, Space] = {}
+        self._action_spaces: dict[int, Space[Any]] = {}
         self._arrivals: deque[int] = deque()  # env ids with an undelivered answer, in arrival order
         self._woken = threading.Event()  # wake(): the next recv that would wait returns at once
         # send/send_reset from another thread while recv waits in this one (see send): recv holds the
         # lock except while it waits for the workers, and such a send wakes that wait to watch its env too
         self._lock = threading.Lock()
         self._recv_waiting = False
-        self._transport: Transport | None = None
-        self._shm = None
-        self._shared_rows = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
+        self._transport: Transport = None  # type: ignore[assignment]  # None until the workers exist; close() checks
+        self._shm: Any = None
+        self._shared_rows: Any = None  # shared views of a Dict's fixed-shape entries when the rest goes by pipe
         self._row_templates = None  # what the parent checks observations against without shared memory
         self._action_rows = None  # shared views of one action per env, when actions travel that way
         self._in_process_steps: bool | None = None  # placement and buffers allow the in-process fast path
-        self._stepped: tuple | None = None  # a lockstep step's results, taken by the in-process fast path
-        self._box_bounds: tuple | None = None  # a Box action space's (low, high) if each is one number, else ()
+        self._stepped: Any = None  # a lockstep step's results, taken by the in-process fast path
+        self._box_bounds: tuple[Any, ...] | None = (
+            None  # a Box action space's (low, high) if each is one number, else ()
+        )
 
         self.placement = self._place(envs_per_worker, in_process)
         logger.info("AsyncLLMVectorEnv(num_envs=%d) places its envs %s", self.num_envs, self.placement)
@@ -371,7 +373,9 @@ class AsyncLLMVectorEnv(VectorEnv):
         )
         return choose_placement(self.num_envs, profile, self.backend.parallelism(), can_run_in_process)
 
-    def _set_spaces(self, observation_space: Space, action_space: Space, metadata: dict, render_mode: Any) -> None:
+    def _set_spaces(
+        self, observation_space: Space[Any], action_space: Space[Any], metadata: dict[Any, Any], render_mode: Any
+    ) -> None:
         self.metadata = dict(metadata)
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = render_mode
@@ -386,6 +390,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         observation_space = self.single_observation_space
         shared_space = None if self._shm is None else shared_subspace(observation_space)
         self._shared_rows = None
+        self._env_obs: list[Any] | None = None
         # without shared memory the parent checks what the workers' write_row would have (check_row)
         self._row_templates = row_templates(observation_space) if self._shm is None else None
         if shared_space is not None and shared_space is not observation_space:
@@ -395,7 +400,6 @@ class AsyncLLMVectorEnv(VectorEnv):
             self._env_obs = [None] * self.num_envs
         elif self._shm is not None:
             self._observations = read_from_shared_memory(observation_space, self._shm, n=self.num_envs)
-            self._env_obs: list[Any] | None = None
         else:
             self._observations = create_empty_array(observation_space, n=self.num_envs, fn=np.zeros)
             self._env_obs = [None] * self.num_envs  # latest observation per env (no shared memory)
@@ -410,9 +414,9 @@ class AsyncLLMVectorEnv(VectorEnv):
             raise self._error_from_payload(self._groups[worker][payload.position], "make", payload.payload)
         raise self._error_from_payload(self._groups[worker][0], "make", payload)
 
-    def _error_from_payload(self, index: int, command: str, payload: Any) -> WorkerError:
+    def _error_from_payload(self, index: int, command: str | None, payload: Any) -> WorkerError:
         exc_type, message, trace, pickled = payload
-        error = WorkerError(index, command, exc_type, message, trace)
+        error = WorkerError(index, str(command), exc_type, message, trace)
         if pickled is not None:
             try:
                 error.__cause__ = pickle.loads(pickled)
@@ -640,7 +644,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         seed, slot.reseed = slot.reseed, None
         return {"then": then, "arg": self._single_obs(index), "seed": seed}
 
-    def _give_up(self, index: int, command: str, payload: Any, note: str = "") -> None:
+    def _give_up(self, index: int, command: str | None, payload: Any, note: str = "") -> None:
         slot = self._slots[index]
         error = self._error_from_payload(index, command, payload)
         if slot.restarts:
@@ -761,7 +765,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             raise ValueError(f"action {action} for env {env_id} is not in the action space {space}")
         return action
 
-    def _batched_action_space(self, count: int) -> Space:
+    def _batched_action_space(self, count: int) -> Space[Any]:
         """The action space of a ``send`` to ``count`` envs (cached per count), to split and check actions.
 
         A space that gymnasium batches as a ``Tuple`` of deep copies (``Text``, ``Graph``,
@@ -861,7 +865,9 @@ class AsyncLLMVectorEnv(VectorEnv):
             raise ValueError("options['reset_mask'] must contain at least one True value")
         return mask
 
-    def reset(self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None):
+    def reset(
+        self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         """Resets the sub-environments (those in ``options["reset_mask"]`` if given)."""
         self.reset_async(seed=seed, options=options)
         return self.reset_wait()
@@ -881,7 +887,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._lockstep_ids = ids
         self._state = _LockstepState.WAITING_RESET
 
-    def reset_wait(self, timeout: float | None = None):
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """Waits for :meth:`reset_async`; returns the batched observations and infos.
 
         Raises:
@@ -898,7 +904,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         self._state = _LockstepState.DEFAULT
         return self._batched_observations(), infos
 
-    def step(self, actions: Any):
+    def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Steps every sub-environment; returns batched (obs, rewards, terminations, truncations, infos)."""
         self.step_async(actions)
         return self.step_wait()
@@ -926,7 +932,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         slots = self._slots
         return self._in_process_steps and not any(slot.after_restart is not None or slot.info_extra for slot in slots)
 
-    def _finish_step_in_process(self):
+    def _finish_step_in_process(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """``step_wait`` of the in-process fast path: the envs that raised go through the usual
         failure path (rebuilt and truncated, or the error); the others' results are taken as they are."""
         items, (rewards, terminations, truncations, env_infos, failures) = self._stepped
@@ -958,7 +964,7 @@ class AsyncLLMVectorEnv(VectorEnv):
             infos,
         )
 
-    def step_wait(self, timeout: float | None = None):
+    def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Waits for :meth:`step_async` (at most ``timeout`` seconds) and returns the batch.
 
         Raises:
@@ -1077,7 +1083,9 @@ class AsyncLLMVectorEnv(VectorEnv):
             if self._recv_waiting:  # called while recv waits in another thread: it watches these envs too
                 self._transport.wake()
 
-    def recv(self, timeout: float | None = None, *, at_least: int | None = None):
+    def recv(
+        self, timeout: float | None = None, *, at_least: int | None = None
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Returns the first ``batch_size`` envs to finish, in arrival order.
 
         If fewer than ``batch_size`` envs are in flight, returns all of them once they finish.
@@ -1266,7 +1274,7 @@ class AsyncLLMVectorEnv(VectorEnv):
         """The cluster node of each env's worker (``None`` for worker processes on this machine)."""
         return [self._transport.node(slot.worker) for slot in self._slots]
 
-    def close_extras(self, timeout: float | None = 5.0, terminate: bool = False) -> None:
+    def close_extras(self, timeout: float | None = 5.0, terminate: bool = False) -> None:  # type: ignore[override]  # as gymnasium's AsyncVectorEnv
         """Stops every worker; kills any that does not stop within ``timeout`` seconds."""
         if self._transport is not None:
             self._transport.close(timeout, terminate)

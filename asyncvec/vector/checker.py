@@ -73,7 +73,7 @@ def _info_problems(info: Any, size: int, where: str) -> list[str]:
     return problems
 
 
-def _step_problems(env: VectorEnv, result: tuple, size: int, where: str) -> list[str]:
+def _step_problems(env: VectorEnv[Any, Any, Any], result: tuple[Any, ...], size: int, where: str) -> list[str]:
     if not (isinstance(result, tuple) and len(result) == 5):
         return [f"{where}: step must return (obs, rewards, terminations, truncations, infos)"]
     obs, rewards, terminations, truncations, info = result
@@ -93,7 +93,7 @@ def _step_problems(env: VectorEnv, result: tuple, size: int, where: str) -> list
 
 
 def _autoreset_problems(
-    mode: AutoresetMode, env: VectorEnv, previous_done: np.ndarray, result: tuple, t: int
+    mode: AutoresetMode, env: VectorEnv[Any, Any, Any], previous_done: np.ndarray, result: tuple[Any, ...], t: int
 ) -> list[str]:
     obs, rewards, terminations, truncations, info = result
     where = f"step {t}"
@@ -123,7 +123,7 @@ def _autoreset_problems(
     return problems
 
 
-def _space_problems(env: VectorEnv) -> list[str]:
+def _space_problems(env: VectorEnv[Any, Any, Any]) -> list[str]:
     problems = []
     if not isinstance(env.num_envs, (int, np.integer)) or env.num_envs < 1:
         return [f"num_envs must be a positive int, got {env.num_envs!r}"]
@@ -142,13 +142,15 @@ def _space_problems(env: VectorEnv) -> list[str]:
     if not isinstance(mode, AutoresetMode):
         problems.append(f"metadata['autoreset_mode'] must be an AutoresetMode, got {mode!r}")
     elif getattr(env, "autoreset_mode", mode) != mode:
-        problems.append(f"autoreset_mode attribute {env.autoreset_mode} != metadata['autoreset_mode'] {mode}")
+        problems.append(
+            f"autoreset_mode attribute {getattr(env, 'autoreset_mode')} != metadata['autoreset_mode'] {mode}"
+        )
     return problems
 
 
 def _partial_batch_problems(env: Any, rounds: int, seed: int) -> list[str]:
     """EnvPool invariants: non-empty batches of at most batch_size, each env once per send."""
-    problems = []
+    problems: list[str] = []
     batch_size = getattr(env, "batch_size", env.num_envs)
     env.async_reset(seed=seed)
     in_flight = set(range(env.num_envs))
@@ -187,7 +189,7 @@ def _partial_batch_problems(env: Any, rounds: int, seed: int) -> list[str]:
 
 
 def check_vector_env(
-    env: VectorEnv,
+    env: VectorEnv[Any, Any, Any],
     *,
     num_steps: int = 100,
     seed: int = 0,
@@ -218,7 +220,7 @@ def check_vector_env(
         raise VectorEnvCheckError(_report(env, problems))
     mode = env.metadata["autoreset_mode"]
 
-    env_fns: list[Callable] | None = getattr(env, "env_fns", None)
+    env_fns: list[Callable[..., Any]] | None = getattr(env, "env_fns", None)
     if env_fns is not None:
         for i, fn in enumerate(env_fns):
             try:
@@ -236,6 +238,7 @@ def check_vector_env(
             problems.append(f"reset: observations are not in observation_space {env.observation_space}")
         problems += _info_problems(info, env.num_envs, "reset")
         if compare:
+            assert reference is not None
             found = first_difference((obs, info), reference.reset(seed=seed), "reset")
             if found:
                 problems.append(f"not reproducible by SyncVectorEnv(env_fns) with the same seed: {found}")
@@ -251,6 +254,7 @@ def check_vector_env(
                 break
             problems += _autoreset_problems(mode, env, previous_done, result, t)
             if compare:
+                assert reference is not None
                 found = first_difference(result, reference.step(actions), f"step {t}")
                 if found:
                     problems.append(
@@ -274,6 +278,6 @@ def check_vector_env(
         raise VectorEnvCheckError(_report(env, problems))
 
 
-def _report(env: VectorEnv, problems: list[str]) -> str:
+def _report(env: VectorEnv[Any, Any, Any], problems: list[str]) -> str:
     lines = "\n".join(f"  - {p}" for p in problems)
     return f"{type(env).__name__} fails the vector env contract ({len(problems)} problem(s)):\n{lines}"

@@ -171,7 +171,9 @@ def choose_placement(num_envs: int, profile: StepProfile, cores: int, can_run_in
     return Placement(False, k, workers, f"{why}; {measured}", profile)
 
 
-def time_steps(env: Env, budget_s: float = PROBE_BUDGET_S, max_steps: int = PROBE_MAX_STEPS) -> dict[str, Any]:
+def time_steps(
+    env: Env[Any, Any], budget_s: float = PROBE_BUDGET_S, max_steps: int = PROBE_MAX_STEPS
+) -> dict[str, Any]:
     """Steps ``env`` with random actions (a seeded copy of its action space) and times each step.
 
     Runs in the probe's worker process (the ``"probe"`` command). Returns ``{"step_s": [...],
@@ -179,7 +181,7 @@ def time_steps(env: Env, budget_s: float = PROBE_BUDGET_S, max_steps: int = PROB
     not timed. Stops after ``budget_s`` of stepping, ``max_steps`` steps, or one step longer than
     ``PROBE_SLOW_STEP_S``.
     """
-    space: Space = copy.deepcopy(env.action_space)
+    space: Space[Any] = copy.deepcopy(env.action_space)
     space.seed(0)
     env.reset(seed=0)
     walls: list[float] = []
@@ -200,7 +202,9 @@ def time_steps(env: Env, budget_s: float = PROBE_BUDGET_S, max_steps: int = PROB
     return {"step_s": walls, "cpu_s": cpus}
 
 
-def probe_skip_reason(observation_space: Space, action_space: Space, render_mode: Any, metadata: dict) -> str | None:
+def probe_skip_reason(
+    observation_space: Space[Any], action_space: Space[Any], render_mode: Any, metadata: dict[Any, Any]
+) -> str | None:
     """Why the env is not probed (random actions not meaningful or not safe), or ``None``."""
     if metadata.get("asyncvec_probe", True) is False:
         return "the env declares metadata['asyncvec_probe'] = False"
@@ -212,7 +216,7 @@ def probe_skip_reason(observation_space: Space, action_space: Space, render_mode
 
 
 def profile_env(
-    env_fn: Callable[[], Env], context: str | None = None, start_timeout: float = 60.0, daemon: bool = True
+    env_fn: Callable[[], Env[Any, Any]], context: str | None = None, start_timeout: float = 60.0, daemon: bool = True
 ) -> StepProfile:
     """Measures one throwaway env built by ``env_fn`` in a child process (see the module docstring).
 

@@ -57,7 +57,7 @@ __all__ = [
 _FIXED_SHAPE_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
 
-def is_fixed_shape(space: Space) -> bool:
+def is_fixed_shape(space: Space[Any]) -> bool:
     """Whether every observation of ``space`` has the same dtype and shape (fits shared memory)."""
     if isinstance(space, spaces.Dict):
         return all(is_fixed_shape(s) for s in space.spaces.values())
@@ -66,7 +66,7 @@ def is_fixed_shape(space: Space) -> bool:
     return isinstance(space, _FIXED_SHAPE_SPACES)
 
 
-def shared_subspace(space: Space) -> Space | None:
+def shared_subspace(space: Space[Any]) -> Space[Any] | None:
     """The part of ``space`` that travels through shared memory, or ``None`` if none does.
 
     The whole space when it is fixed-shape; for a top-level ``Dict``, the ``Dict`` of its
@@ -108,7 +108,7 @@ def copy_row(rows: Any, index: int) -> Any:
     return rows[index].copy()
 
 
-def row_templates(space: Space) -> Any:
+def row_templates(space: Space[Any]) -> Any:
     """Arrays of zero rows with the row shape and dtype of each fixed-shape entry of ``space``
     (what `check_row` compares an observation with when there are no shared views), or None."""
     shared = shared_subspace(space)

@@ -57,7 +57,7 @@ class WorkerSpec:
             processes), or ``None``: actions then travel with the message.
     """
 
-    env_fns: Sequence[Callable[[], Env]]
+    env_fns: Sequence[Callable[[], Env[Any, Any]]]
     groups: Sequence[Sequence[int]]
     autoreset_mode: AutoresetMode
     shared_memory: Any = None
@@ -90,6 +90,12 @@ class Transport(ABC):
     @abstractmethod
     def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
         """Sends one message; never blocks on the worker and never raises for a dead one."""
+
+    def step_all(
+        self, worker: int, actions: Sequence[Any]
+    ) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
+        """A lockstep step of the worker's envs without a message: only where they run in this process."""
+        raise NotImplementedError(f"{type(self).__name__} runs its envs in other processes")
 
     @abstractmethod
     def wait(self, workers: Sequence[int], timeout: float | None) -> list[int]:
@@ -135,7 +141,7 @@ class Backend(ABC):
     #: read the spaces, and fixed-shape observations may travel through shared memory).
     local: bool = True
 
-    def create_shared_memory(self, space: Space, n: int) -> Any:
+    def create_shared_memory(self, space: Space[Any], n: int) -> Any:
         """Shared memory for ``n`` observations of ``space``, or ``None`` when the workers cannot reach it."""
         return None
 
@@ -163,7 +169,7 @@ class ProcessBackend(Backend):
     def __post_init__(self) -> None:
         self._ctx = multiprocessing.get_context(self.context)
 
-    def create_shared_memory(self, space: Space, n: int) -> Any:
+    def create_shared_memory(self, space: Space[Any], n: int) -> Any:
         return create_shared_memory(space, n=n, ctx=self._ctx)
 
     def create(self, spec: WorkerSpec) -> ProcessTransport:
@@ -178,6 +184,7 @@ class ProcessTransport(Transport):
     def __init__(self, spec: WorkerSpec, ctx: Any, daemon: bool) -> None:
         self.spec = spec
         # wake(): a byte written here ends wait(), which watches the read end with the workers' pipes
+        self._wake_write: int | None  # None once close() closed the pipe
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -226,7 +233,7 @@ class ProcessTransport(Transport):
             return False, ("StartTimeout", f"the worker did not build its envs within {timeout} s", "", None)
         return self.read(worker)
 
-    def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
+    def send(self, worker: int, message: list[tuple[int, str, Any]] | None) -> None:  # None: stop
         try:
             self._pipes[worker].send_bytes(dumps(message))
         except (BrokenPipeError, OSError):
@@ -268,7 +275,8 @@ class ProcessTransport(Transport):
 
     def read(self, worker: int) -> tuple[bool, Any]:
         try:
-            return pickle.loads(self._pipes[worker].recv_bytes())
+            answer: tuple[bool, Any] = pickle.loads(self._pipes[worker].recv_bytes())
+            return answer
         except (EOFError, OSError, ConnectionResetError):
             process = self._processes[worker]
             process.join(timeout=1.0)
@@ -298,7 +306,11 @@ class ProcessTransport(Transport):
             for w in started:
                 if self._processes[w].is_alive() and not self._pipes[w].closed:
                     self.send(w, None)
-        deadline = None if timeout is None and not terminate else time.monotonic() + (0.0 if terminate else timeout)
+        deadline = (
+            None
+            if timeout is None and not terminate
+            else time.monotonic() + (timeout if not terminate and timeout else 0.0)
+        )
         for w in started:
             process = self._processes[w]
             process.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -310,10 +322,11 @@ class ProcessTransport(Transport):
             if self._wake_write is not None:
                 os.close(self._wake_read)
                 os.close(self._wake_write)
-                self._wake_read = self._wake_write = None
+                self._wake_write = None
 
     def pid(self, worker: int) -> int | None:
-        return self._processes[worker].pid
+        pid: int | None = self._processes[worker].pid
+        return pid
 
 
 class InProcessBackend(Backend):
@@ -325,7 +338,7 @@ class InProcessBackend(Backend):
     raises is still reported and restarted like a worker's.
     """
 
-    def create_shared_memory(self, space: Space, n: int) -> Any:
+    def create_shared_memory(self, space: Space[Any], n: int) -> Any:
         # Plain process memory that the envs write and the vector env reads, as with workers.
         return create_shared_memory(space, n=n, ctx=multiprocessing.get_context())
 
@@ -363,9 +376,13 @@ class InProcessTransport(Transport):
     def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
         return self._ready[worker]
 
-    def step_all(self, worker: int, actions: Sequence[Any]) -> tuple[list, list, list, list, list]:
+    def step_all(
+        self, worker: int, actions: Sequence[Any]
+    ) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
         """:meth:`EnvGroup.step_all` of the worker's envs: a lockstep step without a message."""
-        return self._groups[worker].step_all(actions)
+        group = self._groups[worker]
+        assert group is not None  # steps reach only a group that was built
+        return group.step_all(actions)
 
     def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
         group = self._groups[worker]

@@ -43,7 +43,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, SupportsFloat
 
 import numpy as np
 from gymnasium import Env, Space
@@ -75,11 +75,21 @@ class BuildFailure:
     payload: tuple[str, str, str, bytes | None]
 
 
-_NUMPY_SCALARS = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
+_NUMPY_SCALARS: tuple[type[np.generic], ...] = (
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+)
 _NUMPY_SCALARS += (np.float16, np.float32, np.float64)
 
 
-def _reduce_numpy_scalar(value: np.generic) -> tuple:
+def _reduce_numpy_scalar(value: np.generic) -> tuple[Any, ...]:
     return type(value), (value.item(),)
 
 
@@ -100,7 +110,7 @@ def dumps(message: Any) -> bytes:
     return buffer.getvalue()
 
 
-def make_env(fn: Callable[[], Env], index: int) -> Env:
+def make_env(fn: Callable[[], Env[Any, Any]], index: int) -> Env[Any, Any]:
     """``fn()``, refused with a TypeError naming ``env_fns[index]`` unless it is an env with gymnasium
     spaces (a plain text game is the common case: it names the wrapper that gives it spaces)."""
     env = fn()
@@ -148,7 +158,7 @@ class EnvGroup:
 
     def __init__(
         self,
-        env_fns: Sequence[Callable[[], Env]],
+        env_fns: Sequence[Callable[[], Env[Any, Any]]],
         indices: Sequence[int],
         autoreset_mode: AutoresetMode,
         shared_memory: Any = None,
@@ -162,10 +172,12 @@ class EnvGroup:
         self._same_step = self.autoreset_mode == AutoresetMode.SAME_STEP
         self.shared_memory = shared_memory
         self.action_memory = action_memory
-        self._action_rows = None  # numpy views of the shared action rows, made once
-        self._rows = None  # numpy views of the shared observation rows, made once
+        self._action_rows: Any = None  # numpy views of the shared action rows, made once
+        self._rows: Any = None  # numpy views of the shared observation rows, made once
+        self.marker: Any
+        self.slot: int
         self.marker, self.slot = marker if marker is not None else (None, 0)
-        self.envs: list[Env] = []
+        self.envs: list[Env[Any, Any]] = []
         for position, fn in enumerate(self.env_fns):
             self._mark(position)
             try:
@@ -187,6 +199,7 @@ class EnvGroup:
         published: list[tuple[int, int]] = []  # (result slot, env position) whose obs goes to shared memory
         shared = self.shared_memory is not None
         marker, indices = self.marker, self.indices
+        result: Any
         for position, command, payload in items:
             if marker is not None:
                 marker[self.slot] = indices[position]
@@ -224,10 +237,11 @@ class EnvGroup:
         if self._rows is None:
             buffer, num_envs = self.shared_memory
             space = shared_subspace(self.envs[0].observation_space)
+            assert space is not None  # the group has shared memory only for spaces with a fixed-shape part
             self._rows = read_from_shared_memory(space, buffer, n=num_envs)
         return self._rows
 
-    def step_all(self, actions: Sequence[Any]) -> tuple[list, list, list, list, list]:
+    def step_all(self, actions: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
         """Steps every env of the group with its action, in order, and writes each observation to
         its shared row: the lockstep fast path of envs in the calling process (no message, no
         result per env). Needs the whole observation in shared memory.
@@ -290,7 +304,8 @@ class EnvGroup:
             return time_steps(env)
         raise RuntimeError(f"unknown worker command {command!r}")
 
-    def _step(self, position: int, action: Any) -> tuple:
+    def _step(self, position: int, action: Any) -> tuple[Any, ...]:
+        reward: SupportsFloat
         if self._next_step and self.autoreset[position]:
             observation, info = self._reset(position)
             reward, terminated, truncated = 0.0, False, False
@@ -303,7 +318,7 @@ class EnvGroup:
         self.autoreset[position] = bool(terminated or truncated)
         return observation, reward, terminated, truncated, info
 
-    def _reset(self, position: int, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple:
+    def _reset(self, position: int, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, ...]:
         """Resets one env; without a ``seed``, with the one a restart left for it, if any."""
         if seed is None:
             seed = self.next_seed[position]
@@ -364,7 +379,7 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def run_worker(
-    env_fns: Sequence[Callable[[], Env]],
+    env_fns: Sequence[Callable[[], Env[Any, Any]]],
     indices: Sequence[int],
     pipe: Connection,
     parent_pipe: Connection | None,

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from gymnasium import Space
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, create_empty_array
 from gymnasium.wrappers import vector as gym_wrappers
@@ -50,12 +51,12 @@ __all__ = [
 ]
 
 
-class _Rows(VectorEnv):
+class _Rows(VectorEnv[Any, Any, Any]):
     """Stands in for the wrapped env while a wrapper's own ``step``/``reset`` runs on some rows."""
 
     _convert_info_to_list = DictInfoToList._convert_info_to_list  # splits infos of ``num_envs`` rows
 
-    def __init__(self, env: VectorEnv, count: int, result: tuple = ()) -> None:
+    def __init__(self, env: VectorEnv[Any, Any, Any], count: int, result: tuple[Any, ...] = ()) -> None:
         self.num_envs = count
         self.metadata = env.metadata
         self.single_observation_space = env.single_observation_space
@@ -64,10 +65,10 @@ class _Rows(VectorEnv):
         self.action_space = batch_space(env.single_action_space, count)
         self.result = result
 
-    def reset(self, *, seed: Any = None, options: Any = None) -> tuple:
+    def reset(self, *, seed: Any = None, options: Any = None) -> tuple[Any, ...]:
         return self.result
 
-    def step(self, actions: Any) -> tuple:
+    def step(self, actions: Any) -> tuple[Any, ...]:
         return self.result
 
 
@@ -90,7 +91,7 @@ def _concatenate(first: Any, second: Any) -> Any:
 class _PartialBatches:
     """The EnvPool API on top of a gymnasium vector wrapper (mixed in before it)."""
 
-    env: VectorEnv
+    env: VectorEnv[Any, Any, Any]
     num_envs: int
     #: attributes holding one entry per env, read and written at the rows' env ids
     _per_env_state: tuple[str, ...] = ()
@@ -117,7 +118,8 @@ class _PartialBatches:
         """Envs whose ``async_reset`` answer has not come out of ``recv`` yet."""
         if "_asyncvec_awaiting_reset" not in self.__dict__:
             self.__dict__["_asyncvec_awaiting_reset"] = np.zeros(self.num_envs, dtype=bool)
-        return self.__dict__["_asyncvec_awaiting_reset"]
+        awaiting: np.ndarray = self.__dict__["_asyncvec_awaiting_reset"]
+        return awaiting
 
     def async_reset(self, *, seed: Any = None, options: dict[str, Any] | None = None) -> None:
         """Resets every env without waiting; the reset rows come out of :meth:`recv`."""
@@ -131,7 +133,7 @@ class _PartialBatches:
         ids = np.arange(self.num_envs) if env_ids is None else np.asarray(env_ids, dtype=np.int64).reshape(-1)
         self._inner("send")(self._send_actions(actions, ids), env_ids)
 
-    def recv(self, timeout: float | None = None, *, at_least: int | None = None) -> tuple:
+    def recv(self, timeout: float | None = None, *, at_least: int | None = None) -> tuple[Any, ...]:
         """The next partial batch from the wrapped env, transformed as this wrapper's ``step`` would."""
         recv = self._inner("recv")
         batch = recv(timeout=timeout) if at_least is None else recv(timeout=timeout, at_least=at_least)
@@ -143,11 +145,11 @@ class _PartialBatches:
     def _send_actions(self, actions: Any, ids: np.ndarray) -> Any:
         return actions
 
-    def _recv_rows(self, batch: tuple, ids: np.ndarray, resets: np.ndarray) -> tuple:
+    def _recv_rows(self, batch: tuple[Any, ...], ids: np.ndarray, resets: np.ndarray) -> tuple[Any, ...]:
         return batch
 
     @contextmanager
-    def _as_rows(self, ids: np.ndarray, result: tuple = ()) -> Iterator[None]:
+    def _as_rows(self, ids: np.ndarray, result: tuple[Any, ...] = ()) -> Iterator[None]:
         """While inside, this wrapper sees a vector env of just ``ids`` that answers ``result``."""
         env = self.env
         state = {name: getattr(self, name) for name in self._per_env_state if hasattr(self, name)}
@@ -169,7 +171,12 @@ class _PartialBatches:
 class _TransformsResults(_PartialBatches):
     """A wrapper of observations, rewards or statistics: ``recv`` runs its ``step``/``reset`` on the rows."""
 
-    def _recv_rows(self, batch: tuple, ids: np.ndarray, resets: np.ndarray) -> tuple:
+    if TYPE_CHECKING:  # the gymnasium wrapper this is mixed into has them
+
+        def step(self, actions: Any) -> tuple[Any, ...]: ...
+        def reset(self, seed: Any = None, options: Any = None) -> tuple[Any, ...]: ...
+
+    def _recv_rows(self, batch: tuple[Any, ...], ids: np.ndarray, resets: np.ndarray) -> tuple[Any, ...]:
         if not resets.any():
             return self._step_rows(batch, ids)
         if resets.all():
@@ -181,17 +188,19 @@ class _TransformsResults(_PartialBatches):
         joined = _Rows(self.env, len(ids))
         infos: dict[str, Any] = {}
         for offset, part, count in ((0, first, counts[0]), (counts[0], second, counts[1])):
-            for k, row in enumerate(_Rows(self.env, count)._convert_info_to_list(part[4])):
+            # gymnasium's own info splitter, on a stand-in with the rows' count (its self is duck-typed)
+            rows = DictInfoToList._convert_info_to_list(_Rows(self.env, count), part[4])  # type: ignore[arg-type]
+            for k, row in enumerate(rows):
                 row.pop("env_id", None)
                 infos = joined._add_info(infos, row, offset + k)
         infos["env_id"] = np.concatenate([ids[resets], ids[~resets]])
         return (*(_concatenate(a, b) for a, b in zip(first[:4], second[:4])), infos)
 
-    def _step_rows(self, batch: tuple, ids: np.ndarray) -> tuple:
+    def _step_rows(self, batch: tuple[Any, ...], ids: np.ndarray) -> tuple[Any, ...]:
         with self._as_rows(ids, batch):
             return self.step(None)
 
-    def _reset_rows(self, batch: tuple, ids: np.ndarray) -> tuple:
+    def _reset_rows(self, batch: tuple[Any, ...], ids: np.ndarray) -> tuple[Any, ...]:
         observations, rewards, terminations, truncations, infos = batch
         with self._as_rows(ids, (observations, infos)):
             observations, infos = self.reset()
@@ -200,6 +209,13 @@ class _TransformsResults(_PartialBatches):
 
 class _TransformsActions(_PartialBatches):
     """A ``VectorizeTransformAction`` wrapper: ``send`` transforms each sent action as ``step`` would."""
+
+    if TYPE_CHECKING:  # the gymnasium wrapper this is mixed into has them
+        action_space: Space[Any]
+        single_action_space: Space[Any]
+        out: Any
+
+        def actions(self, actions: Any) -> Any: ...
 
     def _send_actions(self, actions: Any, ids: np.ndarray) -> Any:
         full_space, full_out = self.action_space, self.out
