@@ -146,12 +146,14 @@ def test_negative_latencies_are_refused(agent, field):
 
 
 def test_ppo_names_the_spaces_it_needs_before_starting_workers(no_leftover_children):
+    with pytest.raises(ValueError, match=r"asyncvec/Arithmetic-v0 is a text env .* asyncvec-rloo --env"):
+        ppo.PPO(ppo.Args(env="asyncvec/Arithmetic-v0"))
     with pytest.raises(
         ValueError,
         match=r"PPO needs a flat Box observation space and a Discrete or Box action space; "
-        r"asyncvec/Arithmetic-v0 has observation space Text",
-    ):
-        ppo.PPO(ppo.Args(env="asyncvec/Arithmetic-v0"))
+        r"asyncvec/PixelPendulum-v0 has observation space Dict\('image'",
+    ):  # an image and an instruction: not numbers PPO's MLP can take
+        ppo.PPO(ppo.Args(env="asyncvec/PixelPendulum-v0"))
 
 
 def test_ppo_presets_are_opt_in_and_explicit_values_win():
