@@ -1,6 +1,14 @@
 """asyncvec: asynchronous vectorized envs, batched slow policies and staleness-aware learners."""
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# One version string: asyncvec/__init__.py's __version__ (read as text: importing the package needs its dependencies).
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"', Path(__file__).with_name("asyncvec").joinpath("__init__.py").read_text(), re.M
+)[1]
 
 HF = ["transformers>=4.45", "tokenizers>=0.19", "safetensors"]
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "pydantic>=2"]
@@ -21,7 +29,7 @@ RLLIB = ["ray[rllib]>=2.40"]
 
 setup(
     name="asyncvec",
-    version="0.1.0",
+    version=VERSION,
     description="Online RL that keeps pace with slow, large-model policies.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

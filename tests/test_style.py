@@ -19,3 +19,12 @@ def test_every_noqa_says_why():
             if match and not re.search(r"[a-z]{3}", match["why"]):
                 missing.append(f"{name}:{number}: {line.strip()}")
     assert not missing, "a # noqa without a reason after its codes:\n" + "\n".join(missing)
+
+
+def test_one_version_string():
+    import importlib.metadata
+
+    import asyncvec
+
+    assert importlib.metadata.version("asyncvec") == asyncvec.__version__
+    assert "version=VERSION" in (ROOT / "setup.py").read_text()  # setup.py reads asyncvec/__init__.py's
