@@ -1,7 +1,8 @@
 """PPO that learns while its envs keep acting with a slightly older policy.
 
 Run:   python agents/ppo.py --env CartPole-v1 --mode async --total-timesteps 100000
-Import: from agents.ppo import PPO, Args; result = PPO(Args(env="CartPole-v1")).train()
+Installed: asyncvec-ppo (or python -m asyncvec.agents.ppo) with the same options
+Import: from asyncvec.agents.ppo import PPO, Args; result = PPO(Args(env="CartPole-v1")).train()
 
 ``--mode sync`` is the classic loop (CleanRL): step all envs in lockstep with one batched policy
 call per step, then learn, then act again. ``--mode async`` runs a Collector thread that

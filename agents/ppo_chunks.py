@@ -1,7 +1,8 @@
 """PPO on action chunks: a pixel policy plays H-action chunks at a control rate and learns from what was executed.
 
-Run:   python agents/ppo_chunks.py --env-id asyncvec/PixelCartPole-v0 --iterations 30
-Import: from agents.ppo_chunks import PPOChunks, Args; history = PPOChunks(Args(iterations=30)).train()
+Run:   python agents/ppo_chunks.py --env asyncvec/PixelCartPole-v0 --iterations 30
+Installed: asyncvec-ppo-chunks (or python -m asyncvec.agents.ppo_chunks) with the same options
+Import: from asyncvec.agents.ppo_chunks import PPOChunks, Args; history = PPOChunks(Args(iterations=30)).train()
 
 The policy maps the camera image to a factorized Gaussian over the next ``H`` actions
 (`GaussianChunkPolicy`); a `ChunkExecutor` plays the chunks one action per control tick and

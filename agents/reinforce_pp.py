@@ -1,7 +1,8 @@
 """REINFORCE++ (Hu 2025) for language-model policies, with the ``--baseline`` variant.
 
 Run:    python agents/reinforce_pp.py --env asyncvec/SingleDigitSums-v0 --sft-steps 400 --target-reward 0.85
-Import: from agents.reinforce_pp import ReinforcePP, Args; result = ReinforcePP(Args(sft_steps=400)).train()
+Installed: asyncvec-reinforce-pp (or python -m asyncvec.agents.reinforce_pp) with the same options
+Import: from asyncvec.agents.reinforce_pp import ReinforcePP, Args; result = ReinforcePP(Args(sft_steps=400)).train()
 
 Each prompt gets ``k = --group-size`` completions from the policy: ``HFTextPolicy`` in process
 (``--backend hf``, default), an in-process vLLM engine (``--backend vllm``) or a server

@@ -1,7 +1,8 @@
 """RLOO (REINFORCE leave-one-out, Ahmadian et al. 2024) for language-model policies.
 
 Run:    python agents/rloo.py --env asyncvec/SingleDigitSums-v0 --sft-steps 400 --target-reward 0.85
-Import: from agents.rloo import RLOO, Args; result = RLOO(Args(sft_steps=400, target_reward=0.85)).train()
+Installed: asyncvec-rloo (or python -m asyncvec.agents.rloo) with the same options
+Import: from asyncvec.agents.rloo import RLOO, Args; result = RLOO(Args(sft_steps=400, target_reward=0.85)).train()
 
 Each prompt gets ``k = --group-size`` completions from the policy: ``HFTextPolicy`` in process
 (``--backend hf``, default), an in-process vLLM engine (``--backend vllm``) or a server

@@ -1,7 +1,8 @@
 """Soft Actor-Critic that learns from version-tagged replay while its envs keep acting.
 
 Run:   python agents/sac.py --env Pendulum-v1 --mode async --total-timesteps 15000
-Import: from agents.sac import SAC, Args; result = SAC(Args()).train()
+Installed: asyncvec-sac (or python -m asyncvec.agents.sac) with the same options
+Import: from asyncvec.agents.sac import SAC, Args; result = SAC(Args()).train()
 
 ``--mode sync`` is CleanRL's loop: act on every env, store, take gradient steps, repeat.
 ``--mode async`` runs a Collector thread that fills the replay buffer while the learner
