@@ -1,7 +1,7 @@
 """What the language-model agents (``agents/rloo.py``, ``agents/reinforce_pp.py``) build from
 their options: ``LMArgs``, the prompt env, the model folder, the text policy, and the result
 record. The loops live in the agent files; the machinery they drive lives in the library
-(``asyncvec.group_collector``, ``asyncvec.lm``, ``asyncvec.inference``).
+(``asyncvec.lm``, ``asyncvec.inference``).
 """
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from asyncvec import VersionManager, inference, rewards
+from asyncvec import VersionManager, inference
 from asyncvec.agents.common import LaggedWeights, check_env_id, import_user_module, seed_everything
 from asyncvec.buffers import GroupBatch
 from asyncvec.extras import check_installed
-from asyncvec.group_collector import GroupCollector, score_completions
-from asyncvec.lm import load_causal_lm, minibatch_updates, quiet_model_libraries, sft_warm_start
+from asyncvec.lm import load_causal_lm, minibatch_updates, quiet_model_libraries, rewards, sft_warm_start
 from asyncvec.lm.chat import Conversation
 from asyncvec.lm.episodes import EpisodeCollector, EpisodeGroups, make_text_vector_env
+from asyncvec.lm.groups import GroupCollector, score_completions
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
+from asyncvec.lm.rewards import RewardService
 from asyncvec.lm.text_env import check_text_env, text_space
 from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger
-from asyncvec.rewards import RewardService
 
 TARGET_WINDOW = 10
 """``target_reward`` is met when the mean training reward of this many updates reaches it."""
@@ -70,7 +70,7 @@ class LMArgs:
     sft_steps: int = 0
     """supervised warm start on the env's prompts and solved answers before RL (arithmetic envs)"""
     reward: str = "exact_answer"
-    """reward plugin scoring (prompt, completion): a registered name (asyncvec.rewards.register), or
+    """reward plugin scoring (prompt, completion): a registered name (asyncvec.lm.rewards.register), or
     module:name to import module first and use its function name (or the plugin it registers as name)"""
     reward_timeout_s: float = 10.0
     """a reward not ready this long after its request is flagged and kept out of training"""
@@ -233,9 +233,9 @@ def load_reward_plugin(spec: str) -> str:
         ValueError: naming the module imported and what was missing in it.
 
     Example:
-        >>> load_reward_plugin("asyncvec.rewards:exact_answer")
-        'asyncvec.rewards:exact_answer'
-        >>> rewards.score("asyncvec.rewards:exact_answer", "1+1=", "2")
+        >>> load_reward_plugin("asyncvec.lm.rewards:exact_answer")
+        'asyncvec.lm.rewards:exact_answer'
+        >>> rewards.score("asyncvec.lm.rewards:exact_answer", "1+1=", "2")
         1.0
     """
     module_name, _, name = spec.rpartition(":")

@@ -62,7 +62,7 @@ _LAZY = {
     "RollbackGuard": "asyncvec.control",
 }
 
-# submodules reachable as attributes, e.g. ``@asyncvec.rewards.register("name")``
+# submodules reachable as attributes, e.g. ``asyncvec.losses.gae``
 _SUBMODULES = (
     "buffers",
     "collector",
@@ -71,7 +71,6 @@ _SUBMODULES = (
     "integrations",
     "losses",
     "metrics",
-    "rewards",
     "vector",
     "versioning",
 )

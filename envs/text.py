@@ -3,7 +3,7 @@
 Both envs use :class:`gymnasium.spaces.Text` spaces and need no downloads. Any ``str``
 completion is accepted, also one outside ``action_space`` (longer, or with other characters),
 because a model may emit it; only non-strings are rejected. Completions are parsed leniently
-with :func:`asyncvec.rewards.parse_leading_int` (strip whitespace, take the leading integer).
+with :func:`asyncvec.lm.rewards.parse_leading_int` (strip whitespace, take the leading integer).
 
 Example:
     >>> from asyncvec.envs.text import ArithmeticEnv
@@ -27,7 +27,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from asyncvec.rewards import ARITHMETIC_OPERATIONS, exact_answer, parse_leading_int
+from asyncvec.lm.rewards import ARITHMETIC_OPERATIONS, exact_answer, parse_leading_int
 
 __all__ = [
     "COMPLETION_CHARSET",

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import doctest
 import string
 
 import numpy as np
 import pytest
 from gymnasium import spaces
 
-from asyncvec.buffers import ImageCompression, ReplayBuffer, RolloutStore, _images, is_image_space
+from asyncvec.buffers import ImageCompression, ReplayBuffer, RolloutStore, is_image_space
 
 SIZE = 48
 IMAGE = spaces.Box(0, 255, (SIZE, SIZE, 3), np.uint8)
@@ -41,10 +40,6 @@ def fill(buffer: ReplayBuffer, steps: int, n: int = 4, seed: int = 0) -> list[np
 
 def by_episode(added: list) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     return {k * len(obs) + i: (obs[i], nxt[i]) for k, (obs, nxt) in enumerate(added) for i in range(len(obs))}
-
-
-def test_docstrings():
-    assert doctest.testmod(_images).failed == 0
 
 
 def test_image_leaves_are_detected():

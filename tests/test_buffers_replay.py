@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import re
 import string
 import threading
@@ -45,14 +44,6 @@ def contents(buffer: ReplayBuffer, current_version: int = 10**9, **filters) -> n
     """Every eligible stored serial, via one sample of all of them."""
     batch = buffer.sample(len(buffer), current_version, **filters) if len(buffer) else None
     return np.array([]) if batch is None else np.sort(batch.episode_id)
-
-
-@pytest.mark.parametrize(
-    "module", [asyncvec.buffers, asyncvec.buffers.replay, asyncvec.buffers.rollout, asyncvec.buffers.groups]
-)
-def test_docstring_examples_run(module) -> None:
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_exported_from_package_root() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import threading
 import time
 
@@ -10,7 +9,6 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-import asyncvec._threads
 from asyncvec.buffers import CompletionGroups, RolloutStore
 
 OBS = spaces.Box(-np.inf, np.inf, (2,), np.float64)
@@ -268,8 +266,3 @@ def test_completion_groups_across_threads_and_bad_input() -> None:
         groups.add("a", "x", 0.0, [-1.0], -1)
     with pytest.raises(ValueError, match="group_size"):
         CompletionGroups(0)
-
-
-def test_release_if_held_docstring_example_runs() -> None:
-    result = doctest.testmod(asyncvec._threads)
-    assert result.attempted > 0 and result.failed == 0

@@ -3,7 +3,6 @@ subprocesses over HTTP that are killed and restarted mid-run."""
 
 from __future__ import annotations
 
-import doctest
 import os
 import signal
 import socket
@@ -19,7 +18,6 @@ import pytest
 import torch
 from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
 
-import asyncvec.distributed.router
 from asyncvec.distributed import RoutedPolicy
 from asyncvec.inference import BackendError, HFTextPolicy, LatencyModel, TorchPolicy, build_tiny_lm
 
@@ -93,11 +91,6 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"not reached in {timeout} s: {what}"
         time.sleep(0.05)
-
-
-def test_docstring_examples_run():
-    result = doctest.testmod(asyncvec.distributed.router)
-    assert result.failed == 0 and result.attempted > 0
 
 
 def test_least_outstanding_requests_favours_the_fast_replica():

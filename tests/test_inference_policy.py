@@ -1,8 +1,6 @@
 """BatchedPolicy machinery through TorchPolicy and LatencyModel: batching under load,
 deadlines and fallbacks, version propagation, retries, cache, validation, shutdown."""
 
-import doctest
-import importlib
 import subprocess
 import sys
 import threading
@@ -478,26 +476,3 @@ def test_importing_the_package_stays_light():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)  # importing torch: ~1 min under load
-
-
-@pytest.mark.parametrize(
-    "module",
-    [
-        "types",
-        "batcher",
-        "base",
-        "weights",
-        "torch_policy",
-        "latency",
-        "text",
-        "openai_policy",
-        "server_process",
-        "server",
-        "__init__",
-    ],
-)
-@pytest.mark.timeout(300)  # some examples build a tiny model: slow under load
-def test_docstring_examples_run(module):
-    name = "asyncvec.inference" if module == "__init__" else f"asyncvec.inference.{module}"
-    results = doctest.testmod(importlib.import_module(name))
-    assert results.attempted > 0 and results.failed == 0

@@ -3,7 +3,6 @@ advantages and losses against explicit computations, stale/flagged sample handli
 publishing, bad input, an `asyncvec serve` backend, clean shutdown."""
 
 import dataclasses
-import doctest
 import math
 import time
 
@@ -14,17 +13,12 @@ import pytest
 import torch
 from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
 
-import asyncvec.group_collector
-import asyncvec.lm
-import asyncvec.lm.groups
-import asyncvec.lm.learner
-from asyncvec import rewards
 from asyncvec.agents import lm_setup, reinforce_pp, rloo
 from asyncvec.agents.lm_setup import solved_prompts
 from asyncvec.buffers import CompletionGroups
-from asyncvec.group_collector import ScoredCompletion
 from asyncvec.inference import AsyncvecServer, HFTextPolicy, PolicyOutput, build_tiny_lm
-from asyncvec.lm import completion_logps, load_causal_lm, sft_warm_start
+from asyncvec.lm import completion_logps, load_causal_lm, rewards, sft_warm_start
+from asyncvec.lm.groups import ScoredCompletion
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -574,12 +568,3 @@ def test_completion_logps_use_the_sampling_temperature(tiny_dir):
         got = completion_logps(model, [prompt], [[10, 1]], length=3, temperature=0.5)
     assert got[0, 0].item() == pytest.approx(torch.log_softmax(logits / 0.5, -1)[0, 10].item(), abs=1e-5)
     assert got[0, 2].item() == 0.0
-
-
-@pytest.mark.parametrize(
-    "module",
-    [lm_setup, rloo, reinforce_pp, asyncvec.lm, asyncvec.lm.learner, asyncvec.group_collector, asyncvec.lm.groups],
-)
-def test_docstring_examples_run(module):
-    failures, tried = doctest.testmod(module, verbose=False)
-    assert tried > 0 and failures == 0

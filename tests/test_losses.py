@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import math
 import re
 from pathlib import Path
@@ -14,11 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncvec import losses
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(losses)
-    assert result.attempted > 0 and result.failed == 0
 
 
 def random_rollout(seed: int, T: int = 7, B: int = 3):

@@ -4,7 +4,6 @@ their bad input, EpisodeBatch masking and per-turn advantages, and the agents on
 
 from __future__ import annotations
 
-import doctest
 import itertools
 import math
 import tempfile
@@ -562,11 +561,3 @@ def test_multi_turn_options_are_checked():
         rloo.Args(gamma=1.5)
     with pytest.raises(ValueError, match="TextEnv"):
         lm_setup.is_multi_turn("FrozenLake-v1", {})
-
-
-@pytest.mark.parametrize(
-    "module", [asyncvec.lm, asyncvec.lm.chat, asyncvec.lm.episodes, asyncvec.lm.text_env, asyncvec.envs.text, lm_setup]
-)
-def test_docstring_examples_run(module):
-    failures, tried = doctest.testmod(module, verbose=False)
-    assert tried > 0 and failures == 0

@@ -220,12 +220,3 @@ def test_restart_keeps_image_and_instruction() -> None:
         assert obs["instruction"][1] == last["instruction"][1]
         obs, *_ = vector_env.step(actions)  # the rebuilt env's new episode
         assert obs["image"][1].shape == (64, 64, 3) and isinstance(obs["instruction"][1], str)
-
-
-def test_split_obs_docstring_examples() -> None:
-    import doctest
-
-    import asyncvec.vector.split_obs as split_obs
-
-    result = doctest.testmod(split_obs)
-    assert result.failed == 0 and result.attempted > 0

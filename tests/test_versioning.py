@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import multiprocessing
 import threading
 import time
@@ -27,11 +26,6 @@ class RecordingBackend:
         if self.manager is not None:
             self.version_visible_while_loading.append(self.manager.current_version)
         self.loaded.append((weights, version))
-
-
-def test_docstring_examples_run() -> None:
-    result = doctest.testmod(asyncvec.versioning)
-    assert result.attempted > 0 and result.failed == 0
 
 
 def test_exported_from_package_root() -> None:

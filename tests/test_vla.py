@@ -236,15 +236,6 @@ def test_gradient_steps_move_the_policy_and_versions_tag_answers(folder, tmp_pat
     np.testing.assert_allclose(out.action, target, atol=policy.action_tokenizer.bin_width.max() / 2 + 1e-6)
 
 
-def test_docstring_examples():
-    import doctest
-
-    from asyncvec.inference import action_tokens, vla
-
-    for module in (action_tokens, vla):
-        assert doctest.testmod(module).failed == 0, module.__name__
-
-
 # ------------------------------------------------------------------------- bad input (issue 19)
 def test_score_refuses_a_chunk_of_the_wrong_length(folder):
     with TinyVLAPolicy(folder, SPACE, chunk_size=2) as policy:

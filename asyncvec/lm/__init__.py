@@ -13,8 +13,7 @@
 * :mod:`asyncvec.lm.rewards`: reward plugins and the ``RewardService``.
 
 Names are imported lazily (an env worker importing ``asyncvec.lm.text_env`` never pays for
-torch). ``asyncvec.group_collector`` and ``asyncvec.rewards`` are the same modules as
-``asyncvec.lm.groups`` and ``asyncvec.lm.rewards``.
+torch).
 
 Example:
     >>> from asyncvec.lm import Conversation, LMBatch

@@ -10,7 +10,7 @@ caches results per reward-model version, and turns timeouts and scorer errors in
 This module imports neither torch nor transformers until a reward model is built.
 
 Example:
-    >>> from asyncvec import rewards
+    >>> from asyncvec.lm import rewards
     >>> rewards.score("exact_answer", "3+4=", " 7")
     1.0
     >>> with rewards.RewardService("exact_answer", timeout_s=5.0) as service:
@@ -92,7 +92,7 @@ def register(name: str, *, replace: bool = False) -> Callable[[_F], _F]:
         TypeError: the decorated object is not ``f(prompt, completion, **info)``.
 
     Example:
-        >>> from asyncvec import rewards
+        >>> from asyncvec.lm import rewards
         >>> @rewards.register("says_hello")
         ... def says_hello(prompt, completion, **info):
         ...     return float("hello" in completion)
@@ -126,7 +126,7 @@ def unregister(name: str) -> None:
         KeyError: no plugin has that name.
 
     Example:
-        >>> from asyncvec import rewards
+        >>> from asyncvec.lm import rewards
         >>> _ = rewards.register("tmp")(lambda prompt, completion, **info: 0.0)
         >>> rewards.unregister("tmp")
         >>> "tmp" in rewards.available()
@@ -145,7 +145,7 @@ def get(name: str) -> RewardFn:
         KeyError: no plugin has that name (the message lists the available ones).
 
     Example:
-        >>> from asyncvec import rewards
+        >>> from asyncvec.lm import rewards
         >>> rewards.get("exact_answer")("2+2=", "4")
         1.0
     """
@@ -160,7 +160,7 @@ def available() -> list[str]:
     """Names of all registered plugins, sorted.
 
     Example:
-        >>> from asyncvec import rewards
+        >>> from asyncvec.lm import rewards
         >>> {"exact_answer", "length_penalty"} <= set(rewards.available())
         True
     """
@@ -242,7 +242,7 @@ def score(reward: str | RewardFn, prompt: str, completion: str, **info: Any) -> 
         TypeError, ValueError: the plugin returned a non-numeric or non-finite value.
 
     Example:
-        >>> from asyncvec import rewards
+        >>> from asyncvec.lm import rewards
         >>> rewards.score("exact_answer", "9-12=", "-3 is the answer")
         1.0
     """
@@ -255,7 +255,7 @@ async def ascore(reward: str | RewardFn, prompt: str, completion: str, **info: A
 
     Example:
         >>> import asyncio
-        >>> from asyncvec import rewards
+        >>> from asyncvec.lm import rewards
         >>> asyncio.run(rewards.ascore("exact_answer", "3*3=", "9"))
         1.0
     """
