@@ -105,8 +105,14 @@ def test_collectors_on_three_nodes_stream_honestly_versioned_transitions(cluster
     assert nodes == [cluster.node_id(i) for i in cluster.node_indices[1:4]]  # one collector per node
     collector = DistributedCollector(fleet, policy_fn(), buffer, version_manager=versions, seed=0)
     versions.register(collector)
+
+    def envs_seen() -> set[int]:
+        return set(buffer.gather(np.arange(len(buffer)), versions.current_version).env_id.tolist())
+
     with collector:
-        wait_until(lambda: len(buffer) >= 300, 60, "first transitions")
+        # every collector's envs first: under load one node can start late, and with max_lag=1 its samples of
+        # versions it had not loaded yet are dropped (one fresh-clone run saw only envs 0, 1, 4 and 5)
+        wait_until(lambda: len(buffer) >= 300 and envs_seen() == set(range(6)), 120, "transitions of every env")
         for version in (1, 2, 3):
             versions.publish(version_weights(version))
             wait_until(lambda v=version: buffer.version_range()[1] >= v, 60, f"transitions of version {version}")
