@@ -34,7 +34,14 @@ from asyncvec.vector.placement import (
     profile_env,
 )
 from asyncvec.vector.split_obs import check_row, is_fixed_shape, merge_row, row_templates, shared_subspace, write_row
-from asyncvec.vector.transport import Backend, InProcessBackend, ProcessBackend, Transport, WorkerSpec
+from asyncvec.vector.transport import (
+    Backend,
+    InProcessBackend,
+    InProcessTransport,
+    ProcessBackend,
+    Transport,
+    WorkerSpec,
+)
 from asyncvec.vector.worker import BuildFailure, EnvFailure, make_env
 
 __all__ = ["AsyncLLMVectorEnv", "restart_seed"]
@@ -915,7 +922,9 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         ids = list(range(self.num_envs))
         items = self._split_actions(actions, ids)
         if self._can_step_in_process():
-            self._stepped = (items, self._transport.step_all(0, items))
+            transport = self._transport
+            assert isinstance(transport, InProcessTransport)  # _can_step_in_process: the envs are in this process
+            self._stepped = (items, transport.step_all(0, items))
         else:
             for i, action in zip(ids, items):
                 self._send(i, "step", action)

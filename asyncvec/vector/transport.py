@@ -91,12 +91,6 @@ class Transport(ABC):
     def send(self, worker: int, message: list[tuple[int, str, Any]]) -> None:
         """Sends one message; never blocks on the worker and never raises for a dead one."""
 
-    def step_all(
-        self, worker: int, actions: Sequence[Any]
-    ) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
-        """A lockstep step of the worker's envs without a message: only where they run in this process."""
-        raise NotImplementedError(f"{type(self).__name__} runs its envs in other processes")
-
     @abstractmethod
     def wait(self, workers: Sequence[int], timeout: float | None) -> list[int]:
         """Those of ``workers`` (each with a message outstanding) whose next reply is ready."""
