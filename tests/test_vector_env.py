@@ -328,7 +328,7 @@ def test_text_actions_to_any_number_of_envs_are_split_and_checked_without_copies
         vec.send(("3", "9"), [0, 2])
         assert sorted(int(vec.recv(timeout=30)[4]["env_id"][0]) for _ in range(3)) == [0, 1, 2]
         for count in (1, 2):
-            batched = vec._batched_action_space(count)
+            batched = vec._actions.batched_space(count)
             assert len(batched.spaces) == count and all(s is vec.single_action_space for s in batched.spaces)
         with pytest.raises(ValueError, match="env 2"):
             vec.send(("4", "\u00e9" * 3), [0, 2])  # outside the charset

@@ -380,7 +380,7 @@ def test_runs_with_a_restart_are_reproducible(tmp_path, fault, mode, envs_per_wo
 def test_a_rebuilt_env_resets_with_its_restart_seed(tmp_path, fault, placement):
     """Env 1 (seed 11) faults on its first step; the next step is its rebuilt env's reset,
     seeded with ``restart_seed(11, 1)``, and the episode goes on as a fresh env's would."""
-    from asyncvec.vector.async_llm_vector_env import restart_seed
+    from asyncvec.vector import restart_seed
 
     marker = str(tmp_path / "fault-once")
     envs = AsyncLLMVectorEnv([CounterEnv, partial(FaultyEnv, fault, 1, marker)], max_restarts=1, **placement)

@@ -269,7 +269,7 @@ def test_a_killed_worker_reseeds_its_envs(backend, tmp_path):
     truncated and reset on the next step with ``restart_seed(seed, 1)``, on either transport."""
     from test_vector_faults import run_with_a_fault
 
-    from asyncvec.vector.async_llm_vector_env import restart_seed
+    from asyncvec.vector import restart_seed
 
     trace, restarts = run_with_a_fault(
         tmp_path / "fault-once", "kill", AutoresetMode.NEXT_STEP, 2, steps=5, backend=backend, step_timeout=10.0

@@ -3,6 +3,7 @@
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 from asyncvec.vector.checker import VectorEnvCheckError, check_vector_env
 from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, WorkerError
+from asyncvec.vector.faults import restart_seed
 from asyncvec.vector.placement import Placement, StepProfile
 from asyncvec.vector.transport import Backend, ProcessBackend, Transport
 
@@ -19,4 +20,5 @@ __all__ = [
     "VectorEnvCheckError",
     "WorkerError",
     "check_vector_env",
+    "restart_seed",
 ]

@@ -5,9 +5,12 @@ Gymnasium's split-phase errors are re-exported so that code catching them keeps 
 
 from __future__ import annotations
 
+import pickle
+from typing import Any
+
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 
-__all__ = ["AlreadyPendingCallError", "ClosedEnvironmentError", "NoAsyncCallError", "WorkerError"]
+__all__ = ["AlreadyPendingCallError", "ClosedEnvironmentError", "NoAsyncCallError", "WorkerError", "error_from_payload"]
 
 
 class WorkerError(RuntimeError):
@@ -32,3 +35,22 @@ class WorkerError(RuntimeError):
         if worker_traceback:
             text += f"\n\nTraceback in the worker process of env {env_index}:\n{worker_traceback}"
         super().__init__(text)
+
+
+def error_from_payload(index: int, command: str | None, payload: Any) -> WorkerError:
+    """The :class:`WorkerError` of env ``index`` from a worker's error payload
+    ``(exc_type, message, traceback, pickled exception or None)``, the exception chained when it unpickles.
+
+    Example:
+        >>> error = error_from_payload(3, "step", ("ValueError", "bad action", "", None))
+        >>> str(error), error.env_index
+        ('env 3 failed in step(): ValueError: bad action', 3)
+    """
+    exc_type, message, trace, pickled = payload
+    error = WorkerError(index, str(command), exc_type, message, trace)
+    if pickled is not None:
+        try:
+            error.__cause__ = pickle.loads(pickled)
+        except Exception:
+            pass
+    return error

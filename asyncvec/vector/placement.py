@@ -55,12 +55,15 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gymnasium import Env, Space
 from gymnasium.vector.vector_env import AutoresetMode
 
 from asyncvec.vector.split_obs import is_fixed_shape
+
+if TYPE_CHECKING:
+    from asyncvec.vector.transport import Backend
 
 __all__ = [
     "Placement",
@@ -68,6 +71,7 @@ __all__ = [
     "choose_placement",
     "given_placement",
     "in_process_placement",
+    "place_envs",
     "probe_skip_reason",
     "profile_env",
     "time_steps",
@@ -169,6 +173,48 @@ def choose_placement(num_envs: int, profile: StepProfile, cores: int, can_run_in
         )
     why = "CPU-bound: at most one busy worker per core" if busy < num_envs else "one worker per env"
     return Placement(False, k, workers, f"{why}; {measured}", profile)
+
+
+def place_envs(
+    env_fns: list[Callable[[], Env[Any, Any]]],
+    backend: Backend,
+    *,
+    envs_per_worker: int | None,
+    in_process: bool | None,
+    step_timeout: float | None,
+    skip_reason: str | None,
+    context: str | None,
+    start_timeout: float,
+    daemon: bool,
+) -> Placement:
+    """How a vector env places its envs: as given (``in_process=True``, ``envs_per_worker``), else by
+    measuring one env (:func:`profile_env`) and :func:`choose_placement`'s rule.
+
+    ``skip_reason``: :func:`probe_skip_reason` of the env's spaces when they are known here (then one
+    env per worker, unmeasured). A probe that fails falls back to one env per worker (gymnasium's placement).
+
+    Example:
+        >>> import gymnasium as gym
+        >>> from asyncvec.vector.transport import ProcessBackend
+        >>> place_envs([lambda: gym.make("CartPole-v1")] * 4, ProcessBackend(), envs_per_worker=2, in_process=None,
+        ...            step_timeout=None, skip_reason=None, context=None, start_timeout=60.0, daemon=True).num_workers
+        2
+    """
+    num_envs = len(env_fns)
+    if in_process:
+        return in_process_placement(num_envs, "in_process=True")
+    if envs_per_worker is not None:
+        return given_placement(num_envs, int(envs_per_worker), "envs_per_worker given")
+    if skip_reason is not None:
+        return given_placement(num_envs, 1, f"one env per worker: not measured: {skip_reason}")
+    try:
+        profile = profile_env(env_fns[0], context, start_timeout, daemon)
+    except Exception as exc:  # the env, not the vector env, failed: fall back to gymnasium's placement
+        return given_placement(num_envs, 1, f"one env per worker: {exc}")
+    from asyncvec.vector.transport import ProcessBackend  # transport imports this module
+
+    can_run_in_process = in_process is None and step_timeout is None and isinstance(backend, ProcessBackend)
+    return choose_placement(num_envs, profile, backend.parallelism(), can_run_in_process)
 
 
 def time_steps(

@@ -1,0 +1,106 @@
+"""Splitting a batch of actions into one action per env, checked against the single action space."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium import Space, spaces
+from gymnasium.vector.utils import batch_space, iterate
+
+__all__ = ["ActionSplitter"]
+
+
+class ActionSplitter:
+    """Splits the actions a vector env is given into one action per env, checking them.
+
+    Args:
+        single_action_space: the action space of one env.
+        num_envs: the vector env's size (its batched action space is built once here).
+
+    Example:
+        >>> import numpy as np
+        >>> from gymnasium import spaces
+        >>> splitter = ActionSplitter(spaces.Discrete(3), num_envs=4)
+        >>> splitter.split(np.array([0, 2]), [1, 3], validate=True)
+        [np.int64(0), np.int64(2)]
+        >>> splitter.split(np.array([0, 5]), [1, 3], validate=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: action 5 for env 3 is not in the action space Discrete(3)
+    """
+
+    def __init__(self, single_action_space: Space[Any], num_envs: int) -> None:
+        self.single_action_space = single_action_space
+        self._batched: dict[int, Space[Any]] = {num_envs: batch_space(single_action_space, num_envs)}
+        self._box_bounds: tuple[Any, ...] | None = None  # a Box space's (low, high) if each is one number, else ()
+
+    def check(self, action: Any, env_id: int) -> Any:
+        """``action`` if it belongs to the space (a Box action cast to its dtype); else a ValueError naming ``env_id``."""
+        space = self.single_action_space
+        if isinstance(space, spaces.Box):
+            action = np.asarray(action)
+            if action.shape != space.shape:
+                raise ValueError(f"action for env {env_id} has shape {action.shape}, expected {space.shape} of {space}")
+            if np.issubdtype(action.dtype, np.number) and action.dtype != space.dtype:
+                action = action.astype(space.dtype)
+        if not space.contains(action):
+            raise ValueError(f"action {action} for env {env_id} is not in the action space {space}")
+        return action
+
+    def batched_space(self, count: int) -> Space[Any]:
+        """The action space of a ``send`` to ``count`` envs (cached per count), to split and check actions.
+
+        A space that gymnasium batches as a ``Tuple`` of deep copies (``Text``, ``Graph``,
+        ``Sequence``, custom spaces) is batched here as a ``Tuple`` of the single space itself: the
+        same items and checks, without a deep copy per env (``batch_space`` of a ``Text`` space took 1.2 ms
+        for 1 env, 8.8 ms for 16: a ``send`` to a number of envs not seen before stalled its caller)."""
+        batched = self._batched.get(count)
+        if batched is None:
+            single = self.single_action_space
+            if batch_space.dispatch(type(single)) is batch_space.dispatch(Space):
+                batched = spaces.Tuple((single,) * count)
+            else:
+                batched = batch_space(single, count)
+            self._batched[count] = batched
+        return batched
+
+    def split(self, actions: Any, env_ids: Sequence[int], validate: bool) -> list[Any]:
+        """One action per env of ``env_ids``; with ``validate``, each checked (a bad one raises ValueError)."""
+        count = len(env_ids)
+        batched = self.batched_space(count)
+        try:
+            items = list(iterate(batched, actions))
+        except Exception as exc:
+            raise ValueError(
+                f"actions do not fit a batch of {count} from single_action_space {self.single_action_space}: {exc}"
+            ) from exc
+        if len(items) != count:
+            raise ValueError(
+                f"got {len(items)} actions for {count} envs (env_ids={list(env_ids)}); "
+                f"expected one action per env from {self.single_action_space}"
+            )
+        if validate and not self._quickly_valid(actions, count) and not batched.contains(actions):
+            items = [self.check(a, i) for a, i in zip(items, env_ids)]  # finds the bad one, casts Box dtypes
+        return items
+
+    def _quickly_valid(self, actions: Any, count: int) -> bool:
+        """A cheaper ``contains`` for the common cases: an integer array of Discrete actions, or a
+        Box batch of the space's dtype whose bounds are one number each (two reductions instead of
+        the batched space's checks). ``False`` means "not shown", not "invalid"."""
+        space = self.single_action_space
+        if type(actions) is not np.ndarray or count == 0:
+            return False
+        if type(space) is spaces.Discrete:
+            if actions.shape != (count,) or actions.dtype.kind not in "iu":
+                return False
+            return bool(actions.min() >= space.start and actions.max() < space.start + space.n)
+        if type(space) is spaces.Box and actions.dtype == space.dtype and actions.shape == (count, *space.shape):
+            bounds = self._box_bounds
+            if bounds is None:
+                low, high = space.low.ravel(), space.high.ravel()
+                uniform = low.size > 0 and (low == low[0]).all() and (high == high[0]).all()
+                bounds = self._box_bounds = (low[0], high[0]) if uniform else ()
+            return bool(bounds) and bool(actions.min() >= bounds[0] and actions.max() <= bounds[1])
+        return False

@@ -1,0 +1,369 @@
+"""How the vector env talks to its workers: per-worker message queues, polling, answers filed per env.
+
+Commands for single envs are queued (:meth:`Dispatcher.send`) and :meth:`Dispatcher.flush` sends
+each worker its share as one message. A worker answers its messages in order, so each worker's
+sent messages form a FIFO (:class:`Message`); an answer is filed per env into its :class:`Slot`
+and the env id joins ``arrivals``, from which the vector env delivers. A message holding a step or
+reset that runs past ``step_timeout`` (per env of the message) has hung: its worker is killed and
+handed to :class:`~asyncvec.vector.faults.Restarts`, as is a worker that died or an env that raised.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gymnasium.vector.vector_env import AutoresetMode
+
+from asyncvec.vector.errors import error_from_payload
+from asyncvec.vector.faults import ENV_COMMANDS, Restarts
+from asyncvec.vector.observations import ObservationBuffers
+from asyncvec.vector.split_obs import write_row
+from asyncvec.vector.transport import Transport
+from asyncvec.vector.worker import BuildFailure, EnvFailure
+
+__all__ = ["NO_RESULT", "CallFailure", "Dispatcher", "Message", "Slot"]
+
+_TIMED_COMMANDS = ("step", "step_shared", "reset", "restart")  # a message holding one is subject to step_timeout
+
+NO_RESULT = object()  # a worker's answer can be None, so "no answer yet" needs its own marker
+
+
+@dataclass(frozen=True)
+class CallFailure:
+    """An env method raised inside a call; the worker itself is fine."""
+
+    payload: tuple[Any, ...]
+
+
+@dataclass
+class Message:
+    """A message sent to one worker and not yet answered."""
+
+    env_ids: list[int]
+    timed: bool  # holds a step or reset: subject to step_timeout
+    started_at: float | None  # when the worker began it (None while an earlier message is still running)
+
+
+@dataclass
+class Slot:
+    """The vector env's view of one sub-environment."""
+
+    worker: int
+    position: int  # index among its worker's envs
+    command: str | None = None  # what the user asked of it and ``recv`` has not returned yet
+    payload: Any = None  # kept to repeat a reset after a restart
+    result: Any = NO_RESULT  # answer received, not yet delivered
+    info_extra: dict[Any, Any] = field(default_factory=dict)
+    restarts: int = 0
+    seed: int | None = None  # the last seed the caller gave this env's reset
+    reseed: int | None = None  # a rebuilt env's restart_seed, until a message hands it to the worker
+    episode: str = "none"  # "none" (never reset), "live", or "ended" (its last step ended it)
+    after_restart: tuple[str, str] | None = None  # ("truncate" | "autoreset", reason): its next step after a rebuild
+
+
+class Dispatcher:
+    """Sends the vector env's commands to its workers and files their answers (see the module docstring).
+
+    Thread use: the vector env calls it under :attr:`lock`; :meth:`poll` with ``unlocked=True``
+    releases the lock while it waits, so that a ``send`` from another thread reaches the workers
+    (and, seeing :attr:`recv_waiting`, wakes the wait to watch its envs too).
+
+    Args:
+        transport: the workers.
+        groups: the env indices each worker hosts.
+        observations: where observations that come with answers are kept.
+        autoreset_mode: the vector env's autoreset mode.
+        step_timeout: seconds a step or reset may take before its worker counts as hung, or ``None``.
+        start_timeout: seconds a worker may take to build its envs.
+        max_restarts: how many times each env may be rebuilt after a fault.
+        action_rows: shared views of one action per env (actions then travel without pickling), or ``None``.
+        close_for: closes the vector env, saying why (an error while waiting, or a fault past restarting).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        groups: list[list[int]],
+        observations: ObservationBuffers,
+        *,
+        autoreset_mode: AutoresetMode,
+        step_timeout: float | None,
+        start_timeout: float,
+        max_restarts: int,
+        action_rows: Any,
+        close_for: Callable[[str], None],
+    ) -> None:
+        self.transport = transport
+        self.groups = groups
+        self.observations = observations
+        self.step_timeout = step_timeout
+        self.start_timeout = start_timeout
+        self.action_rows = action_rows
+        self.close_for = close_for
+        self.slots = [Slot(worker=w, position=p) for w, group in enumerate(groups) for p in range(len(group))]
+        self.queues: list[deque[Message]] = [deque() for _ in groups]
+        self.arrivals: deque[int] = deque()  # env ids with an undelivered answer, in arrival order
+        self.faults = Restarts(self, max_restarts, autoreset_mode)
+        self.lock = threading.Lock()
+        self.recv_waiting = False
+        self.woken = threading.Event()  # wake(): the next wakeable wait that would wait returns at once
+        self._same_step = autoreset_mode == AutoresetMode.SAME_STEP
+        self._outbox: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
+
+    # ------------------------------------------------------------------ sending
+
+    def await_ready(self, worker: int) -> None:
+        """Waits until ``worker`` has built its envs; raises the ``WorkerError`` of one that failed to build."""
+        ok, payload = self.transport.await_ready(worker, self.start_timeout)
+        if ok:
+            return
+        if isinstance(payload, BuildFailure):
+            raise error_from_payload(self.groups[worker][payload.position], "make", payload.payload)
+        raise error_from_payload(self.groups[worker][0], "make", payload)
+
+    def send(self, index: int, command: str, payload: Any) -> None:
+        """Queues one command for one env; :meth:`flush` sends each worker its share as one message."""
+        slot = self.slots[index]
+        slot.command, slot.payload = command, payload
+        if command == "step" and slot.after_restart is None:  # the hot path: straight to the worker's message
+            entry = self._outbox.get(slot.worker)
+            if entry is None:
+                entry = self._outbox[slot.worker] = ([], [])
+            entry[0].append(index)
+            entry[1].append(self._step_item(index, slot.position, payload))
+            return
+        if command == "reset":
+            slot.after_restart = None  # a reset starts afresh anyway
+            self.queue(index, command, self.faults.reset_payload(index, payload))
+        elif command == "step":  # its worker was rebuilt while it waited: it owes a restart's step
+            self.queue(index, "restart", self.faults.owed_step(index))
+        else:
+            self.queue(index, command, payload)
+
+    def _step_item(self, index: int, position: int, action: Any) -> tuple[int, str, Any]:
+        """A step's item: the action written to the env's shared row (worker processes, fixed-shape
+        action spaces: nothing to pickle), else the action itself in the message."""
+        if self.action_rows is not None:
+            try:
+                write_row(self.action_rows, index, action, field="action")
+            except ValueError:
+                pass  # not checked (validate_actions=False) and not a row: the env itself gets it and says why
+            else:
+                return position, "step_shared", None
+        return position, "step", action
+
+    def queue(self, index: int, command: str, payload: Any) -> None:
+        """Queues an item for env ``index``'s worker as it is (no bookkeeping of the env's command)."""
+        slot = self.slots[index]
+        ids, items = self._outbox.setdefault(slot.worker, ([], []))
+        ids.append(index)
+        items.append((slot.position, command, payload))
+
+    def flush(self) -> None:
+        """Sends each worker its queued items as one message.
+
+        A message that cannot be sent (a payload that does not pickle) raises; its envs and
+        those of the messages after it go back to idle, as if never asked. Earlier messages
+        stay sent: lockstep calls take their answers back with :meth:`flush_or_discard`.
+        """
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        now = time.monotonic()
+        messages = list(outbox.items())
+        for k, (worker, (ids, items)) in enumerate(messages):
+            try:
+                self.transport.send(worker, items)
+            except BaseException:
+                for _, (unsent, _) in messages[k:]:
+                    for index in unsent:
+                        self.slots[index].command = self.slots[index].payload = None
+                raise
+            queue = self.queues[worker]
+            timed = items[0][1] in _TIMED_COMMANDS or any(command in _TIMED_COMMANDS for _, command, _ in items)
+            queue.append(Message(ids, timed, None if queue else now))
+
+    def flush_or_discard(self, ids: Sequence[int]) -> None:
+        """:meth:`flush` for a lockstep call over ``ids``: if a message cannot be sent, the
+        answers to those that were sent are awaited and dropped, so the call fails whole and
+        the env is idle again."""
+        try:
+            self.flush()
+        except BaseException:
+            sent = [i for i in ids if self.slots[i].command is not None]
+            if sent:
+                self.collect(sent, None)
+                self.deliver(sent)
+            raise
+
+    # ------------------------------------------------------------------ receiving
+
+    def _receive(self, workers: list[int]) -> None:
+        """Reads the next reply of each worker (blocking) and files their results."""
+        for worker, reply in zip(workers, self.transport.read_many(workers)):
+            self._file(worker, *reply)
+
+    def _file(self, worker: int, ok: bool, payload: Any) -> None:
+        """Files a worker's reply to its oldest message: results per env, or the worker's death."""
+        queue = self.queues[worker]
+        message = queue.popleft()
+        if queue:
+            queue[0].started_at = time.monotonic()
+        if not ok:
+            queue.appendleft(message)
+            self.faults.worker_failed(worker, payload)
+            return
+        accept = self._accept
+        for index, result in zip(message.env_ids, payload):
+            if type(result) is EnvFailure:
+                self.env_failed(index, result.payload)
+            else:
+                accept(index, result)
+        self.flush()  # restarts queued by failures (nothing to do without one)
+
+    def _accept(self, index: int, result: Any) -> None:
+        slot = self.slots[index]
+        observations = self.observations
+        if slot.command == "step" and observations.in_shared_memory:
+            # the common case (a step, its observation in shared memory), without the checks below
+            slot.episode = "ended" if (result[2] or result[3]) and not self._same_step else "live"
+        elif slot.command in ENV_COMMANDS:
+            try:
+                observations.store(index, result[0])
+            except ValueError as exc:  # a bad observation is the env's failure, as with shared memory
+                self.env_failed(index, (type(exc).__name__, str(exc), "", None))
+                return
+            if slot.command == "reset":
+                slot.episode = "live"
+            else:
+                slot.episode = "ended" if (result[2] or result[3]) and not self._same_step else "live"
+        slot.result = result
+        self.arrivals.append(index)
+
+    def env_failed(self, index: int, payload: Any) -> None:
+        """Env ``index`` raised: a step or reset is restarted (:class:`~asyncvec.vector.faults.Restarts`);
+        a method call's failure is its answer (the worker is fine, nothing restarts)."""
+        slot = self.slots[index]
+        if slot.command in ENV_COMMANDS:
+            self.faults.env_failed(index, payload)
+        else:
+            slot.result = CallFailure(payload)
+            self.arrivals.append(index)
+
+    def poll(self, deadline: float | None, unlocked: bool = False) -> None:
+        """Receive the replies that arrive before ``deadline`` (or the next hang deadline);
+        ``unlocked``: the caller holds :attr:`lock`, released while waiting."""
+        busy = [w for w, queue in enumerate(self.queues) if queue]
+        if not busy:
+            return
+        # The earliest of the caller's deadline and the hang deadlines of timed messages; None
+        # waits for the next reply (a call, setattr... has no hang deadline: it may take its time).
+        deadlines = [] if self.step_timeout is None else [d for d in map(self._hang_deadline, busy) if d is not None]
+        if deadline is not None:
+            deadlines.append(deadline)
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        if unlocked:
+            self.recv_waiting = True
+            self.lock.release()
+            try:
+                ready = self.transport.wait(busy, timeout)
+            finally:
+                self.lock.acquire()
+                self.recv_waiting = False
+        else:
+            ready = self.transport.wait(busy, timeout)
+        self._receive(ready)
+        if self.step_timeout is not None:
+            now = time.monotonic()
+            for worker, queue in enumerate(self.queues):
+                hang_at = self._hang_deadline(worker) if queue else None
+                if hang_at is not None and now > hang_at:
+                    culprit = self.transport.culprit(worker)
+                    self.transport.kill(worker)
+                    self.faults.worker_failed(
+                        worker,
+                        ("StepTimeout", f"no answer within step_timeout={self.step_timeout} s", "", None),
+                        culprit,
+                    )
+
+    def poll_ready(self) -> None:
+        """Files the replies that have already arrived, without waiting (an error closes the env)."""
+        try:
+            self.poll(time.monotonic())
+        except BaseException as exc:
+            self.close_after(exc)
+            raise
+
+    def _hang_deadline(self, worker: int) -> float | None:
+        """When the worker's running message counts as hung; ``None``: never (no ``step_timeout``,
+        or the message holds no step or reset, or it has not started)."""
+        head = self.queues[worker][0]
+        if self.step_timeout is None or not head.timed or head.started_at is None:
+            return None
+        return head.started_at + self.step_timeout * len(head.env_ids)
+
+    def wait_until(self, done: Callable[[], bool], timeout: float | None, what: str, wakeable: bool = False) -> None:
+        """Polls until ``done()``; raises ``multiprocessing.TimeoutError`` after ``timeout`` seconds
+        (or, ``wakeable``, once :attr:`woken` is set, releasing :attr:`lock` while waiting)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not done():
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise multiprocessing.TimeoutError(f"{what} within {timeout} s")
+                if wakeable and self.woken.is_set():
+                    self.woken.clear()
+                    raise multiprocessing.TimeoutError(f"{what}: woken by wake()")
+                self.poll(deadline, unlocked=wakeable)
+        except multiprocessing.TimeoutError:
+            raise
+        except BaseException as exc:
+            self.close_after(exc)
+            raise
+
+    def close_after(self, exc: BaseException) -> None:
+        """While waiting for workers, any error but a timeout closes the env: after one, which
+        worker answered what is unknown, and a call left half-waiting would make every later
+        call fail with ``AlreadyPendingCallError``. The next call says why the env closed.
+        (A ``try`` in each waiting method rather than a context manager: this is the hot path.)"""
+        self.close_for(f"{type(exc).__name__}: {exc}")
+
+    def collect(self, indices: list[int], timeout: float | None, what: str = "not every env answered") -> None:
+        """Wait until every env in ``indices`` has answered (see :meth:`close_after`)."""
+        slots = self.slots
+        if timeout is None and self.step_timeout is None:
+            # Nothing to time out: read each worker in turn, as gymnasium does (no selector per call).
+            # A dead worker reads as a failure, so this never blocks on a dead env.
+            try:
+                while True:
+                    waiting = [i for i in indices if slots[i].result is NO_RESULT]
+                    if not waiting:
+                        return
+                    busy = [w for w in dict.fromkeys(slots[i].worker for i in waiting) if self.queues[w]]
+                    if not busy:
+                        raise RuntimeError(f"envs {waiting} wait for an answer but nothing was sent to them")
+                    self._receive(busy)
+            except BaseException as exc:
+                self.close_after(exc)
+                raise
+        self.wait_until(lambda: all(slots[i].result is not NO_RESULT for i in indices), timeout, what)
+
+    def deliver(self, indices: Sequence[int]) -> list[Any]:
+        """Pop the answers of ``indices``; the envs become free for the next command."""
+        results = []
+        if len(indices) == len(self.arrivals):
+            self.arrivals.clear()
+        else:
+            taken = set(indices)
+            self.arrivals = deque(i for i in self.arrivals if i not in taken)
+        for index in indices:
+            slot = self.slots[index]
+            results.append(slot.result)
+            slot.result = NO_RESULT
+            slot.command = slot.payload = None
+        return results
