@@ -28,12 +28,11 @@ from asyncvec.vector.errors import (
     error_from_payload,
 )
 from asyncvec.vector.observations import ObservationBuffers, take_info
-from asyncvec.vector.placement import place_envs, probe_skip_reason
+from asyncvec.vector.placement import check_placement_arguments, place_envs, probe_skip_reason
 from asyncvec.vector.split_obs import is_fixed_shape, shared_subspace
 from asyncvec.vector.transport import (
     Backend,
     InProcessBackend,
-    InProcessTransport,
     ProcessBackend,
     Transport,
     WorkerSpec,
@@ -166,27 +165,13 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         if not 1 <= self.batch_size <= self.num_envs:
             raise ValueError(f"batch_size must be in [1, num_envs={self.num_envs}], got {batch_size}")
         self.autoreset_mode = AutoresetMode(autoreset_mode)
-        self._same_step = self.autoreset_mode == AutoresetMode.SAME_STEP
         if step_timeout is not None and step_timeout <= 0:
             raise ValueError(f"step_timeout must be positive seconds or None, got {step_timeout}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         if observation_mode not in ("same", "different"):
             raise ValueError(f"observation_mode must be 'same' or 'different', got {observation_mode!r}")
-        if envs_per_worker is not None and (
-            isinstance(envs_per_worker, bool)
-            or not isinstance(envs_per_worker, (int, np.integer))
-            or envs_per_worker < 1
-        ):
-            raise ValueError(
-                f"envs_per_worker must be an int >= 1 or None (chosen by measuring the env), got {envs_per_worker!r}"
-            )
-        if in_process and envs_per_worker is not None:
-            raise ValueError("in_process=True runs every env in this process: do not also give envs_per_worker")
-        if in_process and step_timeout is not None:
-            raise ValueError("in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)")
-        if in_process and backend != "process":
-            raise ValueError(f"in_process=True needs the default backend='process', got backend={backend!r}")
+        check_placement_arguments(envs_per_worker, in_process, step_timeout, backend)
         self.step_timeout = step_timeout
         self.max_restarts = int(max_restarts)
         self.copy = copy
@@ -204,7 +189,6 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._observations = ObservationBuffers(self.num_envs)
         self._action_rows: Any = None  # shared views of one action per env, when actions travel that way
         self._in_process_steps: bool | None = None  # placement and buffers allow the in-process fast path
-        self._stepped: Any = None  # a lockstep step's results, taken by the in-process fast path
 
         skip_reason = None
         if self.backend.local:  # read the spaces from one throwaway env (shared memory must exist before the workers)
@@ -371,7 +355,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._dispatch.collect(self._lockstep_ids, timeout, _PENDING.format(call="reset_wait"))
         infos: dict[str, Any] = {}
         for index, (observation, info) in zip(self._lockstep_ids, self._dispatch.deliver(self._lockstep_ids)):
-            infos = self._add_info(infos, self._with_extra(index, info), index)
+            infos = self._add_info(infos, self._dispatch.with_extra(index, info), index)
         self._state = _LockstepState.DEFAULT
         return self._observations.batch(self.copy), infos
 
@@ -386,9 +370,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         ids = list(range(self.num_envs))
         items = self._actions.split(actions, ids, self.validate_actions)
         if self._can_step_in_process():
-            transport = self._transport
-            assert isinstance(transport, InProcessTransport)  # _can_step_in_process: the envs are in this process
-            self._stepped = (items, transport.step_all(0, items))
+            self._dispatch.step_all(items)
         else:
             for i, action in zip(ids, items):
                 self._dispatch.send(i, "step", action)
@@ -397,9 +379,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._state = _LockstepState.WAITING_STEP
 
     def _can_step_in_process(self) -> bool:
-        """Whether a lockstep step takes the fast path of in-process envs (:meth:`EnvGroup.step_all`:
-        no message nor result per env, as ``SyncVectorEnv``): whole observations in shared memory
-        and no env owing a restart's truncation or info."""
+        """Whether a lockstep step takes the fast path of in-process envs (:meth:`Dispatcher.step_all`):
+        whole observations in shared memory and no env owing a restart's truncation or info."""
         if self._in_process_steps is None:
             self._in_process_steps = (
                 self.placement.in_process and self._shm is not None and self._observations.per_env is None
@@ -408,26 +389,10 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         return self._in_process_steps and not any(slot.after_restart is not None or slot.info_extra for slot in slots)
 
     def _finish_step_in_process(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """``step_wait`` of the in-process fast path: the envs that raised go through the usual
-        failure path (rebuilt and truncated, or the error); the others' results are taken as they are."""
-        items, (rewards, terminations, truncations, env_infos, failures) = self._stepped
-        self._stepped = None
-        if failures:
-            failed = [position for position, _ in failures]
-            for index, payload in failures:
-                slot = self._slots[index]
-                slot.command, slot.payload = "step", items[index]
-                self._dispatch.env_failed(index, payload)
-            self._dispatch.flush()
-            self._dispatch.collect(failed, None)
-            for index, result in zip(failed, self._dispatch.deliver(failed)):
-                _, rewards[index], terminations[index], truncations[index], env_infos[index] = result
-                env_infos[index] = self._with_extra(index, env_infos[index])
-        same_step = self._same_step
+        """``step_wait`` of the in-process fast path (:meth:`Dispatcher.finish_step_all`)."""
+        rewards, terminations, truncations, env_infos = self._dispatch.finish_step_all()
         infos: dict[str, Any] = {}
-        outcomes = zip(self._slots, terminations, truncations, env_infos)
-        for index, (slot, terminated, truncated, info) in enumerate(outcomes):
-            slot.episode = "ended" if (terminated or truncated) and not same_step else "live"
+        for index, info in enumerate(env_infos):
             if info:
                 infos = self._add_info(infos, info, index)
         self._state = _LockstepState.DEFAULT
@@ -449,7 +414,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
-        if self._stepped is not None:
+        if self._dispatch.stepped is not None:
             return self._finish_step_in_process()
         ids = self._lockstep_ids
         self._dispatch.collect(ids, timeout, _PENDING.format(call="step_wait"))
@@ -460,16 +425,9 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         infos: dict[str, Any] = {}
         for index, result in zip(ids, results):
             if result[4] or self._slots[index].info_extra:
-                infos = self._add_info(infos, self._with_extra(index, result[4]), index)
+                infos = self._add_info(infos, self._dispatch.with_extra(index, result[4]), index)
         self._state = _LockstepState.DEFAULT
         return self._observations.batch(self.copy), rewards, terminations, truncations, infos
-
-    def _with_extra(self, index: int, info: dict[str, Any]) -> dict[str, Any]:
-        extra = self._slots[index].info_extra
-        if extra:
-            self._slots[index].info_extra = {}
-            return {**info, **extra}
-        return info
 
     # ------------------------------------------------------------------ EnvPool API
 
@@ -498,18 +456,26 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 not belong to ``single_action_space`` (nothing is sent then).
         """
         with self._dispatch.lock:
-            self._assert_is_running()
-            if self._state != _LockstepState.DEFAULT:
-                raise AlreadyPendingCallError(
-                    f"Calling `send` while waiting for `{self._state.value}`.", self._state.value
-                )
+            self._assert_not_waiting("send")
             ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in np.asarray(env_ids).reshape(-1)]
             self._check_free(ids)
-            for i, action in zip(ids, self._actions.split(actions, ids, self.validate_actions)):
-                self._dispatch.send(i, "step", action)
-            self._dispatch.flush()
-            if self._dispatch.recv_waiting:  # called while recv waits in another thread: it watches these envs too
-                self._transport.wake()
+            self._send_now(ids, "step", self._actions.split(actions, ids, self.validate_actions))
+
+    def _assert_not_waiting(self, call: str) -> None:
+        """``send``/``send_reset``: open, and no lockstep call pending (sends to other envs may be)."""
+        self._assert_is_running()
+        if self._state != _LockstepState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `{call}` while waiting for `{self._state.value}`.", self._state.value
+            )
+
+    def _send_now(self, ids: list[int], command: str, payloads: Sequence[Any]) -> None:
+        """``send``/``send_reset``: one command per env, sent at once."""
+        for i, payload in zip(ids, payloads):
+            self._dispatch.send(i, command, payload)
+        self._dispatch.flush()
+        if self._dispatch.recv_waiting:  # called while recv waits in another thread: it watches these envs too
+            self._transport.wake()
 
     def _check_free(self, ids: list[int]) -> None:
         """``send``/``send_reset``: each id once, in range, and not still busy."""
@@ -537,21 +503,13 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 another length than ``env_ids``.
         """
         with self._dispatch.lock:
-            self._assert_is_running()
-            if self._state != _LockstepState.DEFAULT:
-                raise AlreadyPendingCallError(
-                    f"Calling `send_reset` while waiting for `{self._state.value}`.", self._state.value
-                )
+            self._assert_not_waiting("send_reset")
             ids = [int(i) for i in np.asarray(env_ids).reshape(-1)]
             seeds = [None] * len(ids) if seeds is None else list(seeds)
             if len(seeds) != len(ids):
                 raise ValueError(f"send_reset: {len(seeds)} seeds for {len(ids)} env ids")
             self._check_free(ids)
-            for i, seed in zip(ids, seeds):
-                self._dispatch.send(i, "reset", {"seed": seed, "options": options})
-            self._dispatch.flush()
-            if self._dispatch.recv_waiting:  # called while recv waits in another thread: it watches these envs too
-                self._transport.wake()
+            self._send_now(ids, "reset", [{"seed": seed, "options": options} for seed in seeds])
 
     def recv(
         self, timeout: float | None = None, *, at_least: int | None = None
@@ -603,7 +561,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                     info = result[1]
                 else:
                     _, rewards[k], terminations[k], truncations[k], info = result
-                infos = self._add_info(infos, self._with_extra(index, info), index)
+                infos = self._add_info(infos, self._dispatch.with_extra(index, info), index)
             infos = take_info(infos, rows)
             infos["env_id"] = rows
             return self._observations.rows(rows), rewards, terminations, truncations, infos

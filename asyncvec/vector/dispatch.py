@@ -24,7 +24,7 @@ from asyncvec.vector.errors import error_from_payload
 from asyncvec.vector.faults import ENV_COMMANDS, Restarts
 from asyncvec.vector.observations import ObservationBuffers
 from asyncvec.vector.split_obs import write_row
-from asyncvec.vector.transport import Transport
+from asyncvec.vector.transport import InProcessTransport, Transport
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
 __all__ = ["NO_RESULT", "CallFailure", "Dispatcher", "Message", "Slot"]
@@ -115,6 +115,7 @@ class Dispatcher:
         self.woken = threading.Event()  # wake(): the next wakeable wait that would wait returns at once
         self._same_step = autoreset_mode == AutoresetMode.SAME_STEP
         self._outbox: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
+        self.stepped: Any = None  # a lockstep step's actions and results, taken by the in-process fast path
 
     # ------------------------------------------------------------------ sending
 
@@ -367,3 +368,42 @@ class Dispatcher:
             slot.result = NO_RESULT
             slot.command = slot.payload = None
         return results
+
+    def with_extra(self, index: int, info: dict[str, Any]) -> dict[str, Any]:
+        """``info`` of env ``index`` with what a restart added to it (``env_restarted``...), once."""
+        extra = self.slots[index].info_extra
+        if extra:
+            self.slots[index].info_extra = {}
+            return {**info, **extra}
+        return info
+
+    # ------------------------------------------------------------------ in-process lockstep steps
+
+    def step_all(self, actions: list[Any]) -> None:
+        """The in-process fast path of a lockstep step (:meth:`EnvGroup.step_all`: no message nor
+        result per env, as ``SyncVectorEnv``): every env, all in this process, steps now."""
+        transport = self.transport
+        assert isinstance(transport, InProcessTransport)  # the vector env takes this path only for in-process envs
+        self.stepped = (actions, transport.step_all(0, actions))
+
+    def finish_step_all(self) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        """The results of :meth:`step_all` (rewards, terminations, truncations, infos): the envs that
+        raised go through the usual failure path (rebuilt and truncated, or the error); the others'
+        results are taken as they are."""
+        actions, (rewards, terminations, truncations, infos, failures) = self.stepped
+        self.stepped = None
+        if failures:
+            failed = [position for position, _ in failures]
+            for index, payload in failures:
+                slot = self.slots[index]
+                slot.command, slot.payload = "step", actions[index]
+                self.env_failed(index, payload)
+            self.flush()
+            self.collect(failed, None)
+            for index, result in zip(failed, self.deliver(failed)):
+                _, rewards[index], terminations[index], truncations[index], infos[index] = result
+                infos[index] = self.with_extra(index, infos[index])
+        same_step = self._same_step
+        for slot, terminated, truncated in zip(self.slots, terminations, truncations):
+            slot.episode = "ended" if (terminated or truncated) and not same_step else "live"
+        return rewards, terminations, truncations, infos

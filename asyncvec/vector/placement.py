@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from gymnasium import Env, Space
 from gymnasium.vector.vector_env import AutoresetMode
 
@@ -68,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Placement",
     "StepProfile",
+    "check_placement_arguments",
     "choose_placement",
     "given_placement",
     "in_process_placement",
@@ -173,6 +175,31 @@ def choose_placement(num_envs: int, profile: StepProfile, cores: int, can_run_in
         )
     why = "CPU-bound: at most one busy worker per core" if busy < num_envs else "one worker per env"
     return Placement(False, k, workers, f"{why}; {measured}", profile)
+
+
+def check_placement_arguments(
+    envs_per_worker: Any, in_process: bool | None, step_timeout: float | None, backend: Any
+) -> None:
+    """Refuses ``AsyncLLMVectorEnv`` placement arguments that do not fit together, before anything starts.
+
+    Example:
+        >>> check_placement_arguments(None, True, 1.0, "process")
+        Traceback (most recent call last):
+        ...
+        ValueError: in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)
+    """
+    if envs_per_worker is not None and (
+        isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, (int, np.integer)) or envs_per_worker < 1
+    ):
+        raise ValueError(
+            f"envs_per_worker must be an int >= 1 or None (chosen by measuring the env), got {envs_per_worker!r}"
+        )
+    if in_process and envs_per_worker is not None:
+        raise ValueError("in_process=True runs every env in this process: do not also give envs_per_worker")
+    if in_process and step_timeout is not None:
+        raise ValueError("in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)")
+    if in_process and backend != "process":
+        raise ValueError(f"in_process=True needs the default backend='process', got backend={backend!r}")
 
 
 def place_envs(
