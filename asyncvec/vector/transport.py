@@ -1,7 +1,8 @@
 """How the vector env reaches its workers: a ``Backend`` builds a ``Transport`` of messages.
 
-``AsyncLLMVectorEnv`` holds the semantics (lockstep and partial-batch APIs, autoreset, restarts,
-timeouts, action checks); a transport only moves messages to the workers and back and
+The vector env holds the semantics (``AsyncLLMVectorEnv``'s lockstep and partial-batch APIs,
+autoreset, and in :mod:`~asyncvec.vector.dispatch` and :mod:`~asyncvec.vector.faults` the
+messages, timeouts and restarts); a transport only moves messages to the workers and back and
 restarts a worker when asked. Three transports exist: :class:`ProcessTransport` (worker
 processes on this machine, pipes and shared memory), :class:`InProcessTransport` (the envs in
 the calling process, for envs far cheaper than a pipe round trip) and the Ray transport in
