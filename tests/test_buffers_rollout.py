@@ -34,17 +34,17 @@ class AsyncCollector:
             k[row] = counts[env]
             counts[env] += 1
         self.store.add(
-            env_ids,
             np.stack([env_ids, k], axis=1).astype(np.float64),
             k % 2,
             k.astype(np.float32),
+            np.stack([env_ids, k + 1], axis=1).astype(np.float64),
             k % 4 == 3,
             np.zeros(len(k), bool),
+            k // 3,
             behavior_logp=-0.01 * k,
-            policy_version=k // 3,
-            values=-k.astype(np.float32),
-            next_obs=np.stack([env_ids, k + 1], axis=1).astype(np.float64),
+            env_id=env_ids,
             fallback=k % 5 == 2,
+            values=-k.astype(np.float32),
         )
         self.steps = counts
 
@@ -78,8 +78,8 @@ def test_partial_batches_in_any_order_build_time_major_segments(seed: int) -> No
         k = segment_index * T + np.arange(T)[:, None] * np.ones(N, dtype=np.int64)
         np.testing.assert_array_equal(segment.obs[..., 0], np.broadcast_to(np.arange(N), (T, N)))
         np.testing.assert_array_equal(segment.obs[..., 1], k)
-        np.testing.assert_array_equal(segment.actions, k % 2)
-        np.testing.assert_array_equal(segment.rewards, k)
+        np.testing.assert_array_equal(segment.action, k % 2)
+        np.testing.assert_array_equal(segment.reward, k)
         np.testing.assert_array_equal(segment.terminated, k % 4 == 3)
         np.testing.assert_array_equal(segment.values, -k)
         np.testing.assert_allclose(segment.behavior_logp, -0.01 * k, rtol=1e-5)
@@ -91,7 +91,7 @@ def test_partial_batches_in_any_order_build_time_major_segments(seed: int) -> No
         np.testing.assert_array_equal(
             segment.last_obs, np.stack([np.arange(N), np.full(N, (segment_index + 1) * T)], 1)
         )
-        assert segment.rewards.dtype == np.float32 and segment.policy_version.dtype == np.int64
+        assert segment.reward.dtype == np.float32 and segment.policy_version.dtype == np.int64
         assert store.steps_per_env == (collector.steps - (segment_index + 1) * T).tolist()
 
 
@@ -108,7 +108,7 @@ def test_get_waits_for_a_collector_thread() -> None:
     thread.start()
     segment = store.get(timeout=30)
     thread.join(timeout=30)
-    assert segment.rewards.tolist() == [[0, 0], [1, 1], [2, 2]]
+    assert segment.reward.tolist() == [[0, 0], [1, 1], [2, 2]]
 
 
 def test_a_lock_left_held_by_an_interrupt_is_released_for_the_collector_thread() -> None:
@@ -150,12 +150,12 @@ def test_get_times_out_and_close_wakes_it() -> None:
 def test_bootstrap_observation_comes_from_next_obs_or_the_next_step() -> None:
     store = RolloutStore(1, 2, spaces.Discrete(10), spaces.Discrete(2), max_steps_ahead=2)
     zeros = np.zeros(2, bool)
-    store.add([0, 1], np.array([1, 2]), np.array([0, 0]), [0.0, 0.0], zeros, zeros, 0.0, 0)
+    store.add(np.array([1, 2]), np.array([0, 0]), [0.0, 0.0], None, zeros, zeros, 0, env_id=[0, 1])
     with pytest.raises(ValueError, match=r"envs \[0, 1\] have no bootstrap observation"):
         store.get(timeout=0)
-    store.add([1], np.array([7]), np.array([1]), [1.0], [False], [False], 0.0, 0, next_obs=np.array([8]))
-    store.add([0], np.array([3]), np.array([0]), [0.0], [False], [False], 0.0, 0, next_obs=np.array([4]))
-    store.add([0], np.array([5]), np.array([1]), [0.0], [False], [False], 0.0, 0, next_obs=np.array([6]))
+    store.add(np.array([7]), np.array([1]), [1.0], np.array([8]), [False], [False], 0, env_id=[1])
+    store.add(np.array([3]), np.array([0]), [0.0], np.array([4]), [False], [False], 0, env_id=[0])
+    store.add(np.array([5]), np.array([1]), [0.0], np.array([6]), [False], [False], 0, env_id=[0])
     segment = store.get(timeout=0)
     assert segment.last_obs.tolist() == [3, 7] and segment.obs.tolist() == [[1, 2]]
     assert np.isnan(segment.values).all()
@@ -170,19 +170,19 @@ def test_text_and_dict_observations() -> None:
     store = RolloutStore(2, 2, space, spaces.Text(3, charset="xy"))
     for turn in range(2):
         store.add(
-            [1, 0],
             {"prompt": ["a" * (turn + 1), "b"], "turn": np.array([turn, turn])},
             ["x", "yy"],
             [1.0, 2.0],
+            {"prompt": ["c", "c"], "turn": np.array([turn + 1, turn + 1])},
             [False, False],
             [False, False],
-            [-1.0, -2.0],
             turn,
-            next_obs={"prompt": ["c", "c"], "turn": np.array([turn + 1, turn + 1])},
+            behavior_logp=[-1.0, -2.0],
+            env_id=[1, 0],
         )
     segment = store.get(timeout=0)
     assert segment.obs["prompt"].tolist() == [["b", "a"], ["b", "aa"]]
-    assert segment.actions.tolist() == [["yy", "x"], ["yy", "x"]]
+    assert segment.action.tolist() == [["yy", "x"], ["yy", "x"]]
     assert segment.last_obs["turn"].tolist() == [2, 2]
 
 
@@ -192,12 +192,16 @@ def test_bad_input_names_the_field_and_env() -> None:
 
     def add(env_ids=(0, 2), obs=None, action=(0, 1), version=0):
         obs = np.zeros((2, 2)) if obs is None else obs
-        store.add(np.asarray(env_ids), obs, np.asarray(action), [0.0, 0.0], zeros, zeros, [-0.1, -0.2], version)
+        store.add(
+            obs, np.asarray(action), [0.0, 0.0], None, zeros, zeros, version, behavior_logp=[-0.1, -0.2], env_id=env_ids
+        )
 
-    with pytest.raises(ValueError, match=r"env_ids: row 1: env 3 is not in \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"env_id: row 1: env 3 is not in \[0, 3\)"):
         add(env_ids=(0, 3))
-    with pytest.raises(ValueError, match=r"env_ids: expected a 1-D int array"):
+    with pytest.raises(ValueError, match=r"env_id: expected a 1-D int array"):
         add(env_ids=(0.0, 1.0))
+    with pytest.raises(ValueError, match=r"env_id: RolloutStore.add needs the env index of each row"):
+        store.add(np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], None, zeros, zeros, 0)
     with pytest.raises(ValueError, match=r"obs: expected a batch of shape \(2, 2\) from Box"):
         add(obs=np.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"action: row 1 \(env 2\): value 5 is not in Discrete\(2\)"):
@@ -205,9 +209,7 @@ def test_bad_input_names_the_field_and_env() -> None:
     with pytest.raises(ValueError, match=r"policy_version: row 0: expected a value >= 0"):
         add(version=-3)
     with pytest.raises(ValueError, match=r"fallback: expected bool values, shape \(2,\)"):
-        store.add(
-            np.array([0, 2]), np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], zeros, zeros, 0.0, 0, fallback=[True]
-        )
+        store.add(np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], None, zeros, zeros, 0, env_id=[0, 2], fallback=[True])
     add()
     add()
     with pytest.raises(ValueError, match=r"add: env 0 already holds 2 steps.*max_steps_ahead=0"):
