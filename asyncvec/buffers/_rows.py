@@ -133,7 +133,8 @@ class ReplayRows:
         ]
         self._reward_index = self._write_names.index("reward")
         self._validate_always = validate == "always"
-        self._values_checked = False  # becomes True after the first write (see validate)
+        # Whether quick_rows checks values too: always, or until the first write (see validate).
+        self._check_values = True
         # The dtypes of obs and action when each space is one plain array (the quick path's
         # shortcut), and the batch shapes by batch size.
         single = [codec.leaves[0] for codec in (self.obs, self.action) if len(codec.leaves) == 1]
@@ -349,8 +350,9 @@ class ReplayRows:
                 self.oldest = end - capacity
         position = (end - kept) % capacity
         stop = position + kept
-        for blob_column in self._blob_columns:  # blobs go to the segments of their serials
-            blob_column.next_serial = end - kept
+        if not self._blockable:  # blobs go to the segments of their serials
+            for blob_column in self._blob_columns:
+                blob_column.next_serial = end - kept
         if stop <= capacity:
             blocks = self._blocks.get(kept) if position % kept == 0 else None
             if blocks is not None:  # the usual add: the same batch size every time
@@ -382,7 +384,7 @@ class ReplayRows:
         elif fallback_flags:
             self.fallback_count += kept
         self.added = end
-        self._values_checked = True
+        self._check_values = self._validate_always
         if self._commit_log is not None:
             self._adds_since_commit += 1
             if self.commit_every and self._adds_since_commit >= self.commit_every:
@@ -419,7 +421,7 @@ class ReplayRows:
         n = reward.shape[0]
         if n == 0 or n > self.capacity:
             return None
-        check_values = self._validate_always or not self._values_checked
+        check_values = self._check_values
         signature = self._plain_signatures.get(n) if not check_values else None
         if signature is None and self._plain_leaves is not None and not check_values:
             signature = self._plain_signatures[n] = self._plain_signature(n)
