@@ -1,15 +1,17 @@
-"""RolloutStore filled asynchronously, and CompletionGroups."""
+"""RolloutStore filled asynchronously, the add signature it shares with ReplayBuffer, and CompletionGroups."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
+from dataclasses import fields
 
 import numpy as np
 import pytest
 from gymnasium import spaces
 
-from asyncvec.buffers import CompletionGroups, RolloutStore
+from asyncvec.buffers import CompletionGroups, ReplayBuffer, RolloutStore, Transitions
 
 OBS = spaces.Box(-np.inf, np.inf, (2,), np.float64)
 
@@ -184,6 +186,39 @@ def test_text_and_dict_observations() -> None:
     assert segment.obs["prompt"].tolist() == [["b", "a"], ["b", "aa"]]
     assert segment.action.tolist() == [["yy", "x"], ["yy", "x"]]
     assert segment.last_obs["turn"].tolist() == [2, 2]
+
+
+def test_both_buffers_take_one_add_signature_and_the_transitions_record() -> None:
+    def parameters(add):
+        return [(p.name, p.kind, p.default) for p in list(inspect.signature(add).parameters.values())[1:]]
+
+    assert parameters(ReplayBuffer.add) == parameters(RolloutStore.add)  # (the NaN defaults are one object)
+    assert [name for name, _, _ in parameters(RolloutStore.add)] == [field.name for field in fields(Transitions)]
+    batch = Transitions(
+        obs=np.array([[0.0, 1.0], [2.0, 3.0]]),
+        action=np.array([1, 0]),
+        reward=np.array([0.5, -0.5]),
+        next_obs=np.array([[4.0, 5.0], [6.0, 7.0]]),
+        terminated=np.array([False, True]),
+        truncated=np.array([True, False]),
+        policy_version=np.array([3, 4]),
+        behavior_logp=np.array([-0.1, -0.2]),
+        env_id=np.array([1, 0]),
+        episode_id=np.array([7, 8]),
+        fallback=np.array([False, True]),
+        values=np.array([0.25, 0.75]),
+    )
+    replay, store = ReplayBuffer(4, OBS, spaces.Discrete(2)), RolloutStore(1, 2, OBS, spaces.Discrete(2))
+    replay.add_transitions(batch)
+    store.add_transitions(batch)
+    sampled, segment = replay.gather([0, 1], current_version=4), store.get(timeout=0)
+    for name in ("obs", "action", "reward", "next_obs", "terminated", "truncated", "policy_version", "env_id"):
+        np.testing.assert_allclose(getattr(sampled, name), getattr(batch, name), err_msg=name)
+    for name in ("obs", "action", "reward", "next_obs", "terminated", "truncated", "policy_version", "fallback"):
+        np.testing.assert_allclose(getattr(segment, name)[0], getattr(batch, name)[::-1], err_msg=name)  # by env
+    np.testing.assert_allclose(sampled.behavior_logp, batch.behavior_logp, rtol=1e-6)
+    assert sampled.episode_id.tolist() == [7, 8] and sampled.fallback.tolist() == [False, True]
+    assert np.isnan(sampled.values).all() and segment.values[0].tolist() == [0.75, 0.25]  # only the store keeps values
 
 
 def test_bad_input_names_the_field_and_env() -> None:
