@@ -447,12 +447,12 @@ class PPO:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """GAE (or V-trace) advantages and value targets of a ``[T, N]`` segment, detached.
 
-        ``rewards`` replaces ``segment.rewards`` (the scaled rewards of ``--normalize-rewards``).
+        ``rewards`` replaces ``segment.reward`` (the scaled rewards of ``--normalize-rewards``).
         An episode that ended by ``terminated`` has no future value; one cut off by a time limit
         (``truncated``) bootstraps from the value of its final observation, ``segment.next_obs[t]``.
         """
         args = self.args
-        rewards = torch.as_tensor(segment.rewards if rewards is None else rewards)
+        rewards = torch.as_tensor(segment.reward if rewards is None else rewards)
         terminated = torch.as_tensor(segment.terminated)
         truncated = torch.as_tensor(segment.truncated) & ~terminated
         with torch.no_grad():
@@ -486,9 +486,9 @@ class PPO:
     def update(self, segment) -> dict[str, float]:
         """One PPO update on a [T, N] segment; returns loss and correction statistics."""
         args = self.args
-        T, N = segment.rewards.shape
+        T, N = segment.reward.shape
         obs = torch.as_tensor(segment.obs, dtype=torch.float32)
-        actions = torch.as_tensor(segment.actions)
+        actions = torch.as_tensor(segment.action)
         behavior_logp = torch.as_tensor(segment.behavior_logp)
         staleness = torch.as_tensor(segment.staleness(self.versions.current_version))
         no_fallbacks = segment.fallback is None
@@ -503,9 +503,9 @@ class PPO:
         # Guards that need no per-task setting: observation statistics (used by the actors from the next
         # version on) and reward scale follow the data; the epochs stop early on a large policy change.
         self.actor.obs_norm.update(obs[valid])
-        rewards = segment.rewards
+        rewards = segment.reward
         if self.reward_scaler is not None:
-            rewards = self.reward_scaler(segment.rewards, segment.terminated | segment.truncated)
+            rewards = self.reward_scaler(segment.reward, segment.terminated | segment.truncated)
         with torch.no_grad():
             values = self.critic(obs)
             prox_logp, _ = self.actor.log_prob_entropy(obs, actions)
@@ -634,15 +634,15 @@ class PPO:
             done = terminated | truncated
             final = final_observations(next_obs, done, info)
             self.store.add(
-                ids,
                 obs,
                 actions,
                 rewards,
+                final,
                 terminated,
                 truncated,
-                np.array([o.behavior_logp for o in outputs], dtype=np.float32),
                 np.array([o.policy_version for o in outputs]),
-                next_obs=final,
+                behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
+                env_id=ids,
                 fallback=np.array([o.fallback for o in outputs]),
             )
             episodes.update(ids, rewards, done)
@@ -690,7 +690,7 @@ class PPO:
                     else:
                         obs = self._sync_segment(episodes, obs)
                         segment = self.store.get(timeout=0)
-                self.global_step += segment.rewards.size
+                self.global_step += segment.reward.size
                 with stages("update"):
                     stats = self.update(segment)
                 with stages("publish"):

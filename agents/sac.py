@@ -58,7 +58,7 @@ from asyncvec.agents.common import (
     save_checkpoint,
     seed_everything,
 )
-from asyncvec.collector import Transitions
+from asyncvec.buffers import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -324,20 +324,8 @@ class SAC:
 
     def store(self, t: Transitions) -> None:
         """Adds a batch of transitions to the replay buffer and links them for n-step targets."""
-        slots = self.buffer.add(
-            t.obs,
-            t.action,
-            t.reward,
-            t.next_obs,
-            t.terminated,
-            t.truncated,
-            t.policy_version,
-            behavior_logp=t.behavior_logp,
-            env_id=t.env_ids,
-            episode_id=t.episode_id,
-            fallback=t.fallback,
-        )
-        self.index.link(slots, t.env_ids, t.episode_id, t.terminated | t.truncated)
+        slots = self.buffer.add_transitions(t)
+        self.index.link(slots, t.env_id, t.episode_id, t.terminated | t.truncated)
         with self._progress:
             self.global_step += len(slots)
             self._progress.notify_all()
@@ -578,7 +566,7 @@ class SAC:
                         final = final_observations(next_obs, done, info)
                         self.store(
                             Transitions(
-                                env_ids=ids,
+                                env_id=ids,
                                 obs=obs,
                                 action=actions,
                                 reward=rewards,

@@ -44,7 +44,7 @@ _LAZY = {
     "CompletionGroups": "asyncvec.buffers",
     "Collector": "asyncvec.collector",
     "CollectorError": "asyncvec.collector",
-    "Transitions": "asyncvec.collector",
+    "Transitions": "asyncvec.buffers",
     "Policy": "asyncvec.inference",
     "PolicyOutput": "asyncvec.inference",
     "BatchedPolicy": "asyncvec.inference",

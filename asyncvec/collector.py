@@ -15,7 +15,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,74 +22,28 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from asyncvec.buffers import ReplayBuffer, RolloutStore
+from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions
 from asyncvec.inference.base import zero_action
 from asyncvec.inference.types import Policy, PolicyOutput
 from asyncvec.metrics import EpisodeStats
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 from asyncvec.versioning import VersionManager
 
-__all__ = ["Collector", "CollectorError", "Transitions"]
+__all__ = ["Collector", "CollectorError"]
 
 
 class CollectorError(RuntimeError):
     """The collector thread stopped on an error (the original is chained as ``__cause__``)."""
 
 
-@dataclass
-class Transitions:
-    """A batch of transitions as the collector writes them (leading dimension = batch).
-
-    ``action`` is the action the policy sampled (Box actions unclipped: ``behavior_logp``
-    belongs to it); the env executed it clipped into the action space.
-    """
-
-    env_ids: np.ndarray
-    obs: Any
-    action: Any
-    reward: np.ndarray
-    next_obs: Any
-    terminated: np.ndarray
-    truncated: np.ndarray
-    behavior_logp: np.ndarray
-    policy_version: np.ndarray
-    fallback: np.ndarray
-    episode_id: np.ndarray
-
-
 Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
 
 
 def _write(sink: Sink, t: Transitions) -> None:
-    if isinstance(sink, RolloutStore):
-        sink.add(
-            t.env_ids,
-            t.obs,
-            t.action,
-            t.reward,
-            t.terminated,
-            t.truncated,
-            t.behavior_logp,
-            t.policy_version,
-            next_obs=t.next_obs,
-            fallback=t.fallback,
-        )
-    elif isinstance(sink, ReplayBuffer):
-        sink.add(
-            t.obs,
-            t.action,
-            t.reward,
-            t.next_obs,
-            t.terminated,
-            t.truncated,
-            t.policy_version,
-            behavior_logp=t.behavior_logp,
-            env_id=t.env_ids,
-            episode_id=t.episode_id,
-            fallback=t.fallback,
-        )
-    else:
+    if callable(sink):
         sink(t)
+    else:  # both buffers take the record as it is
+        sink.add_transitions(t)
 
 
 def _row(batch: Any, k: int) -> Any:
@@ -141,7 +94,7 @@ class Collector:
         >>> store = RolloutStore(8, 2, envs.single_observation_space, envs.single_action_space)
         >>> with Collector(envs, policy, store, seed=0) as collector:
         ...     segment = store.get(timeout=30)
-        >>> segment.rewards.shape
+        >>> segment.reward.shape
         (8, 2)
         >>> policy.close(); envs.close()
     """
@@ -431,7 +384,7 @@ class Collector:
         outputs = [row[2] for row in rows]
         n = len(rows)
         batch = Transitions(
-            env_ids=ids,
+            env_id=ids,
             obs=concatenate(self._space, [row[3] for row in rows], create_empty_array(self._space, n)),
             action=concatenate(
                 self._action_space, [o.action for o in outputs], create_empty_array(self._action_space, n)

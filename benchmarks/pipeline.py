@@ -300,8 +300,8 @@ def calibrate_epochs(regime: Regime, stages: StageTimes, args: Args, probe_epoch
         t, n = regime.num_steps, regime.num_envs
         segment = Segment(
             obs=rng.normal(size=(t, n, 4)).astype(np.float32),
-            actions=rng.integers(0, 2, (t, n)),
-            rewards=np.ones((t, n), np.float32),
+            action=rng.integers(0, 2, (t, n)),
+            reward=np.ones((t, n), np.float32),
             terminated=rng.random((t, n)) < 0.05,
             truncated=np.zeros((t, n), bool),
             values=np.zeros((t, n), np.float32),

@@ -63,13 +63,13 @@ def test_ppo_stores_the_sampled_action_and_sends_the_env_the_clipped_one(mode, n
         else:
             with Collector(agent.envs, agent.policy, agent.store, seed=0):
                 segment = agent.store.get(timeout=60)
-        actions = segment.actions[..., 0]
+        actions = segment.action[..., 0]
         assert np.abs(actions).max() > 1.0, "the store keeps the unclipped sample"
         np.testing.assert_allclose(
-            segment.rewards, np.clip(actions, -1.0, 1.0), rtol=1e-6
+            segment.reward, np.clip(actions, -1.0, 1.0), rtol=1e-6
         )  # the env executed the clipped one
         with torch.no_grad():  # the behavior log-prob belongs to the stored (unclipped) action
-            logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.actions))
+            logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.action))
         np.testing.assert_allclose(segment.behavior_logp, logp.numpy(), rtol=1e-4, atol=1e-4)
     finally:
         agent.close()
@@ -313,9 +313,9 @@ def test_ppo_corrections_run_and_report_is_stats(correction):
         assert 0 < last["losses/is_ess"] <= 1
 
 
-def cartpole_segment(rewards, terminated, truncated, first_obs, next_first_obs, last_first_obs, **fields):
+def cartpole_segment(reward, terminated, truncated, first_obs, next_first_obs, last_first_obs, **fields):
     """A hand-made [T, N] CartPole segment whose observations are zero except the first component."""
-    T, N = np.shape(rewards)
+    T, N = np.shape(reward)
     obs = np.zeros((T, N, 4), np.float32)
     obs[..., 0] = first_obs
     next_obs = np.zeros((T, N, 4), np.float32)
@@ -323,7 +323,7 @@ def cartpole_segment(rewards, terminated, truncated, first_obs, next_first_obs, 
     last_obs = np.zeros((N, 4), np.float32)
     last_obs[:, 0] = last_first_obs
     defaults = dict(
-        actions=np.zeros((T, N), np.int64),
+        action=np.zeros((T, N), np.int64),
         values=np.full((T, N), np.nan, np.float32),
         behavior_logp=np.full((T, N), -0.7, np.float32),
         policy_version=np.zeros((T, N), np.int64),
@@ -331,7 +331,7 @@ def cartpole_segment(rewards, terminated, truncated, first_obs, next_first_obs, 
     )
     return Segment(
         obs=obs,
-        rewards=np.asarray(rewards, np.float32),
+        reward=np.asarray(reward, np.float32),
         terminated=np.asarray(terminated),
         truncated=np.asarray(truncated),
         last_obs=last_obs,
@@ -375,7 +375,7 @@ def test_ppo_bootstraps_a_truncated_episode_from_its_final_observation(learner, 
     # one starts at step 2. Env 1: the same steps, but the episode terminates after step 1 (no future).
     agent = learner(gamma=0.5, gae_lambda=1.0, correction=correction)
     segment = cartpole_segment(
-        rewards=np.ones((3, 2)),
+        reward=np.ones((3, 2)),
         terminated=[[False, False], [False, True], [False, False]],
         truncated=[[False, False], [True, False], [False, False]],
         first_obs=[[1, 1], [2, 2], [3, 3]],
@@ -403,7 +403,7 @@ def test_ppo_never_trains_on_fallback_samples(learner):
     T, N = 4, 2
     fallback = np.array([[False, True], [False, False], [True, False], [False, False]])
     common = dict(
-        rewards=rng.normal(size=(T, N)),
+        reward=rng.normal(size=(T, N)),
         terminated=np.zeros((T, N), bool),
         truncated=np.zeros((T, N), bool),
         first_obs=rng.normal(size=(T, N)),
@@ -414,11 +414,11 @@ def test_ppo_never_trains_on_fallback_samples(learner):
     actions = rng.integers(0, 2, size=(T, N))
     other_actions = np.where(fallback, 1 - actions, actions)  # only the fallback rows differ
     segments = {
-        "fallbacks": cartpole_segment(actions=actions, **common),
+        "fallbacks": cartpole_segment(action=actions, **common),
         "other fallback actions": cartpole_segment(
-            actions=other_actions, behavior_logp=np.where(fallback, 0.0, -0.7).astype(np.float32), **common
+            action=other_actions, behavior_logp=np.where(fallback, 0.0, -0.7).astype(np.float32), **common
         ),
-        "unflagged": cartpole_segment(actions=other_actions, **{**common, "fallback": np.zeros((T, N), bool)}),
+        "unflagged": cartpole_segment(action=other_actions, **{**common, "fallback": np.zeros((T, N), bool)}),
     }
     trained = {}
     for name, segment in segments.items():
@@ -435,7 +435,7 @@ def test_adaptive_staleness_halves_on_degenerate_weights_and_recovers(learner):
     agent = learner(update_epochs=1, max_staleness=8, adaptive_staleness=True)
     never = np.zeros((T, N), bool)
     segment = cartpole_segment(
-        rewards=np.ones((T, N)),
+        reward=np.ones((T, N)),
         terminated=never,
         truncated=never,
         first_obs=np.zeros((T, N)),
@@ -445,7 +445,7 @@ def test_adaptive_staleness_halves_on_degenerate_weights_and_recovers(learner):
 
     def learner_logp():
         with torch.no_grad():
-            logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.actions))
+            logp, _ = agent.actor.log_prob_entropy(torch.as_tensor(segment.obs), torch.as_tensor(segment.action))
             return logp.numpy()
 
     # The actors chose these actions with a far smaller probability than the learner: pi/mu = e^3 > the cap.

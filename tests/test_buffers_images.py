@@ -113,8 +113,8 @@ def test_rollout_store_round_trip():
         for s in (store, plain):
             obs = {"image": images[t], "instruction": ["go", "stop"]}
             nxt = {"image": images[t + 1], "instruction": ["go", "stop"]}
-            s.add([0, 1], obs, np.zeros(2, np.int64), np.ones(2), np.zeros(2, bool), np.zeros(2, bool),
-                  np.zeros(2), 0, next_obs=nxt if t == 2 else None)  # fmt: skip
+            s.add(obs, np.zeros(2, np.int64), np.ones(2), nxt if t == 2 else None, np.zeros(2, bool),
+                  np.zeros(2, bool), 0, behavior_logp=np.zeros(2), env_id=[0, 1])  # fmt: skip
     assert store.nbytes < plain.nbytes / 3
     segment, reference = store.get(timeout=0), plain.get(timeout=0)
     np.testing.assert_array_equal(segment.obs["image"], np.stack(images[:3]))
@@ -126,7 +126,7 @@ def test_rollout_store_round_trip():
 
 def test_plain_spaces_are_untouched_and_bad_input_is_named(tmp_path):
     buffer = ReplayBuffer(8, spaces.Box(-1, 1, (3,)), spaces.Discrete(2), image_compression=True)
-    assert not buffer._obs.compressed  # no image leaf: the plain fast path stays
+    assert not buffer._rows.obs.compressed  # no image leaf: the plain fast path stays
     image_buffer = ReplayBuffer(8, IMAGE, spaces.Discrete(2), image_compression=True)
     with pytest.raises(ValueError, match=r"obs: expected dtype uint8"):
         image_buffer.add(np.zeros((2, SIZE, SIZE, 3), np.float32), np.zeros(2, np.int64), np.ones(2),

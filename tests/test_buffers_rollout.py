@@ -1,15 +1,17 @@
-"""RolloutStore filled asynchronously, and CompletionGroups."""
+"""RolloutStore filled asynchronously, the add signature it shares with ReplayBuffer, and CompletionGroups."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
+from dataclasses import fields
 
 import numpy as np
 import pytest
 from gymnasium import spaces
 
-from asyncvec.buffers import CompletionGroups, RolloutStore
+from asyncvec.buffers import CompletionGroups, ReplayBuffer, RolloutStore, Transitions
 
 OBS = spaces.Box(-np.inf, np.inf, (2,), np.float64)
 
@@ -34,17 +36,17 @@ class AsyncCollector:
             k[row] = counts[env]
             counts[env] += 1
         self.store.add(
-            env_ids,
             np.stack([env_ids, k], axis=1).astype(np.float64),
             k % 2,
             k.astype(np.float32),
+            np.stack([env_ids, k + 1], axis=1).astype(np.float64),
             k % 4 == 3,
             np.zeros(len(k), bool),
+            k // 3,
             behavior_logp=-0.01 * k,
-            policy_version=k // 3,
-            values=-k.astype(np.float32),
-            next_obs=np.stack([env_ids, k + 1], axis=1).astype(np.float64),
+            env_id=env_ids,
             fallback=k % 5 == 2,
+            values=-k.astype(np.float32),
         )
         self.steps = counts
 
@@ -78,8 +80,8 @@ def test_partial_batches_in_any_order_build_time_major_segments(seed: int) -> No
         k = segment_index * T + np.arange(T)[:, None] * np.ones(N, dtype=np.int64)
         np.testing.assert_array_equal(segment.obs[..., 0], np.broadcast_to(np.arange(N), (T, N)))
         np.testing.assert_array_equal(segment.obs[..., 1], k)
-        np.testing.assert_array_equal(segment.actions, k % 2)
-        np.testing.assert_array_equal(segment.rewards, k)
+        np.testing.assert_array_equal(segment.action, k % 2)
+        np.testing.assert_array_equal(segment.reward, k)
         np.testing.assert_array_equal(segment.terminated, k % 4 == 3)
         np.testing.assert_array_equal(segment.values, -k)
         np.testing.assert_allclose(segment.behavior_logp, -0.01 * k, rtol=1e-5)
@@ -91,7 +93,7 @@ def test_partial_batches_in_any_order_build_time_major_segments(seed: int) -> No
         np.testing.assert_array_equal(
             segment.last_obs, np.stack([np.arange(N), np.full(N, (segment_index + 1) * T)], 1)
         )
-        assert segment.rewards.dtype == np.float32 and segment.policy_version.dtype == np.int64
+        assert segment.reward.dtype == np.float32 and segment.policy_version.dtype == np.int64
         assert store.steps_per_env == (collector.steps - (segment_index + 1) * T).tolist()
 
 
@@ -108,7 +110,7 @@ def test_get_waits_for_a_collector_thread() -> None:
     thread.start()
     segment = store.get(timeout=30)
     thread.join(timeout=30)
-    assert segment.rewards.tolist() == [[0, 0], [1, 1], [2, 2]]
+    assert segment.reward.tolist() == [[0, 0], [1, 1], [2, 2]]
 
 
 def test_a_lock_left_held_by_an_interrupt_is_released_for_the_collector_thread() -> None:
@@ -150,12 +152,12 @@ def test_get_times_out_and_close_wakes_it() -> None:
 def test_bootstrap_observation_comes_from_next_obs_or_the_next_step() -> None:
     store = RolloutStore(1, 2, spaces.Discrete(10), spaces.Discrete(2), max_steps_ahead=2)
     zeros = np.zeros(2, bool)
-    store.add([0, 1], np.array([1, 2]), np.array([0, 0]), [0.0, 0.0], zeros, zeros, 0.0, 0)
+    store.add(np.array([1, 2]), np.array([0, 0]), [0.0, 0.0], None, zeros, zeros, 0, env_id=[0, 1])
     with pytest.raises(ValueError, match=r"envs \[0, 1\] have no bootstrap observation"):
         store.get(timeout=0)
-    store.add([1], np.array([7]), np.array([1]), [1.0], [False], [False], 0.0, 0, next_obs=np.array([8]))
-    store.add([0], np.array([3]), np.array([0]), [0.0], [False], [False], 0.0, 0, next_obs=np.array([4]))
-    store.add([0], np.array([5]), np.array([1]), [0.0], [False], [False], 0.0, 0, next_obs=np.array([6]))
+    store.add(np.array([7]), np.array([1]), [1.0], np.array([8]), [False], [False], 0, env_id=[1])
+    store.add(np.array([3]), np.array([0]), [0.0], np.array([4]), [False], [False], 0, env_id=[0])
+    store.add(np.array([5]), np.array([1]), [0.0], np.array([6]), [False], [False], 0, env_id=[0])
     segment = store.get(timeout=0)
     assert segment.last_obs.tolist() == [3, 7] and segment.obs.tolist() == [[1, 2]]
     assert np.isnan(segment.values).all()
@@ -170,20 +172,53 @@ def test_text_and_dict_observations() -> None:
     store = RolloutStore(2, 2, space, spaces.Text(3, charset="xy"))
     for turn in range(2):
         store.add(
-            [1, 0],
             {"prompt": ["a" * (turn + 1), "b"], "turn": np.array([turn, turn])},
             ["x", "yy"],
             [1.0, 2.0],
+            {"prompt": ["c", "c"], "turn": np.array([turn + 1, turn + 1])},
             [False, False],
             [False, False],
-            [-1.0, -2.0],
             turn,
-            next_obs={"prompt": ["c", "c"], "turn": np.array([turn + 1, turn + 1])},
+            behavior_logp=[-1.0, -2.0],
+            env_id=[1, 0],
         )
     segment = store.get(timeout=0)
     assert segment.obs["prompt"].tolist() == [["b", "a"], ["b", "aa"]]
-    assert segment.actions.tolist() == [["yy", "x"], ["yy", "x"]]
+    assert segment.action.tolist() == [["yy", "x"], ["yy", "x"]]
     assert segment.last_obs["turn"].tolist() == [2, 2]
+
+
+def test_both_buffers_take_one_add_signature_and_the_transitions_record() -> None:
+    def parameters(add):
+        return [(p.name, p.kind, p.default) for p in list(inspect.signature(add).parameters.values())[1:]]
+
+    assert parameters(ReplayBuffer.add) == parameters(RolloutStore.add)  # (the NaN defaults are one object)
+    assert [name for name, _, _ in parameters(RolloutStore.add)] == [field.name for field in fields(Transitions)]
+    batch = Transitions(
+        obs=np.array([[0.0, 1.0], [2.0, 3.0]]),
+        action=np.array([1, 0]),
+        reward=np.array([0.5, -0.5]),
+        next_obs=np.array([[4.0, 5.0], [6.0, 7.0]]),
+        terminated=np.array([False, True]),
+        truncated=np.array([True, False]),
+        policy_version=np.array([3, 4]),
+        behavior_logp=np.array([-0.1, -0.2]),
+        env_id=np.array([1, 0]),
+        episode_id=np.array([7, 8]),
+        fallback=np.array([False, True]),
+        values=np.array([0.25, 0.75]),
+    )
+    replay, store = ReplayBuffer(4, OBS, spaces.Discrete(2)), RolloutStore(1, 2, OBS, spaces.Discrete(2))
+    replay.add_transitions(batch)
+    store.add_transitions(batch)
+    sampled, segment = replay.gather([0, 1], current_version=4), store.get(timeout=0)
+    for name in ("obs", "action", "reward", "next_obs", "terminated", "truncated", "policy_version", "env_id"):
+        np.testing.assert_allclose(getattr(sampled, name), getattr(batch, name), err_msg=name)
+    for name in ("obs", "action", "reward", "next_obs", "terminated", "truncated", "policy_version", "fallback"):
+        np.testing.assert_allclose(getattr(segment, name)[0], getattr(batch, name)[::-1], err_msg=name)  # by env
+    np.testing.assert_allclose(sampled.behavior_logp, batch.behavior_logp, rtol=1e-6)
+    assert sampled.episode_id.tolist() == [7, 8] and sampled.fallback.tolist() == [False, True]
+    assert np.isnan(sampled.values).all() and segment.values[0].tolist() == [0.75, 0.25]  # only the store keeps values
 
 
 def test_bad_input_names_the_field_and_env() -> None:
@@ -192,12 +227,16 @@ def test_bad_input_names_the_field_and_env() -> None:
 
     def add(env_ids=(0, 2), obs=None, action=(0, 1), version=0):
         obs = np.zeros((2, 2)) if obs is None else obs
-        store.add(np.asarray(env_ids), obs, np.asarray(action), [0.0, 0.0], zeros, zeros, [-0.1, -0.2], version)
+        store.add(
+            obs, np.asarray(action), [0.0, 0.0], None, zeros, zeros, version, behavior_logp=[-0.1, -0.2], env_id=env_ids
+        )
 
-    with pytest.raises(ValueError, match=r"env_ids: row 1: env 3 is not in \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"env_id: row 1: env 3 is not in \[0, 3\)"):
         add(env_ids=(0, 3))
-    with pytest.raises(ValueError, match=r"env_ids: expected a 1-D int array"):
+    with pytest.raises(ValueError, match=r"env_id: expected a 1-D int array"):
         add(env_ids=(0.0, 1.0))
+    with pytest.raises(ValueError, match=r"env_id: RolloutStore.add needs the env index of each row"):
+        store.add(np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], None, zeros, zeros, 0)
     with pytest.raises(ValueError, match=r"obs: expected a batch of shape \(2, 2\) from Box"):
         add(obs=np.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"action: row 1 \(env 2\): value 5 is not in Discrete\(2\)"):
@@ -205,9 +244,7 @@ def test_bad_input_names_the_field_and_env() -> None:
     with pytest.raises(ValueError, match=r"policy_version: row 0: expected a value >= 0"):
         add(version=-3)
     with pytest.raises(ValueError, match=r"fallback: expected bool values, shape \(2,\)"):
-        store.add(
-            np.array([0, 2]), np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], zeros, zeros, 0.0, 0, fallback=[True]
-        )
+        store.add(np.zeros((2, 2)), np.array([0, 1]), [0.0, 0.0], None, zeros, zeros, 0, env_id=[0, 2], fallback=[True])
     add()
     add()
     with pytest.raises(ValueError, match=r"add: env 0 already holds 2 steps.*max_steps_ahead=0"):

@@ -35,11 +35,11 @@ def test_transitions_chain_and_carry_behavior_logp(mode, no_leftover_children):
     try:
         with Collector(envs, policy, store, seed=0) as collector:
             segment = store.get(timeout=60)
-        obs, actions = torch.as_tensor(segment.obs), torch.as_tensor(segment.actions)
+        obs, actions = torch.as_tensor(segment.obs), torch.as_tensor(segment.action)
         with torch.no_grad():
             logp = torch.log_softmax(policy.module(obs), -1).gather(-1, actions[..., None]).squeeze(-1)
         np.testing.assert_allclose(segment.behavior_logp, logp.numpy(), atol=1e-5)
-        assert (segment.policy_version == 0).all() and (segment.rewards == 1.0).all()
+        assert (segment.policy_version == 0).all() and (segment.reward == 1.0).all()
         done = segment.terminated | segment.truncated
         assert done.any(), "episodes end within 64 random-ish steps"
         # CartPole episodes start near zero: every step after a done is a fresh reset observation,
@@ -61,11 +61,11 @@ def test_next_obs_matches_following_obs():
     try:
         with Collector(envs, policy, seen.append, seed=1):
             deadline = time.monotonic() + 30
-            while sum(len(t.env_ids) for t in seen) < 200 and time.monotonic() < deadline:
+            while sum(len(t.env_id) for t in seen) < 200 and time.monotonic() < deadline:
                 time.sleep(0.01)
         per_env = {0: [], 1: []}
         for t in list(seen):
-            for k, e in enumerate(t.env_ids):
+            for k, e in enumerate(t.env_id):
                 per_env[int(e)].append((t.obs[k], t.next_obs[k], t.terminated[k] or t.truncated[k]))
         checked = 0
         for rows in per_env.values():
@@ -119,7 +119,7 @@ def test_back_pressure_parks_envs_until_the_learner_takes_the_segment():
             assert store.steps_per_env == [16] * 4
             first = store.get(timeout=0)
             second = store.get(timeout=30)
-        assert first.rewards.shape == second.rewards.shape == (16, 4)
+        assert first.reward.shape == second.reward.shape == (16, 4)
     finally:
         policy.close()
         envs.close()
@@ -178,7 +178,7 @@ def test_deadline_fallbacks_are_flagged_in_rollout_segments():
     try:
         with Collector(envs, slow, store, seed=0):
             segment = store.get(timeout=60)
-        assert segment.fallback.shape == (4, 2) and segment.fallback.all() and (segment.actions == 0).all()
+        assert segment.fallback.shape == (4, 2) and segment.fallback.all() and (segment.action == 0).all()
         assert (segment.behavior_logp == 0.0).all(), "a fallback is deterministic: mu(a) = 1"
     finally:
         slow.close()
@@ -267,7 +267,7 @@ class PublishesOnSubmit:
 def rows_by_env(seen, num_envs):
     versions = {i: [] for i in range(num_envs)}
     for t in list(seen):
-        for env_id, version in zip(t.env_ids.tolist(), t.policy_version.tolist()):
+        for env_id, version in zip(t.env_id.tolist(), t.policy_version.tolist()):
             versions[env_id].append(version)
     return versions
 
@@ -299,7 +299,7 @@ def test_an_action_computed_before_the_gate_closed_is_not_executed_after(one_tor
             assert policy.published.wait(30)
             time.sleep(1.0)  # the version-0 answer arrives meanwhile (300 ms)
             collector.check()
-            held = sum(len(t.env_ids) for t in seen)
+            held = sum(len(t.env_id) for t in seen)
             inner.load_weights(inner.policy.module.state_dict(), 2)  # the policy catches up: the gate reopens
             deadline = time.monotonic() + 30
             while rows_by_env(seen, 1)[0].count(2) < 3 and time.monotonic() < deadline:

@@ -79,7 +79,7 @@ class ListSink:
 
     def __len__(self) -> int:
         with self.lock:
-            return sum(len(b.env_ids) for b in self.batches)
+            return sum(len(b.env_id) for b in self.batches)
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:

@@ -48,7 +48,7 @@ SCRIPT = textwrap.dedent(
     batches = []
     policy_fn = functools.partial(TorchPolicy, torch.nn.Linear(4, 2), gym.spaces.Discrete(2))
     with DistributedCollector(collectors, policy_fn, batches.append):
-        while sum(len(b.env_ids) for b in batches) < 50:
+        while sum(len(b.env_id) for b in batches) < 50:
             time.sleep(0.05)
     info = collectors.describe()[0]
     ours = descendants(os.getpid())

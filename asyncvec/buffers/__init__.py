@@ -1,6 +1,7 @@
-"""Version-aware storage for transitions: a replay buffer (with a sum-tree for prioritized
-sampling), an on-policy rollout store and groups of completions per prompt. numpy only:
-buffers never import torch.
+"""Version-aware storage for transitions: one transition record (`Transitions`), a replay
+buffer (with a sum-tree for prioritized sampling) and an on-policy rollout store that both take
+it through one ``add`` signature, and groups of completions per prompt. numpy only: buffers
+never import torch.
 
 Example:
     >>> import numpy as np
@@ -18,6 +19,7 @@ from asyncvec.buffers.groups import CompletionGroups, GroupBatch
 from asyncvec.buffers.replay import ReplayBatch, ReplayBuffer
 from asyncvec.buffers.rollout import RolloutStore, Segment
 from asyncvec.buffers.sum_tree import SumTree
+from asyncvec.buffers.transitions import Transitions
 
 __all__ = [
     "CompletionGroups",
@@ -28,5 +30,6 @@ __all__ = [
     "RolloutStore",
     "Segment",
     "SumTree",
+    "Transitions",
     "is_image_space",
 ]

@@ -13,11 +13,12 @@ from asyncvec._threads import release_if_held
 from asyncvec.buffers._disk import column_nbytes
 from asyncvec.buffers._images import ImageCompression, resolve_image_compression
 from asyncvec.buffers._spaces import SpaceCodec, as_column
+from asyncvec.buffers.transitions import Transitions
 
 __all__ = ["RolloutStore", "Segment"]
 
 _SCALARS: dict[str, np.dtype] = {
-    "rewards": np.dtype(np.float32),
+    "reward": np.dtype(np.float32),
     "terminated": np.dtype(np.bool_),
     "truncated": np.dtype(np.bool_),
     "values": np.dtype(np.float32),
@@ -30,30 +31,31 @@ _SCALARS: dict[str, np.dtype] = {
 
 @dataclass
 class Segment:
-    """One full rollout segment, time-major ``[T, N]``.
+    """One full rollout segment, time-major ``[T, N]``: the `Transitions` fields a segment keeps,
+    under the same names, plus ``last_obs`` (the env of a column is its index, so no ``env_id``).
 
     Attributes:
         obs: observation at each step, ``[T, N, *obs_shape]`` (dict/tuple of such arrays for
             Dict/Tuple spaces; object arrays of ``str`` for Text).
-        actions: action taken at each step, ``[T, N, *action_shape]``.
-        rewards: ``[T, N]`` float32, the reward received after ``actions[t]``.
+        action: action taken at each step, ``[T, N, *action_shape]``.
+        reward: ``[T, N]`` float32, the reward received after ``action[t]``.
         terminated, truncated: ``[T, N]`` bool, whether the episode ended after step ``t``.
         values: ``[T, N]`` float32 critic values given to ``add`` (NaN where none was given).
-        behavior_logp: ``[T, N]`` float32 log-probability of ``actions[t]`` under the
+        behavior_logp: ``[T, N]`` float32 log-probability of ``action[t]`` under the
             behavior policy.
-        policy_version: ``[T, N]`` int64 version that chose ``actions[t]``.
+        policy_version: ``[T, N]`` int64 version that chose ``action[t]``.
         last_obs: ``[N, *obs_shape]``, the observation after step ``T - 1`` of each env, to
             bootstrap ``V(last_obs)``.
         next_obs: ``[T, N, *obs_shape]``, the observation each step ended in, as given to
-            ``add(next_obs=...)`` (meaningful only where ``add`` got one). Where an episode ended it is the
+            ``add`` (meaningful only where ``add`` got one, not None). Where an episode ended it is the
             episode's final observation, so a truncated step can bootstrap ``V(next_obs[t])``.
-        fallback: ``[T, N]`` bool, whether ``actions[t]`` was a fallback (a deadline miss) rather
+        fallback: ``[T, N]`` bool, whether ``action[t]`` was a fallback (a deadline miss) rather
             than the policy's sample; learners mask these out of their losses.
     """
 
     obs: Any
-    actions: Any
-    rewards: np.ndarray
+    action: Any
+    reward: np.ndarray
     terminated: np.ndarray
     truncated: np.ndarray
     values: np.ndarray
@@ -72,7 +74,8 @@ class RolloutStore:
     """Collects fixed-length, time-major segments ``[T, N]`` for on-policy learners.
 
     Transitions arrive per env in any order and in partial batches (EnvPool style): ``add``
-    appends each env's transition at that env's own cursor. The segment is ready when every
+    (the signature of ``ReplayBuffer.add``, ``env_id`` required) appends each env's transition
+    at that env's own cursor. The segment is ready when every
     env has ``T`` steps; ``get()`` returns it and shifts any steps a fast env already
     collected beyond ``T`` to the start of the next segment. An env may run at most
     ``max_steps_ahead`` steps past ``T`` before ``add`` refuses its transitions.
@@ -100,15 +103,15 @@ class RolloutStore:
         >>> store = RolloutStore(2, 3, spaces.Box(-1, 1, (1,)), spaces.Discrete(2))
         >>> def step(env_ids, version):  # a partial batch from an asynchronous env
         ...     n = len(env_ids)
-        ...     store.add(env_ids, np.zeros((n, 1), np.float32), np.ones(n, int), np.ones(n),
-        ...               np.zeros(n, bool), np.zeros(n, bool), behavior_logp=np.full(n, -0.7),
-        ...               policy_version=version, next_obs=np.full((n, 1), 0.5, np.float32))
+        ...     store.add(np.zeros((n, 1), np.float32), np.ones(n, int), np.ones(n),
+        ...               np.full((n, 1), 0.5, np.float32), np.zeros(n, bool), np.zeros(n, bool),
+        ...               version, behavior_logp=np.full(n, -0.7), env_id=env_ids)
         >>> step([0, 2], 0); step([2, 1, 0], 0); store.ready()
         False
         >>> step([1, 2], 1); store.ready()
         True
         >>> segment = store.get(timeout=0)
-        >>> segment.rewards.shape, segment.policy_version[:, 2].tolist(), store.steps_per_env
+        >>> segment.reward.shape, segment.policy_version[:, 2].tolist(), store.steps_per_env
         ((2, 3), [0, 0], [0, 0, 1])
     """
 
@@ -154,46 +157,57 @@ class RolloutStore:
 
     def add(
         self,
-        env_ids: Any,
         obs: Any,
         action: Any,
         reward: Any,
+        next_obs: Any,
         terminated: Any,
         truncated: Any,
-        behavior_logp: Any,
         policy_version: Any,
         *,
-        values: Any = np.nan,
-        next_obs: Any = None,
+        behavior_logp: Any = np.nan,
+        env_id: Any = -1,
+        episode_id: Any = -1,
         fallback: Any = False,
+        values: Any = np.nan,
     ) -> None:
-        """Append one transition for each env in ``env_ids`` at that env's cursor.
+        """Append one transition for each row at its env's cursor.
+
+        The same signature as `ReplayBuffer.add`; the arguments are the fields of `Transitions`
+        (see :meth:`add_transitions`). ``env_id`` is required here.
 
         Args:
-            env_ids: ``(B,)`` env indices in ``[0, num_envs)``, in any order; an env may
-                appear more than once (its transitions are appended in order).
-            obs: the observation each action was chosen from, batched like ``env_ids``.
+            obs: the observation each action was chosen from, batched (leading dimension = batch).
             action, reward, terminated, truncated: the step's outcome, batched.
-            behavior_logp: ``(B,)`` log-probabilities of the actions under the acting policy.
-            policy_version: the version that chose each action, ``(B,)`` or one int.
-            values: optional ``(B,)`` critic values of ``obs``.
-            next_obs: optional observations after the step (the final observation where an
-                episode ended); kept per step as ``Segment.next_obs``, and the latest one per env
+            next_obs: the observations after the step (the final observation where an episode
+                ended), or None; kept per step as ``Segment.next_obs``, and the latest one per env
                 serves as the bootstrap observation if the env has not started its next segment.
+            policy_version: the version that chose each action, ``(B,)`` or one int.
+            behavior_logp: ``(B,)`` log-probabilities of the actions under the acting policy.
+            env_id: ``(B,)`` env indices in ``[0, num_envs)`` (or one for every row), in any
+                order; an env may appear more than once (its transitions are appended in order).
+            episode_id: not kept (a segment is indexed by step and env).
             fallback: ``(B,)`` bool or one bool: the action was a fallback (deadline miss).
+            values: optional ``(B,)`` critic values of ``obs``.
 
         Raises:
             ValueError: a field does not match its space/shape (the message names the field,
-                the space and the env), an env id is out of range, or an env is already
-                ``max_steps_ahead`` steps past the segment end.
+                the space and the env), ``env_id`` is missing or out of range, or an env is
+                already ``max_steps_ahead`` steps past the segment end.
         """
-        env_ids = np.asarray(env_ids)
+        if type(env_id) is int and env_id == -1:
+            raise ValueError(
+                f"env_id: RolloutStore.add needs the env index of each row, in [0, {self.num_envs}); got the default -1"
+            )
+        env_ids = np.asarray(env_id)
+        if env_ids.ndim == 0 and env_ids.dtype.kind in "iu":  # one env for every row
+            env_ids = np.full(np.shape(reward)[:1], env_ids)
         if env_ids.ndim != 1 or env_ids.dtype.kind not in "iu":
-            raise ValueError(f"env_ids: expected a 1-D int array, got {env_ids.dtype} shape {env_ids.shape}")
+            raise ValueError(f"env_id: expected a 1-D int array, got {env_ids.dtype} shape {env_ids.shape}")
         n = len(env_ids)
         if n and (env_ids.min() < 0 or env_ids.max() >= self.num_envs):
             row = int(np.flatnonzero((env_ids < 0) | (env_ids >= self.num_envs))[0])
-            raise ValueError(f"env_ids: row {row}: env {env_ids[row]} is not in [0, {self.num_envs})")
+            raise ValueError(f"env_id: row {row}: env {env_ids[row]} is not in [0, {self.num_envs})")
 
         def row_label(row: int) -> str:
             return f"row {row} (env {env_ids[row]})"
@@ -201,7 +215,7 @@ class RolloutStore:
         data: dict[str, np.ndarray] = {}
         for codec, value in ((self._obs, obs), (self._action, action)):
             data.update(zip(codec.column_names(), codec.encode(value, n, row_label)))
-        data["rewards"] = as_column("reward", reward, n, np.float32, allow_scalar=False, finite=True)
+        data["reward"] = as_column("reward", reward, n, np.float32, allow_scalar=False, finite=True)
         data["terminated"] = as_column("terminated", terminated, n, np.bool_, allow_scalar=False)
         data["truncated"] = as_column("truncated", truncated, n, np.bool_, allow_scalar=False)
         data["values"] = as_column("values", values, n, np.float32)
@@ -236,6 +250,10 @@ class RolloutStore:
             np.add.at(self._cursor, env_ids, 1)
             if self._ready_locked():
                 self._cond.notify_all()
+
+    def add_transitions(self, transitions: Transitions) -> None:
+        """:meth:`add` of a `Transitions` record (what a collector writes to either buffer)."""
+        self.add(**transitions.add_arguments())
 
     def ready(self) -> bool:
         """Whether every env holds at least ``num_steps`` steps."""
@@ -287,8 +305,8 @@ class RolloutStore:
             self._cursor = np.maximum(self._cursor - T, 0)
         return Segment(
             obs=self._obs.decode([segment[name] for name in self._obs.column_names()]),
-            actions=self._action.decode([segment[name] for name in self._action.column_names()]),
-            rewards=segment["rewards"],
+            action=self._action.decode([segment[name] for name in self._action.column_names()]),
+            reward=segment["reward"],
             terminated=segment["terminated"],
             truncated=segment["truncated"],
             values=segment["values"],

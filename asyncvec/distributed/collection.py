@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from asyncvec.buffers import ReplayBuffer, RolloutStore
-from asyncvec.collector import Collector, CollectorError, Transitions
+from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions
+from asyncvec.collector import Collector, CollectorError
 from asyncvec.distributed.runtime import connect, feasible_nodes, placement_problem, required_resources
 from asyncvec.inference.types import Policy
 from asyncvec.metrics import EpisodeStats
@@ -125,8 +125,8 @@ class _CollectorActor:
             while self._outbox_steps >= self._max_outbox_steps and not self._stopping:
                 self._cond.wait(0.1)
             self._outbox.append(batch)
-            self._outbox_steps += len(batch.env_ids)
-            self._episodes.update(batch.env_ids, batch.reward, batch.terminated | batch.truncated)
+            self._outbox_steps += len(batch.env_id)
+            self._episodes.update(batch.env_id, batch.reward, batch.terminated | batch.truncated)
             self._cond.notify_all()
 
     def take(self, timeout: float) -> dict[str, Any]:
@@ -170,7 +170,7 @@ class RayCollectors:
 
     This is the env side of distributed collection; a `DistributedCollector` drives it with a
     policy and a sink, as `Collector` drives an `AsyncLLMVectorEnv`. Env ``j`` of the whole
-    set keeps its index in every transition (``env_ids``), whichever collector hosts it.
+    set keeps its index in every transition (``env_id``), whichever collector hosts it.
 
     Args:
         env_fns: one function per env (they travel with cloudpickle).
@@ -617,30 +617,18 @@ class DistributedCollector:
         offset = self.collectors.slices[index][0]
         base = self._episode_base[index] * EPISODE_STRIDE
         for batch in reply["chunk"]:
-            batch.env_ids = batch.env_ids + offset
+            batch.env_id = batch.env_id + offset
             batch.episode_id = batch.episode_id + base
             if isinstance(self.sink, RolloutStore):
                 batch.truncated = batch.truncated.copy()  # writable: a fault may end its episodes
-                for row, env in enumerate(batch.env_ids.tolist()):
+                for row, env in enumerate(batch.env_id.tolist()):
                     self._queues[env].append((batch, row))
             elif isinstance(self.sink, ReplayBuffer):
-                self.sink.add(
-                    batch.obs,
-                    batch.action,
-                    batch.reward,
-                    batch.next_obs,
-                    batch.terminated,
-                    batch.truncated,
-                    batch.policy_version,
-                    behavior_logp=batch.behavior_logp,
-                    env_id=batch.env_ids,
-                    episode_id=batch.episode_id,
-                    fallback=batch.fallback,
-                )
-                self._count(index, len(batch.env_ids))
+                self.sink.add_transitions(batch)
+                self._count(index, len(batch.env_id))
             else:
                 self.sink(batch)
-                self._count(index, len(batch.env_ids))
+                self._count(index, len(batch.env_id))
         self._stage_rollout()
 
     def _all_envs_full(self, index: int) -> bool:
@@ -675,7 +663,7 @@ class DistributedCollector:
                 return
             self._add_rows(ready)
             for index, (start, stop) in enumerate(self.collectors.slices):
-                count = sum(start <= int(batch.env_ids[row]) < stop for batch, row in ready)
+                count = sum(start <= int(batch.env_id[row]) < stop for batch, row in ready)
                 if count:
                     self._count(index, count)
 
@@ -687,15 +675,15 @@ class DistributedCollector:
         for batch, picked in groups.values():
             index = np.asarray(picked)
             self.sink.add(
-                batch.env_ids[index],
                 _take(batch.obs, index),
                 _take(batch.action, index),
                 batch.reward[index],
+                _take(batch.next_obs, index),
                 batch.terminated[index],
                 batch.truncated[index],
-                batch.behavior_logp[index],
                 batch.policy_version[index],
-                next_obs=_take(batch.next_obs, index),
+                behavior_logp=batch.behavior_logp[index],
+                env_id=batch.env_id[index],
             )
 
     def _count(self, index: int, steps: int) -> None:
