@@ -58,7 +58,7 @@ from asyncvec.agents.common import (
     save_checkpoint,
     seed_everything,
 )
-from asyncvec.collector import Transitions
+from asyncvec.collection import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0

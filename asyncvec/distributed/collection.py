@@ -34,7 +34,8 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from asyncvec.buffers import ReplayBuffer, RolloutStore
-from asyncvec.collector import Collector, CollectorError, Transitions
+from asyncvec.collection.base import CollectorError
+from asyncvec.collection.collector import Collector, Transitions
 from asyncvec.distributed.runtime import connect, feasible_nodes, placement_problem, required_resources
 from asyncvec.inference.types import Policy
 from asyncvec.metrics import EpisodeStats
