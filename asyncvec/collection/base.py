@@ -69,10 +69,14 @@ class BackgroundCollector(abc.ABC):
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------ control
-    def _start_thread(self, *args: Any) -> None:
-        """Runs ``_loop(*args)`` in a new daemon thread; a second call is a :class:`CollectorError`."""
+    def _refuse_second_start(self) -> None:
+        """A :class:`CollectorError` once the thread was started (call it before preparing a start)."""
         if self._thread is not None:
             raise CollectorError(f"{type(self).__name__} already started")
+
+    def _start_thread(self, *args: Any) -> None:
+        """Runs ``_loop(*args)`` in a new daemon thread; a second call is a :class:`CollectorError`."""
+        self._refuse_second_start()
         self._thread = threading.Thread(target=self._run_loop, args=args, name=self.thread_name, daemon=True)
         self._thread.start()
 

@@ -196,8 +196,8 @@ class Collector(BackgroundCollector):
     def start(self) -> Collector:
         """Starts the background thread (resets the envs first). :meth:`stop` ends it and drains
         the env (answers still in flight are received and dropped)."""
-        if self._thread is None:
-            self._started_at = time.monotonic()
+        self._refuse_second_start()
+        self._started_at = time.monotonic()
         self._start_thread()
         return self
 

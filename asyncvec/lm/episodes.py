@@ -357,12 +357,12 @@ class EpisodeCollector(BackgroundCollector):
 
     def start(self, total_groups: int, ahead: int) -> EpisodeCollector:
         """Async mode: keeps ``ahead`` groups started but not popped, ``total_groups`` in all."""
+        self._refuse_second_start()  # also after submit(), which started the thread
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead: expected an int >= 1 (groups collected ahead of the learner), got {ahead!r}")
-        if self._thread is None:  # a second start (or a start after submit) is refused below and keeps these
-            with self._cond:
-                self._total, self._refill, self._ahead = total_groups, True, ahead
-                self._quota = min(ahead, total_groups)
+        with self._cond:
+            self._total, self._refill, self._ahead = total_groups, True, ahead
+            self._quota = min(ahead, total_groups)
         self._start_thread()
         return self
 

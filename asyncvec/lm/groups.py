@@ -147,10 +147,10 @@ class GroupCollector(BackgroundCollector):
     def start(self, total_prompts: int, ahead: int) -> GroupCollector:
         """Async mode: a thread requests prompts (``total_prompts`` in all) while fewer than
         ``ahead`` are requested and not yet popped."""
+        self._refuse_second_start()
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead: expected an int >= 1 (prompts generated ahead of the learner), got {ahead!r}")
-        if self._thread is None:  # a second start is refused below and keeps these
-            self._slots = threading.Semaphore(ahead)
+        self._slots = threading.Semaphore(ahead)
         self._start_thread(total_prompts)
         return self
 
