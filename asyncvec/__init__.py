@@ -42,8 +42,8 @@ _LAZY = {
     "ReplayBuffer": "asyncvec.buffers",
     "RolloutStore": "asyncvec.buffers",
     "CompletionGroups": "asyncvec.buffers",
-    "Collector": "asyncvec.collector",
-    "CollectorError": "asyncvec.collector",
+    "Collector": "asyncvec.collection",
+    "CollectorError": "asyncvec.collection",
     "Transitions": "asyncvec.buffers",
     "Policy": "asyncvec.inference",
     "PolicyOutput": "asyncvec.inference",
@@ -65,7 +65,7 @@ _LAZY = {
 # submodules reachable as attributes, e.g. ``asyncvec.losses.gae``
 _SUBMODULES = (
     "buffers",
-    "collector",
+    "collection",
     "control",
     "inference",
     "integrations",

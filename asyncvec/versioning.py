@@ -4,7 +4,7 @@ The learner owns a :class:`VersionManager`. Every ``publish(weights)`` bumps a
 monotonically increasing integer version and hands the weights to every registered
 backend. Collectors stamp each sample with the version that produced it and ask the
 manager whether that version is still fresh enough (``admit``), or wait until it is
-(``wait_for_lag``). The :class:`~asyncvec.collector.Collector` applies ``within_lag`` to an
+(``wait_for_lag``). The :class:`~asyncvec.collection.Collector` applies ``within_lag`` to an
 action's version immediately before sending it to its env, drops a stale one
 (``record_dropped``) and asks again (the max-lag rule, docs/agents.md).
 

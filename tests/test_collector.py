@@ -13,8 +13,7 @@ import torch
 from gymnasium.vector import AutoresetMode
 from toy_envs import CounterEnv, SleepyEnv
 
-from asyncvec import AsyncLLMVectorEnv, Collector, ReplayBuffer, RolloutStore, VersionManager
-from asyncvec.collector import CollectorError
+from asyncvec import AsyncLLMVectorEnv, Collector, CollectorError, ReplayBuffer, RolloutStore, VersionManager
 from asyncvec.inference import LatencyModel, TorchPolicy
 
 

@@ -15,8 +15,7 @@ import pytest
 import ray  # noqa: E402  (in the test extra: these tests never skip)
 import torch
 
-from asyncvec import ReplayBuffer, VersionManager
-from asyncvec.collector import CollectorError
+from asyncvec import CollectorError, ReplayBuffer, VersionManager
 from asyncvec.distributed import DistributedCollector, RayCollectors, RayPolicy, RoutedPolicy
 from asyncvec.distributed.cluster import local_cluster
 from asyncvec.inference import TorchPolicy

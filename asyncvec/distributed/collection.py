@@ -22,10 +22,8 @@ learner process through Ray, where they are committed to the learner's `RolloutS
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,135 +32,20 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions
-from asyncvec.collector import Collector, CollectorError
+from asyncvec.collection.base import BackgroundCollector, CollectorError
+from asyncvec.collection.collector import Sink
+from asyncvec.distributed.collector_actor import CollectorActor
 from asyncvec.distributed.runtime import connect, feasible_nodes, placement_problem, required_resources
 from asyncvec.inference.types import Policy
-from asyncvec.metrics import EpisodeStats
 from asyncvec.versioning import VersionManager
 
 __all__ = ["DistributedCollector", "RayCollectors"]
 
 logger = logging.getLogger(__name__)
 
-Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
-
 # Episode ids are made unique across collectors and their restarts: a collector incarnation's
 # local id ``e`` becomes ``incarnation * EPISODE_STRIDE + e``.
 EPISODE_STRIDE = 1 << 40
-
-
-class _CollectorActor:
-    """Runs in a Ray actor: envs in worker processes, a policy, a `Collector`, a bounded outbox."""
-
-    def __init__(self, env_fns: Sequence[Callable[[], Any]], env_options: Mapping[str, Any]) -> None:
-        import ray
-
-        from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
-
-        self.env = AsyncLLMVectorEnv(env_fns, **env_options)
-        self.incarnation = uuid.uuid4().hex
-        context = ray.get_runtime_context()
-        self.node_id = context.get_node_id()
-        self.pid = os.getpid()
-        self.collector: Collector | None = None
-        self.policy: Policy | None = None
-        self.versions: VersionManager | None = None
-        self._outbox: list[Transitions] = []
-        self._outbox_steps = 0
-        self._max_outbox_steps = 0
-        self._cond = threading.Condition()
-        self._weights_lock = threading.Lock()
-        self._stopping = False
-        self._episodes = EpisodeStats(self.env.num_envs, window=10_000)  # of the transitions in the outbox
-        self._episodes_reported = 0
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "incarnation": self.incarnation,
-            "node_id": self.node_id,
-            "pid": self.pid,
-            "env_pids": [pid for pid in self.env.worker_pids if pid is not None],
-            "num_envs": self.env.num_envs,
-            "observation_space": self.env.single_observation_space,
-            "action_space": self.env.single_action_space,
-            "started": self.collector is not None,
-        }
-
-    def start(
-        self, policy_fn: Callable[[], Policy], config: dict[str, Any], weights: Any, version: int, learner: int
-    ) -> str:
-        """Start collecting with a new policy and sink (ending a previous run, if any)."""
-        self.stop()
-        if self.policy is not None:
-            self.policy.close()
-        with self._cond:
-            self._stopping = False
-            self._outbox, self._outbox_steps, self._episodes_reported = [], 0, 0
-            self._episodes = EpisodeStats(self.env.num_envs, window=10_000)
-        self.policy = policy_fn()
-        self.versions = VersionManager(max_lag=config["max_lag"]) if config["max_lag"] is not None else None
-        self.sync(weights, version, learner)
-        self._max_outbox_steps = config["max_buffered_steps"]
-        self.collector = Collector(self.env, self.policy, self._put, version_manager=self.versions, seed=config["seed"])
-        self.collector.start()
-        return self.incarnation
-
-    def sync(self, weights: Any, version: int, learner: int) -> None:
-        """Load weights newer than the policy's (calls may arrive out of order) and move the
-        local gate's version up to the learner's."""
-        with self._weights_lock:
-            if self.policy is None:
-                return
-            if weights is not None and version > self.policy.policy_version:
-                self.policy.load_weights(weights, version)
-            if self.versions is not None and not self.versions.closed:
-                while self.versions.current_version < learner:
-                    self.versions.publish(None)  # no backends here: only the counter moves
-
-    def _put(self, batch: Transitions) -> None:
-        """The collector's sink: blocks while the outbox is full (back-pressure)."""
-        with self._cond:
-            while self._outbox_steps >= self._max_outbox_steps and not self._stopping:
-                self._cond.wait(0.1)
-            self._outbox.append(batch)
-            self._outbox_steps += len(batch.env_id)
-            self._episodes.update(batch.env_id, batch.reward, batch.terminated | batch.truncated)
-            self._cond.notify_all()
-
-    def take(self, timeout: float) -> dict[str, Any]:
-        """The transition batches collected since the last call (waiting up to ``timeout`` for
-        one), and the returns of the episodes finished meanwhile."""
-        if self.collector is None:
-            return {"incarnation": self.incarnation, "started": False}
-        with self._cond:
-            self._cond.wait_for(lambda: self._outbox or self._stopping, timeout)
-            chunk, self._outbox, self._outbox_steps = self._outbox, [], 0
-            new, self._episodes_reported = self._episodes.episodes - self._episodes_reported, self._episodes.episodes
-            returns = self._episodes.returns(new) if new else []
-            self._cond.notify_all()
-        if not self._stopping:
-            self.collector.check()  # an env or policy failure ends the run with its error
-        return {"incarnation": self.incarnation, "started": True, "chunk": chunk, "returns": returns}
-
-    def metrics(self) -> dict[str, Any]:
-        out = dict(self.collector.metrics()) if self.collector is not None else {}
-        out["latencies"] = self.collector.latencies() if self.collector is not None else np.zeros(0)
-        return out
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopping = True  # frees a collector blocked on a full outbox
-            self._cond.notify_all()
-        if self.collector is not None:
-            self.collector.stop()
-        if self.versions is not None:
-            self.versions.close()
-
-    def close(self) -> None:
-        self.stop()
-        if self.policy is not None:
-            self.policy.close()
-        self.env.close()
 
 
 class RayCollectors:
@@ -236,7 +119,7 @@ class RayCollectors:
         try:
             for index, options in enumerate(self.actor_options):
                 self._check_placeable(index)
-            remote = ray.remote(_CollectorActor)
+            remote = ray.remote(CollectorActor)
             for (start, stop), options in zip(self.slices, self.actor_options, strict=True):
                 size = stop - start
                 local = {
@@ -340,7 +223,7 @@ class RayCollectors:
         return f"RayCollectors(num_envs={self.num_envs}, slices={self.slices}, closed={self._closed})"
 
 
-class DistributedCollector:
+class DistributedCollector(BackgroundCollector):
     """Drives `RayCollectors` with a policy and commits their transitions to ``sink`` here.
 
     The counterpart of `Collector` across a cluster, with the same control and metrics API
@@ -375,6 +258,9 @@ class DistributedCollector:
         ...     segment = store.get()
     """
 
+    thread_name = "asyncvec-distributed-collector"
+    failure_message = "distributed collection stopped"
+
     def __init__(
         self,
         collectors: RayCollectors,
@@ -400,6 +286,7 @@ class DistributedCollector:
             raise TypeError(f"sink must be a RolloutStore, a ReplayBuffer or a callable, got {type(sink).__name__}")
         if max_buffered_steps is not None and max_buffered_steps < 1:
             raise ValueError(f"max_buffered_steps must be >= 1, got {max_buffered_steps}")
+        super().__init__()
         self.collectors = collectors
         self.policy_fn = policy_fn
         self.sink = sink
@@ -423,9 +310,6 @@ class DistributedCollector:
         self._episodes = 0
         self._committed = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self._started_at = 0.0
         self._policy_ref: Any = None
 
@@ -434,44 +318,24 @@ class DistributedCollector:
         """Start every collector (with the latest weights) and the thread that pulls from them."""
         import ray
 
-        if self._thread is not None:
-            raise RuntimeError("DistributedCollector already started")
+        self._refuse_second_start()
         self._policy_ref = ray.put(self.policy_fn)
         self._started_at = time.monotonic()
         for index in range(self.collectors.num_collectors):
             self._start_actor(index)
-        self._thread = threading.Thread(target=self._run, name="asyncvec-distributed-collector", daemon=True)
-        self._thread.start()
+        self._start_thread()
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Stop pulling and stop the collectors' loops (the actors stay until `RayCollectors.close`)."""
         import ray
 
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise CollectorError(f"distributed collector thread did not stop within {timeout} s")
+        super().stop(timeout)
         stopping = [a.stop.remote() for i, a in enumerate(self.collectors.actors) if i not in self.collectors.lost]
-        ray.wait(stopping, num_returns=len(stopping), timeout=timeout)
-
-    def check(self) -> None:
-        """Raise `CollectorError` if pulling stopped on an error (a collector failed for good)."""
-        if self._error is not None:
-            raise CollectorError(
-                f"distributed collection stopped: {type(self._error).__name__}: {self._error}"
-            ) from self._error
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        ray.wait(stopping, num_returns=len(stopping), timeout=self.stop_timeout_s if timeout is None else timeout)
 
     def __enter__(self) -> DistributedCollector:
         return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
     def load_weights(self, weights: Any, version: int) -> None:
         """Publish ``weights`` as ``version`` to every collector's policy (as a `VersionManager`
@@ -565,37 +429,36 @@ class DistributedCollector:
             timeout=self.collectors.start_timeout_s,
         )
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         import ray
 
         pulls: dict[Any, int] = {}
-        try:
-            while not self._stop.is_set():
-                self._send_learner_version()
-                self._stage_rollout()
-                busy = set(pulls.values())
-                for index, actor in enumerate(self.collectors.actors):
-                    if index not in busy and not self._all_envs_full(index):
-                        pulls[actor.take.remote(0.2)] = index
-                if not pulls:
-                    self._stop.wait(0.01)
+        while not self._stopping.is_set():
+            self._send_learner_version()
+            self._stage_rollout()
+            busy = set(pulls.values())
+            for index, actor in enumerate(self.collectors.actors):
+                if index not in busy and not self._all_envs_full(index):
+                    pulls[actor.take.remote(0.2)] = index
+            if not pulls:
+                self._stopping.wait(0.01)
+                continue
+            ready, _ = ray.wait(list(pulls), num_returns=1, timeout=0.1)
+            for ref in ready:
+                index = pulls.pop(ref)
+                try:
+                    reply = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self._recover(index, exc)
                     continue
-                ready, _ = ray.wait(list(pulls), num_returns=1, timeout=0.1)
-                for ref in ready:
-                    index = pulls.pop(ref)
-                    try:
-                        reply = ray.get(ref)
-                    except ray.exceptions.RayActorError as exc:
-                        self._recover(index, exc)
-                        continue
-                    if not reply["started"] or reply["incarnation"] != self._incarnation[index]:
-                        self._recover(index, None)  # rebuilt since the last pull
-                        continue
-                    self._commit(index, reply)
-        except BaseException as exc:  # surfaced to the learner by check()
-            self._error = exc
-            if isinstance(self.sink, RolloutStore):
-                self.sink.close()  # wake a learner blocked in get()
+                if not reply["started"] or reply["incarnation"] != self._incarnation[index]:
+                    self._recover(index, None)  # rebuilt since the last pull
+                    continue
+                self._commit(index, reply)
+
+    def _on_failure(self) -> None:
+        if isinstance(self.sink, RolloutStore):
+            self.sink.close()  # wake a learner blocked in get()
 
     def _send_learner_version(self) -> None:
         if self.version_manager is None:
@@ -684,6 +547,7 @@ class DistributedCollector:
                 batch.policy_version[index],
                 behavior_logp=batch.behavior_logp[index],
                 env_id=batch.env_id[index],
+                fallback=batch.fallback[index],  # the learner masks deadline fallbacks out of its loss
             )
 
     def _count(self, index: int, steps: int) -> None:
@@ -711,7 +575,7 @@ class DistributedCollector:
         logger.warning("collector %d is down (%r); waiting for Ray to rebuild it", index, error)
         deadline = time.monotonic() + self.restart_timeout_s
         while True:
-            if self._stop.is_set():
+            if self._stopping.is_set():
                 return
             if not feasible_nodes(options):
                 alive = [(n["NodeID"][:8], n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]

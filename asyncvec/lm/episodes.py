@@ -49,7 +49,7 @@ from typing import Any, Literal
 import gymnasium as gym
 import numpy as np
 
-from asyncvec._threads import release_if_held
+from asyncvec.collection.base import BackgroundCollector
 from asyncvec.inference.types import PolicyOutput, TextPrompt
 from asyncvec.lm.chat import Conversation, PlainChatFormat
 from asyncvec.lm.text_env import check_text_env
@@ -211,7 +211,7 @@ class _Group:
         self.episodes: list[Episode] = []
 
 
-class EpisodeCollector:
+class EpisodeCollector(BackgroundCollector):
     """Episodes of a text policy in a vector env of text envs, ``group_size`` per reset seed.
 
     It runs in a background thread (started by :meth:`submit` or :meth:`start`) and drives
@@ -257,6 +257,10 @@ class EpisodeCollector:
         >>> vec.close()
     """
 
+    thread_name = "asyncvec-episodes"
+    failure_message = "episode collection failed"
+    stop_timeout_s = 10.0
+
     def __init__(
         self,
         envs: Any,
@@ -277,6 +281,7 @@ class EpisodeCollector:
         check_text_env(_Spaces(envs), "EpisodeCollector: envs")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size: expected an int >= 1, got {group_size!r}")
+        super().__init__()
         self.envs = envs
         self.policy = policy
         self.group_size = group_size
@@ -318,15 +323,11 @@ class EpisodeCollector:
         self._waiting_policy = 0
         self._open: deque[_Group] = deque()
         self._next_group = 0
-        self._complete: deque[_Group] = deque()
-        self._cond = threading.Condition()
+        self._complete: deque[_Group] = deque()  # guarded by self._cond (the base's), as the quota below
         self._quota = 0
         self._total: int | None = None
         self._refill = False
         self._ahead = 0
-        self._error: BaseException | None = None
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
         self._counts = dict.fromkeys(
             (
                 "groups", "episodes", "turns", "terminated", "truncated", "context_overflows", "dropped_turns",
@@ -356,14 +357,13 @@ class EpisodeCollector:
 
     def start(self, total_groups: int, ahead: int) -> EpisodeCollector:
         """Async mode: keeps ``ahead`` groups started but not popped, ``total_groups`` in all."""
-        if self._thread is not None:
-            raise RuntimeError("EpisodeCollector.start: already started")
+        self._refuse_second_start()  # also after submit(), which started the thread
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead: expected an int >= 1 (groups collected ahead of the learner), got {ahead!r}")
         with self._cond:
             self._total, self._refill, self._ahead = total_groups, True, ahead
             self._quota = min(ahead, total_groups)
-        self._ensure_thread()
+        self._start_thread()
         return self
 
     def pop(self, num_groups: int, timeout: float) -> EpisodeGroups:
@@ -392,51 +392,25 @@ class EpisodeCollector:
             self._wake()  # idle envs may start their next groups now
         return EpisodeGroups([g.episodes for g in groups], [g.seed for g in groups])
 
-    def check(self) -> None:
-        """Raises the first error of the collection thread, if any."""
-        if self._error is not None:
-            raise RuntimeError(
-                f"episode collection failed: {type(self._error).__name__}: {self._error}"
-            ) from self._error
-
     def stats(self) -> dict[str, float]:
         """Counters: groups, episodes, turns, terminated, truncated, context_overflows, dropped_turns, env_errors,
         missed_deadlines, rejected (the policy's parser), empty_completions, actions_clipped; ``samples``
         (= turns) and ``flagged`` (0: rewards come from the env) as in ``GroupCollector.stats``."""
         return {**self._counts, "samples": self._counts["turns"], "flagged": 0}
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stops collecting; turns and steps in flight are abandoned."""
-        self._stopping.set()
-        release_if_held(self._cond)  # a Ctrl-C as pop() entered its `with` can leave it held by this thread
-        with self._cond:
-            self._cond.notify_all()
-        self._wake()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise RuntimeError(f"the episode collector thread did not stop within {timeout} s")
-
-    close = stop
-
-    def __enter__(self) -> EpisodeCollector:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+    close = BackgroundCollector.stop
+    """Stops collecting; turns and steps in flight are abandoned (also :meth:`stop`)."""
 
     # ------------------------------------------------------------------ the thread
     def _ensure_thread(self) -> None:
         if self._thread is None:
-            target = self._run_lockstep if self.lockstep else self._run_async
-            self._thread = threading.Thread(target=self._guarded, args=(target,), name="asyncvec-episodes", daemon=True)
-            self._thread.start()
+            self._start_thread()
 
-    def _guarded(self, target: Callable[[], None]) -> None:
-        try:
-            target()
-        except Exception as exc:  # re-raised in the learner by check() / pop()
-            self._fail(exc)
+    def _loop(self) -> None:
+        if self.lockstep:
+            self._run_lockstep()
+        else:
+            self._run_async()
 
     def _assign(self, env_ids: list[int]) -> list[int]:
         """Gives each env the next episode slot (opening groups while the quota allows); resets them."""
@@ -516,16 +490,6 @@ class EpisodeCollector:
             self._answers.put(None)  # ends a wait for answers in the collection thread
             return
         self._answers.put((env_id, future))
-        self._wake()
-
-    def _fail(self, exc: BaseException) -> None:
-        """Records the first error (raised by :meth:`check` / :meth:`pop`) and stops collecting."""
-        if self._stopping.is_set():
-            return
-        with self._cond:
-            self._error = self._error or exc
-            self._cond.notify_all()
-        self._stopping.set()
         self._wake()
 
     def _wake(self) -> None:
@@ -617,6 +581,17 @@ class EpisodeCollector:
             for k, env_id in enumerate(info["env_id"])
         ]
 
+    def _on_results(self, rows: list[tuple[int, Any, float, bool, bool, bool]]) -> list[int]:
+        """The step both run modes share: files each env result and asks the policy for the next
+        turn of each env whose episode goes on; returns those envs."""
+        asked = []
+        for env_id, observation, reward, terminated, truncated, restarted in rows:
+            if self._on_env(env_id, observation, reward, terminated, truncated, restarted) and self._ask(
+                env_id, observation
+            ):
+                asked.append(env_id)
+        return asked
+
     def _receive(self, timeout: float) -> list[tuple[int, Any, float, bool, bool, bool]]:
         """Whatever envs finished within ``timeout`` (then whatever else is already there)."""
         results = []
@@ -653,9 +628,7 @@ class EpisodeCollector:
             except multiprocessing.TimeoutError:
                 return
             with self._lock:
-                for env_id, observation, reward, terminated, truncated, restarted in rows:
-                    if self._on_env(env_id, observation, reward, terminated, truncated, restarted):
-                        self._ask(env_id, observation)
+                self._on_results(rows)
                 self._send_answers()
                 if self._idle or self._stopping.is_set():  # an episode ended: start the next one first
                     return
@@ -687,36 +660,34 @@ class EpisodeCollector:
                 if self._quota <= 0:
                     self._cond.wait(0.05)
                     continue
-            active = self._assign(list(range(min(per_round * self.group_size, self.envs.num_envs))))
+            live = self._assign(list(range(min(per_round * self.group_size, self.envs.num_envs))))
             self._idle = []
-            results = []
-            while len(results) < len(active) and not self._stopping.is_set():
-                results += self._receive(0.05)
-            live = []
-            for env_id, observation, reward, terminated, truncated, restarted in results:
-                if self._on_env(env_id, observation, reward, terminated, truncated, restarted) and self._ask(
-                    env_id, observation
-                ):
-                    live.append(env_id)
-            while live and not self._stopping.is_set():
-                answers = {}
-                while len(answers) < len(live) and not self._stopping.is_set():
-                    try:
-                        env_id, future = self._answers.get(timeout=0.05)
-                    except queue.Empty:
-                        continue
-                    answers[env_id] = self._on_answer(env_id, future)
-                self._send(live, [answers[e] for e in live])
-                results = []
-                while len(results) < len(live) and not self._stopping.is_set():
-                    results += self._receive(0.05)
-                live = []
-                for env_id, observation, reward, terminated, truncated, restarted in results:
-                    if self._on_env(env_id, observation, reward, terminated, truncated, restarted) and self._ask(
-                        env_id, observation
-                    ):
-                        live.append(env_id)
+            while live and not self._stopping.is_set():  # each pass: every live env steps, then all generate
+                live = self._on_results(self._receive_all(len(live)))
+                actions = self._await_answers(live) if live else None
+                if actions is not None:
+                    self._send(live, actions)
             self._idle = list(range(self.envs.num_envs))
+
+    def _receive_all(self, count: int) -> list[tuple[int, Any, float, bool, bool, bool]]:
+        """Lockstep: the results of ``count`` envs (fewer if the collector stops first)."""
+        results: list[tuple[int, Any, float, bool, bool, bool]] = []
+        while len(results) < count and not self._stopping.is_set():
+            results += self._receive(0.05)
+        return results
+
+    def _await_answers(self, env_ids: list[int]) -> list[str] | None:
+        """Lockstep: the action of each of ``env_ids`` once the policy answered all (None if the collector stops first)."""
+        answers: dict[int, str] = {}
+        while len(answers) < len(env_ids):
+            if self._stopping.is_set():
+                return None
+            try:
+                env_id, future = self._answers.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            answers[env_id] = self._on_answer(env_id, future)
+        return [answers[env_id] for env_id in env_ids]
 
 
 class _Spaces:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from asyncvec.buffers import CompletionGroups, GroupBatch
+from asyncvec.collection.base import BackgroundCollector
 from asyncvec.inference.types import PolicyOutput
 from asyncvec.lm.rewards import RewardService
 
@@ -67,7 +68,7 @@ class ScoredCompletion:
         return not self.flagged and not self.missed_deadline
 
 
-class GroupCollector:
+class GroupCollector(BackgroundCollector):
     """Prompts -> ``group_size`` completions each (policy) -> rewards (RewardService) -> groups.
 
     Completions are requested from the policy as futures; each finished completion goes to
@@ -80,8 +81,8 @@ class GroupCollector:
       yet popped, so generation goes on while the learner trains; :meth:`pop` takes the
       oldest complete groups.
 
-    Errors of the policy, the reward service or the callbacks are re-raised (as RuntimeError
-    with the original chained) by :meth:`check`, :meth:`pop` and :meth:`collect`; a pop that
+    Errors of the policy, the reward service or the callbacks are re-raised (as
+    :class:`~asyncvec.CollectorError` with the original chained) by :meth:`check`, :meth:`pop` and :meth:`collect`; a pop that
     waits longer than its timeout raises TimeoutError naming what is pending. It never hangs.
 
     Args:
@@ -104,7 +105,12 @@ class GroupCollector:
         ((3, 2), [[0, 0], [0, 0], [0, 0]])
     """
 
+    thread_name = "asyncvec-group-collector"
+    failure_message = "generation failed"
+    stop_timeout_s = 10.0
+
     def __init__(self, policy: Any, reward_service: RewardService, prompts: Iterable[str], group_size: int) -> None:
+        super().__init__()
         self.policy = policy
         self.reward_service = reward_service
         self.prompts: Iterator[str] = iter(prompts)
@@ -112,10 +118,7 @@ class GroupCollector:
         self.group_size = self.groups.group_size
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._stopping = threading.Event()
         self._slots: threading.Semaphore | None = None
-        self._thread: threading.Thread | None = None
         self.submitted_prompts = 0
         self.samples = 0
         """completions received (scored, flagged or missed)"""
@@ -144,24 +147,17 @@ class GroupCollector:
     def start(self, total_prompts: int, ahead: int) -> GroupCollector:
         """Async mode: a thread requests prompts (``total_prompts`` in all) while fewer than
         ``ahead`` are requested and not yet popped."""
-        if self._thread is not None:
-            raise RuntimeError("GroupCollector.start: already started")
+        self._refuse_second_start()
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead: expected an int >= 1 (prompts generated ahead of the learner), got {ahead!r}")
         self._slots = threading.Semaphore(ahead)
-        self._thread = threading.Thread(
-            target=self._run, args=(total_prompts,), name="asyncvec-group-collector", daemon=True
-        )
-        self._thread.start()
+        self._start_thread(total_prompts)
         return self
 
-    def _run(self, total_prompts: int) -> None:
-        try:
-            while not self._stopping.is_set() and self.submitted_prompts < total_prompts:
-                if self._slots.acquire(timeout=0.1):
-                    self.submit(1)
-        except Exception as exc:  # re-raised in the learner by check()
-            self._fail(exc)
+    def _loop(self, total_prompts: int) -> None:
+        while not self._stopping.is_set() and self.submitted_prompts < total_prompts:
+            if self._slots.acquire(timeout=0.1):
+                self.submit(1)
 
     def pop(self, num_groups: int, timeout: float) -> GroupBatch:
         """Waits (at most ``timeout`` seconds) for ``num_groups`` complete groups, oldest first."""
@@ -182,11 +178,6 @@ class GroupCollector:
                 self._slots.release()
         return batch
 
-    def check(self) -> None:
-        """Raises the first error of the generation or scoring path, if any."""
-        if self._error is not None:
-            raise RuntimeError(f"generation failed: {type(self._error).__name__}: {self._error}") from self._error
-
     def stats(self) -> dict[str, float]:
         """Counters: prompts requested, completions received, flagged, rejected, missed deadlines."""
         with self._lock:
@@ -198,28 +189,10 @@ class GroupCollector:
                 "missed_deadlines": self.missed_deadlines,
             }
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stops requesting; completions still in flight are ignored from now on."""
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise RuntimeError(f"the group collector thread did not stop within {timeout} s")
+    close = BackgroundCollector.stop
+    """Stops requesting; completions still in flight are ignored from now on (also :meth:`stop`)."""
 
-    close = stop
-
-    def __enter__(self) -> GroupCollector:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-    # Callbacks run on the policy's and the reward service's threads: quick, never raising.
-    def _fail(self, exc: BaseException) -> None:
-        if not self._stopping.is_set():
-            with self._lock:
-                self._error = self._error or exc
-
+    # Callbacks run on the policy's and the reward service's threads: quick, never raising (errors go to _fail).
     def _on_completion(self, prompt_id: int, prompt: str, future: Future) -> None:
         try:
             output: PolicyOutput = future.result()

@@ -23,17 +23,14 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions
+from asyncvec.collection.base import BackgroundCollector
 from asyncvec.inference.base import zero_action
 from asyncvec.inference.types import Policy, PolicyOutput
 from asyncvec.metrics import EpisodeStats
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 from asyncvec.versioning import VersionManager
 
-__all__ = ["Collector", "CollectorError"]
-
-
-class CollectorError(RuntimeError):
-    """The collector thread stopped on an error (the original is chained as ``__cause__``)."""
+__all__ = ["Collector", "Sink"]
 
 
 Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
@@ -57,7 +54,7 @@ def _row(batch: Any, k: int) -> Any:
     return batch[k]
 
 
-class Collector:
+class Collector(BackgroundCollector):
     """Steps ``env`` with ``policy`` and writes transitions to ``sink``, in a background thread.
 
     Args:
@@ -120,6 +117,7 @@ class Collector:
             raise ValueError(f"RolloutStore has num_envs={sink.num_envs}, the env has {env.num_envs}")
         if not isinstance(sink, (RolloutStore, ReplayBuffer)) and not callable(sink):
             raise TypeError(f"sink must be a RolloutStore, a ReplayBuffer or a callable, got {type(sink).__name__}")
+        super().__init__()
         self.env = env
         self.policy = policy
         self.sink = sink
@@ -144,44 +142,20 @@ class Collector:
         self._lock = threading.Lock()
         self._latencies: deque[float] = deque(maxlen=10_000)
         self._counts = {"fallbacks": 0, "gate_waits": 0, "stale_actions_dropped": 0}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self._started_at = 0.0
 
     # ------------------------------------------------------------------ control
 
     def start(self) -> Collector:
-        """Starts the background thread (resets the envs first)."""
-        if self._thread is not None:
-            raise RuntimeError("Collector already started")
+        """Starts the background thread (resets the envs first). :meth:`stop` ends it and drains
+        the env (answers still in flight are received and dropped)."""
+        self._refuse_second_start()
         self._started_at = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="asyncvec-collector", daemon=True)
-        self._thread.start()
+        self._start_thread()
         return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stops the thread and drains the env (answers still in flight are received and dropped)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise CollectorError(f"collector thread did not stop within {timeout} s")
-
-    def check(self) -> None:
-        """Raises :class:`CollectorError` if the collector thread died."""
-        if self._error is not None:
-            raise CollectorError(f"the collector stopped: {type(self._error).__name__}: {self._error}") from self._error
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     def __enter__(self) -> Collector:
         return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
     # ------------------------------------------------------------------ metrics
 
@@ -222,40 +196,38 @@ class Collector:
 
     # ------------------------------------------------------------------ the loop
 
-    def _run(self) -> None:
-        try:
-            self.env.async_reset(seed=self.seed)
-            while not self._stop.is_set():
-                self._submit_gated()
-                # With nothing stepping, wait for answers (0.05 s at most), or for the gate when
-                # only gated observations are left.
-                wait_for_gate = bool(self._gated) and not self.env.in_flight and not self._waiting_policy.any()
-                self._send_ready_actions(block=not self.env.in_flight and not wait_for_gate)
-                if self.env.in_flight:
-                    try:
-                        # Short waits while answers may come back; the policy side needs us too.
-                        # A vector env that wake() reaches is woken by each policy answer; others are polled.
-                        busy = self._waiting_policy.any() or self._parked or self._gated
-                        # at_least=1: the policy batches the requests; an env that finished is not held
-                        # back until batch_size - 1 others finish too
-                        result = self.env.recv(timeout=0.002 if busy and not self._wakeable else 0.1, at_least=1)
-                    except multiprocessing.TimeoutError:
-                        continue
-                    self._handle_results(*result)
-                elif wait_for_gate:
-                    vm = self.version_manager
-                    if vm.closed:  # no publish will come: only the policy's own version can move
-                        self._stop.wait(0.1)
-                    else:
-                        vm.wait_for_lag(lambda: self.policy.policy_version, timeout=0.1)
-        except BaseException as exc:  # surfaced to the learner by check()
-            self._error = exc
-            if isinstance(self.sink, RolloutStore):
-                self.sink.close()  # wake a learner blocked in get()
-        finally:
-            self._drain()
+    def _loop(self) -> None:
+        self.env.async_reset(seed=self.seed)
+        while not self._stopping.is_set():
+            self._submit_gated()
+            # With nothing stepping, wait for answers (0.05 s at most), or for the gate when
+            # only gated observations are left.
+            wait_for_gate = bool(self._gated) and not self.env.in_flight and not self._waiting_policy.any()
+            self._send_ready_actions(block=not self.env.in_flight and not wait_for_gate)
+            if self.env.in_flight:
+                try:
+                    # Short waits while answers may come back; the policy side needs us too.
+                    # A vector env that wake() reaches is woken by each policy answer; others are polled.
+                    busy = self._waiting_policy.any() or self._parked or self._gated
+                    # at_least=1: the policy batches the requests; an env that finished is not held
+                    # back until batch_size - 1 others finish too
+                    result = self.env.recv(timeout=0.002 if busy and not self._wakeable else 0.1, at_least=1)
+                except multiprocessing.TimeoutError:
+                    continue
+                self._handle_results(*result)
+            elif wait_for_gate:
+                vm = self.version_manager
+                if vm.closed:  # no publish will come: only the policy's own version can move
+                    self._stopping.wait(0.1)
+                else:
+                    vm.wait_for_lag(lambda: self.policy.policy_version, timeout=0.1)
 
-    def _drain(self) -> None:
+    def _on_failure(self) -> None:
+        if isinstance(self.sink, RolloutStore):
+            self.sink.close()  # wake a learner blocked in get()
+
+    def _loop_ended(self) -> None:
+        """Drains the env: answers still in flight are received and dropped."""
         try:
             while not self.env.closed and self.env.in_flight:
                 self.env.recv(timeout=30)

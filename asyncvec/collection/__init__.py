@@ -1,0 +1,43 @@
+"""Collection: the background-loop base every collector stands on, and ``Collector``.
+
+* :mod:`asyncvec.collection.base`: ``BackgroundCollector`` (start, stop, check, one error
+  type) and ``CollectorError``;
+* :mod:`asyncvec.collection.collector`: ``Collector`` (an ``AsyncLLMVectorEnv`` x a ``Policy``
+  -> a buffer, writing :class:`asyncvec.buffers.Transitions` records).
+
+The language-model collectors (:mod:`asyncvec.lm.episodes`, :mod:`asyncvec.lm.groups`) and the
+distributed one (:mod:`asyncvec.distributed.collection`) subclass ``BackgroundCollector``.
+Names are imported lazily.
+
+Example:
+    >>> from asyncvec.collection import BackgroundCollector, Collector, CollectorError
+    >>> issubclass(Collector, BackgroundCollector), issubclass(CollectorError, RuntimeError)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_LAZY = {
+    "BackgroundCollector": "asyncvec.collection.base",
+    "CollectorError": "asyncvec.collection.base",
+    "Collector": "asyncvec.collection.collector",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncvec.collection' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
