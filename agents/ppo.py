@@ -347,7 +347,11 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """wall seconds of the run per stage of the loop: collect_wait (the learner waiting for a segment:
-    acting, in sync mode), update, publish"""
+    acting, in sync mode), update, publish; in sync mode also policy_call and env_step, the two parts
+    of acting (inside collect_wait)"""
+    staleness_histogram: list[int] = field(default_factory=list)
+    """``staleness_histogram[s]``: samples learned from at staleness ``s`` (the last bin counts the
+    older ones; asyncvec.versioning.StalenessStats)"""
 
 
 class PPO:
@@ -397,6 +401,7 @@ class PPO:
         self.policy = make_policy(copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms)
         self.max_staleness = args.max_staleness  # lowered and raised by --adaptive-staleness
         self.versions = VersionManager(max_lag=args.max_staleness)
+        self.stages = StageClock()  # wall and CPU seconds per stage of the loop (train starts a fresh one)
         self.versions.register(LaggedWeights(self.policy, args.policy_lag))
         self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, stored_action_space(self.action_space))
         self.global_step = 0
@@ -623,14 +628,16 @@ class PPO:
         """Acts T lockstep steps with one batched policy call each; fills the store."""
         ids = np.arange(self.args.num_envs)
         for _ in range(self.args.num_steps):
-            outputs = self.policy.act(obs, env_ids=ids, timeout=60)
+            with self.stages("policy_call"):
+                outputs = self.policy.act(obs, env_ids=ids, timeout=60)
             actions = np.stack([np.asarray(o.action) for o in outputs])
             executed = (
                 np.clip(actions, self.action_space.low, self.action_space.high)
                 if isinstance(self.action_space, gym.spaces.Box)
                 else actions
             )
-            next_obs, rewards, terminated, truncated, info = self.envs.step(executed)
+            with self.stages("env_step"):
+                next_obs, rewards, terminated, truncated, info = self.envs.step(executed)
             done = terminated | truncated
             final = final_observations(next_obs, done, info)
             self.store.add(
@@ -661,7 +668,7 @@ class PPO:
         )
         history: list[dict] = []
         reached_at = None
-        stages = StageClock()
+        stages = self.stages = StageClock()
         start = time.monotonic()
         start_step = self.global_step  # after --resume: steps/s counts this run's steps only
         collector = None
@@ -753,6 +760,7 @@ class PPO:
             dropped_samples=staleness.dropped,
             history=history,
             stage_seconds=dict(stages.totals),
+            staleness_histogram=staleness.histogram,
         )
 
     def close(self) -> None:

@@ -85,6 +85,7 @@ class StageClock:
 
     @contextlib.contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
+        self.totals.setdefault(stage, 0.0)  # stages are listed in the order they are entered: outer before inner
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
             yield

@@ -426,52 +426,6 @@ def diagnose(keys: list[str], args: Args) -> str:
 # Runs
 
 
-class TimedCalls:
-    """Delegates to ``target`` and records the wall time of every call of its ``method``."""
-
-    def __init__(self, target: Any, method: str) -> None:
-        self._target = target
-        self.seconds: list[float] = []
-        call = getattr(target, method)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return call(*args, **kwargs)
-            finally:
-                self.seconds.append(time.perf_counter() - start)
-
-        setattr(self, method, timed)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
-
-
-class TimedPPO(PPO):
-    """PPO that records, from outside ``agents/ppo.py``, the staleness of every sample it learns
-    from and, in sync mode, the time of every batched policy call and lockstep env step (the
-    stages of the sync model, measured in the run). Each update's wall and CPU time are PPO's own
-    (``time/update_s``, ``time/update_cpu_s`` in its history)."""
-
-    def __init__(self, args: PPOArgs) -> None:
-        super().__init__(args)
-        self.staleness_counts = np.zeros(0, dtype=np.int64)
-        self.policy_calls = self.env_steps = None
-        if args.mode == "sync":  # the async Collector needs the env itself (send/recv)
-            self.policy = self.policy_calls = TimedCalls(self.policy, "act")
-            self.envs = self.env_steps = TimedCalls(self.envs, "step")
-
-    def update(self, segment):
-        staleness = np.clip(segment.staleness(self.versions.current_version).ravel(), 0, None)
-        counts = np.bincount(staleness)
-        if counts.size > self.staleness_counts.size:
-            counts[: self.staleness_counts.size] += self.staleness_counts
-            self.staleness_counts = counts
-        else:
-            self.staleness_counts[: counts.size] += counts
-        return super().update(segment)
-
-
 @dataclass
 class Run:
     regime: str
@@ -482,8 +436,8 @@ class Run:
     update_s: list[float]
     update_cpu_s: list[float]
     staleness_counts: np.ndarray
-    policy_call_s: list[float] = field(default_factory=list)  # sync: each batched policy call
-    env_step_s: list[float] = field(default_factory=list)  # sync: each lockstep env step
+    policy_call_s: list[float] = field(default_factory=list)  # sync: mean batched policy call, per update
+    env_step_s: list[float] = field(default_factory=list)  # sync: mean lockstep env step, per update
     cores_used: float = float("nan")  # CPU seconds of this process (learner, collector, policy) per second
 
     @property
@@ -529,9 +483,8 @@ def ppo_args(regime: Regime, mode: str, seed: int, args: Args) -> PPOArgs:
 
 
 def run_once(regime: Regime, mode: str, seed: int, args: Args) -> Run:
-    agent = TimedPPO(ppo_args(regime, mode, seed, args))
     cpu = time.process_time()
-    result = agent.train()
+    result = PPO(ppo_args(regime, mode, seed, args)).train()
     cpu = time.process_time() - cpu
     return Run(
         regime.key,
@@ -541,9 +494,9 @@ def run_once(regime: Regime, mode: str, seed: int, args: Args) -> Run:
         result,
         [row["time/update_s"] for row in result.history],
         [row["time/update_cpu_s"] for row in result.history],
-        agent.staleness_counts,
-        agent.policy_calls.seconds if agent.policy_calls else [],
-        agent.env_steps.seconds if agent.env_steps else [],
+        np.asarray(result.staleness_histogram, dtype=np.int64),
+        [row["time/policy_call_s"] for row in result.history if "time/policy_call_s" in row],
+        [row["time/env_step_s"] for row in result.history if "time/env_step_s" in row],
         cpu / result.wall_time_s,
     )
 
