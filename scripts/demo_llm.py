@@ -28,7 +28,8 @@ import numpy as np
 import tyro
 
 from asyncvec.agents import reinforce_pp, rloo
-from asyncvec.agents.lm_setup import LMTrainResult, solved_prompts, summary
+from asyncvec.lm.prompts import solved_prompts
+from asyncvec.lm.results import LMTrainResult, summary
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import quiet_model_libraries, sft_warm_start
 

@@ -140,7 +140,7 @@ def test_ppo_names_the_missing_env_module(user_pythonpath):
 
 
 def test_a_reward_module_that_is_missing_is_named():
-    from asyncvec.agents.lm_setup import LMArgs
+    from asyncvec.lm.options import LMArgs
 
     with pytest.raises(
         ValueError,
