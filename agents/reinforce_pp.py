@@ -47,7 +47,8 @@ from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
 
 @dataclass
 class Args(LMArgs):
-    """REINFORCE++: token-level returns normalized over the batch, PPO-clip loss, no critic."""
+    """REINFORCE++: token-level returns normalized over the batch, PPO-clip loss, no critic (the options of every
+    LM agent: asyncvec.lm.options.LMArgs; its own below)."""
 
     learning_rate: float = 5e-4
     """Adam learning rate (lower than RLOO's: the globally normalized advantages are larger)"""

@@ -45,11 +45,7 @@ from asyncvec.losses import approx_kl, kl_penalized_rewards, masked_mean, rloo_a
 
 @dataclass
 class Args(LMArgs):
-    """RLOO: k completions per prompt, leave-one-out baseline, KL penalty in the reward.
-
-    The options every LM agent has (the env, the model, the policy's backend, the budget, the
-    importance weights, the KL penalty) are :class:`asyncvec.lm.options.LMArgs`'s, each with its
-    docstring; ``python agents/rloo.py --help`` lists them all."""
+    """RLOO: k completions per prompt, leave-one-out baseline, KL penalty in the reward (the options of every LM agent: asyncvec.lm.options.LMArgs)."""
 
 
 class RLOO(LMAgent):

@@ -24,6 +24,7 @@ from gymnasium import spaces
 class OneStepSum(gym.Env):
     """A one-step text task: the prompt is a sum, the episode ends after one completion."""
 
+    metadata = {"multi_turn": False}  # one prompt, one completion: scored by --reward
     observation_space = spaces.Text(16)
     action_space = spaces.Text(16)
 

@@ -30,8 +30,9 @@ class LMArgs:
 
     env: str = "asyncvec/SingleDigitSums-v0"
     """text env id, or module:EnvId (module, in the current folder or installed, registers EnvId when imported):
-    a one-step env's reset() observations are the prompts; a multi-turn env (its episode goes on after a
-    step, e.g. asyncvec/GuessNumber-v0) is played in an AsyncLLMVectorEnv"""
+    an env declaring metadata["multi_turn"] = False is one-step, its reset() observations the prompts scored by
+    --reward; any other (e.g. asyncvec/GuessNumber-v0) is played turn by turn in an AsyncLLMVectorEnv, rewarded
+    by the env"""
     env_kwargs: str = "{}"
     """keyword arguments of gym.make(--env) as JSON, e.g. '{"max_number": 8, "transcript": false}'"""
     num_envs: int = 8
@@ -52,7 +53,7 @@ class LMArgs:
     sft_steps: int = 0
     """supervised warm start on the env's prompts and solved answers before RL (arithmetic envs)"""
     reward: str = "exact_answer"
-    """reward plugin scoring (prompt, completion): a registered name (asyncvec.lm.rewards.register), or
+    """one-step envs: the reward plugin scoring (prompt, completion): a registered name (asyncvec.lm.rewards.register), or
     module:name to import module first and use its function name (or the plugin it registers as name)"""
     reward_timeout_s: float = 10.0
     """a reward not ready this long after its request is flagged and kept out of training"""
