@@ -65,9 +65,13 @@ class LMAgent:
         self.learner, self.tokenizer, self.reference = self.parts.learner, self.parts.tokenizer, self.parts.reference
         self.policy, self.versions, self.collector = self.parts.policy, self.parts.versions, self.parts.collector
 
+    def learner_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the learner's weights (what :meth:`publish` sends)."""
+        return {k: v.detach().clone() for k, v in self.learner.state_dict().items()}
+
     def publish(self) -> int:
         """Sends the learner's weights to the policy (``policy.load_weights``); returns the new version."""
-        return self.versions.publish({k: v.detach().clone() for k, v in self.learner.state_dict().items()})
+        return self.versions.publish(self.learner_weights())
 
     def close(self) -> None:
         """Stops generation; closes the policy, the reward service and the envs (reverse order)."""
