@@ -21,7 +21,7 @@ the learner trains on the groups already complete). No critic:
   ``eps = --clip-coef``) and the truncated importance weight ``w = min(pi_prox / mu, C)``
   against the log-probs ``mu`` the engine reported (``--is-cap C``, ``--is-level``).
 
-Not trained on (``asyncvec.lm.LMBatch.from_groups``): groups more than ``--max-staleness``
+Not trained on (``asyncvec.lm.training.trainable_batch``): groups more than ``--max-staleness``
 versions old, flagged rewards (unknown), completions that missed ``--deadline-ms`` (the policy
 never sampled them). After each update that trained on something the weights are published:
 ``VersionManager.publish -> policy.load_weights``, and later completions carry the new version.
@@ -30,19 +30,25 @@ never sampled them). After each update that trained on something the weights are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import tyro
 
 from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
-from asyncvec.agents.lm_setup import LMAgent, LMArgs, LMTrainResult, summary
-from asyncvec.lm import EpisodeBatch, LMBatch
+from asyncvec.buffers import GroupBatch
+from asyncvec.lm.episodes import EpisodeGroups
+from asyncvec.lm.learner import EpisodeBatch, LMBatch
+from asyncvec.lm.options import LMArgs
+from asyncvec.lm.results import LMTrainResult, summary
+from asyncvec.lm.training import LearnerStep, LMAgent, TrainingRun, trainable_batch
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
 
 
 @dataclass
 class Args(LMArgs):
-    """REINFORCE++: token-level returns normalized over the batch, PPO-clip loss, no critic."""
+    """REINFORCE++: token-level returns normalized over the batch, PPO-clip loss, no critic (the options of every
+    LM agent: asyncvec.lm.options.LMArgs; its own below)."""
 
     learning_rate: float = 5e-4
     """Adam learning rate (lower than RLOO's: the globally normalized advantages are larger)"""
@@ -65,7 +71,9 @@ class Args(LMArgs):
 
 class ReinforcePP(LMAgent):
     """REINFORCE++ learner over a text policy (see the module docstring). ``train()`` closes
-    everything; otherwise use it as a context manager or call ``close()``.
+    everything; otherwise use it as a context manager or call ``close()``. Its parts (the
+    learner, the policy, the collector, the version manager) come from
+    :class:`asyncvec.lm.training.LMAgent`.
 
     Example:
         >>> from asyncvec.agents.reinforce_pp import ReinforcePP, Args
@@ -75,10 +83,15 @@ class ReinforcePP(LMAgent):
     """
 
     name = "reinforce_pp"
-    min_group_samples = 1
 
-    # ------------------------------------------------------------------ the objective
-    def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
+    def __init__(self, args: Args, policy: Any | None = None) -> None:
+        super().__init__(args, policy)
+        self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
+
+    # ------------------------------------------------------------------ the advantages
+    def compute_advantages(
+        self, data: LMBatch | EpisodeBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None
+    ) -> torch.Tensor:
         """Globally normalized returns-to-go ``[N, L]`` (0 off the mask); multi-turn: the episode
         return at its last trained token. ``--per-turn``: each turn's normalized return-to-go, its reward
         less ``beta`` times its tokens' KL."""
@@ -90,9 +103,38 @@ class ReinforcePP(LMAgent):
             data.rewards, data.mask, kl, args.kl_coef, baseline=args.baseline, group_ids=data.group_ids
         )
 
-    def policy_loss(self, logp, prox_logp, advantages, weights, mask):
+    # ------------------------------------------------------------------ one update
+    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
+        """One learner update on complete groups (no publish): the clipped objective over
+        ``--update-epochs`` passes, all against ``pi_prox``; returns its statistics."""
+        # min_group_samples: the advantages are normalized over the whole batch
+        data = trainable_batch(groups, self.parts, self.args, min_group_samples=1)
+        if not len(data):
+            return dict(data.info)  # nothing is trainable: no step
+        step = LearnerStep(data, self.parts, self.args)  # pi_prox, the reference's log-probs, truncated IS weights
+        advantages = self.compute_advantages(data, step.prox_logp, step.ref_logp)
+        return {**data.info, **step.minimize(self.optimizer, self.policy_loss, advantages)}
+
+    # ------------------------------------------------------------------ the loss
+    def policy_loss(
+        self,
+        logp: torch.Tensor,
+        prox_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """PPO-clip against ``pi_prox``, each token weighted by its truncated IS weight; mean over tokens."""
         return ppo_clip_loss(logp, prox_logp, advantages, self.args.clip_coef, mask=mask, weights=weights)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> LMTrainResult:
+        """Trains on ``total_prompts`` prompts (or until ``target_reward``) and closes everything."""
+        # TrainingRun: evaluation before and after, logging, generation started (--mode async) and stopped.
+        with TrainingRun(self.parts, self.args, self.run_name) as run:
+            for groups in run.batches():  # --prompts-per-update complete groups at a time
+                run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
+        return run.result()
 
 
 def train(args: Args) -> LMTrainResult:

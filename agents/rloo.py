@@ -19,7 +19,7 @@ the learner trains on the groups already complete). The objective:
   truncated importance weight ``w = min(pi_prox / mu, C)`` against the log-probs ``mu`` the
   engine reported (``--is-cap C``, ``--is-level token|sequence``).
 
-Not trained on (``asyncvec.lm.LMBatch.from_groups``): groups more than ``--max-staleness``
+Not trained on (``asyncvec.lm.training.trainable_batch``): groups more than ``--max-staleness``
 versions old, flagged rewards (unknown), completions that missed ``--deadline-ms`` (the policy
 never sampled them). After each update that trained on something the weights are published:
 ``VersionManager.publish -> policy.load_weights``, and later completions carry the new version.
@@ -28,24 +28,30 @@ never sampled them). After each update that trained on something the weights are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import tyro
 
 from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
-from asyncvec.agents.lm_setup import LMAgent, LMArgs, LMTrainResult, summary
-from asyncvec.lm import EpisodeBatch, LMBatch
+from asyncvec.buffers import GroupBatch
+from asyncvec.lm.episodes import EpisodeGroups
+from asyncvec.lm.learner import EpisodeBatch, LMBatch
+from asyncvec.lm.options import LMArgs
+from asyncvec.lm.results import LMTrainResult, summary
+from asyncvec.lm.training import LearnerStep, LMAgent, TrainingRun, trainable_batch
 from asyncvec.losses import approx_kl, kl_penalized_rewards, masked_mean, rloo_advantages
 
 
 @dataclass
 class Args(LMArgs):
-    """RLOO: k completions per prompt, leave-one-out baseline, KL penalty in the reward."""
+    """RLOO: k completions per prompt, leave-one-out baseline, KL penalty in the reward (the options of every LM agent: asyncvec.lm.options.LMArgs)."""
 
 
 class RLOO(LMAgent):
     """RLOO learner over a text policy (see the module docstring). ``train()`` closes everything;
-    otherwise use it as a context manager or call ``close()``.
+    otherwise use it as a context manager or call ``close()``. Its parts (the learner, the
+    policy, the collector, the version manager) come from :class:`asyncvec.lm.training.LMAgent`.
 
     Example:
         >>> from asyncvec.agents.rloo import RLOO, Args
@@ -55,10 +61,15 @@ class RLOO(LMAgent):
     """
 
     name = "rloo"
-    min_group_samples = 2  # the leave-one-out baseline needs another sample of the group
 
-    # ------------------------------------------------------------------ the objective
-    def compute_advantages(self, data: LMBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
+    def __init__(self, args: Args, policy: Any | None = None) -> None:
+        super().__init__(args, policy)
+        self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
+
+    # ------------------------------------------------------------------ the advantages
+    def compute_advantages(
+        self, data: LMBatch | EpisodeBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None
+    ) -> torch.Tensor:
         """``A_i`` of each completion (multi-turn: each episode, from its return), broadcast to its
         tokens: ``[N, L]`` (0 off the mask). ``--per-turn``: each turn's normalized return-to-go, its reward
         less ``beta`` times its tokens' KL."""
@@ -77,11 +88,39 @@ class RLOO(LMAgent):
             advantages[rows] = rloo_advantages(rewards[rows].unsqueeze(0)).squeeze(0)
         return advantages.unsqueeze(-1) * data.mask
 
-    def policy_loss(self, logp, prox_logp, advantages, weights, mask):
+    # ------------------------------------------------------------------ one update
+    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
+        """One learner update on complete groups (no publish); returns its statistics."""
+        # min_group_samples: the leave-one-out baseline needs another sample of the group
+        data = trainable_batch(groups, self.parts, self.args, min_group_samples=2)
+        if not len(data):
+            return dict(data.info)  # nothing is trainable: no step
+        step = LearnerStep(data, self.parts, self.args)  # pi_prox, the reference's log-probs, truncated IS weights
+        advantages = self.compute_advantages(data, step.prox_logp, step.ref_logp)
+        return {**data.info, **step.minimize(self.optimizer, self.policy_loss, advantages)}
+
+    # ------------------------------------------------------------------ the loss
+    def policy_loss(
+        self,
+        logp: torch.Tensor,
+        prox_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """``-mean_i sum_t w_it A_i pi/pi_prox``: sum over a completion's tokens, mean over completions."""
         ratio = torch.exp(logp - prox_logp)
         loss = -(weights * advantages * ratio * mask).sum(-1).mean()
         return loss, {"ratio_mean": masked_mean(ratio.detach(), mask)}
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> LMTrainResult:
+        """Trains on ``total_prompts`` prompts (or until ``target_reward``) and closes everything."""
+        # TrainingRun: evaluation before and after, logging, generation started (--mode async) and stopped.
+        with TrainingRun(self.parts, self.args, self.run_name) as run:
+            for groups in run.batches():  # --prompts-per-update complete groups at a time
+                run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
+        return run.result()
 
 
 def train(args: Args) -> LMTrainResult:

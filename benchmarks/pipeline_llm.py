@@ -32,13 +32,13 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncvec.agents import rloo  # noqa: E402  (after the repository is put on sys.path)
-from asyncvec.agents.lm_setup import completion_with_answer, iter_prompts, make_prompt_env, solved_prompts  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.inference import OpenAIPolicy, VLLMServer, build_tiny_lm, fit_batch_cost  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.lm import (  # noqa: E402  (after the repository is put on sys.path)
     quiet_model_libraries,
     rewards,  # noqa: E402  (after the repository is put on sys.path)
     sft_warm_start,
 )
+from asyncvec.lm.prompts import completion_with_answer, iter_prompts, make_prompt_env, solved_prompts  # noqa: E402  (after the repository is put on sys.path)
 
 ENV = "asyncvec/SingleDigitSums-v0"
 

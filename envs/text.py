@@ -82,7 +82,8 @@ class ArithmeticEnv(gym.Env[str, str]):
         (0.0, True, False, False)
     """
 
-    metadata = {"render_modes": []}
+    # one step per episode: the LM agents score its completions with their --reward plugin
+    metadata = {"render_modes": [], "multi_turn": False}
 
     def __init__(
         self,
@@ -175,7 +176,7 @@ class GuessNumberEnv(gym.Env[str, str]):
         8: higher
     """
 
-    metadata = {"render_modes": []}
+    metadata = {"render_modes": [], "multi_turn": True}
 
     def __init__(
         self,
@@ -358,7 +359,6 @@ class CalculatorToolEnv(gym.Env[str, str]):
         ('result: 234', (1.0, True))
     """
 
-    # a completion like "0" is read as a final answer, which ends the episode: say it is multi-turn
     metadata = {"render_modes": [], "multi_turn": True}
     _CALL = re.compile(r"^\s*call:\s*(.*)$", re.S)
     _ANSWER = re.compile(r"^\s*(?:answer:)?\s*(-?\d+)")

@@ -28,9 +28,10 @@ import numpy as np
 import tyro
 
 from asyncvec.agents import reinforce_pp, rloo
-from asyncvec.agents.lm_setup import LMTrainResult, solved_prompts, summary
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import quiet_model_libraries, sft_warm_start
+from asyncvec.lm.prompts import solved_prompts
+from asyncvec.lm.results import LMTrainResult, summary
 
 
 @dataclass

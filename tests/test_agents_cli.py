@@ -24,6 +24,7 @@ from gymnasium import spaces
 class OneStepSum(gym.Env):
     """A one-step text task: the prompt is a sum, the episode ends after one completion."""
 
+    metadata = {"multi_turn": False}  # one prompt, one completion: scored by --reward
     observation_space = spaces.Text(16)
     action_space = spaces.Text(16)
 
@@ -140,7 +141,7 @@ def test_ppo_names_the_missing_env_module(user_pythonpath):
 
 
 def test_a_reward_module_that_is_missing_is_named():
-    from asyncvec.agents.lm_setup import LMArgs
+    from asyncvec.lm.options import LMArgs
 
     with pytest.raises(
         ValueError,

@@ -13,12 +13,13 @@ import pytest
 import torch
 from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fixture)
 
-from asyncvec.agents import lm_setup, reinforce_pp, rloo
-from asyncvec.agents.lm_setup import solved_prompts
+from asyncvec.agents import reinforce_pp, rloo
 from asyncvec.buffers import CompletionGroups
 from asyncvec.inference import AsyncvecServer, HFTextPolicy, PolicyOutput, build_tiny_lm
-from asyncvec.lm import completion_logps, load_causal_lm, rewards, sft_warm_start
+from asyncvec.lm import completion_logps, evaluation, load_causal_lm, rewards, sft_warm_start, training
 from asyncvec.lm.groups import ScoredCompletion
+from asyncvec.lm.prompts import iter_prompts, make_prompt_env, solved_prompts
+from asyncvec.lm.results import summary
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,6 +92,11 @@ def output(token_ids, token_logps, version=0):
     )
 
 
+def prepare(agent, groups):
+    """What ``agent.update`` trains on: RLOO keeps groups of 2 trainable samples or more (its baseline)."""
+    return training.trainable_batch(groups, agent.parts, agent.args, 2 if isinstance(agent, rloo.RLOO) else 1)
+
+
 def hand_built_batch(groups, prompt="3+4="):
     """``groups``: per prompt, a list of (reward, token_ids, behavior_logps, version, flagged)."""
     buffer = CompletionGroups(len(groups[0]))
@@ -127,7 +133,7 @@ def explicit_rloo(rewards_, groups, logp, ref, mask, beta):
 
 def test_rloo_advantages_match_the_leave_one_out_formula(tiny_dir):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), kl_coef=0.1, group_size=4, **QUIET)) as agent:
-        data = agent.prepare(hand_built_batch(GROUPS))
+        data = prepare(agent, hand_built_batch(GROUPS))
         assert data.info["samples_used"] == 7  # the flagged sample is out
         torch.manual_seed(0)
         logp, ref = -torch.rand(data.mask.shape), -torch.rand(data.mask.shape)
@@ -146,7 +152,7 @@ def test_reinforce_pp_token_advantages_match_explicit_returns(tiny_dir, baseline
             model=str(tiny_dir), kl_coef=beta, group_size=4, baseline=baseline, kl_estimator="k1", **QUIET
         )
     ) as agent:
-        data = agent.prepare(hand_built_batch(GROUPS))
+        data = prepare(agent, hand_built_batch(GROUPS))
         torch.manual_seed(1)
         logp, ref = -torch.rand(data.mask.shape), -torch.rand(data.mask.shape)
         advantages = agent.compute_advantages(data, logp, ref)
@@ -192,7 +198,7 @@ def test_flagged_samples_stay_out_of_advantages_and_loss(tiny_dir):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), **QUIET)) as agent:
         results = []
         for value in (100.0, -50.0):
-            data = agent.prepare(hand_built_batch(with_flagged_reward(value)))
+            data = prepare(agent, hand_built_batch(with_flagged_reward(value)))
             assert data.info["samples_used"] == 7 and value not in data.rewards.tolist()
             advantages = agent.compute_advantages(data, torch.zeros(data.mask.shape), None)
             loss, _ = agent.policy_loss(
@@ -217,7 +223,7 @@ def test_rewarder_errors_and_timeouts_are_flagged_and_not_trained_on(tiny_dir):
 
     try:
         args = rloo.Args(model=str(tiny_dir), reward="test_lm_fails_on_zero", total_prompts=64, group_size=2, **QUIET)
-        prompts = lm_setup.iter_prompts(lm_setup.make_prompt_env(args.env), args.seed)
+        prompts = iter_prompts(make_prompt_env(args.env), args.seed)
         zeros = sum(next(prompts).startswith("0+") for _ in range(64))
         result = rloo.RLOO(args).train()
         assert zeros > 0 and result.flagged_fraction == pytest.approx(zeros * 2 / result.samples)
@@ -249,15 +255,15 @@ def test_deadline_misses_are_never_trained_on(tiny_dir):
         [missed(), sample(1.0, 1), missed(), missed()],  # one trainable completion left
     ]
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), group_size=4, **QUIET)) as agent:
-        data = agent.prepare(hand_built_batch(groups))
+        data = prepare(agent, hand_built_batch(groups))
         # RLOO: the second group has no leave-one-out baseline left and is skipped whole
         assert data.info["missed_deadlines"] == 4 and data.info["samples_used"] == 3
         assert data.group_ids.tolist() == [0, 0, 0] and data.info["reward"] == pytest.approx(0.75)
         got = agent.compute_advantages(data, torch.zeros(data.mask.shape), None)
-        alone = agent.prepare(hand_built_batch([[sample(1.0, 2), sample(0.0, 3), sample(1.0, 2)]]))
+        alone = prepare(agent, hand_built_batch([[sample(1.0, 2), sample(0.0, 3), sample(1.0, 2)]]))
         assert torch.equal(got, agent.compute_advantages(alone, torch.zeros(alone.mask.shape), None))
     with reinforce_pp.ReinforcePP(reinforce_pp.Args(model=str(tiny_dir), group_size=4, **QUIET)) as agent:
-        data = agent.prepare(hand_built_batch(groups))
+        data = prepare(agent, hand_built_batch(groups))
         assert data.info["samples_used"] == 4 and data.group_ids.tolist() == [0, 0, 0, 1]
         assert data.mask.sum(-1).tolist() == [2, 3, 2, 1]  # no row of a missed request
 
@@ -291,7 +297,7 @@ def test_stale_groups_are_dropped_and_counted(tiny_dir):
                 [sample(1.0, 2, version=3), sample(0.0, 2, version=3)],
             ]
         )
-        data = agent.prepare(batch)
+        data = prepare(agent, batch)
         assert data.info["stale_groups"] == 1 and data.info["samples_used"] == 4
         assert sorted(set(data.group_ids.tolist())) == [1, 2]
         stats = agent.versions.staleness_stats()
@@ -317,7 +323,7 @@ def test_a_slow_weight_broadcast_makes_samples_stale(tiny_dir):
 def test_importance_weights_against_the_engine_logps_are_truncated_and_counted(tiny_dir, level):
     with rloo.RLOO(rloo.Args(model=str(tiny_dir), is_cap=2.0, is_level=level, group_size=2, **QUIET)) as agent:
         batch = hand_built_batch([[sample(1.0, 2), sample(0.0, 3)], [sample(1.0, 1), sample(0.0, 2)]])
-        data = agent.prepare(batch)
+        data = prepare(agent, batch)
         with torch.no_grad():
             learner = data.logps(agent.learner, agent.args.temperature)
         # the engine reports the learner's log-probs except one token it found e^3 times less likely
@@ -336,7 +342,7 @@ def test_importance_weights_against_the_engine_logps_are_truncated_and_counted(t
 def test_learner_logps_match_the_sampled_token_logps(tiny_dir):
     """Fresh weights on both sides: pi_learner / mu = 1 for every sampled token."""
     with reinforce_pp.ReinforcePP(reinforce_pp.Args(model=str(tiny_dir), max_new_tokens=5, **QUIET)) as agent:
-        data = agent.prepare(agent.collector.collect(6, timeout=60))
+        data = prepare(agent, agent.collector.collect(6, timeout=60))
         with torch.no_grad():
             learner = data.logps(agent.learner, agent.args.temperature)
     assert data.mask.sum() > 6 and torch.allclose(learner, data.behavior_logp, atol=1e-4)
@@ -373,26 +379,26 @@ def test_the_target_is_confirmed_by_a_batch_of_the_current_weights_only(tiny_dir
         for _ in range(2):  # two versions; in async mode the groups in flight meanwhile are older
             agent.update(agent.collector.pop(2, timeout=60) if mode == "async" else agent.collector.collect(2, 60))
             agent.publish()
-        check = lm_setup.confirm_target(agent.parts, dataclasses.replace(args, target_reward=2.0), prompts_left=100)
+        check = evaluation.confirm_target(agent.parts, dataclasses.replace(args, target_reward=2.0), prompts_left=100)
         # rewards are 0 or 1: 2.0 less the default tolerance 0.1 cannot be reached; the batch is returned to train on
         assert not check.confirmed and 0 <= check.reward <= 1 and check.popped >= 2
         assert (check.batch.staleness(agent.versions.current_version) == 0).all()
         if mode == "sync":
             assert check.popped == 2  # nothing in flight: the first batch is the current weights'
-        assert lm_setup.confirm_target(agent.parts, dataclasses.replace(args, target_reward=0.0), 100).confirmed
-        ran_out = lm_setup.confirm_target(agent.parts, args, prompts_left=1)  # less than prompts_per_update left
+        assert evaluation.confirm_target(agent.parts, dataclasses.replace(args, target_reward=0.0), 100).confirmed
+        ran_out = evaluation.confirm_target(agent.parts, args, prompts_left=1)  # less than prompts_per_update left
         assert ran_out.batch is None and ran_out.popped == 0 and not ran_out.confirmed
 
 
 def test_a_run_stops_only_once_a_batch_of_the_final_weights_confirms_the_target(tiny_dir, monkeypatch):
-    calls, real_check = [], lm_setup.confirm_target
+    calls, real_check = [], evaluation.confirm_target
 
     def first_falls_short(*args, **kwargs):  # the real check; its first verdict turned into a miss
         check = real_check(*args, **kwargs)
         calls.append(check)
         return dataclasses.replace(check, confirmed=False) if len(calls) == 1 else check
 
-    monkeypatch.setattr(lm_setup, "confirm_target", first_falls_short)
+    monkeypatch.setattr(training, "confirm_target", first_falls_short)  # where TrainingRun looks it up
     args = rloo.Args(
         model=str(tiny_dir), group_size=2, prompts_per_update=2, total_prompts=80, target_reward=-1.0,
         **{**QUIET, "mode": "async"},
@@ -402,9 +408,7 @@ def test_a_run_stops_only_once_a_batch_of_the_final_weights_confirms_the_target(
     # trained on (update 11); the second confirms it
     assert result.updates == 11 and result.reached_target and len(calls) == 2
     assert result.target_confirmations == [c.reward for c in calls]
-    assert "target reached (checked on batches sampled by the weights of the moment: [" in lm_setup.summary(
-        "RLOO", result
-    )
+    assert "target reached (checked on batches sampled by the weights of the moment: [" in summary("RLOO", result)
     budget = rloo.Args(
         model=str(tiny_dir), group_size=2, prompts_per_update=2, total_prompts=20, target_reward=-1.0, **QUIET
     )

@@ -41,10 +41,12 @@ from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fi
 from test_multiturn_learning import EVAL_EPISODES, FROZEN_LAKE, RL, check_learned, frozen_lake_warm_start
 
 from asyncvec.agents import reinforce_pp, rloo
-from asyncvec.agents.lm_setup import make_prompt_env, make_text_policy, solved_prompts, summary
 from asyncvec.inference import VLLMServer, build_tiny_lm
 from asyncvec.inference.checks import LOGP_TOLERANCE, VersionedReference
 from asyncvec.lm import sft_warm_start
+from asyncvec.lm.build import make_text_policy
+from asyncvec.lm.prompts import make_prompt_env, solved_prompts
+from asyncvec.lm.results import summary
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -19,7 +19,7 @@ import asyncvec.lm
 import asyncvec.lm.chat
 import asyncvec.lm.episodes
 import asyncvec.lm.text_env
-from asyncvec.agents import lm_setup, reinforce_pp, rloo
+from asyncvec.agents import reinforce_pp, rloo
 from asyncvec.inference import HFTextPolicy, build_tiny_lm
 from asyncvec.inference.tiny_models import build_char_tokenizer
 from asyncvec.lm import (
@@ -34,6 +34,9 @@ from asyncvec.lm import (
     load_causal_lm,
     make_text_vector_env,
 )
+from asyncvec.lm.build import is_multi_turn
+from asyncvec.lm.prompts import expert_conversations
+from asyncvec.lm.training import trainable_batch
 from asyncvec.losses import approx_kl, discounted_returns, masked_normalize
 
 pytestmark = pytest.mark.timeout(240)
@@ -455,7 +458,7 @@ def test_per_turn_advantages_train_with_a_kl_penalty(tiny_dir, agent, args_cls):
     learner = agent(args)
     try:
         batch = learner.collector.collect(1, timeout=120)
-        data = learner.prepare(batch)
+        data = trainable_batch(batch, learner.parts, args, min_group_samples=2 if agent is rloo.RLOO else 1)
         logp = torch.where(data.mask, torch.full(data.mask.shape, -1.0), 0.0)
         ref_logp = torch.where(data.mask, -torch.rand(data.mask.shape, generator=torch.Generator().manual_seed(0)), 0.0)
         kl = approx_kl(logp, ref_logp, args.kl_estimator)
@@ -509,7 +512,7 @@ def test_the_experts_conversations_fit_the_context_as_the_collectors_do(tmp_path
 
     def examples(on_overflow, context=128, count=60):
         args = rloo.Args(**lake, on_overflow=on_overflow)
-        return list(itertools.islice(lm_setup.expert_conversations(args, tokenizer, context), count))
+        return list(itertools.islice(expert_conversations(args, tokenizer, context), count))
 
     whole = examples("drop_oldest", context=None, count=6)  # one expert episode: 6 moves
     assert max(len(ids) for ids, _ in whole) > 128 - 6
@@ -528,36 +531,59 @@ def test_the_experts_conversations_fit_the_context_as_the_collectors_do(tmp_path
     assert rloo.RLOO(args).train().updates == 1
 
 
-def test_an_env_that_says_it_is_multi_turn_is_taken_at_its_word():
-    # a probe step of "0" is a (wrong) final answer for the calculator env: its metadata decides
-    assert lm_setup.is_multi_turn("asyncvec/CalculatorTool-v0", {})
+def test_an_env_says_whether_it_is_multi_turn():
+    # the example envs and the TextEnv wrapper declare metadata["multi_turn"]; nothing is stepped to guess it
+    assert is_multi_turn("asyncvec/CalculatorTool-v0", {}) and is_multi_turn("asyncvec/GuessNumber-v0", {})
+    assert is_multi_turn("asyncvec/FrozenLakeText-v0", {})
+    assert not is_multi_turn("asyncvec/SingleDigitSums-v0", {}) and not is_multi_turn("asyncvec/Arithmetic-v0", {})
+    assert asyncvec.lm.StringEnv(_Undeclared(), multi_turn=False).metadata["multi_turn"] is False
 
 
-class _EndsOnANumber(gym.Env):
-    """A multi-turn text env whose episode ends on a number (its final answer), not on other text."""
+class _Undeclared(gym.Env):
+    """A text env that declares nothing about turns, and raises if it is stepped before a reset.
+    Its episode ends on a number (its final answer); the reward is 1 for "7"."""
 
-    observation_space = action_space = gym.spaces.Text(16)
+    observation_space = action_space = asyncvec.lm.text_space()
+    steps = 0
+    """steps taken by all instances"""
+
+    def __init__(self) -> None:
+        self.was_reset = False
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
+        self.was_reset = True
         return "ask", {}
 
     def step(self, action):
+        if not self.was_reset:
+            raise AssertionError("stepped before reset: a probe")
+        type(self).steps += 1
         answered = action.strip().isdigit()
-        return "again", float(answered), answered, False, {}
+        return "again", float(action.strip() == "7"), answered, False, {}
 
 
-def test_a_multi_turn_env_that_ends_on_the_probes_0_is_still_multi_turn():
-    gym.register("tests/EndsOnANumber-v0", _EndsOnANumber)
+def test_an_env_that_declares_nothing_is_played_turn_by_turn_without_a_probe_step():
+    gym.register("tests/Undeclared-v0", _Undeclared, max_episode_steps=4)
     try:
-        assert lm_setup.is_multi_turn("tests/EndsOnANumber-v0", {})  # "0" ends it, "?" does not
+        _Undeclared.steps = 0
+        assert is_multi_turn("tests/Undeclared-v0", {}) and _Undeclared.steps == 0  # made and closed, never stepped
+        args = rloo.Args(
+            env="tests/Undeclared-v0", total_prompts=4, prompts_per_update=2, group_size=2, num_envs=2,
+            max_new_tokens=2, eval_prompts=0, progress=False, mode="sync",
+        )  # fmt: skip
+        with rloo.RLOO(args) as agent:
+            assert isinstance(agent.collector, asyncvec.lm.EpisodeCollector)
+            result = agent.train()
+        assert result.updates == 2 and result.samples >= 8  # 2 updates of 2 groups of 2 episodes, each a turn or more
+        with pytest.raises(ValueError, match=r"declares no metadata\['multi_turn'\]"):
+            rloo.RLOO(rloo.Args(env="tests/Undeclared-v0", reward="length_penalty", progress=False))
     finally:
-        del gym.registry["tests/EndsOnANumber-v0"]
-    assert not lm_setup.is_multi_turn("asyncvec/SingleDigitSums-v0", {})  # a one-step env ends on every probe
+        del gym.registry["tests/Undeclared-v0"]
 
 
 def test_multi_turn_options_are_checked():
     with pytest.raises(ValueError, match="--gamma"):
         rloo.Args(gamma=1.5)
     with pytest.raises(ValueError, match="TextEnv"):
-        lm_setup.is_multi_turn("FrozenLake-v1", {})
+        is_multi_turn("FrozenLake-v1", {})

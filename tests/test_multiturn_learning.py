@@ -66,9 +66,10 @@ import torch
 
 import asyncvec.envs  # noqa: F401  (registers the ids)
 from asyncvec.agents import rloo
-from asyncvec.agents.lm_setup import LMTrainResult, expert_conversations
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import load_causal_lm, sft_warm_start
+from asyncvec.lm.prompts import expert_conversations
+from asyncvec.lm.results import LMTrainResult
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -87,6 +87,7 @@ class TextEnv(gym.Wrapper):
     * ``"end"``: the episode ends at once (``truncated``), reward ``-invalid_penalty``.
 
     ``info["invalid_action"]`` is True on those turns.
+    ``metadata["multi_turn"]`` is True: the LM agents play its episodes turn by turn.
 
     Args:
         env: the env (its ``action_space`` must be ``Discrete``).
@@ -140,6 +141,8 @@ class TextEnv(gym.Wrapper):
         self.max_invalid = int(max_invalid)
         self.observation_space = text_space(max_length)
         self.action_space = text_space(max_length)
+        # its episodes go on turn after turn: the LM agents play them (asyncvec.lm.build.is_multi_turn)
+        self.metadata = {**env.metadata, "multi_turn": True}
         self._last_text = ""
         self._invalid_in_row = 0
 
@@ -181,6 +184,8 @@ class StringEnv(gym.Env[str, str]):
     accepts one); ``step`` may return ``(obs, reward, done)``, ``(obs, reward, done, info)`` or
     gymnasium's five-tuple. ``done`` counts as ``terminated``. Observations must be ``str``:
     anything else raises ``TypeError``.
+    ``multi_turn`` (True: episodes of several turns; False: one prompt, one completion) becomes
+    ``metadata["multi_turn"]``; left None, the LM agents play its episodes turn by turn.
 
     Example:
         >>> class Echo:
@@ -195,11 +200,13 @@ class StringEnv(gym.Env[str, str]):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, env: Any, max_length: int = 4096) -> None:
+    def __init__(self, env: Any, max_length: int = 4096, multi_turn: bool | None = None) -> None:
         for method in ("reset", "step"):
             if not callable(getattr(env, method, None)):
                 raise TypeError(f"StringEnv: {type(env).__name__} has no {method}() method")
         self.env = env
+        if multi_turn is not None:  # what the LM agents read (asyncvec.lm.build.is_multi_turn)
+            self.metadata = {**self.metadata, "multi_turn": bool(multi_turn)}
         self.observation_space = text_space(max_length)
         self.action_space = text_space(max_length)
 

@@ -1,0 +1,365 @@
+"""What a language-model agent trains with, built from its options (:class:`~asyncvec.lm.options.LMArgs`):
+the model folder (``--model`` or a tiny GPT-2, ``--sft-steps`` warm start), the learner and its frozen
+reference, the text policy of ``--backend``, the version manager, and the collector: a
+``GroupCollector`` over a one-step env's prompts, or an ``EpisodeCollector`` over a multi-turn env
+(:func:`is_multi_turn`). :func:`build_parts` returns them as :class:`LMParts`.
+
+Example:
+    >>> from asyncvec.lm.build import is_multi_turn
+    >>> is_multi_turn("asyncvec/GuessNumber-v0", {}), is_multi_turn("asyncvec/SingleDigitSums-v0", {})
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+
+from asyncvec import VersionManager, inference
+from asyncvec.agents.common import LaggedWeights, check_env_id
+from asyncvec.lm.episodes import EpisodeCollector, make_text_vector_env
+from asyncvec.lm.groups import GroupCollector
+from asyncvec.lm.learner import load_causal_lm, sft_warm_start
+from asyncvec.lm.options import LMArgs
+from asyncvec.lm.prompts import (
+    check_reward_scores,
+    completion_with_answer,
+    expert_conversations,
+    iter_prompts,
+    make_prompt_env,
+    solved_prompts,
+)
+from asyncvec.lm.rewards import RewardService
+from asyncvec.lm.text_env import check_text_env, text_space
+
+
+def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:
+    """Whether the agents play ``env_id``'s episodes turn by turn in a vector env
+    (``EpisodeCollector``, the env's rewards) rather than take its reset observations as one-step
+    prompts scored by ``--reward`` (``GroupCollector``).
+
+    The env says so in ``metadata["multi_turn"]`` (``asyncvec.lm.TextEnv`` and the example envs of
+    ``asyncvec.envs.text`` do). An env that declares nothing is played: an episode of one turn is
+    an episode too, rewarded by the env. The env is made and closed, never reset or stepped.
+
+    Raises:
+        ValueError: unknown id, or not a text env (naming the wrapper to use).
+
+    Example:
+        >>> is_multi_turn("asyncvec/CalculatorTool-v0", {}), is_multi_turn("asyncvec/Arithmetic-v0", {})
+        (True, False)
+    """
+    return declared_multi_turn(env_id, env_kwargs) is not False
+
+
+def declared_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool | None:
+    """``env_id``'s ``metadata["multi_turn"]`` (None when it declares nothing), after checking it is a text env.
+
+    Example:
+        >>> declared_multi_turn("asyncvec/GuessNumber-v0", {})
+        True
+    """
+    check_env_id(env_id)
+    with contextlib.closing(gym.make(env_id, **env_kwargs)) as env:
+        try:
+            check_text_env(env, env_id)
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+        declared = env.metadata.get("multi_turn")
+    return None if declared is None else bool(declared)
+
+
+def prepare_model(args: LMArgs, workdir: Path) -> Path:
+    """The model folder to train: ``--model`` (or a fresh tiny GPT-2 in ``workdir``), after a
+    supervised warm start of ``--sft-steps`` on the env's solved prompts (saved in ``workdir/sft``).
+
+    Example:
+        >>> import tempfile
+        >>> prepare_model(LMArgs(sft_steps=2), Path(tempfile.mkdtemp())).name
+        'sft'
+    """
+    model_dir = Path(args.model) if args.model else inference.build_tiny_lm(workdir / "tiny-lm", seed=args.seed)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)")
+    if not args.sft_steps:
+        return model_dir
+    examples = solved_prompts(args.env, args.seed)
+    return sft_warm_start(model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed)
+
+
+def served_model_name(base_url: str, model_dir: Path) -> str:
+    """The model name to ask ``base_url`` for when --served-model is not given.
+
+    The server's one model at ``/v1/models`` (vLLM serves ``--model`` as given, a path, unless
+    ``--served-model-name`` says otherwise); with several, the one named like ``model_dir``.
+    A server that cannot be asked gets ``model_dir``'s name (the server check then says why).
+    """
+    import httpx
+
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0)
+        served = [entry["id"] for entry in response.json()["data"]]
+    except Exception:
+        return model_dir.name
+    if len(served) == 1:
+        return served[0]
+    for name in served:
+        if name in (model_dir.name, str(model_dir)) or Path(name).name == model_dir.name:
+            return name
+    raise ValueError(f"--base-url {base_url} serves {served}: pick one with --served-model")
+
+
+def make_text_policy(
+    args: LMArgs,
+    model_dir: Path,
+    action_space: gym.Space,
+    weights_dir: Path | None = None,
+    action_parser: Any = completion_with_answer,
+) -> Any:
+    """The policy sampling completions: HFTextPolicy, VLLMPolicy or OpenAIPolicy (``--backend``).
+
+    ``--backend openai`` writes each published version to ``weights_dir`` (``--weights-dir``
+    if given), a folder the server must be able to read, and has the server load it.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncvec.inference import build_tiny_lm
+        >>> folder = build_tiny_lm(tempfile.mkdtemp(), n_layer=1, n_embd=32)
+        >>> env = make_prompt_env("asyncvec/SingleDigitSums-v0")
+        >>> with make_text_policy(LMArgs(max_new_tokens=2), folder, env.action_space) as policy:
+        ...     len(policy.submit("3+4=").result(timeout=30).token_ids) <= 2
+        True
+    """
+    options = {
+        "action_space": action_space,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "max_batch_size": args.policy_batch_size,
+        "max_wait_ms": args.policy_wait_ms,
+        "deadline_ms": args.deadline_ms,
+    }
+    if args.backend == "hf":
+        from asyncvec.inference import HFTextPolicy
+
+        return HFTextPolicy(*load_causal_lm(model_dir, args.device), action_parser, seed=args.seed, **options)
+    if args.backend == "vllm":
+        from asyncvec.inference import VLLMPolicy
+
+        engine = {"seed": args.seed, **json.loads(args.vllm_engine)}
+        return VLLMPolicy(model_dir, action_parser, engine_kwargs=engine, **options)
+    from asyncvec.inference import OpenAIPolicy
+
+    token = args.update_token if args.update_token is not None else os.environ.get("ASYNCVEC_SERVE_TOKEN")
+    policy = OpenAIPolicy(
+        args.base_url,
+        args.served_model or served_model_name(args.base_url, model_dir),
+        action_parser,
+        server_kind=args.server_kind,
+        update_token=token,
+        checkpoint_dir=args.weights_dir or weights_dir,
+        model_dir=model_dir,
+        max_attempts=3,
+        **options,
+    )
+    try:
+        policy.check_server()
+    except Exception as exc:
+        policy.close()
+        raise ValueError(f"--base-url {args.base_url} (--server-kind {args.server_kind}): {exc}") from exc
+    return policy
+
+
+def starting_version(policy: Any) -> int:
+    """The newest version the policy or its server holds: the learner publishes its starting
+    weights as the next one when it sends them, so versions keep increasing across runs."""
+    server_version = policy.server_version() if hasattr(policy, "server_version") else None
+    return max(policy.policy_version, server_version or 0)
+
+
+@dataclass
+class LMParts:
+    """What an LM agent trains with, built by :func:`build_parts`; ``resources.close()`` closes it all."""
+
+    model_dir: Path
+    """the model folder the learner started from (``--model``, or the scratch folder's after a warm start)"""
+    learner: Any
+    tokenizer: Any
+    reference: Any | None
+    """the frozen starting model, for the KL penalty (None when ``--kl-coef`` is 0)"""
+    rewarder: RewardService | None
+    """None for multi-turn envs (their rewards are the env's)"""
+    policy: Any
+    versions: VersionManager
+    start_version: int
+    """the version of the learner's starting weights on the policy"""
+    collector: GroupCollector | EpisodeCollector
+    eval_env: gym.Env | None
+    resources: contextlib.ExitStack
+    """closes the collector, the version manager, the policy (when built here), the reward
+    service, the scratch folder and the envs, in that order"""
+    multi_turn: bool = False
+    """--env is multi-turn: the collector is an EpisodeCollector over ``envs``"""
+    eval_envs: Any = None
+    """multi-turn: the vector env evaluation episodes run in"""
+    eval_log: list[dict[str, float]] = field(default_factory=list)
+    """multi-turn: each evaluation's mean reward, success rate and mean turns"""
+
+
+def check_given_policy(policy: Any, args: LMArgs) -> None:
+    """A policy passed in must sample as the learner scores: at ``--temperature``, without top-p
+    (the learner's log-probs, hence the importance weights, assume both).
+
+    Example:
+        >>> from asyncvec.inference.types import TextPrompt
+        >>> class Given: defaults = TextPrompt("-", 8, 0.7, None)
+        >>> check_given_policy(Given(), LMArgs(temperature=0.7))
+        >>> check_given_policy(Given(), LMArgs())
+        Traceback (most recent call last):
+        ...
+        ValueError: the given policy samples at temperature 0.7, but --temperature is 1.0: the learner's log-probs (and importance weights) would be those of another distribution; build the policy with temperature=1.0 or pass --temperature 0.7
+    """
+    defaults = getattr(policy, "defaults", None)
+    if defaults is None:
+        return  # not a TextPolicy: nothing to compare
+    if defaults.temperature != args.temperature:
+        raise ValueError(
+            f"the given policy samples at temperature {defaults.temperature}, but --temperature is {args.temperature}: "
+            "the learner's log-probs (and importance weights) would be those of another distribution; build the "
+            f"policy with temperature={args.temperature} or pass --temperature {defaults.temperature}"
+        )
+    if defaults.top_p is not None and defaults.top_p < 1.0:
+        raise ValueError(
+            f"the given policy samples with top_p={defaults.top_p}, which the learner's log-probs do not model: "
+            "build it without top_p"
+        )
+
+
+def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
+    """:func:`build_parts` for a multi-turn env: an ``AsyncLLMVectorEnv`` of ``--num-envs`` envs
+    and an ``EpisodeCollector`` (``--group-size`` episodes per reset seed) instead of prompts,
+    a reward service and a ``GroupCollector``. The rewards are the env's."""
+    if args.is_level == "sequence":
+        raise ValueError("--is-level sequence weighs whole completions; multi-turn episodes use --is-level token")
+    env_kwargs = json.loads(args.env_kwargs)
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"asyncvec-{run_name}-")))
+        if args.model:
+            model_dir = Path(args.model)
+            if not model_dir.is_dir():
+                raise FileNotFoundError(
+                    f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)"
+                )
+        else:  # conversations need a longer context than one-step prompts
+            model_dir = inference.build_tiny_lm(workdir / "tiny-lm", seed=args.seed, max_positions=512)
+        if args.sft_steps:
+            model, tokenizer = load_causal_lm(model_dir)  # the context as HFTextPolicy reads it
+            examples = expert_conversations(args, tokenizer, getattr(model.config, "max_position_embeddings", None))
+            model_dir = sft_warm_start(
+                model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed
+            )
+        learner, tokenizer = load_causal_lm(model_dir, args.device)
+        reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
+        envs = stack.enter_context(make_text_vector_env(args.env, args.num_envs, env_kwargs=env_kwargs))
+        eval_envs = stack.enter_context(make_text_vector_env(args.env, min(args.num_envs, 8), env_kwargs=env_kwargs))
+        sync = policy is not None or args.backend == "openai"
+        if policy is not None:
+            check_given_policy(policy, args)
+        else:
+            # Each env waits for one turn at a time, so at most --num-envs requests queue: a larger
+            # batch threshold would only add --policy-wait-ms to every turn.
+            batching = dataclasses.replace(args, policy_batch_size=min(args.policy_batch_size, args.num_envs))
+            policy = stack.enter_context(
+                make_text_policy(batching, model_dir, text_space(), workdir / "weights", action_parser=str)
+            )
+        versions = stack.enter_context(
+            VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)
+        )
+        if sync:
+            policy.load_weights(
+                {k: v.detach().clone() for k, v in learner.state_dict().items()}, versions.current_version
+            )
+        versions.register(LaggedWeights(policy, args.policy_lag))
+        collector = stack.enter_context(
+            EpisodeCollector(
+                envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
+                max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003,
+                on_overflow=args.on_overflow,
+            )
+        )  # fmt: skip
+        return LMParts(
+            model_dir, learner, tokenizer, reference, None, policy, versions, versions.current_version,
+            collector, None, stack.pop_all(), multi_turn=True, eval_envs=eval_envs,
+        )  # fmt: skip
+
+
+def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
+    """Prompts (``--env``), the model (``--model``, ``--sft-steps``), the learner and its reference,
+    the reward service, the policy (``--backend``, unless ``policy`` is given), the version
+    manager and the group collector. What fails on the way closes what was built before it.
+
+    A server (``--backend openai``) or a given policy may hold other weights than the learner's
+    (another run's, or the model before the warm start), so the learner's starting weights are
+    sent to it first, as its newest version + 1.
+    """
+    env_kwargs = json.loads(args.env_kwargs)
+    declared = declared_multi_turn(args.env, env_kwargs)
+    if declared is not False:  # an env that declares nothing is played: see is_multi_turn
+        if args.reward != LMArgs.reward:
+            raise ValueError(
+                f"--reward {args.reward} scores one-step prompts, but {args.env} is played turn by turn and "
+                "rewarded by the env ("
+                + ("it declares metadata['multi_turn'] = True" if declared else "it declares no metadata['multi_turn']")
+                + "); a one-step env declares metadata['multi_turn'] = False to be scored by --reward"
+            )
+        return build_episode_parts(args, run_name, policy)
+    with contextlib.ExitStack() as stack:
+        env = stack.enter_context(make_prompt_env(args.env, env_kwargs))
+        eval_env = stack.enter_context(make_prompt_env(args.env, env_kwargs))
+        check_reward_scores(args.reward, args.env, env.reset(seed=args.seed)[0])
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"asyncvec-{run_name}-")))
+        model_dir = prepare_model(args, workdir)
+        learner, tokenizer = load_causal_lm(model_dir, args.device)
+        reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
+        rewarder = stack.enter_context(
+            RewardService(
+                args.reward,
+                timeout_s=args.reward_timeout_s,
+                num_workers=args.reward_workers,
+                cache_size=args.reward_cache_size,
+            )
+        )
+        sync = policy is not None or args.backend == "openai"
+        if policy is not None:
+            check_given_policy(policy, args)
+        else:
+            policy = stack.enter_context(make_text_policy(args, model_dir, env.action_space, workdir / "weights"))
+        versions = stack.enter_context(
+            VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)
+        )
+        if sync:
+            policy.load_weights(
+                {k: v.detach().clone() for k, v in learner.state_dict().items()}, versions.current_version
+            )
+        versions.register(LaggedWeights(policy, args.policy_lag))
+        collector = stack.enter_context(GroupCollector(policy, rewarder, iter_prompts(env, args.seed), args.group_size))
+        return LMParts(
+            model_dir,
+            learner,
+            tokenizer,
+            reference,
+            rewarder,
+            policy,
+            versions,
+            versions.current_version,
+            collector,
+            eval_env,
+            stack.pop_all(),
+        )

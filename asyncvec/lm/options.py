@@ -1,0 +1,246 @@
+"""The options the language-model agents share (``LMArgs``: each agent's ``Args`` extends it and
+adds its own), their checks, and ``--reward module:name`` plugins.
+
+Example:
+    >>> from asyncvec.lm.options import LMArgs
+    >>> LMArgs(group_size=4).group_size
+    4
+    >>> LMArgs(group_size=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: --group-size must be an int >= 2, got 1
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from asyncvec.agents.common import import_user_module
+from asyncvec.lm import rewards
+
+
+@dataclass
+class LMArgs:
+    """Options shared by the language-model agents (each agent's ``Args`` adds its own)."""
+
+    env: str = "asyncvec/SingleDigitSums-v0"
+    """text env id, or module:EnvId (module, in the current folder or installed, registers EnvId when imported):
+    an env declaring metadata["multi_turn"] = False is one-step, its reset() observations the prompts scored by
+    --reward; any other (e.g. asyncvec/GuessNumber-v0) is played turn by turn in an AsyncLLMVectorEnv, rewarded
+    by the env"""
+    env_kwargs: str = "{}"
+    """keyword arguments of gym.make(--env) as JSON, e.g. '{"max_number": 8, "transcript": false}'"""
+    num_envs: int = 8
+    """multi-turn envs: envs stepping at once (their turns reach the policy batched)"""
+    gamma: float = 1.0
+    """multi-turn envs: discount of the episode return sum_t gamma^t r_t"""
+    per_turn: bool = False
+    """multi-turn envs: each turn's advantage is its discounted return-to-go normalized over the batch
+    (for dense rewards) instead of the episode return with the agent's baseline; --kl-coef subtracts
+    beta times the KL summed over a turn's tokens from that turn's reward"""
+    system_prompt: str | None = None
+    """multi-turn envs: the conversation's first message"""
+    on_overflow: Literal["truncate", "drop_oldest"] = "truncate"
+    """multi-turn envs: a prompt over the context ends the episode truncated, or drops the oldest whole
+    turns from it (a new context segment, each turn trained in the context the engine saw)"""
+    model: str | None = None
+    """save_pretrained folder of the model (default: a fresh tiny GPT-2 from build_tiny_lm)"""
+    sft_steps: int = 0
+    """supervised warm start on the env's prompts and solved answers before RL (arithmetic envs)"""
+    reward: str = "exact_answer"
+    """one-step envs: the reward plugin scoring (prompt, completion): a registered name (asyncvec.lm.rewards.register), or
+    module:name to import module first and use its function name (or the plugin it registers as name)"""
+    reward_timeout_s: float = 10.0
+    """a reward not ready this long after its request is flagged and kept out of training"""
+    reward_workers: int = 2
+    """scorer calls running at once (raise it for a remote reward model or tool that waits)"""
+    reward_cache_size: int = 4096
+    """scores kept by (prompt, completion) and reused; 0 scores every completion afresh"""
+    backend: Literal["hf", "openai", "vllm"] = "hf"
+    """hf: HFTextPolicy in this process; vllm: an in-process vLLM engine; openai: a server at --base-url"""
+    vllm_engine: str = "{}"
+    """--backend vllm: vllm.LLM options as JSON, e.g. '{"dtype": "float32", "max_model_len": 128}'"""
+    base_url: str | None = None
+    """server root for --backend openai, e.g. http://127.0.0.1:8000"""
+    server_kind: Literal["asyncvec", "vllm", "sglang"] = "asyncvec"
+    """--backend openai: which server it is (how new weights reach it, see docs/lm_agents.md)"""
+    served_model: str | None = None
+    """model name the server expects (default: the one model the server lists at /v1/models)"""
+    weights_dir: str | None = None
+    """--backend openai: where published versions are written for the server to load (default: a scratch folder)"""
+    update_token: str | None = None
+    """bearer token of an asyncvec server's /update_weights (default: $ASYNCVEC_SERVE_TOKEN)"""
+    mode: Literal["sync", "async"] = "async"
+    """async: generation and scoring keep running in a thread while the learner trains; sync: alternate"""
+    total_prompts: int = 6400
+    """prompts to train on (each with group_size completions)"""
+    prompts_per_update: int = 16
+    """prompts (groups) per learner update"""
+    group_size: int = 8
+    """k: completions sampled per prompt"""
+    prefetch_updates: int = 1
+    """async mode: updates' worth of prompts generated ahead of the learner"""
+    max_staleness: int = 2
+    """groups with a completion more than this many versions older than the learner are dropped"""
+    policy_lag: int = 0
+    """the policy receives each new version this many updates late (a slow weight broadcast)"""
+    is_cap: float = 2.0
+    """truncation C of the importance weights min(pi/mu, C)"""
+    is_level: Literal["token", "sequence"] = "token"
+    """importance weights per token, or one per completion (product of the token ratios)"""
+    kl_coef: float = 0.0
+    """beta: weight of the KL penalty against the frozen initial model (0: no reference model)"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """per-token KL estimator (asyncvec.losses.approx_kl)"""
+    max_new_tokens: int = 4
+    """completion length limit in tokens (eos included)"""
+    temperature: float = 1.0
+    """sampling temperature (the learner's log-probs use the same one)"""
+    learning_rate: float = 1e-3
+    """Adam learning rate"""
+    update_epochs: int = 1
+    """passes over each batch"""
+    num_minibatches: int = 1
+    """minibatches per pass"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    policy_batch_size: int = 128
+    """largest batch the policy's DynamicBatcher sends to the model (multi-turn: at most --num-envs)"""
+    policy_wait_ms: float = 20.0
+    """longest the policy's batcher waits to fill a batch (over HTTP each batch is one request)"""
+    deadline_ms: float | None = None
+    """a completion not ready this long after its request gets the fallback and is never trained on"""
+    eval_prompts: int = 200
+    """completions sampled to measure the mean reward before and after training (0: skip)"""
+    target_reward: float | None = None
+    """stop once the mean training reward of the last 10 updates reaches this and a batch sampled
+    entirely by the final weights confirms it (see --target-tolerance)"""
+    target_tolerance: float = 0.1
+    """a confirming batch (prompts_per_update groups, not trained on) must reach --target-reward less
+    this; one that falls short is trained on and training goes on"""
+    timeout_s: float = 120.0
+    """longest wait for a batch of groups before the run fails (it never hangs)"""
+    seed: int = 1
+    """seed of torch, numpy, the prompt stream and the policy's sampling (HF: its own generator; vLLM: the engine)"""
+    device: str = "cpu"
+    """torch device of the learner, the reference model and the hf backend's model"""
+    torch_threads: int = 1
+    """torch CPU threads (generation and learning already run on two threads)"""
+    output_dir: str | None = None
+    """save the trained model (save_pretrained) here"""
+    track: bool = False
+    """write TensorBoard logs to runs/"""
+    log_dir: str = "runs"
+    """TensorBoard log root"""
+    progress: bool = True
+    """show a progress bar"""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "total_prompts",
+            "prompts_per_update",
+            "update_epochs",
+            "num_minibatches",
+            "max_new_tokens",
+            "policy_batch_size",
+            "torch_threads",
+            "prefetch_updates",
+            "num_envs",
+        ):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("sft_steps", "max_staleness", "policy_lag", "eval_prompts"):
+            _check_int(name, getattr(self, name), 0)
+        _check_int("group_size", self.group_size, 2)
+        for name in ("is_cap", "reward_timeout_s", "timeout_s", "learning_rate", "max_grad_norm"):
+            _check_number(name, getattr(self, name), positive=True)
+        for name in ("kl_coef", "temperature", "policy_wait_ms", "target_tolerance"):
+            _check_number(name, getattr(self, name), positive=False)
+        if self.deadline_ms is not None:
+            _check_number("deadline_ms", self.deadline_ms, positive=True)
+        if not 0 <= self.gamma <= 1:
+            raise ValueError(f"--gamma must be in [0, 1], got {self.gamma!r}")
+        try:
+            env_kwargs = json.loads(self.env_kwargs)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--env-kwargs must be a JSON object, got {self.env_kwargs!r}: {exc}") from None
+        if not isinstance(env_kwargs, dict):
+            raise ValueError(
+                f"--env-kwargs must be a JSON object of gym.make keyword arguments, got {self.env_kwargs!r}"
+            )
+        if self.temperature == 0:
+            raise ValueError("--temperature must be > 0: policy-gradient learning needs sampled completions")
+        if self.backend == "openai":
+            if not self.base_url:
+                raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
+        elif self.base_url is not None:
+            raise ValueError(f"--base-url is only used with --backend openai, got --backend {self.backend}")
+        load_reward_plugin(self.reward)
+        try:
+            engine = json.loads(self.vllm_engine)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--vllm-engine must be a JSON object, got {self.vllm_engine!r}: {exc}") from None
+        if not isinstance(engine, dict):
+            raise ValueError(f"--vllm-engine must be a JSON object of vllm.LLM options, got {self.vllm_engine!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"--device: {exc}") from None
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"--{_flag(name)} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_number(name: str, value: Any, positive: bool) -> None:
+    in_range = isinstance(value, (int, float)) and (value > 0 if positive else value >= 0) and value < math.inf
+    if isinstance(value, bool) or not in_range:
+        raise ValueError(f"--{_flag(name)} must be a finite number {'>' if positive else '>='} 0, got {value!r}")
+
+
+def load_reward_plugin(spec: str) -> str:
+    """Makes ``--reward`` usable by name: ``module:name`` imports ``module``, then registers its
+    attribute ``name`` (or the plugin the import registered as ``name``) under ``spec`` itself.
+    A plain name is returned as is (an unknown one fails when it first scores). Returns ``spec``.
+
+    Raises:
+        ValueError: naming the module imported and what was missing in it.
+
+    Example:
+        >>> load_reward_plugin("asyncvec.lm.rewards:exact_answer")
+        'asyncvec.lm.rewards:exact_answer'
+        >>> rewards.score("asyncvec.lm.rewards:exact_answer", "1+1=", "2")
+        1.0
+    """
+    module_name, _, name = spec.rpartition(":")
+    if not module_name:
+        return spec
+    if not name:
+        raise ValueError(f"--reward {spec!r}: expected module:name, the name of a reward function after the colon")
+    module = import_user_module(module_name, f"--reward {spec!r}: importing {module_name!r}")
+    if hasattr(module, name):
+        plugin = getattr(module, name)
+    elif name in rewards.available():
+        plugin = rewards.get(name)
+    else:
+        raise ValueError(
+            f"--reward {spec!r}: imported {module_name!r}, but it has no attribute {name!r} and registered no "
+            f"reward plugin {name!r} (registered plugins: {', '.join(rewards.available())})"
+        )
+    if not callable(plugin):
+        raise ValueError(
+            f"--reward {spec!r}: {module_name}.{name} is a {type(plugin).__name__}, not a reward function "
+            "f(prompt, completion, **info) -> float"
+        )
+    if spec not in rewards.available() or rewards.get(spec) is not plugin:
+        rewards.register(spec, replace=True)(plugin)
+    return spec

@@ -1,0 +1,289 @@
+"""What the language-model agents' updates and loops call (``agents/rloo.py``,
+``agents/reinforce_pp.py``): each agent file holds its objective, its ``update`` and its
+``train`` loop; the steps they share live here.
+
+* :class:`LMAgent`: builds an agent's parts from its options (:func:`asyncvec.lm.build.build_parts`),
+  publishes the learner's weights, closes everything;
+* :func:`trainable_batch`: a popped batch of groups as learner tensors, staleness recorded;
+* :class:`LearnerStep`: the start of an update (``pi_prox``, the reference's log-probs, the
+  truncated importance weights) and its minibatch steps on the agent's loss;
+* :class:`TrainingRun`: the bookkeeping around the loop: batches popped from the collector,
+  timings, logging, evaluation before and after, the ``--target-reward`` check, the result.
+
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncvec.agents.common import seed_everything
+from asyncvec.buffers import GroupBatch
+from asyncvec.extras import check_installed
+from asyncvec.lm.build import LMParts, build_parts
+from asyncvec.lm.episodes import EpisodeGroups
+from asyncvec.lm.evaluation import confirm_target, mean_reward, target_reached
+from asyncvec.lm.learner import EpisodeBatch, LMBatch, minibatch_updates, quiet_model_libraries
+from asyncvec.lm.options import LMArgs
+from asyncvec.lm.results import LMTrainResult
+from asyncvec.losses import truncated_importance_weights
+from asyncvec.metrics import RunLogger, StageClock
+
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+"""``policy_loss(logp, prox_logp, advantages, weights, mask) -> (loss, stats)`` of a minibatch's rows."""
+
+
+class LMAgent:
+    """What a language-model agent is built of: its options (``args``), its parts (the learner and
+    its frozen reference, the tokenizer, the policy, the version manager, the collector: see
+    :class:`~asyncvec.lm.build.LMParts`), publishing and closing. The agent adds its objective,
+    its update and its loop. ``name`` is the run's name in its TensorBoard folder.
+
+    ``policy``: a text policy to sample from instead of one built from ``--backend`` (it stays
+    open after the run); the learner's starting weights are published to it first.
+    """
+
+    name = "lm"
+
+    def __init__(self, args: LMArgs, policy: Any | None = None) -> None:
+        self.args = args
+        check_installed(
+            "transformers", extra="hf", feature=f"agents/{self.name}.py (its learner is a transformers model)"
+        )
+        seed_everything(args.seed)
+        if args.backend != "vllm":  # an in-process vLLM engine on the CPU binds the torch threads itself
+            torch.set_num_threads(args.torch_threads)
+        quiet_model_libraries()
+        self.run_name = f"{args.env.replace('/', '_')}__{self.name}__{args.mode}__{args.seed}__{int(time.time())}"
+        self.parts = build_parts(args, self.run_name, policy)
+        self.learner, self.tokenizer, self.reference = self.parts.learner, self.parts.tokenizer, self.parts.reference
+        self.policy, self.versions, self.collector = self.parts.policy, self.parts.versions, self.parts.collector
+
+    def learner_weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the learner's weights (what :meth:`publish` sends)."""
+        return {k: v.detach().clone() for k, v in self.learner.state_dict().items()}
+
+    def publish(self) -> int:
+        """Sends the learner's weights to the policy (``policy.load_weights``); returns the new version."""
+        return self.versions.publish(self.learner_weights())
+
+    def close(self) -> None:
+        """Stops generation; closes the policy, the reward service and the envs (reverse order)."""
+        self.parts.resources.close()
+
+    def __enter__(self) -> LMAgent:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def batch_sizes(groups: GroupBatch | EpisodeGroups) -> tuple[int, int]:
+    """``(groups, samples)`` of a popped batch: completions, or turns of multi-turn episodes."""
+    if isinstance(groups, EpisodeGroups):
+        return len(groups), groups.num_turns
+    return len(groups.prompt_ids), int(groups.rewards.size)
+
+
+def trainable_batch(
+    groups: GroupBatch | EpisodeGroups, parts: LMParts, args: LMArgs, min_group_samples: int
+) -> LMBatch | EpisodeBatch:
+    """The trainable completions (or episode turns) of ``groups`` as learner tensors: samples more
+    than ``--max-staleness`` versions old, flagged rewards and deadline misses left out, and
+    groups with fewer than ``min_group_samples`` trainable samples. Records the batch's
+    staleness and the drops in ``parts.versions``; ``info`` also says how many groups and
+    samples arrived (``groups``, ``samples_received``)."""
+    current = parts.versions.current_version
+    parts.versions.record_staleness(groups.staleness(current).ravel().tolist())
+    data: LMBatch | EpisodeBatch
+    if isinstance(groups, EpisodeGroups):  # multi-turn: a row per episode, stale turns masked one by one
+        data = EpisodeBatch.from_episodes(
+            groups, current, args.max_staleness, args.gamma, min_group_samples, args.device
+        )
+    else:
+        data = LMBatch.from_groups(groups, parts.tokenizer, current, args.max_staleness, min_group_samples, args.device)
+    parts.versions.record_dropped(int(data.info["stale_samples"]))
+    data.info["groups"], data.info["samples_received"] = batch_sizes(groups)
+    return data
+
+
+class LearnerStep:
+    """One update's log-probs and steps: ``prox_logp`` (``pi_prox``, the learner at the start of
+    the update, detached), ``ref_logp`` (the frozen reference's, None without ``--kl-coef``), and
+    ``weights``, the truncated importance weights ``min(pi_prox / mu, C)`` against the behavior
+    log-probs ``mu`` the engine reported (``--is-cap``, ``--is-level``; ``[N, L]`` either way).
+    :meth:`minimize` runs the minibatch steps on the agent's loss."""
+
+    def __init__(self, data: LMBatch | EpisodeBatch, parts: LMParts, args: LMArgs) -> None:
+        self.data, self.learner, self.args = data, parts.learner, args
+        # One pass over one minibatch reuses the graph of pi_prox's forward pass.
+        self.single_pass = args.update_epochs == 1 and args.num_minibatches == 1
+        with torch.set_grad_enabled(self.single_pass):
+            self._logp = data.logps(parts.learner, args.temperature)
+        self.prox_logp = self._logp.detach()
+        self.ref_logp = None
+        if parts.reference is not None:
+            with torch.no_grad():
+                self.ref_logp = data.logps(parts.reference, args.temperature)
+        self.weights, self.is_stats = truncated_importance_weights(
+            self.prox_logp, data.behavior_logp, args.is_cap, level=args.is_level, mask=data.mask
+        )
+        if args.is_level == "sequence":
+            self.weights = self.weights.unsqueeze(-1) * data.mask
+
+    def minimize(
+        self, optimizer: torch.optim.Optimizer, policy_loss: PolicyLoss, advantages: torch.Tensor
+    ) -> dict[str, float]:
+        """``--update-epochs`` passes of ``--num-minibatches`` steps on ``policy_loss``; returns the
+        update's statistics (losses, importance weights, advantages, KL to the reference)."""
+        data, args = self.data, self.args
+        losses = minibatch_updates(
+            data,
+            self.learner,
+            optimizer,
+            lambda logp_rows, rows: policy_loss(
+                logp_rows, self.prox_logp[rows], advantages[rows], self.weights[rows], data.mask[rows]
+            ),
+            epochs=args.update_epochs,
+            minibatches=args.num_minibatches,
+            max_grad_norm=args.max_grad_norm,
+            temperature=args.temperature,
+            logp=self._logp if self.single_pass else None,
+        )
+        entries = len(data) if args.is_level == "sequence" else int(data.mask.sum())
+        stats = {f"losses/{k}": v for k, v in losses.items()}
+        stats.update({f"is/{k}": float(v) for k, v in self.is_stats.items()})
+        stats.update({"is/entries": entries, "is/clipped": round(float(self.is_stats["clipped_fraction"]) * entries)})
+        stats["advantage_abs_mean"] = float(advantages.abs()[data.mask].mean())
+        if self.ref_logp is not None:
+            stats["kl_ref"] = float(((self.prox_logp - self.ref_logp) * data.mask).sum(-1).mean())
+        return stats
+
+
+class TrainingRun:
+    """The bookkeeping around an LM agent's loop, as a context manager.
+
+    Entering it opens the run's logger (TensorBoard under ``--log-dir`` with ``--track``, a
+    progress bar), evaluates the policy (``--eval-prompts``) and, with ``--mode async``, starts
+    generation ahead of the learner. :meth:`batches` yields ``--prompts-per-update`` complete
+    groups until ``--total-prompts`` (or the target is confirmed); :meth:`record` publishes,
+    logs and checks ``--target-reward``. Leaving it without an error stops generation,
+    evaluates again and saves the model (``--output-dir``); it always closes the logger and the
+    agent's parts. :meth:`result` is the run's :class:`~asyncvec.lm.results.LMTrainResult`.
+    """
+
+    def __init__(self, parts: LMParts, args: LMArgs, run_name: str) -> None:
+        self.parts, self.args, self.run_name = parts, args, run_name
+        self.history: list[dict] = []
+        self.confirmations: list[float] = []
+        self.reached = False
+        self.prompts_done = 0
+        self.stages = StageClock()
+        self._pending: Any = None  # a batch that failed to confirm the target, trained on next
+        self._stop = False
+        self.evals = (math.nan, math.nan)
+
+    def __enter__(self) -> TrainingRun:
+        args = self.args
+        self.logger = RunLogger(
+            Path(args.log_dir) / self.run_name,
+            track=args.track,
+            total_steps=args.total_prompts,
+            progress=args.progress,
+            hparams=asdict(args),
+        )
+        try:
+            self.evals = (self._evaluate(), math.nan)
+            self.start = time.monotonic()
+            if args.mode == "async":  # generation runs ahead while the learner trains
+                self.parts.collector.start(args.total_prompts, ahead=args.prefetch_updates * args.prompts_per_update)
+        except BaseException:
+            self.logger.close()
+            self.parts.resources.close()
+            raise
+        return self
+
+    def _evaluate(self) -> float:
+        return mean_reward(self.parts, self.args.eval_prompts, self.args.seed + 1, self.args.timeout_s)
+
+    def batches(self) -> Iterator[GroupBatch | EpisodeGroups]:
+        """Complete groups, ``--prompts-per-update`` at a time (sync mode: generated on request),
+        until ``--total-prompts`` are done or :meth:`record` confirmed the target."""
+        args, collector = self.args, self.parts.collector
+        while not self._stop and (self.prompts_done < args.total_prompts or self._pending is not None):
+            with self.stages("wait"):
+                if self._pending is None:
+                    num = min(args.prompts_per_update, args.total_prompts - self.prompts_done)
+                    if args.mode == "sync":
+                        collector.submit(num)
+                    groups = collector.pop(num, args.timeout_s)
+                    self.prompts_done += num
+                else:
+                    groups, self._pending = self._pending, None
+            self._learn_start = time.perf_counter()
+            yield groups
+
+    def record(self, stats: dict[str, float], publish: Callable[[], int]) -> None:
+        """After an update: ``publish()`` the learner's weights when it trained on something (no
+        step, no new version), log its row, and check ``--target-reward`` on a batch sampled by
+        the new weights (:func:`~asyncvec.lm.evaluation.confirm_target`)."""
+        args, parts = self.args, self.parts
+        self.stages.add("learn", time.perf_counter() - self._learn_start)
+        with self.stages("publish"):
+            if stats["samples_used"]:
+                publish()
+        elapsed = time.monotonic() - self.start
+        row = {
+            **stats,
+            **{key: value for key, value in self.stages.scalars().items() if not key.endswith("_cpu_s")},
+            "charts/reward": stats["reward"],
+            "charts/version": parts.versions.current_version,
+            "charts/completions_per_s": parts.collector.samples / elapsed,
+            "time/wall_s": elapsed,
+            "charts/policy_latency_p50_ms": parts.policy.stats()["latency_p50_ms"],
+        }
+        self.history.append(row)
+        self.logger.log(row, self.prompts_done)
+        if target_reached([r["reward"] for r in self.history], args.target_reward):
+            check = confirm_target(parts, args, args.total_prompts - self.prompts_done)
+            self.prompts_done += check.popped
+            self.confirmations.append(check.reward)
+            self.logger.log({"charts/target_confirm_reward": check.reward}, self.prompts_done)
+            if check.confirmed or check.batch is None:
+                self.reached, self._stop = check.confirmed, True
+            else:
+                self._pending = check.batch
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        try:
+            if exc_type is None:
+                self.wall_time_s = time.monotonic() - self.start
+                self.parts.collector.stop()
+                self.evals = (self.evals[0], self._evaluate())
+                if self.args.output_dir:
+                    self.parts.learner.save_pretrained(self.args.output_dir)
+                    self.parts.tokenizer.save_pretrained(self.args.output_dir)
+        finally:
+            self.logger.close()
+            self.parts.resources.close()
+
+    def result(self) -> LMTrainResult:
+        """The run's totals (after it ended)."""
+        parts = self.parts
+        result = LMTrainResult.from_run(
+            self.history,
+            parts.collector.stats(),
+            self.wall_time_s,
+            self.evals,
+            parts.versions.staleness_stats().mean,
+            (parts.start_version, parts.versions.current_version),
+            self.reached,
+        )
+        result.eval_details, result.target_confirmations = list(parts.eval_log), self.confirmations
+        return result
