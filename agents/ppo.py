@@ -44,25 +44,22 @@ from torch.distributions import Categorical, Normal
 
 from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.agents.common import (
-    LaggedWeights,
     anneal,
     env_spaces,
     final_observations,
     final_return_text,
     layer_init,
-    load_checkpoint,
     make_policy,
     make_ray_collector,
     make_ray_collectors,
     make_vector_env,
     run_from_cli,
-    save_checkpoint,
-    seed_everything,
     stored_action_space,
 )
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
-from asyncvec.versioning import adapt_max_staleness
+from asyncvec.runs import load_checkpoint, save_checkpoint, seed_everything
+from asyncvec.versioning import LaggedWeights, adapt_max_staleness
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
 # left at their default; anything passed with another value wins.

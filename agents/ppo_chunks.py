@@ -63,10 +63,11 @@ import tyro
 from gymnasium.vector import AutoresetMode
 
 from asyncvec import AsyncLLMVectorEnv
-from asyncvec.agents.common import anneal, check_env_id, exit_on_setup_error, layer_init, seed_everything
+from asyncvec.agents.common import anneal, exit_on_setup_error, layer_init
 from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout, HashedInstruction
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import decoupled_ppo_loss, gae, masked_mean
+from asyncvec.runs import check_env_id, seed_everything
 
 RESET = SOURCES.index("reset")
 

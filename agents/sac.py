@@ -46,20 +46,18 @@ from torch.distributions import AffineTransform, Independent, Normal, TanhTransf
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec._threads import release_if_held
 from asyncvec.agents.common import (
-    LaggedWeights,
     final_observations,
     final_return_text,
-    load_checkpoint,
     make_policy,
     make_ray_collector,
     make_ray_collectors,
     make_vector_env,
     run_from_cli,
-    save_checkpoint,
-    seed_everything,
 )
 from asyncvec.buffers import Transitions
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
+from asyncvec.runs import load_checkpoint, save_checkpoint, seed_everything
+from asyncvec.versioning import LaggedWeights
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 

@@ -400,3 +400,31 @@ def _check_int(field: str, value: Any, minimum: int) -> int:
     if number < minimum:
         raise ValueError(f"{field}: expected an int >= {minimum}, got {number}")
     return number
+
+
+class LaggedWeights:
+    """Delivers each published version to ``backend`` only ``lag`` publications later.
+
+    It plays a slow weight broadcast to a remote inference fleet, so actors act with a policy
+    ``lag`` versions behind the learner (forcing staleness for experiments and tests).
+
+    Example:
+        >>> class Backend:
+        ...     def load_weights(self, weights, version): self.version = version
+        >>> backend = Backend(); lagged = LaggedWeights(backend, lag=2)
+        >>> for v in (1, 2, 3): lagged.load_weights({}, v)
+        >>> backend.version
+        1
+    """
+
+    def __init__(self, backend: Any, lag: int) -> None:
+        if lag < 0:
+            raise ValueError(f"lag must be >= 0, got {lag}")
+        self.backend = backend
+        self.lag = lag
+        self._queue: collections.deque[tuple[Any, int]] = collections.deque()
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        self._queue.append((weights, version))
+        while len(self._queue) > self.lag:
+            self.backend.load_weights(*self._queue.popleft())

@@ -24,7 +24,6 @@ from typing import Any
 import gymnasium as gym
 
 from asyncvec import VersionManager, inference
-from asyncvec.agents.common import LaggedWeights, check_env_id
 from asyncvec.lm.episodes import EpisodeCollector, make_text_vector_env
 from asyncvec.lm.groups import GroupCollector
 from asyncvec.lm.learner import load_causal_lm, sft_warm_start
@@ -39,6 +38,8 @@ from asyncvec.lm.prompts import (
 )
 from asyncvec.lm.rewards import RewardService
 from asyncvec.lm.text_env import check_text_env, text_space
+from asyncvec.runs import check_env_id
+from asyncvec.versioning import LaggedWeights
 
 
 def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:

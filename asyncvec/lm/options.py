@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 import torch
 
-from asyncvec.agents.common import import_user_module
 from asyncvec.lm import rewards
+from asyncvec.runs import import_user_module
 
 
 @dataclass

@@ -19,10 +19,10 @@ from typing import Any
 
 import gymnasium as gym
 
-from asyncvec.agents.common import check_env_id
 from asyncvec.lm import rewards
 from asyncvec.lm.chat import Conversation
 from asyncvec.lm.options import LMArgs
+from asyncvec.runs import check_env_id
 
 
 def make_prompt_env(env_id: str, env_kwargs: dict[str, Any] | None = None) -> gym.Env:

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from asyncvec.agents.common import seed_everything
 from asyncvec.buffers import GroupBatch
 from asyncvec.extras import check_installed
 from asyncvec.lm.build import LMParts, build_parts
@@ -34,6 +33,7 @@ from asyncvec.lm.options import LMArgs
 from asyncvec.lm.results import LMTrainResult
 from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger, StageClock
+from asyncvec.runs import seed_everything
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 """``policy_loss(logp, prox_logp, advantages, weights, mask) -> (loss, stats)`` of a minibatch's rows."""

@@ -1,0 +1,115 @@
+"""What a training run needs around its algorithm: seeding and RNG state, atomic checkpoints, and
+finding the env ids and modules a user names on the command line (``--env mymod:MyEnv-v0``).
+
+The agents (``asyncvec.agents``) and the language-model room (``asyncvec.lm``) call these.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+
+def check_env_id(env_id: str) -> None:
+    """Raises a ValueError when ``env_id`` is not registered, naming close matches.
+
+    Gymnasium's ``module:EnvId`` form is accepted: ``module`` is imported first (its import
+    registers ``EnvId``), as ``gymnasium.make`` does, so ``--env mymod:MyTask-v0`` works from
+    the command line. ``module`` is looked up on ``sys.path`` and then in the current folder
+    (as ``python -m`` would), so the folder that holds ``mymod.py`` needs no ``PYTHONPATH``; the
+    error names the module imported and the id it did not register.
+
+    Example:
+        >>> check_env_id("gymnasium.envs.classic_control:CartPole-v1")
+        >>> check_env_id("CartPol-v1")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown env id 'CartPol-v1'; did you mean CartPole-v1, CartPole-v0, ...
+    """
+    module, _, name = env_id.rpartition(":")
+    if module:
+        import_user_module(module, f"env id {env_id!r}: importing {module!r} (which should register {name!r})")
+    if name in gym.registry:
+        return
+    matches = difflib.get_close_matches(name, list(gym.registry), n=5, cutoff=0.5)
+    hint = f"; did you mean {', '.join(matches)}?" if matches else "; see gymnasium.pprint_registry()"
+    if module:
+        raise ValueError(f"env id {env_id!r}: imported {module!r}, but it did not register {name!r}{hint}")
+    raise ValueError(f"unknown env id {env_id!r}{hint}")
+
+
+def import_user_module(module: str, what: str) -> ModuleType:
+    """Imports a module the user named on the command line (``--env mymod:MyEnv-v0``, ``--reward
+    mymod:score``), from ``sys.path`` and then from the current folder, as ``python -m`` would: the
+    folder that holds ``mymod.py`` needs no ``PYTHONPATH``. A failure is a ValueError starting with
+    ``what`` and naming the module that was not found and where it was looked for.
+
+    Example:
+        >>> import_user_module("json", "--reward 'json:loads'").__name__
+        'json'
+        >>> import_user_module("no_such_module", "--reward 'no_such_module:f'")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: --reward 'no_such_module:f' failed: module 'no_such_module' was not found (looked in the current folder ...
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # last: a user's module never hides an installed one
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        missing = (
+            f"module {exc.name!r} was not found (looked in the current folder {cwd} and on sys.path)"
+            if isinstance(exc, ModuleNotFoundError) and exc.name
+            else str(exc)
+        )
+        raise ValueError(f"{what} failed: {missing}") from exc
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds Python's, NumPy's and torch's global random generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """The global random generators' states, for a checkpoint."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restores the states :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(path: str | Path, **state: Any) -> Path:
+    """``torch.save`` of ``state`` plus the RNG states, written atomically (tmp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({**state, "rng": rng_state()}, tmp)
+    tmp.replace(path)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Loads a checkpoint written by :func:`save_checkpoint` and restores the RNG states."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path} (--resume needs --checkpoint-dir of an earlier run)")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    set_rng_state(state["rng"])
+    return state
