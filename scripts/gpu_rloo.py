@@ -46,7 +46,9 @@ def learner_vs_engine(agent, batch) -> float:
     """Largest |learner log-prob - vLLM log-prob| over the batch's sampled tokens."""
     import torch
 
-    data = agent.prepare(batch)
+    from asyncvec.lm.training import trainable_batch
+
+    data = trainable_batch(batch, agent.parts, agent.args, min_group_samples=2)
     with torch.no_grad():
         learner = data.logps(agent.learner, agent.args.temperature)
     return float((learner - data.behavior_logp).abs()[data.mask].max())
