@@ -109,13 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.command == "free-port":
-        from asyncvec.inference.server_process import free_port
+        from asyncvec.inference.serving.server_process import free_port
 
         print(free_port())
         return 0
     if args.command == "wait-ready":
         from asyncvec.extras import check_installed
-        from asyncvec.inference.server_process import ServerStartError, wait_until_ready
+        from asyncvec.inference.serving.server_process import ServerStartError, wait_until_ready
 
         try:
             check_installed("httpx", extra="serve", feature="asyncvec wait-ready")
@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "serve":
         try:
-            from asyncvec.inference.server import bind_socket, serve
+            from asyncvec.inference.serving.server import bind_socket, serve
         except ImportError as exc:  # a missing extra: the message names the install command
             print(f"asyncvec serve: {exc}", file=sys.stderr)
             return 1

@@ -39,7 +39,7 @@ import numpy as np
 import tyro
 
 from asyncvec.inference import AsyncvecServer, HFTextPolicy, OpenAIPolicy, VLLMPolicy, VLLMServer, build_tiny_lm
-from asyncvec.inference.checks import PROMPTS, VersionedReference, weight_sync_check
+from asyncvec.testing.checks import PROMPTS, VersionedReference, weight_sync_check
 from benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
 

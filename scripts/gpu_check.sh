@@ -2,7 +2,7 @@
 # GPU check of the inference layer (not part of CI; needs a CUDA GPU and `pip install -e .[vllm]`).
 #
 # The checks are the ones the CPU test suite runs (tests/test_vllm_policy.py,
-# tests/test_vllm_server.py), from the same module, asyncvec/inference/checks.py, here on CUDA:
+# tests/test_vllm_server.py), from the same module, asyncvec/testing/checks.py, here on CUDA:
 #   1. VLLMPolicy (tiny GPT-2 and Llama, head size 64): n completions per prompt, log-probs
 #      against transformers' teacher-forced log-probs, a weight update under load with every
 #      answer checked against the weights of the version it claims;
@@ -50,7 +50,7 @@ fi
 
 for CHECK in vllm-policy vllm-server; do
     # the server check starts and stops its own server (VLLMServer: no process is left behind)
-    if timeout "$STEP_TIMEOUT" "$PY" -m asyncvec.inference.checks "$CHECK" --work "$WORK/$CHECK" --device cuda; then
+    if timeout "$STEP_TIMEOUT" "$PY" -m asyncvec.testing.checks "$CHECK" --work "$WORK/$CHECK" --device cuda; then
         :
     else
         fail "$CHECK: exited $?"

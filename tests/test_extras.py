@@ -40,7 +40,7 @@ def flat(text: str) -> str:
         (
             "fastapi",
             "from asyncvec.cli import main\nsys.exit(main(['serve', '--model', '.', '--port', '0']))\n",
-            "asyncvec serve: asyncvec serve (asyncvec.inference.server) needs fastapi, which is not installed "
+            "asyncvec serve: asyncvec serve (asyncvec.inference.serving.server) needs fastapi, which is not installed "
             "(No module named 'fastapi'); install it with: pip install 'asyncvec[serve]'",
         ),
         (

@@ -16,7 +16,7 @@ from asyncvec.inference import (
     TextPrompt,
     build_tiny_lm,
 )
-from asyncvec.inference.checks import teacher_forced_logps
+from asyncvec.testing.checks import teacher_forced_logps
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -42,11 +42,11 @@ from test_multiturn_learning import EVAL_EPISODES, FROZEN_LAKE, RL, check_learne
 
 from asyncvec.agents import reinforce_pp, rloo
 from asyncvec.inference import VLLMServer, build_tiny_lm
-from asyncvec.inference.checks import LOGP_TOLERANCE, VersionedReference
 from asyncvec.lm import sft_warm_start
 from asyncvec.lm.build import make_text_policy
 from asyncvec.lm.prompts import make_prompt_env, solved_prompts
 from asyncvec.lm.results import summary
+from asyncvec.testing.checks import LOGP_TOLERANCE, VersionedReference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

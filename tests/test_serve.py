@@ -22,7 +22,7 @@ from asyncvec.inference import (
     build_tiny_lm,
     free_port,
 )
-from asyncvec.inference.checks import teacher_forced_logps
+from asyncvec.testing.checks import teacher_forced_logps
 
 pytestmark = pytest.mark.timeout(180)
 

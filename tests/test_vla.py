@@ -11,7 +11,7 @@ from asyncvec.inference.action_tokens import ActionTokenizer
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from asyncvec.inference.vla import (  # noqa: E402  (after pytest.importorskip of torch and transformers)
+from asyncvec.inference.backends.vla import (  # noqa: E402  (after pytest.importorskip of torch and transformers)
     TinyVLAModel,
     TinyVLAPolicy,
     build_tiny_vla,

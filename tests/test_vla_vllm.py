@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from asyncvec.inference import PolicyClosedError, VLLMVLAPolicy, build_tiny_vla, load_tiny_vla
-from asyncvec.inference.checks import LOGP_TOLERANCE
+from asyncvec.testing.checks import LOGP_TOLERANCE
 
 pytestmark = pytest.mark.timeout(600)
 

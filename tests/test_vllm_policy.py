@@ -17,7 +17,7 @@ import torch
 from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
 
 from asyncvec.inference import LatencyModel, PolicyClosedError, TextPrompt, VLLMPolicy
-from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, weight_sync_check
+from asyncvec.testing.checks import LOGP_TOLERANCE, PROMPTS, weight_sync_check
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -21,7 +21,7 @@ from asyncvec.inference import (
     VLLMServer,
     write_checkpoint,
 )
-from asyncvec.inference.checks import LOGP_TOLERANCE, PROMPTS, weight_sync_check
+from asyncvec.testing.checks import LOGP_TOLERANCE, PROMPTS, weight_sync_check
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -4,7 +4,7 @@ the tiny GPT-2 folder and its transformers reference models by version."""
 import pytest
 
 from asyncvec.inference import build_tiny_lm
-from asyncvec.inference.checks import VersionedReference
+from asyncvec.testing.checks import VersionedReference
 
 
 def text_action(text):

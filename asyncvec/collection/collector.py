@@ -24,7 +24,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions
 from asyncvec.collection.base import BackgroundCollector
-from asyncvec.inference.base import zero_action
+from asyncvec.inference.requests import zero_action
 from asyncvec.inference.types import Policy, PolicyOutput
 from asyncvec.metrics import EpisodeStats
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.distributions import Normal
 
-from asyncvec.inference.torch_policy import TorchPolicy
+from asyncvec.inference.backends.torch_policy import TorchPolicy
 from asyncvec.inference.types import BackendResult
 
 __all__ = ["GaussianChunkPolicy"]

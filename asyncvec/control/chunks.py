@@ -94,7 +94,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from asyncvec.control.safety import SafetyFilter
-from asyncvec.inference.base import split_batch, zero_action
+from asyncvec.inference.requests import split_batch, zero_action
 from asyncvec.inference.types import Policy, PolicyOutput
 
 __all__ = [

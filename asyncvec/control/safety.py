@@ -41,7 +41,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from asyncvec.inference.base import zero_action
+from asyncvec.inference.requests import zero_action
 
 __all__ = ["SAFETY_REASONS", "SafetyFilter", "SafetyWrapper"]
 

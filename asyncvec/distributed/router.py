@@ -44,7 +44,7 @@ def act_via_submit(
         ...     len(act_via_submit(policy, np.zeros((3, 2)), None, timeout=10))
         3
     """
-    from asyncvec.inference.base import split_batch
+    from asyncvec.inference.requests import split_batch
 
     observations = split_batch(obs_batch)
     ids = list(range(len(observations))) if env_ids is None else [int(i) for i in env_ids]

@@ -3,6 +3,12 @@
 Names are imported lazily: ``import asyncvec.inference`` loads nothing heavy, and torch,
 transformers, httpx or vllm are imported only by the backend that needs them.
 
+Layout: the core here (`types`: the `Policy` protocol and its outputs; `batcher`: `DynamicBatcher`;
+`base`: `BatchedPolicy`, built from the pieces in `requests`; `text`: what text backends share;
+`weights`, `tiny_models`, `action_tokens`); `backends/` (torch, HF, vLLM, OpenAI HTTP, the tiny VLA,
+a latency stand-in); `serving/` (the ``asyncvec serve`` app, servers as child processes). The
+checks tests run against a backend are in `asyncvec.testing`.
+
 Example:
     >>> import gymnasium as gym, torch
     >>> from asyncvec.inference import TorchPolicy
@@ -34,32 +40,33 @@ _LAZY = {
     "adaptive_threshold": "asyncvec.inference.batcher",
     "fit_batch_cost": "asyncvec.inference.batcher",
     "BatchedPolicy": "asyncvec.inference.base",
-    "zero_action": "asyncvec.inference.base",
-    "observation_key": "asyncvec.inference.base",
-    "TorchPolicy": "asyncvec.inference.torch_policy",
-    "LatencyModel": "asyncvec.inference.latency",
-    "HFTextPolicy": "asyncvec.inference.hf_policy",
-    "OpenAIPolicy": "asyncvec.inference.openai_policy",
-    "VLLMPolicy": "asyncvec.inference.vllm_policy",
-    "ServerProcess": "asyncvec.inference.server_process",
-    "VLLMServer": "asyncvec.inference.server_process",
-    "AsyncvecServer": "asyncvec.inference.server_process",
-    "ServerStartError": "asyncvec.inference.server_process",
-    "free_port": "asyncvec.inference.server_process",
-    "wait_until_ready": "asyncvec.inference.server_process",
+    "split_batch": "asyncvec.inference.requests",
+    "zero_action": "asyncvec.inference.requests",
+    "observation_key": "asyncvec.inference.requests",
+    "TorchPolicy": "asyncvec.inference.backends.torch_policy",
+    "LatencyModel": "asyncvec.inference.backends.latency",
+    "HFTextPolicy": "asyncvec.inference.backends.hf_policy",
+    "OpenAIPolicy": "asyncvec.inference.backends.openai_policy",
+    "VLLMPolicy": "asyncvec.inference.backends.vllm_policy",
+    "ServerProcess": "asyncvec.inference.serving.server_process",
+    "VLLMServer": "asyncvec.inference.serving.server_process",
+    "AsyncvecServer": "asyncvec.inference.serving.server_process",
+    "ServerStartError": "asyncvec.inference.serving.server_process",
+    "free_port": "asyncvec.inference.serving.server_process",
+    "wait_until_ready": "asyncvec.inference.serving.server_process",
     "ParameterSpec": "asyncvec.inference.weights",
     "write_checkpoint": "asyncvec.inference.weights",
     "checkpoint_shapes": "asyncvec.inference.weights",
     "build_tiny_lm": "asyncvec.inference.tiny_models",
     "DEFAULT_VOCAB": "asyncvec.inference.tiny_models",
     "ActionTokenizer": "asyncvec.inference.action_tokens",
-    "TinyVLAConfig": "asyncvec.inference.vla",
-    "TinyVLAModel": "asyncvec.inference.vla",
-    "TinyVLAPolicy": "asyncvec.inference.vla",
-    "build_tiny_vla": "asyncvec.inference.vla",
-    "load_tiny_vla": "asyncvec.inference.vla",
-    "per_action_logps": "asyncvec.inference.vla",
-    "VLLMVLAPolicy": "asyncvec.inference.vla_vllm",
+    "TinyVLAConfig": "asyncvec.inference.backends.vla",
+    "TinyVLAModel": "asyncvec.inference.backends.vla",
+    "TinyVLAPolicy": "asyncvec.inference.backends.vla",
+    "build_tiny_vla": "asyncvec.inference.backends.vla",
+    "load_tiny_vla": "asyncvec.inference.backends.vla",
+    "per_action_logps": "asyncvec.inference.backends.vla",
+    "VLLMVLAPolicy": "asyncvec.inference.backends.vla_vllm",
 }
 
 __all__ = sorted(_LAZY)

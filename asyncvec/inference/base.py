@@ -1,4 +1,4 @@
-"""`BatchedPolicy`: the request, future, deadline, retry, cache and version machinery.
+"""`BatchedPolicy`: the future, deadline, retry, cache and version machinery every backend stands on.
 
 Every backend (torch module, HF model, OpenAI-compatible server, vLLM engine, latency
 wrapper) subclasses `BatchedPolicy` and only implements how a batch of observations turns
@@ -9,29 +9,27 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 import heapq
 import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from contextlib import contextmanager
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from asyncvec.inference.batcher import DynamicBatcher
+from asyncvec.inference.requests import LRUCache, Request, VersionLock, observation_key, split_batch, zero_action
 from asyncvec.inference.types import (
     BackendError,
     BackendResult,
     PolicyClosedError,
     PolicyOutput,
-    TextPrompt,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,190 +40,6 @@ FALLBACK_MODES = ("zero", "repeat")
 # Set while a policy thread resolves futures: done-callbacks run there and must not call
 # load_weights (it would wait for the very batch that is delivering).
 _delivery = threading.local()
-
-
-def zero_action(space: gym.Space) -> Any:
-    """The "no-op" action of a space: zeros clipped into the bounds, ``start`` for discrete
-    spaces, the empty string for `gymnasium.spaces.Text`.
-
-    Example:
-        >>> zero_action(gym.spaces.Discrete(3, start=1))
-        1
-        >>> zero_action(gym.spaces.Box(low=1.0, high=2.0, shape=(2,))).tolist()
-        [1.0, 1.0]
-    """
-    if isinstance(space, gym.spaces.Discrete):
-        return int(space.start)
-    if isinstance(space, gym.spaces.Box):
-        return np.clip(np.zeros(space.shape, dtype=space.dtype), space.low, space.high).astype(space.dtype)
-    if isinstance(space, gym.spaces.MultiDiscrete):
-        return np.array(space.start, dtype=space.dtype, copy=True)
-    if isinstance(space, gym.spaces.MultiBinary):
-        return np.zeros(space.shape, dtype=space.dtype)
-    if isinstance(space, gym.spaces.Text):
-        return ""
-    if isinstance(space, gym.spaces.Tuple):
-        return tuple(zero_action(sub) for sub in space.spaces)
-    if isinstance(space, gym.spaces.Dict):
-        return {key: zero_action(sub) for key, sub in space.spaces.items()}
-    raise ValueError(f"no zero action for action_space {space!r}; pass fallback=<function(obs, env_id) -> action>")
-
-
-def observation_key(obs: Any) -> bytes:
-    """A content hash of an observation (arrays, dicts, sequences, strings, numbers).
-
-    Equal content gives equal keys; dtype and shape are part of the key.
-
-    Example:
-        >>> observation_key(np.zeros(3)) == observation_key(np.zeros(3))
-        True
-        >>> observation_key(np.zeros(3)) == observation_key(np.zeros(3, dtype=np.float32))
-        False
-    """
-    digest = hashlib.blake2b(digest_size=16)
-    _feed_hash(digest, obs)
-    return digest.digest()
-
-
-def _feed_hash(digest: Any, obs: Any) -> None:
-    if isinstance(obs, np.ndarray):
-        digest.update(f"nd{obs.dtype.str}{obs.shape}".encode())
-        digest.update(np.ascontiguousarray(obs).tobytes())
-    elif isinstance(obs, TextPrompt):
-        digest.update(b"tp" + repr(dataclasses.astuple(obs)).encode())
-    elif isinstance(obs, str):
-        digest.update(b"s%d:" % len(obs) + obs.encode())
-    elif isinstance(obs, bytes):
-        digest.update(b"b%d:" % len(obs) + obs)
-    elif isinstance(obs, Mapping):
-        digest.update(b"{")
-        for key in sorted(obs, key=str):
-            _feed_hash(digest, str(key))
-            _feed_hash(digest, obs[key])
-        digest.update(b"}")
-    elif isinstance(obs, (list, tuple)):
-        digest.update(b"[%d" % len(obs))
-        for item in obs:
-            _feed_hash(digest, item)
-        digest.update(b"]")
-    elif isinstance(obs, (bool, int, float, np.generic)) or obs is None:
-        digest.update(f"{type(obs).__name__}:{obs!r}".encode())
-    else:
-        raise TypeError(f"cannot hash an observation of type {type(obs).__name__} for the result cache")
-
-
-class _LRUCache:
-    """Thread-safe LRU map with a fixed capacity."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._data: OrderedDict[Any, Any] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: Any) -> Any:
-        with self._lock:
-            value = self._data.get(key)
-            if value is not None:
-                self._data.move_to_end(key)
-            return value
-
-    def put(self, key: Any, value: Any) -> None:
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.capacity:
-                self._data.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-class _VersionLock:
-    """Readers/writer lock that prefers the writer: batches read, a weight swap writes.
-
-    While a swap waits, no new batch starts, so a swap cannot be starved by a busy queue,
-    and no batch ever runs on a mix of old and new weights.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    @contextmanager
-    def read(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
-
-    @contextmanager
-    def write(self, timeout: float) -> Iterator[None]:
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                acquired = self._cond.wait_for(lambda: not self._writer and self._readers == 0, timeout)
-                if acquired:
-                    self._writer = True
-            finally:
-                self._writers_waiting -= 1
-                if not self._writer:
-                    self._cond.notify_all()
-            if not acquired:
-                raise TimeoutError(f"in-flight batches did not finish within {timeout} s; weights not swapped")
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    raw_obs: Any
-    obs: Any
-    env_id: int | None
-    submitted: float
-    future: Future
-    cache_key: bytes | None = None
-    completed: bool = False
-
-
-def split_batch(obs_batch: Any) -> list[Any]:
-    """Split a batch (sequence, stacked array, or dict of stacked arrays) into observations.
-
-    Example:
-        >>> split_batch({"a": np.zeros((2, 3)), "b": np.ones(2)})[1]["b"]
-        np.float64(1.0)
-    """
-    if isinstance(obs_batch, (str, bytes)):
-        raise TypeError("act() takes a batch of observations, got a single str; use submit() or wrap it in a list")
-    if isinstance(obs_batch, np.ndarray):
-        if obs_batch.ndim == 0:
-            raise TypeError("act() takes a batch of observations, got a 0-d array")
-        return list(obs_batch)
-    if isinstance(obs_batch, Mapping):
-        lengths = {key: len(value) for key, value in obs_batch.items()}
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"dict observation batch has keys of different lengths: {lengths}")
-        size = next(iter(lengths.values()), 0)
-        return [{key: value[index] for key, value in obs_batch.items()} for index in range(size)]
-    if isinstance(obs_batch, Sequence):
-        return list(obs_batch)
-    raise TypeError(f"act() takes a list, a stacked array or a dict of stacked arrays, got {type(obs_batch).__name__}")
 
 
 class BatchedPolicy(abc.ABC):
@@ -308,9 +122,9 @@ class BatchedPolicy(abc.ABC):
         if self.fallback_on_error:
             self._zero_action = self._resolve_zero_action(fallback, action_space, 1.0)  # needs a fallback too
         self._retry_backoff_s = float(retry_backoff_ms) / 1000.0
-        self._cache = _LRUCache(cache_size) if cache_size else None
+        self._cache = LRUCache(cache_size) if cache_size else None
         self._version = int(version)
-        self._version_lock = _VersionLock()
+        self._version_lock = VersionLock()
         # Held only while reading/publishing the version and resolving that answer. Reentrant: a
         # done-callback may submit again, and a cache hit resolves under it.
         self._publish_mutex = threading.RLock()
@@ -334,7 +148,7 @@ class BatchedPolicy(abc.ABC):
             ),
             0,
         )
-        self._batcher: DynamicBatcher[_Request] = DynamicBatcher(
+        self._batcher: DynamicBatcher[Request] = DynamicBatcher(
             self._run_batch,
             max_batch_size=max_batch_size,
             max_wait_ms=max_wait_ms,
@@ -346,7 +160,7 @@ class BatchedPolicy(abc.ABC):
             name=f"asyncvec-{self._label}",
         )
         self._deadline_cond = threading.Condition()
-        self._deadline_heap: list[tuple[float, int, _Request]] = []
+        self._deadline_heap: list[tuple[float, int, Request]] = []
         self._deadline_seq = itertools.count()
         self._watchdog: threading.Thread | None = None
 
@@ -420,7 +234,7 @@ class BatchedPolicy(abc.ABC):
             raise TypeError(f"{self._label}: priority must be an int, got {type(priority).__name__}")
         env_id = None if env_id is None else int(env_id)
         checked = self._check_obs(obs, env_id)
-        request = _Request(raw_obs=obs, obs=checked, env_id=env_id, submitted=time.monotonic(), future=Future())
+        request = Request(raw_obs=obs, obs=checked, env_id=env_id, submitted=time.monotonic(), future=Future())
         with self._stats_lock:
             self._counts["requests"] += 1
         if self._cache is not None:
@@ -586,7 +400,7 @@ class BatchedPolicy(abc.ABC):
                 )
         return results
 
-    def _run_batch(self, batch: list[_Request]) -> float | None:
+    def _run_batch(self, batch: list[Request]) -> float | None:
         """Batcher handler: call the backend with retries and deliver the answers."""
         try:
             return self._run_batch_with_retries(batch)
@@ -599,7 +413,7 @@ class BatchedPolicy(abc.ABC):
                 self._complete(request, error=failure)
             raise
 
-    def _run_batch_with_retries(self, batch: list[_Request]) -> float | None:
+    def _run_batch_with_retries(self, batch: list[Request]) -> float | None:
         live = [request for request in batch if not request.completed]
         error: BaseException | None = None
         attempt = 0
@@ -638,7 +452,7 @@ class BatchedPolicy(abc.ABC):
                     self._complete(request, error=failure)
         return None
 
-    def _deliver_batch(self, requests: list[_Request], results: list[BackendResult], version: int) -> None:
+    def _deliver_batch(self, requests: list[Request], results: list[BackendResult], version: int) -> None:
         now = time.monotonic()
         for request, result in zip(requests, results, strict=True):
             action = result.action
@@ -663,7 +477,7 @@ class BatchedPolicy(abc.ABC):
             if delivered and self._cache is not None and not result.rejected:
                 self._cache.put((request.cache_key, output.policy_version), output)
 
-    def _fallback_action(self, request: _Request) -> Any:
+    def _fallback_action(self, request: Request) -> Any:
         if callable(self._fallback):
             try:
                 return self._fallback(request.raw_obs, request.env_id)
@@ -679,7 +493,7 @@ class BatchedPolicy(abc.ABC):
 
     def _complete(
         self,
-        request: _Request,
+        request: Request,
         output: PolicyOutput | None = None,
         *,
         error: BaseException | None = None,
@@ -717,7 +531,7 @@ class BatchedPolicy(abc.ABC):
         return True
 
     # ------------------------------------------------------------------------ deadlines
-    def _watch_deadline(self, request: _Request) -> None:
+    def _watch_deadline(self, request: Request) -> None:
         deadline = request.submitted + self._deadline_s
         with self._deadline_cond:
             if self._watchdog is None:
@@ -751,7 +565,7 @@ class BatchedPolicy(abc.ABC):
                 if not request.completed:
                     self._deliver_fallback(request)
 
-    def _deliver_fallback(self, request: _Request, error: bool = False) -> None:
+    def _deliver_fallback(self, request: Request, error: bool = False) -> None:
         try:
             action = self._fallback_action(request)
         except Exception as exc:

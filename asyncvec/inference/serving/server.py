@@ -24,7 +24,7 @@ from typing import Any
 from asyncvec.extras import check_installed, hide_unloadable_torch_libraries
 
 for _library in ("fastapi", "uvicorn", "transformers"):
-    check_installed(_library, extra="serve", feature="asyncvec serve (asyncvec.inference.server)")
+    check_installed(_library, extra="serve", feature="asyncvec serve (asyncvec.inference.serving.server)")
 hide_unloadable_torch_libraries()
 
 from fastapi import FastAPI, Request  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402  (af
 from pydantic import BaseModel, ConfigDict, Field, field_validator  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 
-from asyncvec.inference.hf_policy import HFTextPolicy  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
+from asyncvec.inference.backends.hf_policy import HFTextPolicy  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 from asyncvec.inference.text import MAX_STOP_STRINGS  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 from asyncvec.inference.types import BackendResult, PolicyError, PolicyOutput, TextPrompt  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 

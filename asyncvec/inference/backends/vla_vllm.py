@@ -23,16 +23,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from asyncvec.inference.tiny_models import _make_tokenizer_config_portable
-from asyncvec.inference.types import BackendResult
-from asyncvec.inference.vla import TinyVLAModel, TinyVLAPolicy, resolve_vla
-from asyncvec.inference.vllm_policy import (
+from asyncvec.inference.backends.vla import TinyVLAModel, TinyVLAPolicy, resolve_vla
+from asyncvec.inference.backends.vllm_policy import (
     _import_vllm,
     check_weight_versions,
     close_engine,
     reload_engine_weights,
     start_engine,
 )
+from asyncvec.inference.tiny_models import _make_tokenizer_config_portable
+from asyncvec.inference.types import BackendResult
 from asyncvec.inference.weights import ParameterSpec, WeightsSource, apply_state_dict, state_dict_of
 
 __all__ = ["VLLMVLAPolicy", "LANGUAGE_MODEL_PREFIX"]

@@ -12,8 +12,8 @@ and ``scripts/gpu_check.sh`` (CUDA).
 
 Command line (what ``scripts/gpu_check.sh`` runs on a GPU machine)::
 
-    python -m asyncvec.inference.checks vllm-policy --work DIR [--device cuda]
-    python -m asyncvec.inference.checks vllm-server --work DIR
+    python -m asyncvec.testing.checks vllm-policy --work DIR [--device cuda]
+    python -m asyncvec.testing.checks vllm-server --work DIR
 
 Each prints ``PASS``/``FAIL`` lines and exits 1 on a failure.
 """
@@ -349,7 +349,7 @@ def _no_action(obs: Any, env_id: int | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m asyncvec.inference.checks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m asyncvec.testing.checks", description=__doc__.split("\n")[0])
     parser.add_argument("check", choices=["vllm-policy", "vllm-server"])
     parser.add_argument("--work", type=Path, required=True, help="folder for models and checkpoints")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

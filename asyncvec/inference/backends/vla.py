@@ -34,7 +34,8 @@ import transformers
 from torch import nn
 
 from asyncvec.inference.action_tokens import ActionTokenizer
-from asyncvec.inference.base import BatchedPolicy, split_batch
+from asyncvec.inference.base import BatchedPolicy
+from asyncvec.inference.requests import split_batch
 from asyncvec.inference.tiny_models import (
     DEFAULT_VOCAB,
     _make_tokenizer_config_portable,
