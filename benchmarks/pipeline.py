@@ -522,8 +522,8 @@ class Summary:
     reached: str  # "sync 3/3, async 3/3"
     learn_async_s: float
     staleness_mean: float
-    sync_policy_call_s: float  # in the sync runs: median batched policy call
-    sync_env_step_s: float  # in the sync runs: median lockstep env step
+    sync_policy_call_s: float  # in the sync runs: median over updates of the mean batched policy call (PPO's stage)
+    sync_env_step_s: float  # in the sync runs: median over updates of the mean lockstep env step
     cores_used: dict[str, float]  # per mode: the process's CPU seconds per second (median over seeds)
 
     @property

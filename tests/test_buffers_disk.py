@@ -234,3 +234,21 @@ def test_a_torn_commit_record_falls_back_to_the_previous_commit(tmp_path: Path) 
     reopened.write(5, 15, 1.0, fsync=False)  # continues after the intact record
     assert reopened.read() == (2, 5, 15, 1.0)
     reopened.close()
+
+
+def test_a_commit_covers_only_rows_whose_priorities_are_written(tmp_path: Path) -> None:
+    """A commit record makes rows survive a crash: their priorities must be on disk by then (else they come back
+    with priority 0 and are never drawn)."""
+    with ReplayBuffer(
+        CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path, prioritized=True, commit_every=1
+    ) as buffer:
+        rows, priorities_at_commit = buffer._rows, []
+        commit = rows.commit
+
+        def commit_and_record() -> None:
+            priorities_at_commit.append(rows.columns["priority"][: rows.added].copy())
+            commit()
+
+        rows.commit = commit_and_record
+        add_serials(buffer, 0, 12)
+    assert len(priorities_at_commit) >= 2 and all((p > 0).all() for p in priorities_at_commit)

@@ -8,6 +8,7 @@ import signal
 import time
 from functools import partial
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from conftest import live_children
@@ -15,6 +16,7 @@ from gymnasium.vector import AutoresetMode
 from toy_envs import CounterEnv, FaultyEnv
 
 from asyncvec import AsyncLLMVectorEnv
+from asyncvec.envs.slow import SlowEnv
 from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
 
 FAULTS = ["raise", "kill", "hang"]
@@ -396,5 +398,20 @@ def test_a_rebuilt_env_resets_with_its_restart_seed(tmp_path, fault, placement):
         want, reward, *_ = reference.step(1)
         np.testing.assert_array_equal(obs[1], want)
         assert rewards[1] == reward
+    finally:
+        envs.close()
+
+
+def test_fault_settings_set_after_construction_apply() -> None:
+    """step_timeout and max_restarts are read where they are used: setting them later takes effect."""
+    envs = AsyncLLMVectorEnv([lambda: SlowEnv(gym.make("CartPole-v1"), latency_ms=5000)] * 2, in_process=False)
+    try:
+        envs.reset(seed=0)
+        envs.step_timeout, envs.max_restarts = 0.5, 0
+        assert (envs.step_timeout, envs.max_restarts) == (0.5, 0)
+        with pytest.raises(WorkerError, match="StepTimeout"):
+            envs.step(envs.action_space.sample())
+        with pytest.raises(ValueError, match="max_restarts must be >= 0"):
+            envs.max_restarts = -1
     finally:
         envs.close()

@@ -385,11 +385,16 @@ class ReplayRows:
             self.fallback_count += kept
         self.added = end
         self._check_values = self._validate_always
+        return slots
+
+    def commit_if_due(self) -> None:
+        """Counts one add and commits when ``commit_every`` adds have passed. The buffer calls it after
+        everything of the add is written (the rows' priorities too), so a commit never covers a row
+        whose priority is not yet set."""
         if self._commit_log is not None:
             self._adds_since_commit += 1
             if self.commit_every and self._adds_since_commit >= self.commit_every:
                 self.commit()
-        return slots
 
     def quick_rows(
         self,
@@ -565,8 +570,7 @@ class ReplayRows:
         leaves = []
         for codec, value in ((self.obs, obs), (self.action, action), (self.next_obs, next_obs)):
             leaves += codec.encode(value, n, row_label)
-        self._default_only.clear()  # every column is written
-        return [
+        rows = [
             *leaves,
             as_column("reward", reward_array, n, np.float32, allow_scalar=False, finite=True),
             as_column("terminated", terminated, n, np.bool_, allow_scalar=False),
@@ -577,6 +581,8 @@ class ReplayRows:
             as_column("episode_id", episode_id, n, np.int64),
             as_column("fallback", fallback, n, np.bool_),
         ]
+        self._default_only.clear()  # every column is written (only once the batch is known good)
+        return rows
 
     def retire_before(self, serial: int) -> None:
         """Drop the samples older than ``serial`` because their slots are about to be reused."""

@@ -313,6 +313,7 @@ class ReplayBuffer:
             slots = self._write(rows)
             if self._tree is not None:
                 self._add_priorities(slots)
+            self._rows.commit_if_due()
         return slots
 
     def add_transitions(self, transitions: Transitions) -> np.ndarray:

@@ -63,5 +63,41 @@ class Transitions:
         """The record's fields by name: the keyword arguments of both buffers' ``add``."""
         return {name: getattr(self, name) for name in _ADD_ARGUMENTS}
 
+    def take(self, rows: np.ndarray) -> Transitions:
+        """Rows ``rows`` of every field (a field given as one scalar for the batch stays that scalar).
+
+        Example:
+            >>> batch = Transitions(np.arange(3), np.arange(3), np.ones(3), np.arange(3), np.zeros(3, bool),
+            ...                     np.zeros(3, bool), policy_version=np.array([4, 5, 6]), fallback=False)
+            >>> part = batch.take(np.array([2, 0]))
+            >>> part.policy_version.tolist(), part.fallback
+            ([6, 4], False)
+        """
+        return Transitions(**{name: _take_field(value, rows) for name, value in self.add_arguments().items()})
+
+
+def _take_field(value: Any, rows: np.ndarray) -> Any:
+    if np.isscalar(value) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value  # one value for the whole batch
+    return take_rows(value, rows)
+
+
+def take_rows(batch: Any, rows: np.ndarray) -> Any:
+    """Rows ``rows`` of a batched field: an array, a dict or tuple of them, or a tuple of ``str`` (Text).
+
+    Example:
+        >>> take_rows({"x": np.arange(3)}, np.array([2])), take_rows(("a", "b", "c"), np.array([1, 0]))
+        ({'x': array([2])}, ('b', 'a'))
+    """
+    if isinstance(batch, dict):
+        return {key: take_rows(value, rows) for key, value in batch.items()}
+    if isinstance(batch, tuple) and batch and not isinstance(batch[0], (np.ndarray, dict, tuple)):
+        return tuple(batch[i] for i in rows.tolist())
+    if isinstance(batch, tuple):
+        return tuple(take_rows(value, rows) for value in batch)
+    if isinstance(batch, list):
+        return [batch[i] for i in rows.tolist()]
+    return batch[rows]
+
 
 _ADD_ARGUMENTS = tuple(field.name for field in fields(Transitions))

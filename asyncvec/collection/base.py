@@ -1,7 +1,8 @@
 """``BackgroundCollector``: the background loop every collector stands on, and its one error type.
 
-A collector runs its loop (``_loop``) in a daemon thread: :meth:`~BackgroundCollector.start`
-refuses a second start, :meth:`~BackgroundCollector.stop` ends the loop and joins the thread,
+A collector runs its loop (``_loop``) in a daemon thread: each collector's own ``start`` (its
+arguments differ) starts it through ``_start_thread``, which refuses a second start;
+:meth:`~BackgroundCollector.stop` ends the loop and joins the thread,
 and an error of the loop (or of a callback that reports it with ``_fail``) is re-raised in the
 learner by :meth:`~BackgroundCollector.check` as a :class:`CollectorError` with the original
 chained as ``__cause__``. Subclasses keep only what differs: what one pass of the loop does and

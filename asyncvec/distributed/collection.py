@@ -536,19 +536,7 @@ class DistributedCollector(BackgroundCollector):
         for batch, row in rows:
             groups.setdefault(id(batch), (batch, []))[1].append(row)
         for batch, picked in groups.values():
-            index = np.asarray(picked)
-            self.sink.add(
-                _take(batch.obs, index),
-                _take(batch.action, index),
-                batch.reward[index],
-                _take(batch.next_obs, index),
-                batch.terminated[index],
-                batch.truncated[index],
-                batch.policy_version[index],
-                behavior_logp=batch.behavior_logp[index],
-                env_id=batch.env_id[index],
-                fallback=batch.fallback[index],  # the learner masks deadline fallbacks out of its loss
-            )
+            self.sink.add_transitions(batch.take(np.asarray(picked)))
 
     def _count(self, index: int, steps: int) -> None:
         with self._lock:
@@ -614,15 +602,3 @@ class DistributedCollector(BackgroundCollector):
 
 
 _TRUNCATE = object()  # marks, in an env's queue, where the incarnation of its collector ended
-
-
-def _take(batch: Any, index: np.ndarray) -> Any:
-    """Rows ``index`` of a batch as the collector writes it: an array, a dict or tuple of them,
-    or a tuple of ``str`` (Text spaces)."""
-    if isinstance(batch, dict):
-        return {key: _take(value, index) for key, value in batch.items()}
-    if isinstance(batch, tuple) and batch and not isinstance(batch[0], (np.ndarray, dict, tuple)):
-        return tuple(batch[i] for i in index.tolist())
-    if isinstance(batch, tuple):
-        return tuple(_take(value, index) for value in batch)
-    return batch[index]

@@ -172,11 +172,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         if observation_mode not in ("same", "different"):
             raise ValueError(f"observation_mode must be 'same' or 'different', got {observation_mode!r}")
         check_placement_arguments(envs_per_worker, in_process, step_timeout, backend)
-        self.step_timeout = step_timeout
-        self.max_restarts = int(max_restarts)
         self.copy = copy
         self.validate_actions = validate_actions
-        self.start_timeout = start_timeout
         self.context = context
         self.daemon = daemon
         self.observation_mode = observation_mode
@@ -238,7 +235,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             autoreset_mode=self.autoreset_mode,
             step_timeout=step_timeout,
             start_timeout=start_timeout,
-            max_restarts=self.max_restarts,
+            max_restarts=int(max_restarts),
             action_rows=self._action_rows,
             close_for=self._close_for,
         )
@@ -659,6 +656,39 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         for i, value in enumerate(values):
             self._dispatch.send(i, "setattr", (name, value))
         self._finish_calls("setattr", None)
+
+    # The fault settings live where they are used (the dispatcher, its restarts); set after construction, they apply
+    # from the next step on.
+    @property
+    def step_timeout(self) -> float | None:
+        """Seconds a reset or step may take before its worker counts as hung (``None``: no limit)."""
+        return self._dispatch.step_timeout
+
+    @step_timeout.setter
+    def step_timeout(self, seconds: float | None) -> None:
+        if seconds is not None and seconds <= 0:
+            raise ValueError(f"step_timeout must be positive seconds or None, got {seconds}")
+        if seconds is not None and self.placement.in_process:
+            raise ValueError(
+                "step_timeout cannot be enforced on envs stepped in process (a step cannot be interrupted)"
+            )
+        self._dispatch.step_timeout = seconds
+
+    @property
+    def max_restarts(self) -> int:
+        """How many times each env may be rebuilt after a fault."""
+        return self._dispatch.faults.max_restarts
+
+    @max_restarts.setter
+    def max_restarts(self, count: int) -> None:
+        if count < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {count}")
+        self._dispatch.faults.max_restarts = int(count)
+
+    @property
+    def start_timeout(self) -> float:
+        """Seconds a worker may take to build its envs."""
+        return self._dispatch.start_timeout
 
     def _check_spaces(self) -> None:
         for i in range(self.num_envs):

@@ -81,7 +81,6 @@ class ObservationBuffers:
     def __init__(self, num_envs: int) -> None:
         self.num_envs = num_envs
         self.space: Space[Any] | None = None
-        self.shared_memory: Any = None
         self.observations: Any = None  # the batch: shared memory views, or arrays filled from per_env
         self.per_env: list[Any] | None = None  # latest observation per env, unless wholly in shared memory
         self.templates: Any = None  # what the parent checks observations against without shared memory
@@ -89,7 +88,7 @@ class ObservationBuffers:
 
     def build(self, space: Space[Any], shared_memory: Any) -> None:
         """Lays out the buffers of ``space``; ``shared_memory``: the workers' buffer, or ``None``."""
-        self.space, self.shared_memory = space, shared_memory
+        self.space = space
         shared_space = None if shared_memory is None else shared_subspace(space)
         self._shared_rows = None
         self.per_env = None
