@@ -3,8 +3,11 @@ tokens span versions, carried into the learner's tensors, with the importance we
 staleness, the drops (max_lag on the oldest token) and the loss checked against plain loops over
 tokens; a batch without token_versions behaves exactly as before."""
 
+import dataclasses
 import math
+from concurrent.futures import Future
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -12,11 +15,11 @@ from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fi
 
 from asyncvec.agents import reinforce_pp, rloo
 from asyncvec.buffers import CompletionGroups
-from asyncvec.inference import PolicyOutput, build_tiny_lm
-from asyncvec.lm import completion_logps, training
-from asyncvec.lm.episodes import Episode, EpisodeGroups, Turn
-from asyncvec.lm.groups import ScoredCompletion
-from asyncvec.lm.learner import EpisodeBatch
+from asyncvec.inference import HFTextPolicy, PolicyOutput, build_tiny_lm
+from asyncvec.lm import completion_logps, rewards, training
+from asyncvec.lm.episodes import Episode, EpisodeCollector, EpisodeGroups, Turn, make_text_vector_env
+from asyncvec.lm.groups import GroupCollector, ScoredCompletion
+from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.versioning import per_token_versions
 
 pytestmark = pytest.mark.timeout(240)
@@ -285,3 +288,76 @@ def test_episode_turns_spanning_versions_keep_each_tokens_version():
     assert data.behavior_logp[0, 2:4].tolist() == [0.0, 0.0]
     # the episode's staleness (recorded by the learner) is per turn: its oldest token's
     assert sorted(batch.staleness(current).tolist()) == [0, 1, 1, 2]
+
+
+# ------------------------------------------------------------------- from the collectors
+class PublishAfterFirstToken:
+    """A real text policy whose answers are labelled as if a publish had landed after each
+    completion's first token: token 0 at the answer's version ``v``, the rest at ``v + 1``. The
+    backends' own tests check that real in-flight updates label honestly; this one checks that
+    the collectors carry the labels to the learner untouched."""
+
+    def __init__(self, policy):
+        self._policy = policy
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def _relabel(self, future):
+        relabelled = Future()
+
+        def done(answered):
+            try:
+                out = answered.result()
+                if out.token_ids:
+                    versions = (out.policy_version,) + (out.policy_version + 1,) * (len(out.token_ids) - 1)
+                    out = dataclasses.replace(out, token_versions=versions)
+                relabelled.set_result(out)
+            except BaseException as exc:
+                relabelled.set_exception(exc)
+
+        future.add_done_callback(done)
+        return relabelled
+
+    def submit(self, obs, **kwargs):
+        return self._relabel(self._policy.submit(obs, **kwargs))
+
+    def submit_group(self, prompt, k):
+        return [self._relabel(future) for future in self._policy.submit_group(prompt, k)]
+
+
+def test_group_collector_carries_each_tokens_version_to_the_learner(tiny_dir):
+    with (
+        HFTextPolicy(tiny_dir, action_parser=str, action_space=gym.spaces.Text(8), max_new_tokens=3) as policy,
+        rewards.RewardService("exact_answer") as rewarder,
+        GroupCollector(PublishAfterFirstToken(policy), rewarder, ["1+2=", "3+4=", "5+1="], group_size=2) as collector,
+    ):
+        batch = collector.collect(3, timeout=120)
+    tokenizer = policy.tokenizer
+    data = LMBatch.from_groups(batch, tokenizer, current_version=1, max_staleness=1)
+    samples = [s for group in batch.completions for s in group]
+    assert len(data) == len(samples) == 6 and (batch.policy_version == 0).all()
+    for i, s in enumerate(samples):
+        n = len(s.output.token_ids)
+        assert batch.token_versions.reshape(6, -1)[i, :n].tolist() == [0] + [1] * (n - 1)
+        assert data.token_versions[i, :n].tolist() == [0] + [1] * (n - 1) and (data.token_versions[i, n:] == -1).all()
+    assert data.info["spanning_samples"] == sum(len(s.output.token_ids) > 1 for s in samples)
+    # too old for max_staleness 0 by its first token, although its others are fresh: every group is dropped
+    assert len(LMBatch.from_groups(batch, tokenizer, current_version=1, max_staleness=0)) == 0
+
+
+def test_episode_collector_carries_each_tokens_version_into_its_turns(tiny_dir):
+    vec = make_text_vector_env("asyncvec/GuessNumber-v0", 2, env_kwargs={"max_number": 8, "max_turns": 2})
+    try:
+        with (
+            HFTextPolicy(tiny_dir, None, str, action_space=gym.spaces.Text(64), max_new_tokens=3) as policy,
+            EpisodeCollector(vec, PublishAfterFirstToken(policy), group_size=2) as collector,
+        ):
+            batch = collector.collect(1, timeout=120)
+    finally:
+        vec.close()
+    turns = [t for group in batch.episodes for e in group for t in e.turns if t.trainable]
+    assert turns and all(t.versions == (0,) + (1,) * (len(t.completion_ids) - 1) for t in turns)
+    data = EpisodeBatch.from_episodes(batch, current_version=1, max_staleness=1)
+    trained = data.token_versions[data.mask].tolist()
+    assert trained == [v for t in turns for v in t.versions] and (data.token_versions[~data.mask] == -1).all()
