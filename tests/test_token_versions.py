@@ -16,7 +16,7 @@ from test_inference_policy import no_leftover_threads  # noqa: F401  (autouse fi
 from asyncvec.agents import reinforce_pp, rloo
 from asyncvec.buffers import CompletionGroups
 from asyncvec.inference import HFTextPolicy, PolicyOutput, build_tiny_lm
-from asyncvec.lm import completion_logps, rewards, training
+from asyncvec.lm import completion_logps, load_causal_lm, rewards, training
 from asyncvec.lm.episodes import Episode, EpisodeCollector, EpisodeGroups, Turn, make_text_vector_env
 from asyncvec.lm.groups import GroupCollector, ScoredCompletion
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
@@ -291,11 +291,18 @@ def test_episode_turns_spanning_versions_keep_each_tokens_version():
 
 
 # ------------------------------------------------------------------- from the collectors
+def same_weights(folder):
+    model, _ = load_causal_lm(folder)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
 class PublishAfterFirstToken:
-    """A real text policy whose answers are labelled as if a publish had landed after each
-    completion's first token: token 0 at the answer's version ``v``, the rest at ``v + 1``. The
-    backends' own tests check that real in-flight updates label honestly; this one checks that
-    the collectors carry the labels to the learner untouched."""
+    """A real text policy whose answers at version ``v >= 1`` are labelled as if ``v`` had been
+    published after each completion's first token: token 0 at ``v - 1`` (the sample's
+    ``policy_version``), the rest at ``v``. Where versions ``v - 1`` and ``v`` hold the same weights
+    (the collector tests) the labels are honest; in a training run they are bookkeeping only. The
+    inference tests check that real in-flight updates label honestly; these check that what the
+    policy reports reaches the learner untouched and is counted."""
 
     def __init__(self, policy):
         self._policy = policy
@@ -309,9 +316,10 @@ class PublishAfterFirstToken:
         def done(answered):
             try:
                 out = answered.result()
-                if out.token_ids:
-                    versions = (out.policy_version,) + (out.policy_version + 1,) * (len(out.token_ids) - 1)
-                    out = dataclasses.replace(out, token_versions=versions)
+                if out.token_ids and out.policy_version >= 1:
+                    v = out.policy_version
+                    versions = (v - 1,) + (v,) * (len(out.token_ids) - 1)
+                    out = dataclasses.replace(out, policy_version=v - 1, token_versions=versions)
                 relabelled.set_result(out)
             except BaseException as exc:
                 relabelled.set_exception(exc)
@@ -332,6 +340,7 @@ def test_group_collector_carries_each_tokens_version_to_the_learner(tiny_dir):
         rewards.RewardService("exact_answer") as rewarder,
         GroupCollector(PublishAfterFirstToken(policy), rewarder, ["1+2=", "3+4=", "5+1="], group_size=2) as collector,
     ):
+        policy.load_weights(same_weights(tiny_dir), 1)  # versions 0 and 1: the same weights
         batch = collector.collect(3, timeout=120)
     tokenizer = policy.tokenizer
     data = LMBatch.from_groups(batch, tokenizer, current_version=1, max_staleness=1)
@@ -353,6 +362,7 @@ def test_episode_collector_carries_each_tokens_version_into_its_turns(tiny_dir):
             HFTextPolicy(tiny_dir, None, str, action_space=gym.spaces.Text(64), max_new_tokens=3) as policy,
             EpisodeCollector(vec, PublishAfterFirstToken(policy), group_size=2) as collector,
         ):
+            policy.load_weights(same_weights(tiny_dir), 1)  # versions 0 and 1: the same weights
             batch = collector.collect(1, timeout=120)
     finally:
         vec.close()
@@ -361,3 +371,15 @@ def test_episode_collector_carries_each_tokens_version_into_its_turns(tiny_dir):
     data = EpisodeBatch.from_episodes(batch, current_version=1, max_staleness=1)
     trained = data.token_versions[data.mask].tolist()
     assert trained == [v for t in turns for v in t.versions] and (data.token_versions[~data.mask] == -1).all()
+
+
+@pytest.mark.parametrize("agent_cls", [rloo.RLOO, reinforce_pp.ReinforcePP], ids=["rloo", "reinforce_pp"])
+def test_a_run_on_completions_spanning_versions_trains_and_counts_them(tiny_dir, agent_cls):
+    args_cls = rloo.Args if agent_cls is rloo.RLOO else reinforce_pp.Args
+    args = args_cls(model=str(tiny_dir), total_prompts=8, prompts_per_update=4, group_size=2, **QUIET)
+    with HFTextPolicy(tiny_dir, None, str, action_space=gym.spaces.Text(8), max_new_tokens=4) as policy:
+        result = agent_cls(args, policy=PublishAfterFirstToken(policy)).train()
+    # sync mode: each completion's first token is labelled 1 version behind the learner, the rest 0
+    assert result.updates == 2 and result.stale_fraction == 0.0 and result.staleness_mean == 1.0
+    assert 0 < result.spanning_fraction <= 1
+    assert all(row["token_staleness_max"] == 1 and 0 < row["token_staleness_mean"] < 1 for row in result.history)
