@@ -171,7 +171,7 @@ class EpisodeGroups:
         return sum(e.num_turns for group in self.episodes for e in group)
 
     def staleness(self, current_version: int) -> np.ndarray:
-        """Versions behind ``current_version`` of every sampled turn (flat)."""
+        """Versions behind ``current_version`` of every sampled turn (flat): its oldest token's."""
         return np.asarray(
             [current_version - t.policy_version for g in self.episodes for e in g for t in e.turns if t.trainable],
             dtype=np.int64,
