@@ -275,7 +275,7 @@ class LMBatch:
             behavior[i, : len(s.output.token_logps)] = torch.tensor(s.output.token_logps)
             mask[i, : len(s.output.token_ids)] = True
             token_versions[i, : len(versions)] = torch.tensor(versions, dtype=torch.long)
-            spanning += versions[0] != versions[-1]
+            spanning += len(set(versions)) > 1
         info.update(_token_staleness(token_versions, mask, current_version, spanning))
         encoded = {prompt: tokenizer(prompt).input_ids for prompt in {s.prompt for _, s in rows}}
         return cls(
@@ -445,7 +445,7 @@ class EpisodeBatch:
                     continue
                 used += 1
                 versions = turn.versions
-                spanning += versions[0] != versions[-1]
+                spanning += len(set(versions)) > 1
                 behavior[i, start:stop] = torch.tensor(turn.completion_logps, dtype=torch.float32)
                 mask[i, start:stop] = True
                 turn_ids[i, start:stop] = t
