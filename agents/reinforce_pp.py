@@ -22,7 +22,8 @@ the learner trains on the groups already complete). No critic:
   against the log-probs ``mu`` the engine reported (``--is-cap C``, ``--is-level``).
 
 Not trained on (``asyncvec.lm.training.trainable_batch``): groups more than ``--max-staleness``
-versions old, flagged rewards (unknown), completions that missed ``--deadline-ms`` (the policy
+versions old (a completion's oldest token: with in-flight weight updates its tokens may span
+versions, and each token's ``mu`` is under its own version), flagged rewards (unknown), completions that missed ``--deadline-ms`` (the policy
 never sampled them). After each update that trained on something the weights are published:
 ``VersionManager.publish -> policy.load_weights``, and later completions carry the new version.
 """

@@ -125,6 +125,11 @@ def truncated_importance_weights(
     last dimension and returns one weight per sequence (shape without the last dimension).
     Masked-out entries get weight 0.
 
+    Per-token versions (in-flight weight updates): ``behavior_logp[..., t]`` is token ``t``'s
+    log-prob under the version ``v_t`` that sampled it, ``log mu_{v_t}(y_t | y_<t)``; the token
+    weight is then ``min(pi_t / mu_{v_t,t}, C)`` and the sequence ratio
+    ``prod_t pi_t / mu_{v_t,t}``, the exact ratio of a sequence whose tokens span versions.
+
     Args:
         target_logp: log-probabilities under the policy being trained, ``[..., L]``.
         behavior_logp: log-probabilities under the policy that produced the samples.
@@ -571,6 +576,8 @@ def decoupled_ppo_loss(
 
     The behavior weight ``pi_prox/mu`` is detached and truncated at ``C = behavior_cap``
     (no truncation when None). When ``mu = pi_prox`` every weight is 1 and this is PPO.
+    Per-token versions: ``mu`` is per token, each token's under the version that sampled it,
+    while ``pi_prox`` is one policy for every token, so tokens of any age share one trust region.
 
     Args:
         logp: log-probs under the policy being trained (with grad).

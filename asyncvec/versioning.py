@@ -24,11 +24,11 @@ import multiprocessing.context
 import operator
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-__all__ = ["VersionManager", "StalenessStats", "WeightsBackend", "adapt_max_staleness"]
+__all__ = ["VersionManager", "StalenessStats", "WeightsBackend", "adapt_max_staleness", "per_token_versions"]
 
 VersionSource = int | Callable[[], int]
 
@@ -387,6 +387,50 @@ def adapt_max_staleness(
     healthy = ess >= min_ess and clipped_fraction <= max_clipped_fraction
     proposed = current + 1 if healthy else current // 2
     return min(max(proposed, floor), ceiling)
+
+
+def per_token_versions(policy_version: int, token_versions: Sequence[int] | None, num_tokens: int) -> tuple[int, ...]:
+    """The version of each of a sample's ``num_tokens`` tokens, checked.
+
+    With in-flight weight updates a completion's tokens may come from several versions
+    (``PolicyOutput.token_versions``); the sample's ``policy_version`` is its oldest token's,
+    the first one's. ``token_versions=None`` means every token has ``policy_version``. Checked:
+    one version per token, ints ``>= 0``, never decreasing along the sequence (weights only move
+    forward while it is sampled), the first equal to ``policy_version``.
+
+    Raises:
+        ValueError: naming ``token_versions`` and what is wrong with it.
+
+    Example:
+        >>> per_token_versions(3, None, 2)
+        (3, 3)
+        >>> per_token_versions(3, [3, 3, 4, 5], 4)
+        (3, 3, 4, 5)
+        >>> per_token_versions(4, [3, 4], 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: token_versions: the first (oldest) token has version 3, the sample's policy_version is 4
+    """
+    policy_version = _check_int("policy_version", policy_version, minimum=0)
+    num_tokens = _check_int("num_tokens", num_tokens, minimum=0)
+    if token_versions is None:
+        return (policy_version,) * num_tokens
+    try:
+        versions = tuple(map(operator.index, token_versions))
+    except TypeError:
+        raise ValueError(f"token_versions: expected ints (one version per token), got {token_versions!r}") from None
+    if len(versions) != num_tokens:
+        raise ValueError(f"token_versions: expected one version per token ({num_tokens}), got {len(versions)}")
+    if any(isinstance(v, bool) for v in token_versions) or (versions and min(versions) < 0):
+        raise ValueError(f"token_versions: expected ints >= 0, got {token_versions!r}")
+    if any(later < earlier for earlier, later in zip(versions, versions[1:])):
+        raise ValueError(f"token_versions: expected versions that never decrease along the tokens, got {versions}")
+    if versions and versions[0] != policy_version:
+        raise ValueError(
+            f"token_versions: the first (oldest) token has version {versions[0]}, "
+            f"the sample's policy_version is {policy_version}"
+        )
+    return versions
 
 
 def _check_int(field: str, value: Any, minimum: int) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from asyncvec.buffers._spaces import as_column
+from asyncvec.versioning import per_token_versions
 
 __all__ = ["CompletionGroups", "GroupBatch"]
 
@@ -26,7 +27,10 @@ class GroupBatch:
         logps: ``[G, k, L]`` float32 per-token behavior log-probs, zero-padded to the
             longest completion ``L``.
         mask: ``[G, k, L]`` bool, True on real tokens.
-        policy_version: ``[G, k]`` int64 version that generated each completion.
+        policy_version: ``[G, k]`` int64 version of each completion: its oldest token's (the
+            version when its sampling started).
+        token_versions: ``[G, k, L]`` int64 version that sampled each token (in-flight weight
+            updates may change it within a completion); -1 off the mask.
     """
 
     prompt_ids: list[Hashable]
@@ -35,9 +39,10 @@ class GroupBatch:
     logps: np.ndarray
     mask: np.ndarray
     policy_version: np.ndarray
+    token_versions: np.ndarray
 
     def staleness(self, current_version: int) -> np.ndarray:
-        """``[G, k]`` ``current_version - policy_version``."""
+        """``[G, k]`` ``current_version - policy_version``: each completion's oldest token's staleness."""
         return current_version - self.policy_version
 
 
@@ -47,6 +52,7 @@ class _Pending:
     rewards: list[float] = field(default_factory=list)
     logps: list[np.ndarray] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    token_versions: list[tuple[int, ...]] = field(default_factory=list)
 
 
 class CompletionGroups:
@@ -64,11 +70,13 @@ class CompletionGroups:
         False
         >>> groups.add("p1", "no", reward=0.0, logps=[-2.0, -0.5], version=3)
         False
-        >>> groups.add("p0", "5", reward=0.0, logps=[-1.2, -0.3], version=4)
+        >>> groups.add("p0", "5", reward=0.0, logps=[-1.2, -0.3], version=4, token_versions=[4, 5])
         True
         >>> batch = groups.pop(timeout=0)
         >>> batch.prompt_ids, batch.rewards.tolist(), batch.mask.sum(-1).tolist()
         (['p0'], [[1.0, 0.0]], [[1, 2]])
+        >>> batch.policy_version.tolist(), batch.token_versions.tolist()
+        ([[3, 4]], [[[3, -1], [4, 5]]])
     """
 
     def __init__(self, group_size: int) -> None:
@@ -79,15 +87,26 @@ class CompletionGroups:
         self._complete: deque[tuple[Hashable, _Pending]] = deque()
         self._cond = threading.Condition()
 
-    def add(self, prompt_id: Hashable, completion: Any, reward: float, logps: Any, version: int) -> bool:
+    def add(
+        self,
+        prompt_id: Hashable,
+        completion: Any,
+        reward: float,
+        logps: Any,
+        version: int,
+        token_versions: Any = None,
+    ) -> bool:
         """Add one completion; returns True when it completes its prompt's group.
 
         Args:
             prompt_id: any hashable id of the prompt.
             completion: the completion (text, token ids, ...); stored as given.
             reward: the scalar reward of the completion.
-            logps: 1-D per-token log-probabilities under the behavior policy.
-            version: the policy version that generated it.
+            logps: 1-D per-token log-probabilities under the behavior policy (each token's under
+                the version that sampled it).
+            version: the policy version that generated it: its oldest token's.
+            token_versions: the version that sampled each token (one per entry of ``logps``,
+                never decreasing, the first equal to ``version``); None: every token has ``version``.
         """
         try:
             hash(prompt_id)
@@ -101,12 +120,16 @@ class CompletionGroups:
                 f"logps: expected a 1-D array of per-token log-probs, got {token_logps.dtype} "
                 f"shape {token_logps.shape} (prompt {prompt_id!r})"
             )
+        if token_versions is not None:
+            token_versions = np.asarray(token_versions).tolist()
+        versions = per_token_versions(version_value, token_versions, len(token_logps))
         with self._cond:
             group = self._pending.setdefault(prompt_id, _Pending())
             group.completions.append(completion)
             group.rewards.append(reward_value)
             group.logps.append(token_logps.astype(np.float32))
             group.versions.append(version_value)
+            group.token_versions.append(versions)
             if len(group.completions) < self.group_size:
                 return False
             del self._pending[prompt_id]
@@ -156,10 +179,12 @@ def _to_batch(taken: list[tuple[Hashable, _Pending]], k: int) -> GroupBatch:
     length = max((len(logps) for _, group in taken for logps in group.logps), default=0)
     logps = np.zeros((len(taken), k, length), dtype=np.float32)
     mask = np.zeros((len(taken), k, length), dtype=bool)
+    token_versions = np.full((len(taken), k, length), -1, dtype=np.int64)
     for g, (_, group) in enumerate(taken):
-        for i, token_logps in enumerate(group.logps):
+        for i, (token_logps, versions) in enumerate(zip(group.logps, group.token_versions)):
             logps[g, i, : len(token_logps)] = token_logps
             mask[g, i, : len(token_logps)] = True
+            token_versions[g, i, : len(versions)] = versions
     return GroupBatch(
         prompt_ids=[prompt_id for prompt_id, _ in taken],
         completions=[group.completions for _, group in taken],
@@ -167,4 +192,5 @@ def _to_batch(taken: list[tuple[Hashable, _Pending]], k: int) -> GroupBatch:
         logps=logps,
         mask=mask,
         policy_version=np.array([group.versions for _, group in taken], dtype=np.int64).reshape(len(taken), k),
+        token_versions=token_versions,
     )

@@ -53,6 +53,7 @@ from asyncvec.collection.base import BackgroundCollector
 from asyncvec.inference.types import PolicyOutput, TextPrompt
 from asyncvec.lm.chat import Conversation, PlainChatFormat
 from asyncvec.lm.text_env import check_text_env
+from asyncvec.versioning import per_token_versions
 
 __all__ = ["Episode", "EpisodeCollector", "EpisodeGroups", "Turn", "make_text_vector_env"]
 
@@ -68,9 +69,10 @@ class Turn:
     Attributes:
         prompt_ids: the rendered history the model read (a prefix of the next turn's prompt).
         completion_ids: the sampled token ids (eos included when sampled); empty on a deadline miss.
-        completion_logps: the behavior log-prob of each completion token.
+        completion_logps: the behavior log-prob of each completion token (under the version that
+            sampled that token).
         text: the completion's text (what the env received, before any clipping).
-        policy_version: the weights' version that sampled it.
+        policy_version: the weights' version that sampled it: its oldest (first) token's.
         policy_latency_s: seconds from the request to the answer.
         fallback: the policy flagged the answer (deadline miss, or its action parser rejected it).
         missed_deadline: the policy's deadline passed: nothing was sampled (never trained on).
@@ -79,6 +81,9 @@ class Turn:
         segment: the context segment of the episode it was sampled in: 0, one more each time the
             oldest turns were dropped (``on_overflow="drop_oldest"``); within a segment each
             prompt is a prefix of the next.
+        token_versions: the version that sampled each completion token, when in-flight weight
+            updates changed it within the turn (None: every token has ``policy_version``); see
+            :attr:`versions`.
     """
 
     prompt_ids: tuple[int, ...]
@@ -92,6 +97,17 @@ class Turn:
     reward: float = 0.0
     env_latency_s: float = 0.0
     segment: int = 0
+    token_versions: tuple[int, ...] | None = None
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        """The version of each completion token (``policy_version`` for each without ``token_versions``).
+
+        Example:
+            >>> Turn((5,), (7, 8, 1), (-0.1, -0.2, -0.3), "78", 2, 0.0, token_versions=(2, 3, 3)).versions
+            (2, 3, 3)
+        """
+        return per_token_versions(self.policy_version, self.token_versions, len(self.completion_ids))
 
     @property
     def trainable(self) -> bool:
@@ -155,7 +171,7 @@ class EpisodeGroups:
         return sum(e.num_turns for group in self.episodes for e in group)
 
     def staleness(self, current_version: int) -> np.ndarray:
-        """Versions behind ``current_version`` of every sampled turn (flat)."""
+        """Versions behind ``current_version`` of every sampled turn (flat): its oldest token's."""
         return np.asarray(
             [current_version - t.policy_version for g in self.episodes for e in g for t in e.turns if t.trainable],
             dtype=np.int64,
@@ -519,7 +535,9 @@ class EpisodeCollector(BackgroundCollector):
             fallback=output.fallback,
             missed_deadline=missed,
             segment=self._segments[env_id],
+            token_versions=None if missed or output.token_versions is None else tuple(output.token_versions),
         )
+        per_token_versions(turn.policy_version, turn.token_versions, len(ids))  # a bad answer fails the run here
         conversation.add_completion(ids, text)
         self._episodes[env_id].turns.append(turn)
         counts = self._counts

@@ -8,8 +8,10 @@ What the RLOO / GRPO / REINFORCE++ family needs from the acting side::
                                                    ▼
                             CompletionGroups (k per prompt) ──► learner: pop(num_groups)
 
-Each completion keeps the policy version that sampled it (``GroupBatch.policy_version``), so
-the learner can measure staleness and correct for it. A completion whose policy deadline
+Each completion keeps the policy version that sampled it (``GroupBatch.policy_version``: its
+oldest token's) and, with in-flight weight updates, the version of each token
+(``GroupBatch.token_versions``, from ``PolicyOutput.token_versions``), so the learner can
+measure staleness and correct for it. A completion whose policy deadline
 passed (``fallback=True`` and no text: the policy never sampled it) is not scored; it joins
 its group marked :attr:`ScoredCompletion.missed_deadline`, and the learner must leave it out.
 """
@@ -41,7 +43,8 @@ class ScoredCompletion:
 
     Attributes:
         prompt: the prompt it answers.
-        output: the policy's answer (text, token ids, token log-probs, version, fallback flag).
+        output: the policy's answer (text, token ids, token log-probs, version, fallback flag;
+            ``token_versions`` when in-flight weight updates changed the version mid-completion).
         reward: the scorer's reward (a stand-in when ``flagged``; 0.0 for a deadline miss).
         flagged: the reward is unknown (the RewardService timed out or the scorer raised).
 
@@ -223,7 +226,8 @@ class GroupCollector(BackgroundCollector):
             self.missed_deadlines += sample.missed_deadline
             self.rejected += sample.output.fallback and not sample.missed_deadline
         logps = np.asarray(sample.output.token_logps or (), dtype=np.float32)
-        self.groups.add(prompt_id, sample, sample.reward, logps, sample.output.policy_version)
+        output = sample.output
+        self.groups.add(prompt_id, sample, sample.reward, logps, output.policy_version, output.token_versions)
 
 
 def score_completions(policy: Any, reward_service: RewardService, prompts: list[str], timeout: float) -> list[float]:

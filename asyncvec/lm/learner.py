@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from asyncvec.buffers import GroupBatch
+from asyncvec.versioning import per_token_versions
 
 __all__ = [
     "EpisodeBatch",
@@ -183,7 +184,8 @@ class LMBatch:
     Built by :meth:`from_groups`, which decides what is trained on:
 
     * a group with a completion more than ``max_staleness`` versions older than the learner
-      is dropped whole (counted in ``stale_groups`` / ``stale_samples``);
+      is dropped whole (counted in ``stale_groups`` / ``stale_samples``); a completion's age is
+      its oldest token's (with in-flight weight updates its tokens may span versions);
     * a completion with a flagged reward (unknown) or one that missed the policy's deadline
       (nothing was sampled) is left out of the rows, so it enters neither the loss nor any
       baseline; the rest of its group stays;
@@ -195,11 +197,16 @@ class LMBatch:
         completion_ids: ``N`` sampled token-id sequences.
         rewards: ``[N]`` rewards.
         group_ids: ``[N]`` index of each row's group in the GroupBatch.
-        behavior_logp: ``[N, L]`` log-probs the engine reported for the sampled tokens.
+        behavior_logp: ``[N, L]`` log-probs the engine reported for the sampled tokens, each
+            under the version that sampled it.
         mask: ``[N, L]`` True on completion tokens.
+        token_versions: ``[N, L]`` int64 version that sampled each token (the completion's
+            ``policy_version`` where the policy reported no ``token_versions``); -1 off the mask.
         info: per-batch counts: ``reward`` (mean known reward of the batch, before any drop),
             ``stale_groups``, ``stale_samples``, ``flagged``, ``missed_deadlines``,
-            ``samples_used``, ``staleness_mean``.
+            ``samples_used``, ``staleness_mean`` (per completion: its oldest token), and per
+            token over the tokens trained on: ``token_staleness_mean``, ``token_staleness_max``,
+            ``spanning_samples`` (rows whose tokens come from more than one version).
     """
 
     prompt_ids: list[list[int]]
@@ -208,6 +215,7 @@ class LMBatch:
     group_ids: torch.Tensor
     behavior_logp: torch.Tensor
     mask: torch.Tensor
+    token_versions: torch.Tensor
     info: dict[str, float]
 
     @classmethod
@@ -260,9 +268,15 @@ class LMBatch:
         length = max((len(s.output.token_ids) for _, s in rows), default=0)
         behavior = torch.zeros(len(rows), length)
         mask = torch.zeros(len(rows), length, dtype=torch.bool)
+        token_versions = torch.full((len(rows), length), -1, dtype=torch.long)
+        spanning = 0
         for i, (_, s) in enumerate(rows):
+            versions = per_token_versions(s.output.policy_version, s.output.token_versions, len(s.output.token_ids))
             behavior[i, : len(s.output.token_logps)] = torch.tensor(s.output.token_logps)
             mask[i, : len(s.output.token_ids)] = True
+            token_versions[i, : len(versions)] = torch.tensor(versions, dtype=torch.long)
+            spanning += len(set(versions)) > 1
+        info.update(_token_staleness(token_versions, mask, current_version, spanning))
         encoded = {prompt: tokenizer(prompt).input_ids for prompt in {s.prompt for _, s in rows}}
         return cls(
             prompt_ids=[encoded[s.prompt] for _, s in rows],
@@ -271,6 +285,7 @@ class LMBatch:
             group_ids=torch.tensor([g for g, _ in rows], dtype=torch.long, device=device),
             behavior_logp=behavior.to(device),
             mask=mask.to(device),
+            token_versions=token_versions.to(device),
             info=info,
         )
 
@@ -326,12 +341,13 @@ class EpisodeBatch:
     turn (with dropped turns: of each context segment, the segments one after another, each
     scored on its own; returns and advantages stay per episode); ``mask`` is True on the completion tokens of the turns that are trained on, False on
     the system prompt, the observations (user turns) and the template's text around turns.
-    Each token keeps its own turn's behavior log-prob, so importance weights and staleness are
-    per turn. :meth:`from_episodes` decides what is trained on:
+    Each token keeps its own behavior log-prob and version (a turn may span versions with
+    in-flight weight updates), so importance weights and staleness are per token.
+    :meth:`from_episodes` decides what is trained on:
 
     * an episode whose env raised (``env_error``) is left out, also of its group's baseline;
-    * a turn more than ``max_staleness`` versions older than the learner is masked out
-      (``stale_samples`` counts them); its reward still counts in the episode's return;
+    * a turn more than ``max_staleness`` versions older than the learner (its oldest token) is
+      masked out whole (``stale_samples`` counts them); its reward still counts in the episode's return;
     * a turn that missed the policy's deadline (nothing sampled) is masked out;
     * a group left with fewer than ``min_group_samples`` episodes is skipped.
 
@@ -345,13 +361,16 @@ class EpisodeBatch:
         behavior_logp: ``[N, W]`` the engine's log-prob of each completion token.
         mask: ``[N, W]`` True on the trained completion tokens.
         turn_ids: ``[N, W]`` the turn index of each completion token (-1 elsewhere).
+        token_versions: ``[N, W]`` int64 version that sampled each trained token (-1 off the mask).
         turn_rewards: ``[N, T]`` each turn's reward; ``turn_mask`` ``[N, T]`` True where the turn exists.
         gamma: the discount of ``rewards``.
         segment_starts: where each row's segments start in its sequence (``(0,)`` for one segment).
         info: ``reward`` (mean undiscounted return), ``turns_mean``, ``success`` (share of
             episodes terminated with a positive last reward), ``stale_samples`` (turns),
             ``stale_groups`` (0: turns are dropped one by one), ``flagged`` (0), ``missed_deadlines``,
-            ``env_errors``, ``context_overflows``, ``dropped_turns``, ``samples_used`` (turns trained on), ``staleness_mean``.
+            ``env_errors``, ``context_overflows``, ``dropped_turns``, ``samples_used`` (turns trained on),
+            ``staleness_mean`` (per sampled turn: its oldest token), and per token over the tokens trained on:
+            ``token_staleness_mean``, ``token_staleness_max``, ``spanning_samples`` (turns spanning versions).
     """
 
     sequences: list[list[int]]
@@ -360,6 +379,7 @@ class EpisodeBatch:
     behavior_logp: torch.Tensor
     mask: torch.Tensor
     turn_ids: torch.Tensor
+    token_versions: torch.Tensor
     turn_rewards: torch.Tensor
     turn_mask: torch.Tensor
     gamma: float
@@ -408,9 +428,10 @@ class EpisodeBatch:
         behavior = torch.zeros(len(rows), width)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
         turn_ids = torch.full((len(rows), width), -1, dtype=torch.long)
+        token_versions = torch.full((len(rows), width), -1, dtype=torch.long)
         turn_rewards = torch.zeros(len(rows), max_turns)
         turn_mask = torch.zeros(len(rows), max_turns, dtype=torch.bool)
-        stale = used = 0
+        stale = used = spanning = 0
         for i, (_, episode) in enumerate(rows):
             for t, turn in enumerate(episode.turns):
                 turn_rewards[i, t] = turn.reward
@@ -423,9 +444,12 @@ class EpisodeBatch:
                     stale += 1
                     continue
                 used += 1
+                versions = turn.versions
+                spanning += len(set(versions)) > 1
                 behavior[i, start:stop] = torch.tensor(turn.completion_logps, dtype=torch.float32)
                 mask[i, start:stop] = True
                 turn_ids[i, start:stop] = t
+                token_versions[i, start:stop] = torch.tensor(versions, dtype=torch.long)
         sampled = [t for e in episodes for t in e.turns if t.trainable]
         finished = [e for e in episodes if not e.env_error]
         info = {
@@ -441,6 +465,7 @@ class EpisodeBatch:
             "dropped_turns": float(sum(e.dropped_turns for e in episodes)),
             "samples_used": float(used),
             "staleness_mean": float(np.mean([current_version - t.policy_version for t in sampled])) if sampled else 0.0,
+            **_token_staleness(token_versions, mask, current_version, spanning),
         }
         return cls(
             sequences=sequences,
@@ -449,6 +474,7 @@ class EpisodeBatch:
             behavior_logp=behavior.to(device),
             mask=mask.to(device),
             turn_ids=turn_ids.to(device),
+            token_versions=token_versions.to(device),
             turn_rewards=turn_rewards.to(device),
             turn_mask=turn_mask.to(device),
             gamma=gamma,
@@ -507,6 +533,17 @@ class EpisodeBatch:
             per_turn.gather(1, self.turn_ids.clamp(min=0)) if per_turn.numel() else torch.zeros_like(self.behavior_logp)
         )
         return torch.where(self.mask, gathered, torch.zeros_like(gathered))
+
+
+def _token_staleness(token_versions: torch.Tensor, mask: torch.Tensor, current: int, spanning: int) -> dict[str, float]:
+    """Per-token staleness ``current - v_t`` over the tokens trained on (``mask``): its mean and max,
+    and ``spanning_samples``, how many samples span more than one version."""
+    staleness = (current - token_versions[mask]).float()
+    return {
+        "token_staleness_mean": float(staleness.mean()) if staleness.numel() else 0.0,
+        "token_staleness_max": float(staleness.max()) if staleness.numel() else 0.0,
+        "spanning_samples": float(spanning),
+    }
 
 
 def _succeeded(episode: Any) -> bool:

@@ -86,7 +86,8 @@ class LMArgs:
     prefetch_updates: int = 1
     """async mode: updates' worth of prompts generated ahead of the learner"""
     max_staleness: int = 2
-    """groups with a completion more than this many versions older than the learner are dropped"""
+    """groups with a completion more than this many versions older than the learner are dropped (its oldest token's
+    version: with in-flight weight updates a completion may span versions; multi-turn: such turns are masked out)"""
     policy_lag: int = 0
     """the policy receives each new version this many updates late (a slow weight broadcast)"""
     is_cap: float = 2.0

@@ -24,6 +24,8 @@ class LMTrainResult:
     weights (tokens or sequences, per ``is_level``) clipped at ``is_cap``. ``start_version`` is
     the version of the learner's starting weights on the policy (0 for a policy built from the
     model; a server's version + 1 after they were sent to it), ``final_version`` the last one.
+    ``spanning_fraction``: the share of the samples trained on whose tokens came from more than
+    one version (in-flight weight updates; docs/lm_agents.md, "Per-token versions").
     """
 
     updates: int
@@ -49,6 +51,7 @@ class LMTrainResult:
     target_confirmations: list[float] = field(default_factory=list)
     """``--target-reward``: the mean reward of each batch sampled by the final weights of the
     moment to confirm it (the last one confirmed it when ``reached_target``)"""
+    spanning_fraction: float = 0.0
 
     @classmethod
     def from_run(
@@ -84,6 +87,8 @@ class LMTrainResult:
             final_version=versions[1],
             reached_target=reached_target,
             history=history,
+            spanning_fraction=sum(row.get("spanning_samples", 0) for row in history)
+            / max(sum(row.get("samples_used", 0) for row in history), 1),
         )
 
 

@@ -98,7 +98,13 @@ def trainable_batch(
     than ``--max-staleness`` versions old, flagged rewards and deadline misses left out, and
     groups with fewer than ``min_group_samples`` trainable samples. Records the batch's
     staleness and the drops in ``parts.versions``; ``info`` also says how many groups and
-    samples arrived (``groups``, ``samples_received``)."""
+    samples arrived (``groups``, ``samples_received``).
+
+    Per-token versions (in-flight weight updates): a sample's age is its oldest token's, so
+    ``--max-staleness`` drops a sample (a completion's group, or a turn) whose oldest token is too
+    old, whole. ``parts.versions`` records one staleness per sample (its oldest token's: the unit
+    of the max-lag rule and of the drop count); the per-token staleness of the tokens trained on
+    is in ``info`` (``token_staleness_mean``, ``token_staleness_max``, ``spanning_samples``)."""
     current = parts.versions.current_version
     parts.versions.record_staleness(groups.staleness(current).ravel().tolist())
     data: LMBatch | EpisodeBatch
@@ -118,7 +124,12 @@ class LearnerStep:
     the update, detached), ``ref_logp`` (the frozen reference's, None without ``--kl-coef``), and
     ``weights``, the truncated importance weights ``min(pi_prox / mu, C)`` against the behavior
     log-probs ``mu`` the engine reported (``--is-cap``, ``--is-level``; ``[N, L]`` either way).
-    :meth:`minimize` runs the minibatch steps on the agent's loss."""
+    :meth:`minimize` runs the minibatch steps on the agent's loss.
+
+    Per token: ``mu_t = mu_{v_t}(y_t | y_<t)``, token ``t``'s log-prob under the version ``v_t``
+    that sampled it (``data.token_versions``), so ``w_t = min(pi_prox(y_t) / mu_{v_t}(y_t), C)``
+    and ``pi_prox`` is the same for every token. A sequence whose tokens span versions was
+    sampled from ``prod_t mu_{v_t}(y_t | y_<t)``; ``--is-level sequence`` uses that product."""
 
     def __init__(self, data: LMBatch | EpisodeBatch, parts: LMParts, args: LMArgs) -> None:
         self.data, self.learner, self.args = data, parts.learner, args
