@@ -52,6 +52,7 @@ class PolicyOutput:
         token_logps: log-probability of each token in ``token_ids`` (text policies).
         top_logprobs: per generated token, the most likely tokens of the sampling
             distribution and their log-probabilities, when requested (text policies).
+        token_versions: the policy version that sampled each token of ``token_ids`` (None: every token has ``policy_version``)
 
     Example:
         >>> out = PolicyOutput(action=1, behavior_logp=-0.69, policy_version=3, latency_s=0.01)
@@ -68,6 +69,7 @@ class PolicyOutput:
     token_ids: tuple[int, ...] | None = None
     token_logps: tuple[float, ...] | None = None
     top_logprobs: tuple[Mapping[int, float], ...] | None = None
+    token_versions: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class BackendResult:
     action; the policy then executes its fallback action (flagged) and keeps ``logp`` and
     the token fields. ``policy_version`` is set by backends that learn the version from the
     server (an asyncvec server reports it); otherwise the policy fills in its own.
+
+    token_versions: the policy version that sampled each token of ``token_ids`` (None: every token has ``policy_version``)
 
     Example:
         >>> BackendResult(action=2, logp=-1.1).rejected
@@ -92,6 +96,7 @@ class BackendResult:
     top_logprobs: tuple[Mapping[int, float], ...] | None = None
     rejected: bool = False
     policy_version: int | None = None
+    token_versions: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
