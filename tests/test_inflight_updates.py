@@ -46,14 +46,15 @@ def new_policy(folder, **kwargs):
 
 
 class SwapAtSteps:
-    """A forward hook on the policy's model: after model call ``k`` in ``steps`` it starts
-    ``policy.load_weights(*updates[i])`` on a thread and returns only once that call waits for
-    the step to end, so the swap lands between call ``k`` and call ``k + 1``."""
+    """A forward hook on the policy's model (``module``, default ``policy.model``): after model
+    call ``k`` in ``steps`` it starts ``policy.load_weights(*updates[i])`` on a thread and returns
+    only once that call waits for the step to end, so the swap lands between call ``k`` and
+    call ``k + 1``."""
 
-    def __init__(self, policy, steps, updates):
+    def __init__(self, policy, steps, updates, module=None):
         self.policy, self.steps, self.updates = policy, list(steps), list(updates)
         self.calls, self.threads, self.errors = 0, [], []
-        self.handle = policy.model.register_forward_hook(self.hook)
+        self.handle = (policy.model if module is None else module).register_forward_hook(self.hook)
 
     def hook(self, module, args, output):
         call, self.calls = self.calls, self.calls + 1
