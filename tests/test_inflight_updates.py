@@ -41,7 +41,14 @@ def perturbed(model, seed, scale=0.05):
 
 
 def new_policy(folder, **kwargs):
-    options = {"action_space": gym.spaces.Text(NEW_TOKENS + 4), "max_new_tokens": NEW_TOKENS, "seed": 0}
+    """A policy whose batches wait (up to 2 s) until they hold all of `PROMPTS`: one batch, whatever the load."""
+    options = {
+        "action_space": gym.spaces.Text(NEW_TOKENS + 4),
+        "max_new_tokens": NEW_TOKENS,
+        "seed": 0,
+        "max_batch_size": len(PROMPTS),
+        "max_wait_ms": 2000,
+    }
     return HFTextPolicy(folder, action_parser=str, **{**options, **kwargs})
 
 
@@ -150,8 +157,8 @@ def test_inflight_updates_under_load_never_claim_other_weights(model_dir):
     publish = {version: perturbed(reference.models[0], seed=version) for version in (1, 2, 3)}
     for version, weights in publish.items():
         reference.add(version, weights)
-    with new_policy(model_dir, inflight_updates=True, max_new_tokens=12, max_batch_size=4) as policy:
-        report = weight_sync_check(policy, reference, publish, submitters=3, answers_between=4, timeout_s=120)
+    with new_policy(model_dir, inflight_updates=True, max_new_tokens=12) as policy:
+        report = weight_sync_check(policy, reference, publish, submitters=4, answers_between=4, timeout_s=120)
     assert report.ok(), report
     assert report.versions_seen[-1] == 3
 

@@ -31,8 +31,8 @@ def policy(model_dir):
         fallback=lambda obs, env_id: "",
         inflight_updates=True,
         max_new_tokens=NEW_TOKENS,
-        max_batch_size=64,
-        max_wait_ms=20,
+        max_batch_size=len(PROMPTS),  # a batch waits (up to 2 s) for all of PROMPTS: one batch, whatever the load
+        max_wait_ms=2000,
         engine_kwargs=ENGINE,
     )
     yield policy
@@ -80,6 +80,6 @@ def test_inflight_updates_under_load_never_claim_other_weights(policy, reference
     publish = {start + offset: perturbed(reference.models[0], seed=start + offset) for offset in (1, 2)}
     for version, weights in publish.items():
         reference.add(version, weights)
-    report = weight_sync_check(policy, reference, publish, submitters=3, answers_between=4, timeout_s=300)
+    report = weight_sync_check(policy, reference, publish, submitters=len(PROMPTS), answers_between=4, timeout_s=300)
     assert report.ok(), report
     assert report.versions_seen[-1] == start + 2
