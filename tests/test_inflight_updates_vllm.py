@@ -83,3 +83,16 @@ def test_inflight_updates_under_load_never_claim_other_weights(policy, reference
     report = weight_sync_check(policy, reference, publish, submitters=len(PROMPTS), answers_between=4, timeout_s=300)
     assert report.ok(), report
     assert report.versions_seen[-1] == start + 2
+
+
+def test_inflight_updates_turn_async_scheduling_off(policy, model_dir):
+    # with async scheduling the next batch already runs between two engine steps: a swap would land inside it
+    assert not policy.llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    with pytest.raises(ValueError, match="async_scheduling=True cannot go with inflight_updates=True"):
+        VLLMPolicy(
+            model_dir,
+            text_action,
+            fallback=lambda obs, env_id: "",
+            inflight_updates=True,
+            engine_kwargs={**ENGINE, "async_scheduling": True},
+        )

@@ -103,7 +103,9 @@ class VLLMPolicy(TextPolicy):
       the running requests (``reset_prefix_cache(reset_running_requests=True)``: their KV cache
       is dropped and the next step re-runs prompt + tokens so far with the new weights, vLLM's
       recompute preemption) and sets vLLM's weight version. vLLM's per-token weight-version spans
-      become ``token_versions``; ``policy_version`` is the oldest token's version.
+      become ``token_versions``; ``policy_version`` is the oldest token's version. vLLM's async
+      scheduling (on by default on CUDA) is turned off: with it the next batch already runs
+      between two steps.
     * **Process**: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
       while it is built), so there is no child process and `close` frees everything. No
       ``if __name__ == "__main__":`` guard is needed for the engine itself, though scripts should
@@ -147,6 +149,14 @@ class VLLMPolicy(TextPolicy):
             raise FileNotFoundError(f"VLLMPolicy: no model folder at {folder}")
         self._vllm = vllm
         self.model_dir = folder
+        if kwargs.get("inflight_updates") is True:
+            engine_kwargs = dict(engine_kwargs or {})
+            if engine_kwargs.get("async_scheduling"):
+                raise ValueError(
+                    "VLLMPolicy: engine_kwargs async_scheduling=True cannot go with inflight_updates=True (the next "
+                    "batch already runs between two engine steps, so a weight update would land inside it)"
+                )
+            engine_kwargs["async_scheduling"] = False
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
         self.llm = start_engine(folder, engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
