@@ -129,6 +129,21 @@ def test_three_updates_land_mid_generation_and_every_token_matches_its_version(m
     assert single > 100 * LOGP_TOLERANCE
 
 
+def test_inflight_log_probs_follow_temperature_and_top_p(model_dir):
+    reference = VersionedReference(model_dir)
+    weights = perturbed(reference.models[0], seed=1)
+    reference.add(1, weights)
+    sampling = {"temperature": 0.7, "top_p": 0.9}
+    with new_policy(model_dir, inflight_updates=True, max_new_tokens=24, **sampling) as policy:
+        swaps = SwapAtSteps(policy, [4], [(weights, 1)])
+        outputs = [future.result(timeout=120) for future in [policy.submit(prompt) for prompt in PROMPTS]]
+        swaps.finish()
+    longest = max(outputs, key=lambda output: len(output.token_ids))
+    assert longest.token_versions.index(1) == 5
+    worst = max(reference.error(p, o, **sampling) for p, o in zip(PROMPTS, outputs, strict=True))
+    assert worst <= LOGP_TOLERANCE
+
+
 def longest_ids(outputs):
     return max(outputs, key=lambda output: len(output.token_ids)).token_ids
 
