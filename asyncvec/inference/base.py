@@ -15,9 +15,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import gymnasium as gym
@@ -74,6 +75,13 @@ class BatchedPolicy(abc.ABC):
       weights and publishes the version. A batch runs and delivers its answers under one
       version, so after `load_weights` returns every answer reports the new version and no
       answer computed with old weights claims it. Versions must increase.
+    * **In-flight updates** (``inflight_updates=True``, backends that decode step by step
+      only: `HFTextPolicy`): `load_weights` waits for one decoding step instead of the whole
+      batch; the batch goes on with the new weights from its next step (the backend recomputes
+      what it cached under the old ones). Each answer then carries ``token_versions`` (the
+      version that sampled each token) and ``policy_version`` is its oldest token's version.
+      Every token sampled after `load_weights` returns has the new version. Off by default:
+      a consumer that reads only ``policy_version`` then sees single-version completions.
 
     Futures are resolved on the policy's threads; done-callbacks must be quick and must not
     call `load_weights` (that raises RuntimeError).
@@ -81,6 +89,8 @@ class BatchedPolicy(abc.ABC):
 
     #: whether `_forward_batch` may return rejected results (text parsers), which need a fallback
     _can_reject = False
+    #: whether the backend can take weights between two decoding steps of a batch (``inflight_updates=True``)
+    _supports_inflight_updates = False
 
     def __init__(
         self,
@@ -99,9 +109,19 @@ class BatchedPolicy(abc.ABC):
         retry_backoff_ms: float = 20.0,
         fallback_on_error: bool = False,
         version: int = 0,
+        inflight_updates: bool = False,
         name: str | None = None,
     ) -> None:
         self._label = name or type(self).__name__
+        if not isinstance(inflight_updates, bool):
+            raise TypeError(f"{self._label}: inflight_updates must be a bool, got {type(inflight_updates).__name__}")
+        if inflight_updates and not self._supports_inflight_updates:
+            raise ValueError(
+                f"{self._label}: inflight_updates=True is not supported by this backend (it cannot take weights "
+                "between two decoding steps); leave it False: load_weights then waits for in-flight batches"
+            )
+        #: whether `load_weights` lands between two decoding steps of a running batch (see the class docstring)
+        self.inflight_updates = inflight_updates
         if action_space is not None and not isinstance(action_space, gym.Space):
             raise TypeError(f"{self._label}: action_space must be a gymnasium.Space, got {type(action_space).__name__}")
         if deadline_ms is not None and (not isinstance(deadline_ms, (int, float)) or not deadline_ms > 0):
@@ -145,6 +165,7 @@ class BatchedPolicy(abc.ABC):
                 "late_dropped",
                 "retries",
                 "cache_hits",
+                "inflight_swaps",
             ),
             0,
         )
@@ -195,6 +216,29 @@ class BatchedPolicy(abc.ABC):
     def _close_backend(self) -> None:
         """Release backend resources (clients, engines); called once by `close`."""
 
+    @contextmanager
+    def _decoding_step(self) -> Iterator[int]:
+        """One decoding step of a batch; yields the version of the weights it runs with.
+
+        With ``inflight_updates`` the weights are held still for this step only (a waiting
+        `load_weights` swaps them before the next step starts); otherwise the whole batch
+        already holds them and the version is the batch's.
+        """
+        if not self.inflight_updates:
+            yield self._version
+            return
+        with self._version_lock.read():
+            yield self._version
+
+    def _count_inflight_swap(self) -> None:
+        """Count one running batch that went on under newer weights (``stats()["inflight_swaps"]``)."""
+        with self._stats_lock:
+            self._counts["inflight_swaps"] += 1
+
+    def _batch_lock(self) -> Any:
+        """What a whole batch holds: the version lock's read side, or nothing with in-flight updates."""
+        return nullcontext() if self.inflight_updates else self._version_lock.read()
+
     def _is_transient(self, exc: BaseException) -> bool:
         """Whether a backend error is worth retrying."""
         return not isinstance(exc, (ValueError, TypeError))
@@ -204,6 +248,12 @@ class BatchedPolicy(abc.ABC):
     def policy_version(self) -> int:
         """Version of the weights currently answering."""
         return self._version
+
+    @property
+    def updates_waiting(self) -> int:
+        """How many `load_weights` calls are waiting for a batch (or, with in-flight updates, a
+        decoding step) to end; new batches and steps wait meanwhile."""
+        return self._version_lock.writers_waiting
 
     @property
     def closed(self) -> bool:
@@ -289,7 +339,7 @@ class BatchedPolicy(abc.ABC):
         No batching, deadline, retry or cache: this is the raw backend call that wrappers
         such as `LatencyModel` build on. Results carry the version that computed them.
         """
-        with self._version_lock.read():
+        with self._batch_lock():
             version = self._version
             results = self._forward_checked(list(obs_list))
         return [r if r.policy_version is not None else dataclasses.replace(r, policy_version=version) for r in results]
@@ -298,7 +348,10 @@ class BatchedPolicy(abc.ABC):
         """Publish new weights; answers delivered after this returns report ``version``.
 
         Waits (at most ``timeout_s``) for in-flight batches, holds new ones back, swaps the
-        weights and publishes ``version``. Requests keep queueing meanwhile.
+        weights and publishes ``version``. Requests keep queueing meanwhile. With
+        ``inflight_updates`` it waits for the running decoding step only: running batches go on
+        with the new weights, every token they sample from then on carries ``version`` (in
+        ``token_versions``), and their ``policy_version`` stays their oldest token's.
 
         Raises:
             ValueError: ``version`` is not an int greater than the current one, or the
@@ -332,7 +385,8 @@ class BatchedPolicy(abc.ABC):
 
         Keys: requests, answered, errors, timeouts (deadline fallbacks), error_fallbacks (backend
         failures answered with the fallback, ``fallback_on_error``), parse_failures,
-        fallbacks (both), late_dropped, retries, cache_hits, cache_misses, batches,
+        fallbacks (both), late_dropped, retries, cache_hits, cache_misses, inflight_swaps (running
+        batches that went on under newer weights, ``inflight_updates``), batches,
         mean_batch_size, queue_depth, inflight_batches, latency_p50_ms, latency_p99_ms,
         policy_version, and the batcher's batch_threshold / arrival_rate_hz / fit_a_ms /
         fit_b_ms.
@@ -419,7 +473,7 @@ class BatchedPolicy(abc.ABC):
         attempt = 0
         while live and attempt < self.max_attempts:
             attempt += 1
-            with self._version_lock.read():
+            with self._batch_lock():
                 version = self._version
                 started = time.perf_counter()
                 try:
@@ -472,6 +526,7 @@ class BatchedPolicy(abc.ABC):
                 token_ids=result.token_ids,
                 token_logps=result.token_logps,
                 top_logprobs=result.top_logprobs,
+                token_versions=result.token_versions,
             )
             delivered = self._complete(request, output, parse_failure=result.rejected)
             if delivered and self._cache is not None and not result.rejected:

@@ -135,6 +135,11 @@ class VersionLock:
         self._writer = False
         self._writers_waiting = 0
 
+    @property
+    def writers_waiting(self) -> int:
+        """Writers waiting for the readers to leave (new readers wait meanwhile)."""
+        return self._writers_waiting
+
     @contextmanager
     def read(self) -> Iterator[None]:
         with self._cond:

@@ -262,6 +262,7 @@ class TextPolicy(BatchedPolicy):
         token_logps: Iterable[float],
         top_logprobs: Iterable[dict[int, float]] | None = None,
         policy_version: int | None = None,
+        token_versions: Iterable[int] | None = None,
     ) -> BackendResult:
         logps = tuple(float(value) for value in token_logps)
         action, rejected = self.parse(text)
@@ -274,4 +275,5 @@ class TextPolicy(BatchedPolicy):
             top_logprobs=None if top_logprobs is None else tuple(top_logprobs),
             rejected=rejected,
             policy_version=policy_version,
+            token_versions=None if token_versions is None else tuple(int(v) for v in token_versions),
         )

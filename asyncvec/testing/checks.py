@@ -5,7 +5,8 @@ and ``scripts/gpu_check.sh`` (CUDA).
   (one unpadded forward pass, the same temperature and top-p).
 * `VersionedReference`: transformers models by policy version; `max_logp_error` compares
   every answer with the model of the version it claims, so an answer computed with other
-  weights than it claims shows up as a large error.
+  weights than it claims shows up as a large error. With per-token versions (in-flight
+  updates, ``token_versions``) each token is teacher-forced under the version it claims.
 * `weight_sync_check`: envs keep submitting from threads while versions are published;
   every answer must match the weights of its claimed version, and versions never go back
   for answers submitted later.
@@ -140,9 +141,16 @@ class VersionedReference:
     def error(
         self, prompt: str | Sequence[int], output: Any, temperature: float = 1.0, top_p: float | None = None
     ) -> float:
-        """Largest |log-prob difference| of one answer against the model of its claimed version."""
+        """Largest |log-prob difference| of one answer against the model of its claimed version
+        (of each token's claimed version when the answer has ``token_versions``)."""
         return self.logp_error(
-            prompt, output.token_ids or (), output.token_logps, output.policy_version, temperature, top_p
+            prompt,
+            output.token_ids or (),
+            output.token_logps,
+            output.policy_version,
+            temperature,
+            top_p,
+            token_versions=getattr(output, "token_versions", None),
         )
 
     def logp_error(
@@ -153,15 +161,32 @@ class VersionedReference:
         version: int,
         temperature: float = 1.0,
         top_p: float | None = None,
+        *,
+        token_versions: Sequence[int] | None = None,
     ) -> float:
         """Largest |log-prob difference| of ``token_ids`` sampled after ``prompt`` with the log-probs
-        ``token_logps`` against the model of ``version`` (e.g. a multi-turn episode's turn)."""
+        ``token_logps`` against the model of ``version`` (e.g. a multi-turn episode's turn).
+
+        With ``token_versions`` (one per token) each token is compared with the model of its own
+        version, teacher-forced on the whole prefix (prompt and every earlier token)."""
         if not token_ids:
             return 0.0
-        model = self.models[int(version)]
-        with self._lock:
-            expected = teacher_forced_logps(model, self.tokenizer, prompt, token_ids, temperature, top_p)
-        return max(abs(a - b) for a, b in zip(token_logps, expected, strict=True))
+        claimed = [int(version)] * len(token_ids) if token_versions is None else [int(v) for v in token_versions]
+        if len(claimed) != len(token_ids):
+            raise ValueError(f"token_versions has {len(claimed)} entries for {len(token_ids)} tokens")
+        missing = sorted(set(claimed) - set(self.models))
+        if missing:
+            raise KeyError(f"no reference model for version(s) {missing}; register them with add()")
+        worst = 0.0
+        for each in sorted(set(claimed)):
+            with self._lock:
+                expected = teacher_forced_logps(
+                    self.models[each], self.tokenizer, prompt, token_ids, temperature, top_p
+                )
+            for position, (got, want) in enumerate(zip(token_logps, expected, strict=True)):
+                if claimed[position] == each:
+                    worst = max(worst, abs(got - want))
+        return worst
 
     def max_logp_error(self, prompts: Sequence[Any], outputs: Sequence[Any], **sampling: Any) -> float:
         """`error` over answers (``prompts[i]`` produced ``outputs[i]``)."""

@@ -38,10 +38,20 @@ class HFTextPolicy(TextPolicy):
             completions run after run (default None: torch's global generator). A prompt's own
             ``seed`` takes precedence for its request.
         **kwargs: `BatchedPolicy` options (``action_space`` or a ``fallback`` function is
-            required for rejected completions).
+            required for rejected completions; ``inflight_updates=True`` for the above).
 
     `load_weights` takes a state dict, a ``torch.save``'d file or a ``save_pretrained``
     folder; weights are copied into the model in place.
+
+    **In-flight updates** (``inflight_updates=True``): `load_weights` waits for the running
+    decoding step only, swaps the weights, and the running batch goes on from its next step.
+    Its KV cache was filled by the old weights, so that next step re-runs the whole prefix
+    (prompt and the tokens sampled so far) with the new weights and generation continues from
+    that cache. A token's log-prob is therefore exactly what the version it claims gives it
+    teacher-forced on the full prefix. Each answer carries ``token_versions`` (the version of
+    the weights that sampled each token) and its ``policy_version`` is its first (oldest)
+    token's; ``stats()["inflight_swaps"]`` counts the prefix re-runs. Off by default: the
+    update then waits for the running batch and a completion has one version.
 
     Example:
         >>> import tempfile, gymnasium as gym
@@ -53,6 +63,8 @@ class HFTextPolicy(TextPolicy):
         >>> len(out.token_ids) <= 2 and abs(out.behavior_logp - sum(out.token_logps)) < 1e-9
         True
     """
+
+    _supports_inflight_updates = True
 
     def __init__(
         self,
@@ -148,7 +160,9 @@ class HFTextPolicy(TextPolicy):
         attention_mask = torch.tensor(
             [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.model.device
         )
-        generated, scores = self._sample(input_ids, attention_mask, max_new_tokens, temperature, top_p, generator)
+        generated, scores, versions = self._sample(
+            input_ids, attention_mask, max_new_tokens, temperature, top_p, generator
+        )
         # scores are the processed logits the sampler drew from: log-softmax gives the sampled distribution
         logps_all = torch.log_softmax(scores, dim=-1)
         token_logps = logps_all.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
@@ -166,7 +180,17 @@ class HFTextPolicy(TextPolicy):
                     dict(zip(top.indices[row, step].tolist(), top.values[row, step].tolist(), strict=True))
                     for step in range(length)
                 ]
-            results.append(self._text_result(text, ids, token_logps[row, :length].tolist(), top_rows))
+            token_versions = versions[:length] if self.inflight_updates else None
+            results.append(
+                self._text_result(
+                    text,
+                    ids,
+                    token_logps[row, :length].tolist(),
+                    top_rows,
+                    policy_version=versions[0] if self.inflight_updates else None,
+                    token_versions=token_versions,
+                )
+            )
         return results
 
     def _sample(
@@ -177,12 +201,14 @@ class HFTextPolicy(TextPolicy):
         temperature: float,
         top_p: float | None,
         generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples up to ``max_new_tokens`` per row with the KV cache: ``(tokens [B, n], scores [B, n, V])``,
-        ``scores`` the processed float32 logits each token was drawn from (``temperature``, then
-        ``top_p``: transformers' own warpers). It is ``model.generate``'s sampling loop (the same
-        positions for left padding, draws, pad after eos, stop when every row has ended) without the
-        set-up ``generate`` does on every call, which cost a small model more than its forward passes."""
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Samples up to ``max_new_tokens`` per row with the KV cache: ``(tokens [B, n], scores [B, n, V],
+        versions [n])``, ``scores`` the processed float32 logits each token was drawn from
+        (``temperature``, then ``top_p``: transformers' own warpers), ``versions`` the weights'
+        version at each step. It is ``model.generate``'s sampling loop (the same positions for left
+        padding, draws, pad after eos, stop when every row has ended) without the set-up ``generate``
+        does on every call, which cost a small model more than its forward passes. A step that finds
+        newer weights than those that filled the KV cache (in-flight updates) re-runs the prefix."""
         import transformers
 
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
@@ -193,14 +219,29 @@ class HFTextPolicy(TextPolicy):
             warpers.append(transformers.TopPLogitsWarper(top_p))
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        tokens, scores, past, step_ids = [], [], None, input_ids
+        tokens: list[torch.Tensor] = []
+        scores: list[torch.Tensor] = []
+        versions: list[int] = []
+        past, step_ids, cache_version = None, input_ids, None
         with torch.no_grad():
             for _ in range(max_new_tokens):
-                out = self.model(
-                    input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=past, use_cache=True,
-                )  # fmt: skip
+                with self._decoding_step() as version:
+                    if past is not None and version != cache_version:
+                        # the cache holds keys/values of older weights: prompt + tokens so far, again
+                        prefix = torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
+                        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+                        out = self.model(
+                            input_ids=prefix, attention_mask=attention_mask, position_ids=position_ids, use_cache=True
+                        )
+                        self._count_inflight_swap()
+                    else:
+                        out = self.model(
+                            input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past, use_cache=True,
+                        )  # fmt: skip
+                    cache_version = version
                 past = out.past_key_values
+                versions.append(version)
                 logits = warpers(step_ids, out.logits[:, -1].float())
                 if temperature > 0:
                     next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
@@ -216,7 +257,7 @@ class HFTextPolicy(TextPolicy):
                 step_ids = next_tokens.unsqueeze(-1)
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], -1)
                 position_ids = position_ids[:, -1:] + 1
-        return torch.stack(tokens, dim=1), torch.stack(scores, dim=1)
+        return torch.stack(tokens, dim=1), torch.stack(scores, dim=1), versions
 
     def _seeded_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.model.device).manual_seed(seed)

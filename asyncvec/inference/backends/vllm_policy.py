@@ -97,6 +97,15 @@ class VLLMPolicy(TextPolicy):
       set, so every later answer comes from the new weights and carries the new version; vLLM
       records the version of every sampled token, and a batch whose tokens span two versions
       raises instead of being delivered.
+    * **In-flight updates** (``inflight_updates=True``): a batch is driven step by step
+      (``LLM.enqueue``, then ``llm_engine.step()`` until it is done) and `load_weights` waits for
+      the running engine step only. Between two steps it reloads the weights in place, preempts
+      the running requests (``reset_prefix_cache(reset_running_requests=True)``: their KV cache
+      is dropped and the next step re-runs prompt + tokens so far with the new weights, vLLM's
+      recompute preemption) and sets vLLM's weight version. vLLM's per-token weight-version spans
+      become ``token_versions``; ``policy_version`` is the oldest token's version. vLLM's async
+      scheduling (on by default on CUDA) is turned off: with it the next batch already runs
+      between two steps.
     * **Process**: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
       while it is built), so there is no child process and `close` frees everything. No
       ``if __name__ == "__main__":`` guard is needed for the engine itself, though scripts should
@@ -119,6 +128,8 @@ class VLLMPolicy(TextPolicy):
         >>> policy.submit("3+4=").result(timeout=120).token_logps  # doctest: +SKIP
     """
 
+    _supports_inflight_updates = True
+
     def __init__(
         self,
         model: str | os.PathLike,
@@ -138,6 +149,14 @@ class VLLMPolicy(TextPolicy):
             raise FileNotFoundError(f"VLLMPolicy: no model folder at {folder}")
         self._vllm = vllm
         self.model_dir = folder
+        if kwargs.get("inflight_updates") is True:
+            engine_kwargs = dict(engine_kwargs or {})
+            if engine_kwargs.get("async_scheduling"):
+                raise ValueError(
+                    "VLLMPolicy: engine_kwargs async_scheduling=True cannot go with inflight_updates=True (the next "
+                    "batch already runs between two engine steps, so a weight update would land inside it)"
+                )
+            engine_kwargs["async_scheduling"] = False
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
         self.llm = start_engine(folder, engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -145,6 +164,7 @@ class VLLMPolicy(TextPolicy):
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.parameters = ParameterSpec.from_model_dir(folder)
         self._tokenizer_lock = threading.Lock()
+        self._stepping = False  # a batch is being driven step by step (in-flight updates)
         self._set_engine_version(self.policy_version)
 
     # ------------------------------------------------------------------------- checks
@@ -165,15 +185,43 @@ class VLLMPolicy(TextPolicy):
             requests.append(text if isinstance(text, str) else {"prompt_token_ids": list(text)})
             params.append(self._sampling_params(prompt, n=len(group)))
             owners.append(group)
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        start_version = self.policy_version
+        if self.inflight_updates:
+            outputs = self._generate_stepwise(requests, params)
+        else:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         results: list[BackendResult | None] = [None] * len(prompts)
-        version = str(self.policy_version)
         for request_output, group in zip(outputs, owners, strict=True):
             completions = sorted(request_output.outputs, key=lambda completion: completion.index)
             for index, completion in zip(group, completions, strict=True):
-                check_weight_versions(completion, version, self._label)
-                results[index] = self._completion_result(completion, prompts[index].top_logprobs)
+                if self.inflight_updates:
+                    versions = token_versions_of(completion, start_version, self._label)
+                    results[index] = self._completion_result(completion, prompts[index].top_logprobs, versions)
+                else:
+                    check_weight_versions(completion, str(start_version), self._label)
+                    results[index] = self._completion_result(completion, prompts[index].top_logprobs)
         return results  # type: ignore[return-value]
+
+    def _generate_stepwise(self, requests: list[Any], params: list[Any]) -> list[Any]:
+        """``LLM.generate`` one engine step at a time, each step a `_decoding_step` (a weight
+        update lands between two steps); the outputs in request order, as ``generate`` returns them."""
+        engine = self.llm.llm_engine
+        ids = self.llm.enqueue(requests, params, use_tqdm=False)
+        finished = []
+        self._stepping = True
+        try:
+            while engine.has_unfinished_requests():
+                with self._decoding_step():
+                    step_outputs = engine.step()
+                finished.extend(output for output in step_outputs if output.finished)
+        except BaseException:
+            engine.abort_request(list(ids), internal=True)  # leave no request of a failed batch in the engine
+            raise
+        finally:
+            self._stepping = False
+        if len(finished) != len(ids):
+            raise RuntimeError(f"{self._label}: vLLM finished {len(finished)} of {len(ids)} requests")
+        return sorted(finished, key=lambda output: int(output.request_id))  # LLM.generate's order
 
     def _sampling_params(self, prompt: TextPrompt, n: int) -> Any:
         return self._vllm.SamplingParams(
@@ -186,7 +234,7 @@ class VLLMPolicy(TextPolicy):
             seed=prompt.seed,
         )
 
-    def _completion_result(self, completion: Any, top_k: int) -> BackendResult:
+    def _completion_result(self, completion: Any, top_k: int, token_versions: list[int] | None = None) -> BackendResult:
         token_ids = list(completion.token_ids)
         steps = completion.logprobs or []
         if len(steps) != len(token_ids):
@@ -198,13 +246,19 @@ class VLLMPolicy(TextPolicy):
                 {token: entry.logprob for token, entry in step.items() if entry.rank is None or entry.rank <= top_k}
                 for step in steps
             ]
-        return self._text_result(completion.text, token_ids, token_logps, top)
+        if token_versions is None:
+            return self._text_result(completion.text, token_ids, token_logps, top)
+        oldest = token_versions[0] if token_versions else None
+        return self._text_result(completion.text, token_ids, token_logps, top, oldest, token_versions)
 
     # ------------------------------------------------------------------------ weights
     def _apply_weights(self, weights: Any, version: int) -> None:
         state = state_dict_of(weights)
         self.parameters.check({name: tuple(t.shape) for name, t in state.items()}, where=f"{self._label}: weights")
-        reload_engine_weights(self.llm, self.parameters.complete(state), version)
+        running = self._stepping  # called between two steps of a running batch (in-flight updates)
+        reload_engine_weights(self.llm, self.parameters.complete(state), version, preempt_running=running)
+        if running:
+            self._count_inflight_swap()
 
     def _set_engine_version(self, version: int) -> None:
         self.llm.llm_engine.set_weight_version(str(version))
@@ -232,12 +286,44 @@ def start_engine(folder: str | os.PathLike, engine_kwargs: dict[str, Any] | None
         return vllm.LLM(model=os.fspath(folder), **options)
 
 
-def reload_engine_weights(llm: Any, state: dict[str, Any], version: int) -> None:
+def reload_engine_weights(llm: Any, state: dict[str, Any], version: int, *, preempt_running: bool = False) -> None:
     """Load a checked, complete state dict (HF names, tied names filled in: `ParameterSpec`)
-    through vLLM's in-place reload, reset the prefix cache and set vLLM's weight version."""
+    through vLLM's in-place reload, reset the prefix cache and set vLLM's weight version.
+
+    With ``preempt_running`` (between two steps of running requests) those requests are
+    preempted too: their KV cache, computed by the old weights, is dropped, and their next step
+    re-runs prompt + tokens so far with the new weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True})
-    llm.reset_prefix_cache()
+    if not llm.reset_prefix_cache(reset_running_requests=preempt_running) and preempt_running:
+        raise RuntimeError("vLLM could not reset its KV cache after a weight update")
     llm.llm_engine.set_weight_version(str(version))
+
+
+def token_versions_of(completion: Any, start_version: int, label: str) -> list[int]:
+    """The version of each token of ``completion`` from vLLM's weight-version spans (labels set
+    by `reload_engine_weights`); RuntimeError when they do not cover every token once.
+
+    Example:
+        >>> from types import SimpleNamespace as S
+        >>> spans = [S(version="3", start=0, end=2), S(version="4", start=2, end=3)]
+        >>> token_versions_of(S(token_ids=[7, 8, 9], weight_versions=spans), 3, "VLLMPolicy")
+        [3, 3, 4]
+    """
+    count = len(completion.token_ids)
+    spans = completion.weight_versions or []
+    if not spans and count == 0:
+        return []
+    versions: list[int] = []
+    for span in spans:
+        if span.start != len(versions) or not str(span.version).isdigit():
+            break
+        versions.extend([int(span.version)] * (span.end - span.start))
+    if len(versions) != count or (versions and versions[0] < start_version):
+        raise RuntimeError(
+            f"{label}: vLLM's weight-version spans {[(s.version, s.start, s.end) for s in spans]} do not give "
+            f"a version >= {start_version} to each of the {count} tokens"
+        )
+    return versions
 
 
 def check_weight_versions(completion: Any, version: str, label: str) -> None:
