@@ -291,3 +291,36 @@ def test_a_supervised_policy_needs_its_server_and_a_retry():
         OpenAIPolicy(process.url + "/v1", "m", int, action_space=space, supervisor=supervisor, max_attempts=1)
     with pytest.raises(TypeError, match="supervisor must be an EngineSupervisor or None, got ServerProcess"):
         OpenAIPolicy(process.url, "m", int, action_space=space, supervisor=process)
+
+
+# ---------------------------------------------------------------------------------- a vLLM server
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # two vLLM server starts: one to three minutes each on a loaded 2-core machine
+@pytest.mark.skipif(
+    os.environ.get("ASYNCVEC_SLOW_SERVER_TESTS") != "1",
+    reason="two vLLM server starts (70-120 s here): run with ASYNCVEC_SLOW_SERVER_TESTS=1",
+)
+def test_a_killed_vllm_server_is_restarted_and_reloads_the_published_weights(tmp_path):
+    pytest.importorskip("vllm")
+    from asyncvec.inference import VLLMServer
+    from asyncvec.testing.checks import LOGP_TOLERANCE, VersionedReference
+
+    model_dir = build_tiny_lm(tmp_path / MODEL, arch="gpt2", seed=0)
+    reference = VersionedReference(model_dir)
+    with VLLMServer(model_dir, served_model_name=MODEL, max_model_len=128, startup_timeout_s=600) as process:
+        supervisor = EngineSupervisor(process)
+        with OpenAIPolicy(
+            process.url, MODEL, str, server_kind="vllm", action_space=gym.spaces.Text(64), max_new_tokens=6,
+            request_timeout_s=120, checkpoint_dir=tmp_path / "checkpoints", model_dir=model_dir, supervisor=supervisor,
+        ) as policy:  # fmt: skip
+            version = max(policy.server_version() or 0, policy.policy_version) + 1
+            policy.load_weights(reference.weights(version), version)
+            old_pid = crash(process)
+            outputs = policy.act(PROMPTS, timeout=900)  # the dead server is found, restarted, given version's weights
+            error = reference.max_logp_error(PROMPTS, outputs)
+            print(f"vLLM server restarted: max |logp - teacher-forced at v{version}| = {error:.2e}")
+            assert all(out.policy_version == version and out.token_ids for out in outputs)
+            assert error <= LOGP_TOLERANCE and policy.stats()["engine_restarts"] == 1
+            assert process.running and not psutil.pid_exists(old_pid)
+            assert policy.server_version() == version
+    assert not process.running

@@ -322,9 +322,14 @@ class OpenAIPolicy(TextPolicy):
                 raise TransientBackendError(f"{self.base_url} was restarted while the batch ran; it is sent again")
         except Exception as exc:
             if self._is_transient(exc):
-                self._batch_state.engine_failed = True  # until a restart says otherwise: counted if it ends badly
-                if not supervisor.recover(exc, generation, reload=self._republish):
-                    self._batch_state.engine_failed = False  # the server is fine: a plain retry
+                # True: the server died under this batch and was restarted (if recover raises: it could
+                # not be, and this batch's requests are failed ones); False: it is fine, a plain retry
+                restarted = True
+                try:
+                    restarted = supervisor.recover(exc, generation, reload=self._republish)
+                finally:
+                    if restarted:
+                        self._batch_state.engine_failed = True
             raise
         supervisor.request_succeeded()
         return results

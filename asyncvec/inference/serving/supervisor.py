@@ -59,11 +59,11 @@ class EngineSupervisor:
         ...     print(supervisor.diagnose(TransientBackendError("read timed out")))  # it answers: not hung yet
         ...     server.kill()  # a crash
         ...     print(supervisor.diagnose(TransientBackendError("connection refused")))
-        ...     supervisor.recover(TransientBackendError("connection refused"), supervisor.generation)
-        ...     print(server.running, supervisor.stats()["engine_restarts"])
+        ...     restarted = supervisor.recover(TransientBackendError("connection refused"), supervisor.generation)
+        ...     print(restarted, server.running, supervisor.stats()["engine_restarts"])
         None
         exited
-        True 1
+        True True 1
     """
 
     def __init__(
