@@ -265,6 +265,20 @@ def test_the_supervisor_gives_up_after_max_restarts():
         assert not process.running
 
 
+def test_timeouts_in_a_row_with_a_live_health_route_count_as_hung():
+    with http_server() as process:
+        supervisor = EngineSupervisor(process, hung_after_timeouts=2, health_timeout_s=5)
+        timeout = TransientBackendError("http://127.0.0.1:1/v1/completions: timed out after 30 s")
+        assert supervisor.diagnose(timeout) is None  # one slow answer: a retry
+        supervisor.request_succeeded()
+        assert supervisor.diagnose(timeout) is None  # not in a row
+        assert supervisor.diagnose(timeout) == "hung"
+        generation = supervisor.generation
+        assert supervisor.recover(timeout, generation) is True and supervisor.last_failure == "hung"
+        assert supervisor.generation == generation + 1 and process.running
+        assert supervisor.recover(timeout, generation + 1) is False  # restarted: the count started again
+
+
 @pytest.mark.parametrize(
     "options, error, message",
     [

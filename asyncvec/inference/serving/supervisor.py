@@ -132,7 +132,8 @@ class EngineSupervisor:
 
     def diagnose(self, error: BaseException) -> str | None:
         """What ``error`` says about the server: ``"exited"``, ``"unreachable"``, ``"hung"``, or
-        None (it is alive and answering: a retry, not a restart)."""
+        None (it is alive and answering: a retry, not a restart). Probes the health route; a
+        timeout counts toward ``hung_after_timeouts`` (reset by `request_succeeded` and by a restart)."""
         if not self.server.running:
             return "exited"
         import httpx
