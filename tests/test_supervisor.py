@@ -121,7 +121,8 @@ def test_a_server_killed_mid_batch_is_restarted_with_the_last_published_weights(
 
         # the lost batch was sent again to the restarted server, which serves the published version
         assert process.running and process.process.pid != old_pid and not psutil.pid_exists(old_pid)
-        check_honest(outputs, PROMPTS, version, server["model_dir"], server["weights_dir"] / "v1")
+        gap = check_honest(outputs, PROMPTS, version, server["model_dir"], server["weights_dir"] / "v1")
+        print(f"after the restart: max |logp - teacher-forced at v{version}| = {gap:.2e}")
         stats = policy.stats()
         assert stats["engine_restarts"] == 1 and stats["engine_failures"] == 1
         assert supervisor.last_failure in ("exited", "unreachable")  # refused before the parent saw the exit
