@@ -54,6 +54,7 @@ _LAZY = {
     "ServerStartError": "asyncvec.inference.serving.server_process",
     "free_port": "asyncvec.inference.serving.server_process",
     "wait_until_ready": "asyncvec.inference.serving.server_process",
+    "EngineSupervisor": "asyncvec.inference.serving.supervisor",
     "ParameterSpec": "asyncvec.inference.weights",
     "write_checkpoint": "asyncvec.inference.weights",
     "checkpoint_shapes": "asyncvec.inference.weights",
@@ -81,6 +82,7 @@ _NEEDS = {
     "VLLMServer": ("httpx", "serve"),
     "AsyncvecServer": ("httpx", "serve"),
     "wait_until_ready": ("httpx", "serve"),
+    "EngineSupervisor": ("httpx", "serve"),
     "VLLMPolicy": ("vllm", "vllm"),
     "VLLMVLAPolicy": ("vllm", "vllm"),
 }

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from functools import reduce
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncvec.inference.text import TextPolicy, group_by_sampling, group_identical
 from asyncvec.inference.types import (
@@ -25,6 +25,9 @@ from asyncvec.inference.types import (
     TransientBackendError,
 )
 from asyncvec.inference.weights import ParameterSpec, checkpoint_shapes, write_checkpoint
+
+if TYPE_CHECKING:
+    from asyncvec.inference.serving.supervisor import EngineSupervisor
 
 TOKEN_ID_PREFIX = "token_id:"
 SERVER_KINDS = ("asyncvec", "vllm", "sglang")
@@ -45,6 +48,15 @@ class OpenAIPolicy(TextPolicy):
     server's message). Then the futures fail with `BackendError`, or get the fallback action
     at their ``deadline_ms``. A server that comes back (restarted on the same address) is used
     again by the next batch.
+
+    **A server that dies** (``supervisor=EngineSupervisor(server)``, for a server this process
+    started as a `ServerProcess`): a failed request first goes to the supervisor, which
+    restarts a dead or hung server and has it load the last weights given to `load_weights`
+    (as that version) before anything else is sent; then the batch is retried (so
+    ``max_attempts`` must be >= 2) and answered by the restarted server. Requests that still
+    fail are answered with the flagged fallback (``fallback_on_error`` defaults to True here):
+    ``fallback=True`` and no text, which learners leave out. A publish that meets a dead
+    server is repeated once after the restart. `stats` adds the supervisor's counts.
 
     **Versions.** Every answer carries the version of the weights that produced it:
 
@@ -104,6 +116,8 @@ class OpenAIPolicy(TextPolicy):
         max_connections: connection pool size.
         return_token_ids: ask for token ids (``return_tokens_as_token_ids``: vLLM and asyncvec;
             default True except for SGLang).
+        supervisor: an `EngineSupervisor` of the server at ``base_url``: restarts it when it
+            dies or hangs (see above).
         **kwargs: `TextPolicy`/`BatchedPolicy` options (default ``max_inflight_batches=4``).
 
     Example:
@@ -133,9 +147,12 @@ class OpenAIPolicy(TextPolicy):
         update_timeout_s: float = 300.0,
         max_connections: int = 32,
         return_token_ids: bool | None = None,
+        supervisor: EngineSupervisor | None = None,
         **kwargs: Any,
     ) -> None:
         import httpx
+
+        from asyncvec.inference.serving.supervisor import EngineSupervisor
 
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"OpenAIPolicy: base_url must start with http:// or https://, got {base_url!r}")
@@ -150,10 +167,31 @@ class OpenAIPolicy(TextPolicy):
             raise ValueError(f"OpenAIPolicy: keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
         if model_dir is not None and not (Path(model_dir) / "config.json").is_file():
             raise FileNotFoundError(f"OpenAIPolicy: model_dir {str(model_dir)!r} has no config.json")
+        base_url = base_url.rstrip("/")
+        base_url = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+        if supervisor is not None:
+            if not isinstance(supervisor, EngineSupervisor):
+                raise TypeError(
+                    f"OpenAIPolicy: supervisor must be an EngineSupervisor or None, got {type(supervisor).__name__}"
+                )
+            if supervisor.url != base_url:
+                raise ValueError(
+                    f"OpenAIPolicy: base_url {base_url!r} is not the supervised server's url {supervisor.url!r}"
+                )
+            attempts = kwargs.get("max_attempts", 3)
+            if isinstance(attempts, int) and not isinstance(attempts, bool) and attempts < 2:
+                raise ValueError(
+                    f"OpenAIPolicy: max_attempts must be >= 2 with a supervisor (a batch lost with the server is "
+                    f"sent again to the restarted one), got {attempts!r}"
+                )
+            kwargs.setdefault("fallback_on_error", True)
         kwargs.setdefault("max_inflight_batches", 4)
         super().__init__(action_parser, **kwargs)
-        base_url = base_url.rstrip("/")
-        self.base_url = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
+        self.base_url = base_url
+        self.supervisor = supervisor
+        self._published: tuple[str, int] | None = None  # the last load_weights: reloaded after a restart
+        self._batch_state = threading.local()  # per batcher thread: did this batch meet a dead engine?
+        self._engine_counts = {"resubmitted_requests": 0, "failed_requests": 0}
         self.model = model
         self.server_kind = server_kind
         self.return_token_ids = server_kind != "sglang" if return_token_ids is None else bool(return_token_ids)
@@ -250,15 +288,71 @@ class OpenAIPolicy(TextPolicy):
             return len(self._tokenizer(text).input_ids)
 
     def stats(self) -> dict[str, float]:
-        """`BatchedPolicy.stats` plus ``http_requests`` (completion requests sent, retries included)."""
-        return {**super().stats(), "http_requests": self._http_requests}
+        """`BatchedPolicy.stats` plus ``http_requests`` (completion requests sent, retries included).
+
+        With a supervisor also: ``engine_failures``, ``engine_restarts``,
+        ``engine_restart_failures``, ``engine_gave_up`` (`EngineSupervisor.stats`),
+        ``resubmitted_requests`` (requests sent again after the server they were sent to died or
+        hung) and ``failed_requests`` (requests of such batches answered with the flagged
+        fallback or an error instead of a completion).
+        """
+        stats = {**super().stats(), "http_requests": self._http_requests}
+        if self.supervisor is not None:
+            with self._stats_lock:
+                stats.update(self._engine_counts)
+            stats.update(self.supervisor.stats())
+        return stats
 
     # --------------------------------------------------------------------------- forward
     def _is_transient(self, exc: BaseException) -> bool:
         return isinstance(exc, (TransientBackendError, OSError)) and not isinstance(exc, PermissionError)
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
-        return self._run_on_loop(self._complete_batch(prompts))
+        supervisor = self.supervisor
+        if supervisor is None:
+            return self._run_on_loop(self._complete_batch(prompts))
+        if getattr(self._batch_state, "engine_failed", False):
+            with self._stats_lock:
+                self._engine_counts["resubmitted_requests"] += len(prompts)
+        generation = supervisor.generation  # waits while the server is being restarted
+        try:
+            supervisor.check_alive()
+            results = self._run_on_loop(self._complete_batch(prompts))
+            if supervisor.generation != generation:  # answered across a restart: by which weights is unclear
+                raise TransientBackendError(f"{self.base_url} was restarted while the batch ran; it is sent again")
+        except Exception as exc:
+            if self._is_transient(exc):
+                # True: the server died under this batch and was restarted (if recover raises: it could
+                # not be, and this batch's requests are failed ones); False: it is fine, a plain retry
+                restarted = True
+                try:
+                    restarted = supervisor.recover(exc, generation, reload=self._republish)
+                finally:
+                    if restarted:
+                        self._batch_state.engine_failed = True
+            raise
+        supervisor.request_succeeded()
+        return results
+
+    def _run_batch_with_retries(self, batch: list[Any]) -> float | None:
+        """`BatchedPolicy`'s retries; with a supervisor, counts what became of a batch that met a dead server."""
+        if self.supervisor is None:
+            return super()._run_batch_with_retries(batch)
+        self._batch_state.engine_failed = False
+        try:
+            return super()._run_batch_with_retries(batch)
+        finally:
+            if self._batch_state.engine_failed:
+                failed = sum(_not_answered(request.future) for request in batch)
+                with self._stats_lock:
+                    self._engine_counts["failed_requests"] += failed
+            self._batch_state.engine_failed = False
+
+    def _republish(self) -> None:
+        """Load the last published weights into a restarted server (the supervisor calls this)."""
+        if self._published is not None:
+            path, version = self._published
+            self._run_on_loop(self._routes.publish(path, version), timeout_s=self.update_timeout_s + 30.0)
 
     async def _complete_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         if self.batch_requests:
@@ -357,7 +451,21 @@ class OpenAIPolicy(TextPolicy):
         if not self._identified:
             self.check_server()
         path = self._checkpoint_path(weights, version)
-        self._run_on_loop(self._routes.publish(path, version), timeout_s=self.update_timeout_s + 30.0)
+        publish_timeout = self.update_timeout_s + 30.0
+        supervisor = self.supervisor
+        if supervisor is None:
+            self._run_on_loop(self._routes.publish(path, version), timeout_s=publish_timeout)
+        else:
+            generation = supervisor.generation
+            try:
+                supervisor.check_alive()
+                self._run_on_loop(self._routes.publish(path, version), timeout_s=publish_timeout)
+            except Exception as exc:
+                # a dead server: restart it (with the last weights), then publish these once more
+                if not self._is_transient(exc) or not supervisor.recover(exc, generation, reload=self._republish):
+                    raise
+                self._run_on_loop(self._routes.publish(path, version), timeout_s=publish_timeout)
+        self._published = (path, version)
         self._prune_checkpoints()
 
     def _checkpoint_path(self, weights: Any, version: int) -> str:
@@ -591,6 +699,14 @@ def _parse_version(value: Any) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+def _not_answered(future: concurrent.futures.Future) -> bool:
+    """Whether a resolved request got an error or a fallback with nothing sampled (not a completion)."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return True
+    output = future.result()
+    return bool(output.fallback and output.text is None)
 
 
 def _tag(result: BackendResult, version: int) -> BackendResult:
