@@ -76,6 +76,7 @@ FRESH_INTERPRETER_MODULES = (
     "tests/test_multiturn_learning.py",
     "tests/test_vllm_policy.py",
     "tests/test_vla_vllm.py",
+    "tests/test_inflight_updates_vllm.py",
 )
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -141,6 +142,8 @@ HEAVY_UNITS = {
     "tests/test_vllm_server.py": 135,
     "tests/test_docs.py::test_doc_blocks_run[docs/integrations.md]": 135,
     "tests/test_distributed_collect.py": 130,
+    "tests/test_supervisor.py": 95,  # asyncvec serve killed, stopped and restarted
+    "tests/test_inflight_updates.py": 30,
     "tests/test_integrations_gymnasium.py": 110,
     "tests/test_agents_cli.py": 130,  # the agents' CLIs in subprocesses, on a user's package
     "tests/test_extras.py": 115,  # fresh interpreters without an extra; asyncvec serve and Ctrl-C

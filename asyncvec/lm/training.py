@@ -177,6 +177,9 @@ class LearnerStep:
         return stats
 
 
+_ENGINE_COUNTS = ("engine_restarts", "resubmitted_requests", "failed_requests", "inflight_swaps")
+
+
 class TrainingRun:
     """The bookkeeping around an LM agent's loop, as a context manager.
 
@@ -250,6 +253,7 @@ class TrainingRun:
             if stats["samples_used"]:
                 publish()
         elapsed = time.monotonic() - self.start
+        policy_stats = parts.policy.stats()
         row = {
             **stats,
             **{key: value for key, value in self.stages.scalars().items() if not key.endswith("_cpu_s")},
@@ -257,7 +261,9 @@ class TrainingRun:
             "charts/version": parts.versions.current_version,
             "charts/completions_per_s": parts.collector.samples / elapsed,
             "time/wall_s": elapsed,
-            "charts/policy_latency_p50_ms": parts.policy.stats()["latency_p50_ms"],
+            "charts/policy_latency_p50_ms": policy_stats["latency_p50_ms"],
+            # a supervised server (asyncvec.inference.EngineSupervisor) and in-flight updates count their events
+            **{f"engine/{key}": value for key, value in policy_stats.items() if key in _ENGINE_COUNTS},
         }
         self.history.append(row)
         self.logger.log(row, self.prompts_done)
