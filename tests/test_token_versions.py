@@ -383,3 +383,16 @@ def test_a_run_on_completions_spanning_versions_trains_and_counts_them(tiny_dir,
     assert result.updates == 2 and result.stale_fraction == 0.0 and result.staleness_mean == 1.0
     assert 0 < result.spanning_fraction <= 1
     assert all(row["token_staleness_max"] == 1 and 0 < row["token_staleness_mean"] < 1 for row in result.history)
+
+
+def test_the_agents_take_inflight_updates_from_the_command_line(tiny_dir):
+    """--inflight-updates reaches the hf policy: an async run publishes into running batches and trains on them."""
+    args = rloo.Args(model=str(tiny_dir), total_prompts=16, prompts_per_update=4, group_size=2, max_new_tokens=12,
+                     inflight_updates=True, progress=False, eval_prompts=0, mode="async")  # fmt: skip
+    agent = rloo.RLOO(args)
+    assert agent.parts.policy.inflight_updates
+    result = agent.train()
+    assert result.updates == 4 and result.final_version == result.start_version + 4
+    assert all("engine/inflight_swaps" in row for row in result.history)
+    with pytest.raises(ValueError, match="--inflight-updates needs --backend hf or vllm"):
+        rloo.Args(backend="openai", base_url="http://127.0.0.1:1", inflight_updates=True)

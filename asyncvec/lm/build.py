@@ -147,6 +147,8 @@ def make_text_policy(
         "max_wait_ms": args.policy_wait_ms,
         "deadline_ms": args.deadline_ms,
     }
+    if args.backend in ("hf", "vllm"):
+        options["inflight_updates"] = args.inflight_updates
     if args.backend == "hf":
         from asyncvec.inference import HFTextPolicy
 
