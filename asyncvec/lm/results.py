@@ -118,6 +118,7 @@ def summary(name: str, result: LMTrainResult) -> str:
             f"flagged {result.flagged_fraction:.1%}, unparsable {result.fallback_fraction:.1%}, "
             f"missed deadlines {result.missed_deadline_fraction:.1%}, "
             f"mean staleness {result.staleness_mean:.2f}, final version {result.final_version}"
+            + (f", spanning versions {result.spanning_fraction:.1%}" if result.spanning_fraction else "")
         )
         + "".join(
             f"\n  eval {when}: success {d['success']:.3f}, mean turns {d['turns_mean']:.2f}"
