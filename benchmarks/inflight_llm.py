@@ -90,10 +90,18 @@ class Args:
     """supervised steps on the expert before RL"""
     max_new_tokens: int = 6
     """completion limit per turn"""
+    num_envs: int = 32
+    """envs playing at once (their turns reach the engine batched)"""
+    prefetch_updates: int = 1
+    """async modes: updates' worth of episodes generated ahead of the learner"""
     quick: bool = False
     """a seconds-long smoke run: a 1-layer model, 2 updates per mode, one seed, no target"""
     out_dir: str | None = None
-    """where inflight_llm.md/.png/.json go (default benchmarks/results)"""
+    """where the report goes (default benchmarks/results)"""
+    name: str = "inflight_llm"
+    """the report's file name: <name>.md, .png, .json"""
+    from_json: str | None = None
+    """rebuild the report from a former run's <name>.json (its runs, setting and loads) instead of running"""
 
 
 class SlowHFTextPolicy(HFTextPolicy):
@@ -143,7 +151,8 @@ def frozen_lake_args(args: Args, seed: int, model: Path, mode: str) -> rloo.Args
     updates = 2 if args.quick else args.max_updates
     return rloo.Args(
         model=str(model), env="asyncvec/FrozenLakeText-v0", env_kwargs=json.dumps({"max_turns": 8}),
-        on_overflow="drop_oldest", max_new_tokens=args.max_new_tokens, num_envs=8 if args.quick else 32,
+        on_overflow="drop_oldest", max_new_tokens=args.max_new_tokens, num_envs=8 if args.quick else args.num_envs,
+        prefetch_updates=args.prefetch_updates,
         total_prompts=4 * updates, prompts_per_update=4, group_size=2 if args.quick else 8, gamma=1.0,
         learning_rate=1e-3, target_reward=None if args.quick else args.target_reward, kl_coef=0.05,
         temperature=0.7, eval_prompts=0, progress=False, seed=seed, timeout_s=300.0, **MODES[mode],
@@ -237,6 +246,17 @@ def summarize(runs: list[dict[str, Any]]) -> tuple[list[list[Any]], dict[str, An
             "learning_s": learning,
             "speedup_bound": per_update / max(generation, learning, 1e-9),
         }
+    after = [run for run in runs if run["mode"] == "update after batch"]
+    inflight = [run for run in runs if run["mode"] == "in-flight updates"]
+    if after and inflight:
+        # what in-flight updates can save: the learner's wait in publish (for the running batch, after-batch;
+        # for one decoding step, in flight), per update, against after-batch's time per update
+        per_update = statistics.median(run["wall_s"] / max(run["updates"], 1) for run in after)
+        saved = statistics.median(run["stages_s"]["publish"] for run in after) - statistics.median(
+            run["stages_s"]["publish"] for run in inflight
+        )
+        bound.update(after_s_per_update=per_update, publish_saved_s=saved,
+                     inflight_bound=per_update / max(per_update - max(saved, 0.0), 1e-9))  # fmt: skip
     return rows, bound
 
 
@@ -262,7 +282,8 @@ def main(args: Args) -> dict[str, Any]:
     seeds = args.seeds[:1] if args.quick else args.seeds
     setting = (
         f"RLOO on asyncvec/FrozenLakeText-v0 (4x4, 8 turns), tiny GPT-2 (2 layers x 64, 128 positions) after "
-        f"{args.warm_start_steps} supervised warm-start steps per seed; 4 groups x 8 episodes per update, 32 envs, "
+        f"{args.warm_start_steps} supervised warm-start steps per seed; 4 groups x 8 episodes per update, {args.num_envs} envs "
+        f"(async: {args.prefetch_updates} update(s) ahead), "
         f"lr 1e-3, kl 0.05, temperature 0.7, max_new_tokens {args.max_new_tokens}; at most {args.max_updates} "
         f"updates, stop at training reward {args.target_reward:g} (10-update mean, confirmed by a fresh batch); "
         f"every decoding step waits lognormal median {args.step_ms:g} ms sigma {args.step_sigma:g} (the slow "
@@ -271,6 +292,16 @@ def main(args: Args) -> dict[str, Any]:
     if args.quick:
         setting = (
             f"--quick smoke run (1-layer model, 2 updates per mode, 8 envs, groups of 2; not a measurement): {setting}"
+        )
+    command = "python benchmarks/inflight_llm.py " + " ".join(sys.argv[1:]) if __name__ == "__main__" else ""
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        return report(
+            args,
+            saved["setting"],
+            saved["machine"],
+            saved["runs"],
+            saved.get("command") or "python benchmarks/inflight_llm.py",
         )
     print(f"{setting}\nMachine: {machine_line()}", flush=True)
     loads, runs = [machine_line()], []
@@ -286,6 +317,11 @@ def main(args: Args) -> dict[str, Any]:
                     f"final {run['final_reward']:.2f}, {run['tokens_per_s']:.0f} tokens/s, spanning "
                     f"{run['spanning_fraction']:.3f}, stages {run['stages_s']} | {loads[-1]}", flush=True,
                 )  # fmt: skip
+    return report(args, setting, loads, runs, command)
+
+
+def report(args: Args, setting: str, loads: list[str], runs: list[dict[str, Any]], command: str) -> dict[str, Any]:
+    """The table, the reading, ``<name>.json``, ``.md`` and ``.png`` of the runs."""
     rows, bound = summarize(runs)
     table = markdown_table(COLUMNS, rows)
     reading = (
@@ -294,11 +330,22 @@ def main(args: Args) -> dict[str, Any]:
         f"{bound.get('learning_s', float('nan')):.2f} s; a perfect pipeline would take the slower of the two, "
         f"{bound['speedup_bound']:.2f}x faster than sync per update."
     )
+    if "inflight_bound" in bound:
+        reading += (
+            f" In-flight updates save the learner's wait in publish: after-batch takes "
+            f"{bound['after_s_per_update']:.2f} s per update, of which in-flight saves "
+            f"{bound['publish_saved_s']:.3f} s (the publish's wait for the running batch less its wait for one step), "
+            f"so at the same number of updates in-flight can be at most {bound['inflight_bound']:.2f}x after-batch."
+        )
     print(f"\n{table}\n\n{reading}", flush=True)
     folder = Path(args.out_dir) if args.out_dir is not None else RESULTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "inflight_llm.json").write_text(
-        json.dumps({"setting": setting, "machine": loads, "bound": bound, "runs": runs}, indent=1, default=str)
+    (folder / f"{args.name}.json").write_text(
+        json.dumps(
+            {"setting": setting, "machine": loads, "bound": bound, "runs": runs, "command": command},
+            indent=1,
+            default=str,
+        )
     )
     per_run = markdown_table(
         ["seed", "mode", "updates", "wall s", "reached", "final reward", "tokens/s", "spanning", "in-flight swaps"],
@@ -306,8 +353,7 @@ def main(args: Args) -> dict[str, Any]:
           r["spanning_fraction"], r["inflight_swaps"]] for r in runs],
     )  # fmt: skip
     save_report(
-        "inflight_llm", table, plot(runs, args.target_reward), out_dir=folder,
-        command="python benchmarks/inflight_llm.py" + (" --quick" if args.quick else ""),
+        args.name, table, plot(runs, args.target_reward), out_dir=folder, command=command,
         notes=f"{setting}.\n\n{reading}\n\nLoad during the runs: " + "; ".join(loads) + f"\n\n{per_run}",
     )  # fmt: skip
     return {"rows": rows, "bound": bound, "runs": runs, "table": table}
