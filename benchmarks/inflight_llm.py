@@ -301,7 +301,8 @@ def main(args: Args) -> dict[str, Any]:
             saved["setting"],
             saved["machine"],
             saved["runs"],
-            saved.get("command") or "python benchmarks/inflight_llm.py",
+            (saved.get("command") or "python benchmarks/inflight_llm.py")
+            + f" (report rebuilt: --from-json {args.from_json})",
         )
     print(f"{setting}\nMachine: {machine_line()}", flush=True)
     loads, runs = [machine_line()], []
