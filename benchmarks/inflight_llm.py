@@ -94,6 +94,8 @@ class Args:
     """envs playing at once (their turns reach the engine batched)"""
     prefetch_updates: int = 1
     """async modes: updates' worth of episodes generated ahead of the learner"""
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    """which of the modes to run (default all three: "in-flight updates", "update after batch", "sync")"""
     quick: bool = False
     """a seconds-long smoke run: a 1-layer model, 2 updates per mode, one seed, no target"""
     out_dir: str | None = None
@@ -279,6 +281,9 @@ def plot(runs: list[dict[str, Any]], target: float) -> Any:
 
 def main(args: Args) -> dict[str, Any]:
     torch.set_num_threads(1)
+    unknown = [mode for mode in args.modes if mode not in MODES]
+    if unknown or not args.modes:
+        raise ValueError(f"--modes must name some of {list(MODES)}, got {args.modes!r}")
     seeds = args.seeds[:1] if args.quick else args.seeds
     setting = (
         f"RLOO on asyncvec/FrozenLakeText-v0 (4x4, 8 turns), tiny GPT-2 (2 layers x 64, 128 positions) after "
@@ -309,7 +314,7 @@ def main(args: Args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="inflight-llm-") as scratch:
         for seed in seeds:
             model = warm_start(Path(scratch) / f"seed{seed}", seed, args)
-            for mode in MODES:
+            for mode in args.modes:
                 run = run_one(args, seed, model, mode)
                 runs.append(run)
                 loads.append(machine_line())
