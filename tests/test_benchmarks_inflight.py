@@ -34,3 +34,8 @@ def test_quick_run_writes_the_table_and_the_plot(tmp_path) -> None:
         if run["mode"] != "in-flight updates":  # only in-flight updates make a sample span versions
             assert run["spanning_fraction"] == 0.0 and run["inflight_swaps"] == 0, run
     assert out["bound"]["speedup_bound"] >= 1.0
+
+
+def test_unknown_mode_is_refused_by_name(tmp_path) -> None:
+    with pytest.raises(ValueError, match="--modes"):
+        inflight_llm.main(inflight_llm.Args(quick=True, modes=["fast"], out_dir=str(tmp_path)))
