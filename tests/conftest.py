@@ -142,7 +142,7 @@ HEAVY_UNITS = {
     "tests/test_vllm_server.py": 135,
     "tests/test_docs.py::test_doc_blocks_run[docs/integrations.md]": 135,
     "tests/test_distributed_collect.py": 130,
-    "tests/test_supervisor.py": 95,  # asyncvec serve killed, stopped and restarted
+    "tests/test_supervisor.py": 150,  # asyncvec serve killed, stopped and restarted; a vLLM server killed (two starts)
     "tests/test_inflight_updates.py": 30,
     "tests/test_integrations_gymnasium.py": 110,
     "tests/test_agents_cli.py": 130,  # the agents' CLIs in subprocesses, on a user's package

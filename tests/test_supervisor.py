@@ -311,12 +311,7 @@ def test_a_supervised_policy_needs_its_server_and_a_retry():
 # ---------------------------------------------------------------------------------- a vLLM server
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # two vLLM server starts: one to three minutes each on a loaded 2-core machine
-@pytest.mark.skipif(
-    os.environ.get("ASYNCVEC_SLOW_SERVER_TESTS") != "1",
-    reason="two vLLM server starts (70-120 s here): run with ASYNCVEC_SLOW_SERVER_TESTS=1",
-)
 def test_a_killed_vllm_server_is_restarted_and_reloads_the_published_weights(tmp_path):
-    pytest.importorskip("vllm")
     from asyncvec.inference import VLLMServer
     from asyncvec.testing.checks import LOGP_TOLERANCE, VersionedReference
 
