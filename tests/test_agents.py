@@ -24,6 +24,7 @@ from asyncvec.agents import ppo, sac
 from asyncvec.agents.common import env_spaces, final_return_text, make_env_fn
 from asyncvec.buffers.rollout import Segment
 from asyncvec.metrics import EpisodeStats, StageClock
+from asyncvec.normalization import RewardScaler
 
 
 class ActionEchoEnv(gym.Env):
@@ -364,7 +365,7 @@ def learner():
         agent.optimizer.load_state_dict(initial["optimizer"])
         agent.max_staleness = agent.versions.max_lag = agent.args.max_staleness
         agent.reward_scaler = (
-            ppo.RewardScaler(agent.args.num_envs, agent.args.gamma) if agent.args.normalize_rewards else None
+            RewardScaler(agent.args.num_envs, agent.args.gamma) if agent.args.normalize_rewards else None
         )
         torch.manual_seed(0)
         return agent

@@ -27,6 +27,7 @@ from asyncvec.vector.errors import (
     NoAsyncCallError,
     error_from_payload,
 )
+from asyncvec.vector.faults import check_fault_settings
 from asyncvec.vector.observations import ObservationBuffers, take_info
 from asyncvec.vector.placement import check_placement_arguments, place_envs, probe_skip_reason
 from asyncvec.vector.split_obs import is_fixed_shape, shared_subspace
@@ -165,13 +166,10 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         if not 1 <= self.batch_size <= self.num_envs:
             raise ValueError(f"batch_size must be in [1, num_envs={self.num_envs}], got {batch_size}")
         self.autoreset_mode = AutoresetMode(autoreset_mode)
-        if step_timeout is not None and step_timeout <= 0:
-            raise ValueError(f"step_timeout must be positive seconds or None, got {step_timeout}")
-        if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        check_fault_settings(step_timeout, max_restarts, in_process)
         if observation_mode not in ("same", "different"):
             raise ValueError(f"observation_mode must be 'same' or 'different', got {observation_mode!r}")
-        check_placement_arguments(envs_per_worker, in_process, step_timeout, backend)
+        check_placement_arguments(envs_per_worker, in_process, backend)
         self.copy = copy
         self.validate_actions = validate_actions
         self.context = context
@@ -666,12 +664,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
 
     @step_timeout.setter
     def step_timeout(self, seconds: float | None) -> None:
-        if seconds is not None and seconds <= 0:
-            raise ValueError(f"step_timeout must be positive seconds or None, got {seconds}")
-        if seconds is not None and self.placement.in_process:
-            raise ValueError(
-                "step_timeout cannot be enforced on envs stepped in process (a step cannot be interrupted)"
-            )
+        check_fault_settings(seconds, self.max_restarts, self.placement.in_process)
         self._dispatch.step_timeout = seconds
 
     @property
@@ -681,8 +674,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
 
     @max_restarts.setter
     def max_restarts(self, count: int) -> None:
-        if count < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {count}")
+        check_fault_settings(self.step_timeout, count, self.placement.in_process)
         self._dispatch.faults.max_restarts = int(count)
 
     @property

@@ -21,9 +21,26 @@ from asyncvec.vector.errors import WorkerError, error_from_payload
 if TYPE_CHECKING:
     from asyncvec.vector.dispatch import Dispatcher
 
-__all__ = ["ENV_COMMANDS", "Restarts", "restart_seed"]
+__all__ = ["ENV_COMMANDS", "Restarts", "check_fault_settings", "restart_seed"]
 
 ENV_COMMANDS = ("step", "reset")  # commands that run an env forward: they time out, fail over and restart
+
+
+def check_fault_settings(step_timeout: float | None, max_restarts: int, in_process: bool | None) -> None:
+    """Refuses fault settings that are out of range or cannot be enforced (at construction and when set later).
+
+    Example:
+        >>> check_fault_settings(1.0, 0, in_process=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)
+    """
+    if step_timeout is not None and step_timeout <= 0:
+        raise ValueError(f"step_timeout must be positive seconds or None, got {step_timeout}")
+    if max_restarts < 0:
+        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+    if in_process and step_timeout is not None:
+        raise ValueError("in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)")
 
 
 def restart_seed(seed: int, restarts: int) -> int:

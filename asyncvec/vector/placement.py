@@ -177,16 +177,14 @@ def choose_placement(num_envs: int, profile: StepProfile, cores: int, can_run_in
     return Placement(False, k, workers, f"{why}; {measured}", profile)
 
 
-def check_placement_arguments(
-    envs_per_worker: Any, in_process: bool | None, step_timeout: float | None, backend: Any
-) -> None:
+def check_placement_arguments(envs_per_worker: Any, in_process: bool | None, backend: Any) -> None:
     """Refuses ``AsyncLLMVectorEnv`` placement arguments that do not fit together, before anything starts.
 
     Example:
-        >>> check_placement_arguments(None, True, 1.0, "process")
+        >>> check_placement_arguments(4, True, "process")
         Traceback (most recent call last):
         ...
-        ValueError: in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)
+        ValueError: in_process=True runs every env in this process: do not also give envs_per_worker
     """
     if envs_per_worker is not None and (
         isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, (int, np.integer)) or envs_per_worker < 1
@@ -196,8 +194,6 @@ def check_placement_arguments(
         )
     if in_process and envs_per_worker is not None:
         raise ValueError("in_process=True runs every env in this process: do not also give envs_per_worker")
-    if in_process and step_timeout is not None:
-        raise ValueError("in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)")
     if in_process and backend != "process":
         raise ValueError(f"in_process=True needs the default backend='process', got backend={backend!r}")
 
