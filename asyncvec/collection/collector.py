@@ -36,6 +36,21 @@ __all__ = ["Collector", "Sink"]
 Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
 
 
+def check_sink(sink: Any, num_envs: int, source: str) -> None:
+    """Refuses a sink a collector cannot write to; ``source`` says what has ``num_envs`` envs ("the env has").
+
+    Example:
+        >>> check_sink(object(), 4, "the env has")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: sink must be a RolloutStore, a ReplayBuffer or a callable, got object
+    """
+    if isinstance(sink, RolloutStore) and sink.num_envs != num_envs:
+        raise ValueError(f"RolloutStore has num_envs={sink.num_envs}, {source} {num_envs}")
+    if not isinstance(sink, (RolloutStore, ReplayBuffer)) and not callable(sink):
+        raise TypeError(f"sink must be a RolloutStore, a ReplayBuffer or a callable, got {type(sink).__name__}")
+
+
 def _write(sink: Sink, t: Transitions) -> None:
     if callable(sink):
         sink(t)
@@ -113,10 +128,7 @@ class Collector(BackgroundCollector):
             raise ValueError("Collector needs autoreset_mode NEXT_STEP or SAME_STEP, got DISABLED")
         if not callable(getattr(policy, "submit", None)):
             raise TypeError(f"policy must have submit(obs, env_id=...), got {type(policy).__name__}")
-        if isinstance(sink, RolloutStore) and sink.num_envs != env.num_envs:
-            raise ValueError(f"RolloutStore has num_envs={sink.num_envs}, the env has {env.num_envs}")
-        if not isinstance(sink, (RolloutStore, ReplayBuffer)) and not callable(sink):
-            raise TypeError(f"sink must be a RolloutStore, a ReplayBuffer or a callable, got {type(sink).__name__}")
+        check_sink(sink, env.num_envs, "the env has")
         super().__init__()
         self.env = env
         self.policy = policy

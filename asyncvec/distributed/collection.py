@@ -33,7 +33,7 @@ from gymnasium.vector import AutoresetMode
 
 from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions
 from asyncvec.collection.base import BackgroundCollector, CollectorError
-from asyncvec.collection.collector import Sink
+from asyncvec.collection.collector import Sink, check_sink
 from asyncvec.distributed.collector_actor import CollectorActor
 from asyncvec.distributed.runtime import connect, feasible_nodes, placement_problem, required_resources
 from asyncvec.inference.types import Policy
@@ -280,10 +280,7 @@ class DistributedCollector(BackgroundCollector):
             raise ValueError("DistributedCollector: the RayCollectors are closed")
         if not callable(policy_fn):
             raise TypeError(f"policy_fn must be a function building a policy, got {type(policy_fn).__name__}")
-        if isinstance(sink, RolloutStore) and sink.num_envs != collectors.num_envs:
-            raise ValueError(f"RolloutStore has num_envs={sink.num_envs}, the collectors have {collectors.num_envs}")
-        if not isinstance(sink, (RolloutStore, ReplayBuffer)) and not callable(sink):
-            raise TypeError(f"sink must be a RolloutStore, a ReplayBuffer or a callable, got {type(sink).__name__}")
+        check_sink(sink, collectors.num_envs, "the collectors have")
         if max_buffered_steps is not None and max_buffered_steps < 1:
             raise ValueError(f"max_buffered_steps must be >= 1, got {max_buffered_steps}")
         super().__init__()

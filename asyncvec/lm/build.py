@@ -19,7 +19,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gymnasium as gym
 
@@ -40,6 +40,9 @@ from asyncvec.lm.rewards import RewardService
 from asyncvec.lm.text_env import check_text_env, text_space
 from asyncvec.runs import check_env_id
 from asyncvec.versioning import LaggedWeights
+
+if TYPE_CHECKING:
+    import torch
 
 
 def is_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool:
@@ -245,6 +248,17 @@ def check_given_policy(policy: Any, args: LMArgs) -> None:
         )
 
 
+def version_manager(policy: Any, learner: torch.nn.Module, args: LMArgs, sync: bool) -> VersionManager:
+    """The run's `VersionManager`, publishing to ``policy`` ``--policy-lag`` versions late. ``sync`` (a given
+    policy or a server, whose weights may not be the learner's): the learner's weights are loaded first, as
+    version ``starting_version(policy) + 1``."""
+    versions = VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)
+    if sync:
+        policy.load_weights({k: v.detach().clone() for k, v in learner.state_dict().items()}, versions.current_version)
+    versions.register(LaggedWeights(policy, args.policy_lag))
+    return versions
+
+
 def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
     """:func:`build_parts` for a multi-turn env: an ``AsyncLLMVectorEnv`` of ``--num-envs`` envs
     and an ``EpisodeCollector`` (``--group-size`` episodes per reset seed) instead of prompts,
@@ -282,14 +296,7 @@ def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) 
             policy = stack.enter_context(
                 make_text_policy(batching, model_dir, text_space(), workdir / "weights", action_parser=str)
             )
-        versions = stack.enter_context(
-            VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)
-        )
-        if sync:
-            policy.load_weights(
-                {k: v.detach().clone() for k, v in learner.state_dict().items()}, versions.current_version
-            )
-        versions.register(LaggedWeights(policy, args.policy_lag))
+        versions = stack.enter_context(version_manager(policy, learner, args, sync))
         collector = stack.enter_context(
             EpisodeCollector(
                 envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
@@ -344,14 +351,7 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMPar
             check_given_policy(policy, args)
         else:
             policy = stack.enter_context(make_text_policy(args, model_dir, env.action_space, workdir / "weights"))
-        versions = stack.enter_context(
-            VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)
-        )
-        if sync:
-            policy.load_weights(
-                {k: v.detach().clone() for k, v in learner.state_dict().items()}, versions.current_version
-            )
-        versions.register(LaggedWeights(policy, args.policy_lag))
+        versions = stack.enter_context(version_manager(policy, learner, args, sync))
         collector = stack.enter_context(GroupCollector(policy, rewarder, iter_prompts(env, args.seed), args.group_size))
         return LMParts(
             model_dir,
