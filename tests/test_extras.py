@@ -161,3 +161,44 @@ def test_torch_libraries_built_for_another_torch_do_not_break_transformers(tmp_p
     assert "torchvision (version unknown): operator torchvision::nms does not exist" in warning
     assert "torchaudio (version unknown): libc10_cuda.so" in warning
     assert "pip uninstall -y torchvision torchaudio" in warning
+
+
+def test_the_serve_extra_declares_every_library_the_serving_code_imports():
+    """`pip install asyncvec[serve]` must bring what the servers and their client import (psutil was missing: a
+    server could not be stopped or restarted in such an install)."""
+    import ast
+    import importlib.metadata as metadata
+    import re
+
+    from packaging.requirements import Requirement
+
+    declared = set()
+    for line in metadata.requires("asyncvec") or []:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": "serve"}):
+            declared.add(re.sub(r"[-_.]+", "-", requirement.name).lower())
+    pending = list(declared)  # and what they install in turn (starlette comes with fastapi)
+    while pending:
+        for line in metadata.requires(pending.pop()) or []:
+            requirement = Requirement(line)
+            name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+            if requirement.marker is None and name not in declared:
+                declared.add(name)
+                pending.append(name)
+    root = Path(__file__).resolve().parents[1] / "asyncvec" / "inference"
+    files = [*sorted((root / "serving").glob("*.py")), root / "backends" / "openai_policy.py"]
+    distributions = metadata.packages_distributions()
+    missing = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top == "asyncvec" or top in ("vllm", "ray"):  # not serve's
+                    continue
+                owners = {re.sub(r"[-_.]+", "-", d).lower() for d in distributions.get(top, [top])}
+                if not owners & declared:
+                    missing.setdefault(top, []).append(path.name)
+    assert not missing, f"imported but not in the serve extra (or the base install): {missing}"
