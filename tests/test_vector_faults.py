@@ -415,3 +415,13 @@ def test_fault_settings_set_after_construction_apply() -> None:
             envs.max_restarts = -1
     finally:
         envs.close()
+
+
+def test_a_step_timeout_set_on_envs_placed_in_process_is_refused_saying_why() -> None:
+    envs = AsyncLLMVectorEnv([lambda: gym.make("CartPole-v1")] * 2, in_process=True)
+    try:
+        with pytest.raises(ValueError, match="chosen by placement for a cheap env.*in_process=False"):
+            envs.step_timeout = 1.0
+        assert envs.step_timeout is None
+    finally:
+        envs.close()

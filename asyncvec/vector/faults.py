@@ -33,14 +33,17 @@ def check_fault_settings(step_timeout: float | None, max_restarts: int, in_proce
         >>> check_fault_settings(1.0, 0, in_process=True)
         Traceback (most recent call last):
         ...
-        ValueError: in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)
+        ValueError: envs stepped in this process (in_process=True, or chosen by placement for a cheap env) cannot enforce step_timeout: a step there cannot be interrupted; build the env with in_process=False
     """
     if step_timeout is not None and step_timeout <= 0:
         raise ValueError(f"step_timeout must be positive seconds or None, got {step_timeout}")
     if max_restarts < 0:
         raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
     if in_process and step_timeout is not None:
-        raise ValueError("in_process=True cannot enforce step_timeout (an in-process step cannot be interrupted)")
+        raise ValueError(
+            "envs stepped in this process (in_process=True, or chosen by placement for a cheap env) cannot enforce "
+            "step_timeout: a step there cannot be interrupted; build the env with in_process=False"
+        )
 
 
 def restart_seed(seed: int, restarts: int) -> int:
