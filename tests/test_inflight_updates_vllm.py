@@ -31,6 +31,7 @@ def policy(model_dir):
         fallback=lambda obs, env_id: "",
         inflight_updates=True,
         max_new_tokens=NEW_TOKENS,
+        max_inflight_batches=2,  # batches share the engine (continuous admission) and updates still land mid-step
         max_batch_size=len(PROMPTS),  # a batch waits (up to 2 s) for all of PROMPTS: one batch, whatever the load
         max_wait_ms=2000,
         engine_kwargs=ENGINE,

@@ -159,7 +159,7 @@ def test_deadlines_give_fallbacks_over_the_engine(policy):
 
 
 def test_bad_constructor_arguments_fail_before_an_engine_starts(model_dir):
-    with pytest.raises(ValueError, match="max_inflight_batches must be 1"):
-        VLLMPolicy(model_dir, text_action, action_space=gym.spaces.Text(8), max_inflight_batches=2)
+    with pytest.raises(ValueError, match="max_inflight_batches must be an int >= 1"):
+        VLLMPolicy(model_dir, text_action, action_space=gym.spaces.Text(8), max_inflight_batches=0)
     with pytest.raises(FileNotFoundError, match="no model folder"):
         VLLMPolicy(model_dir / "missing", text_action, action_space=gym.spaces.Text(8))

@@ -117,6 +117,9 @@ class LMArgs:
     """largest batch the policy's DynamicBatcher sends to the model (multi-turn: at most --num-envs)"""
     policy_wait_ms: float = 20.0
     """longest the policy's batcher waits to fill a batch (over HTTP each batch is one request)"""
+    policy_inflight_batches: int = 1
+    """batches the policy runs at once (vllm: they share the engine, continuous admission; openai: requests in
+    flight at once); without --inflight-updates a weight update waits for all of them"""
     deadline_ms: float | None = None
     """a completion not ready this long after its request gets the fallback and is never trained on"""
     eval_prompts: int = 200
@@ -152,6 +155,7 @@ class LMArgs:
             "num_minibatches",
             "max_new_tokens",
             "policy_batch_size",
+            "policy_inflight_batches",
             "torch_threads",
             "prefetch_updates",
             "num_envs",

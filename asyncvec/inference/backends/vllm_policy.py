@@ -97,6 +97,13 @@ class VLLMPolicy(TextPolicy):
       set, so every later answer comes from the new weights and carries the new version; vLLM
       records the version of every sampled token, and a batch whose tokens span two versions
       raises instead of being delivered.
+    * **Continuous admission** (``max_inflight_batches=k > 1``): up to ``k`` batches share the
+      engine at once. Each batch is enqueued (``LLM.enqueue``) and the engine is stepped
+      (``llm_engine.step()``) by whichever waiting batch holds it, so a new batch's requests
+      join the running ones between two engine steps and each batch returns as soon as its own
+      requests finish. Without in-flight updates `load_weights` drains the engine: it holds new
+      batches back, waits for the running ones to finish and swaps (every answer still has one
+      version).
     * **In-flight updates** (``inflight_updates=True``): a batch is driven step by step
       (``LLM.enqueue``, then ``llm_engine.step()`` until it is done) and `load_weights` waits for
       the running engine step only. Between two steps it reloads the weights in place, preempts
@@ -120,7 +127,7 @@ class VLLMPolicy(TextPolicy):
         max_new_tokens, temperature, top_p: default sampling settings.
         engine_kwargs: passed to ``vllm.LLM`` (e.g. ``dtype="float32"``, ``max_model_len=128``,
             ``enforce_eager=True``, ``seed=0``).
-        **kwargs: `BatchedPolicy` options (``max_inflight_batches`` must stay 1: one engine).
+        **kwargs: `BatchedPolicy` options (``max_inflight_batches > 1``: continuous admission, above).
 
     Example (about a minute on a loaded 2-core CPU):
         >>> policy = VLLMPolicy(folder, int, action_space=gym.spaces.Discrete(10),  # doctest: +SKIP
@@ -142,8 +149,6 @@ class VLLMPolicy(TextPolicy):
         **kwargs: Any,
     ) -> None:
         vllm = _import_vllm()
-        if kwargs.get("max_inflight_batches", 1) != 1:
-            raise ValueError("VLLMPolicy: max_inflight_batches must be 1 (vllm.LLM.generate is not re-entrant)")
         folder = Path(model)
         if not folder.is_dir():
             raise FileNotFoundError(f"VLLMPolicy: no model folder at {folder}")
@@ -164,7 +169,10 @@ class VLLMPolicy(TextPolicy):
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.parameters = ParameterSpec.from_model_dir(folder)
         self._tokenizer_lock = threading.Lock()
-        self._stepping = False  # a batch is being driven step by step (in-flight updates)
+        # the engine is not thread-safe: enqueue, step, abort and reload take this lock (after the version lock)
+        self._engine_lock = threading.Lock()
+        self._finished: dict[str, Any] = {}  # finished outputs by request id, until their batch takes them
+        self._shared_engine = kwargs.get("max_inflight_batches", 1) > 1
         self._set_engine_version(self.policy_version)
 
     # ------------------------------------------------------------------------- checks
@@ -186,7 +194,7 @@ class VLLMPolicy(TextPolicy):
             params.append(self._sampling_params(prompt, n=len(group)))
             owners.append(group)
         start_version = self.policy_version
-        if self.inflight_updates:
+        if self.inflight_updates or self._shared_engine:
             outputs = self._generate_stepwise(requests, params)
         else:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -204,24 +212,35 @@ class VLLMPolicy(TextPolicy):
 
     def _generate_stepwise(self, requests: list[Any], params: list[Any]) -> list[Any]:
         """``LLM.generate`` one engine step at a time, each step a `_decoding_step` (a weight
-        update lands between two steps); the outputs in request order, as ``generate`` returns them."""
+        update lands between two steps); the outputs in request order, as ``generate`` returns them.
+
+        Batches running at once (``max_inflight_batches > 1``) share the engine: whichever of them
+        holds it steps it for all, and each collects its own finished requests."""
         engine = self.llm.llm_engine
-        ids = self.llm.enqueue(requests, params, use_tqdm=False)
-        finished = []
-        self._stepping = True
+        with self._engine_lock:
+            internal = self.llm.enqueue(requests, params, use_tqdm=False)
+        # outputs carry the id the LLM gave a request; the engine appends a random suffix to it
+        ids = [request_id.rsplit("-", 1)[0] for request_id in internal]
+        mine = set(ids)
         try:
-            while engine.has_unfinished_requests():
-                with self._decoding_step():
-                    step_outputs = engine.step()
-                finished.extend(output for output in step_outputs if output.finished)
+            while True:
+                with self._decoding_step(), self._engine_lock:
+                    if mine <= self._finished.keys():
+                        return [self._finished.pop(request_id) for request_id in ids]  # LLM.generate's order
+                    if not engine.has_unfinished_requests():
+                        raise RuntimeError(
+                            f"{self._label}: vLLM has no unfinished request but {len(mine - self._finished.keys())} "
+                            f"of a batch's {len(ids)} never finished"
+                        )
+                    for output in engine.step():
+                        if output.finished:
+                            self._finished[str(output.request_id)] = output
         except BaseException:
-            engine.abort_request(list(ids), internal=True)  # leave no request of a failed batch in the engine
+            with self._engine_lock:  # leave no request of a failed batch in the engine
+                engine.abort_request(list(internal), internal=True)
+                for request_id in ids:
+                    self._finished.pop(request_id, None)
             raise
-        finally:
-            self._stepping = False
-        if len(finished) != len(ids):
-            raise RuntimeError(f"{self._label}: vLLM finished {len(finished)} of {len(ids)} requests")
-        return sorted(finished, key=lambda output: int(output.request_id))  # LLM.generate's order
 
     def _sampling_params(self, prompt: TextPrompt, n: int) -> Any:
         return self._vllm.SamplingParams(
@@ -255,8 +274,9 @@ class VLLMPolicy(TextPolicy):
     def _apply_weights(self, weights: Any, version: int) -> None:
         state = state_dict_of(weights)
         self.parameters.check({name: tuple(t.shape) for name, t in state.items()}, where=f"{self._label}: weights")
-        running = self._stepping  # called between two steps of a running batch (in-flight updates)
-        reload_engine_weights(self.llm, self.parameters.complete(state), version, preempt_running=running)
+        with self._engine_lock:
+            running = self.llm.llm_engine.has_unfinished_requests()  # between two steps of running requests
+            reload_engine_weights(self.llm, self.parameters.complete(state), version, preempt_running=running)
         if running:
             self._count_inflight_swap()
 
