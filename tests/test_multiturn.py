@@ -531,6 +531,16 @@ def test_the_experts_conversations_fit_the_context_as_the_collectors_do(tmp_path
     assert rloo.RLOO(args).train().updates == 1
 
 
+def test_the_experts_answers_can_be_rendered_and_the_conversation_keeps_the_rendered_ones(tmp_path):
+    # e.g. benchmarks/inflight_llm.py's long completions: the action first, then the model writes on
+    tokenizer = load_causal_lm(build_tiny_lm(tmp_path / "m", n_layer=1, n_embd=32, max_positions=512, seed=0))[1]
+    args = rloo.Args(env="asyncvec/FrozenLakeText-v0", env_kwargs='{"max_turns": 8}', max_new_tokens=16)
+    plain = list(itertools.islice(expert_conversations(args, tokenizer), 6))
+    dotted = list(itertools.islice(expert_conversations(args, tokenizer, render_answer=lambda a: a + "...."), 6))
+    assert [answer for _, answer in dotted] == [answer + "...." for _, answer in plain]  # the env still parses them
+    assert tokenizer.decode(dotted[1][0]).count("....") == 1 and "...." not in tokenizer.decode(plain[1][0])
+
+
 def test_an_env_says_whether_it_is_multi_turn():
     # the example envs and the TextEnv wrapper declare metadata["multi_turn"]; nothing is stepped to guess it
     assert is_multi_turn("asyncvec/CalculatorTool-v0", {}) and is_multi_turn("asyncvec/GuessNumber-v0", {})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gymnasium as gym
@@ -106,13 +106,17 @@ def solved_prompts(env_id: str, seed: int) -> Iterator[tuple[str, str]]:
 
 
 def expert_conversations(
-    args: LMArgs, tokenizer: Any, max_context_tokens: int | None = None
+    args: LMArgs,
+    tokenizer: Any,
+    max_context_tokens: int | None = None,
+    render_answer: Callable[[str], str] | None = None,
 ) -> Iterator[tuple[list[int], str]]:
     """Endless ``(prompt ids, answer)`` pairs of a multi-turn env played by its own expert
     (``env.unwrapped.expert_completion()``), rendered as the collector renders them, for
     :func:`asyncvec.lm.sft_warm_start`: a prompt over ``max_context_tokens - --max-new-tokens``
     ends the expert's episode there (``--on-overflow truncate``) or drops its oldest turns
-    (``drop_oldest``), as ``EpisodeCollector`` does."""
+    (``drop_oldest``), as ``EpisodeCollector`` does. ``render_answer`` rewrites each expert answer
+    before it is taught and played (e.g. a reasoning prefix; the env must still parse it)."""
     env = gym.make(args.env, **json.loads(args.env_kwargs))
     try:
         expert = env.get_wrapper_attr("expert_completion")
@@ -142,7 +146,7 @@ def expert_conversations(
                     if shorter is None:
                         break  # the collector ends such an episode truncated
                     chat = shorter
-                answer = expert()
+                answer = expert() if render_answer is None else render_answer(expert())
                 yield list(chat.ids), answer
                 chat.add_completion(tokenizer(answer).input_ids + [tokenizer.eos_token_id], answer)
                 obs, _, terminated, truncated, _ = env.step(answer)

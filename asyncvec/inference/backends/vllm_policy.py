@@ -232,7 +232,7 @@ class VLLMPolicy(TextPolicy):
                             f"{self._label}: vLLM has no unfinished request but {len(mine - self._finished.keys())} "
                             f"of a batch's {len(ids)} never finished"
                         )
-                    for output in engine.step():
+                    for output in self._engine_step():
                         if output.finished:
                             self._finished[str(output.request_id)] = output
         except BaseException:
@@ -241,6 +241,10 @@ class VLLMPolicy(TextPolicy):
                 for request_id in ids:
                     self._finished.pop(request_id, None)
             raise
+
+    def _engine_step(self) -> list[Any]:
+        """One step of the engine (held by the caller: version step and engine lock): its outputs."""
+        return list(self.llm.llm_engine.step())
 
     def _sampling_params(self, prompt: TextPrompt, n: int) -> Any:
         return self._vllm.SamplingParams(
