@@ -90,8 +90,12 @@ class Args:
     """the learner: RLOO (lr 1e-3) or REINFORCE++ (its own defaults: lr 5e-4, 2 epochs, clip 0.2)"""
     backend: Literal["vllm", "hf"] = "vllm"
     """the engine: in-process vLLM with continuous admission, or transformers (one static batch at a time)"""
-    policy_inflight_batches: int = 4
-    """vllm: batches sharing the engine at once (continuous admission)"""
+    policy_batch_size: int = 1
+    """requests per batch: 1 lets each turn join and leave the engine on its own (continuous batching)"""
+    policy_inflight_batches: int = 32
+    """vllm: batches sharing the engine at once (continuous admission; with --policy-batch-size 1, the turns)"""
+    kl_coef: float = 0.05
+    """KL penalty against the warm-started model"""
     step_ms: float = 10.0
     """median wait added to every engine step (lognormal)"""
     step_sigma: float = 0.3
@@ -211,8 +215,9 @@ def frozen_lake_args(args: Args, seed: int, model: Path, mode: str) -> Any:
         model=str(model), env="asyncvec/FrozenLakeText-v0", env_kwargs=json.dumps({"max_turns": 8}),
         on_overflow="drop_oldest", max_new_tokens=args.max_new_tokens, num_envs=8 if args.quick else args.num_envs,
         prefetch_updates=args.prefetch_updates, policy_inflight_batches=args.policy_inflight_batches,
+        policy_batch_size=args.policy_batch_size,
         total_prompts=4 * updates, prompts_per_update=4, group_size=2 if args.quick else 8, gamma=1.0,
-        target_reward=None if args.quick else args.target_reward, kl_coef=0.05,
+        target_reward=None if args.quick else args.target_reward, kl_coef=args.kl_coef,
         temperature=0.7, eval_prompts=0, progress=False, seed=seed, timeout_s=300.0, **own, **MODES[mode],
     )  # fmt: skip
 

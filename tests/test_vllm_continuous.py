@@ -100,4 +100,23 @@ def test_updates_under_load_every_answer_matches_its_version(policy, reference):
     assert report.ok(), report
     assert report.versions_seen[-1] == start + 2 and policy.engine_version() == str(start + 2)
     assert policy.stats()["inflight_swaps"] == 0  # a drain swaps with nothing running
-    assert not policy.llm.llm_engine.has_unfinished_requests() and not policy._finished
+    assert not policy.llm.llm_engine.has_unfinished_requests() and not policy._waiting
+
+
+def test_a_failed_engine_step_fails_its_batches_leaves_nothing_in_the_engine_and_the_retry_answers(policy):
+    engine_step, calls = policy._engine_step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("engine step failed")
+        return engine_step()
+
+    retries = policy.stats()["retries"]
+    policy._engine_step = failing_step
+    try:
+        out = policy.submit(TextPrompt("5+5=", max_new_tokens=20)).result(timeout=120)
+    finally:
+        del policy._engine_step
+    assert len(calls) > 3 and policy.stats()["retries"] == retries + 1 and out.token_ids
+    assert not policy.llm.llm_engine.has_unfinished_requests() and not policy._waiting

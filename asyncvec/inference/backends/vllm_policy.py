@@ -169,10 +169,12 @@ class VLLMPolicy(TextPolicy):
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.parameters = ParameterSpec.from_model_dir(folder)
         self._tokenizer_lock = threading.Lock()
-        # the engine is not thread-safe: enqueue, step, abort and reload take this lock (after the version lock)
-        self._engine_lock = threading.Lock()
-        self._finished: dict[str, Any] = {}  # finished outputs by request id, until their batch takes them
-        self._shared_engine = kwargs.get("max_inflight_batches", 1) > 1
+        # the engine is not thread-safe: enqueue, step, abort and reload hold this (after the version lock)
+        self._engine_lock = threading.Condition()
+        self._waiting: dict[str, _Waiting] = {}  # the batch waiting for each request id in the engine
+        self._stepper: threading.Thread | None = None  # steps the engine while requests wait (stepwise mode)
+        self._engine_closed = False
+        self._stepwise = self.inflight_updates or kwargs.get("max_inflight_batches", 1) > 1
         self._set_engine_version(self.policy_version)
 
     # ------------------------------------------------------------------------- checks
@@ -194,7 +196,7 @@ class VLLMPolicy(TextPolicy):
             params.append(self._sampling_params(prompt, n=len(group)))
             owners.append(group)
         start_version = self.policy_version
-        if self.inflight_updates or self._shared_engine:
+        if self._stepwise:
             outputs = self._generate_stepwise(requests, params)
         else:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -211,36 +213,62 @@ class VLLMPolicy(TextPolicy):
         return results  # type: ignore[return-value]
 
     def _generate_stepwise(self, requests: list[Any], params: list[Any]) -> list[Any]:
-        """``LLM.generate`` one engine step at a time, each step a `_decoding_step` (a weight
-        update lands between two steps); the outputs in request order, as ``generate`` returns them.
-
-        Batches running at once (``max_inflight_batches > 1``) share the engine: whichever of them
-        holds it steps it for all, and each collects its own finished requests."""
-        engine = self.llm.llm_engine
+        """Enqueue a batch into the shared engine and wait for its requests; the outputs in request
+        order, as ``LLM.generate`` returns them. One thread (`_step_engine`) steps the engine for every
+        batch in it, each step a `_decoding_step` (a weight update lands between two steps), and hands
+        each batch its outputs when its last request finishes."""
         with self._engine_lock:
+            if self._engine_closed:
+                raise RuntimeError(f"{self._label} is closed")
             internal = self.llm.enqueue(requests, params, use_tqdm=False)
-        # outputs carry the id the LLM gave a request; the engine appends a random suffix to it
-        ids = [request_id.rsplit("-", 1)[0] for request_id in internal]
-        mine = set(ids)
-        try:
-            while True:
+            # outputs carry the id the LLM gave a request; the engine appends a random suffix to it
+            waiting = _Waiting([request_id.rsplit("-", 1)[0] for request_id in internal], internal)
+            self._waiting.update(dict.fromkeys(waiting.ids, waiting))
+            if self._stepper is None:
+                self._stepper = threading.Thread(target=self._step_engine, name=f"asyncvec-{self._label}-engine")
+                self._stepper.daemon = True
+                self._stepper.start()
+            self._engine_lock.notify_all()
+        waiting.done.wait()
+        if waiting.error is not None:
+            raise waiting.error
+        return [waiting.outputs[request_id] for request_id in waiting.ids]
+
+    def _step_engine(self) -> None:
+        """The engine's stepping thread: steps while any batch waits, until `close`."""
+        engine = self.llm.llm_engine
+        while True:
+            with self._engine_lock:
+                while not self._waiting and not self._engine_closed:
+                    self._engine_lock.wait()
+                if self._engine_closed:
+                    self._fail_waiting(RuntimeError(f"{self._label} closed with requests in its engine"))
+                    return
+            try:
                 with self._decoding_step(), self._engine_lock:
-                    if mine <= self._finished.keys():
-                        return [self._finished.pop(request_id) for request_id in ids]  # LLM.generate's order
                     if not engine.has_unfinished_requests():
                         raise RuntimeError(
-                            f"{self._label}: vLLM has no unfinished request but {len(mine - self._finished.keys())} "
-                            f"of a batch's {len(ids)} never finished"
+                            f"{self._label}: vLLM has no unfinished request but {len(self._waiting)} wait"
                         )
                     for output in self._engine_step():
-                        if output.finished:
-                            self._finished[str(output.request_id)] = output
-        except BaseException:
-            with self._engine_lock:  # leave no request of a failed batch in the engine
-                engine.abort_request(list(internal), internal=True)
-                for request_id in ids:
-                    self._finished.pop(request_id, None)
-            raise
+                        waiting = self._waiting.pop(str(output.request_id), None) if output.finished else None
+                        if waiting is not None:
+                            waiting.outputs[str(output.request_id)] = output
+                            if len(waiting.outputs) == len(waiting.ids):
+                                waiting.done.set()
+            except BaseException as exc:  # every waiting batch gets the error; the engine keeps none of them
+                with self._engine_lock:
+                    self._fail_waiting(exc)
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        """(engine lock held) Abort every waiting request and hand its batch ``error``."""
+        batches = {id(waiting): waiting for waiting in self._waiting.values()}.values()
+        self._waiting.clear()
+        for waiting in batches:
+            with contextlib.suppress(Exception):
+                self.llm.llm_engine.abort_request(list(waiting.internal_ids), internal=True)
+            waiting.error = error
+            waiting.done.set()
 
     def _engine_step(self) -> list[Any]:
         """One step of the engine (held by the caller: version step and engine lock): its outputs."""
@@ -292,7 +320,23 @@ class VLLMPolicy(TextPolicy):
         return str(self.llm.llm_engine.get_weight_version())
 
     def _close_backend(self) -> None:
+        stepper = self.__dict__.get("_stepper")
+        if stepper is not None:  # batches still waiting (close timed out) get an error; the stepper ends
+            with self._engine_lock:
+                self._engine_closed = True
+                self._engine_lock.notify_all()
+            stepper.join(timeout=30)
         close_engine(self.__dict__.pop("llm", None))
+
+
+class _Waiting:
+    """A batch waiting in the shared engine: its request ids, outputs so far, and the event set when it is done."""
+
+    def __init__(self, ids: list[str], internal_ids: list[str]) -> None:
+        self.ids, self.internal_ids = ids, internal_ids
+        self.outputs: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self.done = threading.Event()
 
 
 # Engine pieces shared by every in-process vLLM backend (VLLMPolicy, VLLMVLAPolicy)
