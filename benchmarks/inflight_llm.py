@@ -100,7 +100,7 @@ class Args:
     """median wait added to every engine step (lognormal)"""
     step_sigma: float = 0.3
     """lognormal shape of a step's wait"""
-    tail_median: float = 8.0
+    tail_median: float = 4.0
     """warm start: median number of dots after each expert answer (the completions' length)"""
     tail_sigma: float = 1.0
     """warm start: lognormal shape of that number (1.0: p99 about 10x the median)"""
