@@ -16,6 +16,7 @@ from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncvec.inference.backends.vllm_policy import token_versions_of
 from asyncvec.inference.text import TextPolicy, group_by_sampling, group_identical
 from asyncvec.inference.types import (
     BackendError,
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 
 TOKEN_ID_PREFIX = "token_id:"
 SERVER_KINDS = ("asyncvec", "vllm", "sglang")
+#: vLLM's token-in-token-out route (``--enable-scale-out``): answers carry per-token weight-version spans
+GENERATE_ROUTE = "/inference/v1/generate"
 
 
 class OpenAIPolicy(TextPolicy):
@@ -68,6 +71,19 @@ class OpenAIPolicy(TextPolicy):
       the server, so a request finishes under the version read before it or is retried.
       A server without a numeric version (vLLM's ``"default"``, e.g. after a restart from
       the model folder) serves the policy's initial ``version``, and answers say so.
+
+    **In-flight updates** (``inflight_updates=True``, ``server_kind="vllm"`` only, with
+    ``model_dir``; the server started with ``--enable-scale-out``, e.g.
+    ``VLLMServer(..., enable_scale_out=True)``): completions go through vLLM's
+    token-in-token-out route ``POST /inference/v1/generate`` (one request per distinct prompt
+    of a batch, ``n`` copies each; prompts are tokenized here with ``model_dir``'s tokenizer and
+    the text decoded from the sampled ids), whose answers carry vLLM's per-token weight-version
+    spans: they become ``token_versions`` and ``policy_version`` is the oldest token's. A
+    `load_weights` then does not wait for running requests: ``POST /pause?mode=keep`` freezes
+    them, the weights are reloaded, ``POST /reset_prefix_cache?reset_running_requests=true``
+    preempts them (their prefix is recomputed with the new weights when they go on),
+    ``POST /update_weight_version``, ``POST /resume``. Each update costs one re-prefill of the
+    running requests; batches are not discarded when the version changes under them.
 
     **Weights** (`load_weights(weights, version)`): ``weights`` is a checkpoint folder as the
     server sees it, or a state dict / ``torch.nn.Module`` that the policy writes atomically to
@@ -118,7 +134,8 @@ class OpenAIPolicy(TextPolicy):
             default True except for SGLang).
         supervisor: an `EngineSupervisor` of the server at ``base_url``: restarts it when it
             dies or hangs (see above).
-        **kwargs: `TextPolicy`/`BatchedPolicy` options (default ``max_inflight_batches=4``).
+        **kwargs: `TextPolicy`/`BatchedPolicy` options (default ``max_inflight_batches=4``;
+            ``inflight_updates=True``: see above).
 
     Example:
         >>> import gymnasium as gym
@@ -128,6 +145,8 @@ class OpenAIPolicy(TextPolicy):
         'BackendError'
         >>> policy.close()
     """
+
+    _supports_inflight_updates = True  # for server_kind="vllm" only (checked in __init__)
 
     def __init__(
         self,
@@ -167,6 +186,17 @@ class OpenAIPolicy(TextPolicy):
             raise ValueError(f"OpenAIPolicy: keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
         if model_dir is not None and not (Path(model_dir) / "config.json").is_file():
             raise FileNotFoundError(f"OpenAIPolicy: model_dir {str(model_dir)!r} has no config.json")
+        if kwargs.get("inflight_updates") is True:
+            if server_kind != "vllm":
+                raise ValueError(
+                    f"OpenAIPolicy: inflight_updates=True needs server_kind='vllm', got server_kind={server_kind!r} "
+                    "(only vLLM's /inference/v1/generate reports which weights sampled each token)"
+                )
+            if model_dir is None:
+                raise ValueError(
+                    "OpenAIPolicy: inflight_updates=True needs model_dir (its tokenizer turns prompts into the "
+                    "token ids vLLM's /inference/v1/generate takes and decodes the sampled ones)"
+                )
         base_url = base_url.rstrip("/")
         base_url = base_url[: -len("/v1")] if base_url.endswith("/v1") else base_url
         if supervisor is not None:
@@ -360,6 +390,13 @@ class OpenAIPolicy(TextPolicy):
         else:
             groups = [[index] for index in range(len(prompts))]
         before = await self._routes.batch_version()
+        if self.inflight_updates:  # tokens carry their own versions: a version change is no reason to discard
+            start = self._initial_version if before is None else before
+            parts = await asyncio.gather(*(self._generate_group(prompts, indices, start) for indices in groups))
+            answered = dict(item for part in parts for item in part)
+            if any(len(set(result.token_versions or ())) > 1 for result in answered.values()):
+                self._count_inflight_swap()
+            return [answered[index] for index in range(len(prompts))]
         parts = await asyncio.gather(*(self._complete_group(prompts, indices) for indices in groups))
         after = await self._routes.batch_version()
         if before != after:
@@ -411,6 +448,95 @@ class OpenAIPolicy(TextPolicy):
             index = entries[position // n][position % n]
             out.append((index, self._choice_result(choice, prompts[index].top_logprobs, response_version)))
         return out
+
+    async def _generate_group(
+        self, prompts: list[TextPrompt], indices: list[int], start: int
+    ) -> list[tuple[int, BackendResult]]:
+        """In-flight updates: one ``POST /inference/v1/generate`` per distinct prompt (``n`` copies),
+        each answer with the version of each of its tokens (vLLM's weight-version spans)."""
+        requests = [self._generate_one(prompts, copies, start) for copies in group_identical(prompts, indices).values()]
+        return [item for part in await asyncio.gather(*requests) for item in part]
+
+    async def _generate_one(
+        self, prompts: list[TextPrompt], copies: list[int], start: int
+    ) -> list[tuple[int, BackendResult]]:
+        first = prompts[copies[0]]
+        if isinstance(first.prompt, str):
+            with self._tokenizer_lock:
+                token_ids = list(self._tokenizer(first.prompt).input_ids)  # type: ignore[misc]
+        else:
+            token_ids = list(first.prompt)
+        sampling: dict[str, Any] = {
+            "n": len(copies),
+            "max_tokens": first.max_new_tokens,
+            "temperature": first.temperature,
+            "logprobs": first.top_logprobs,
+        }
+        if first.top_p is not None:
+            sampling["top_p"] = first.top_p
+        if first.stop:
+            sampling["stop"] = list(first.stop)
+        if first.seed is not None:
+            sampling["seed"] = first.seed
+        body = {"model": self.model, "token_ids": token_ids, "sampling_params": sampling, "output_mode": "tokens"}
+        self._http_requests += 1  # one event-loop thread: no lock needed
+        data = await self._request("POST", GENERATE_ROUTE, json=body)
+        where = f"{self.base_url}{GENERATE_ROUTE}"
+        try:
+            choices = sorted(data["choices"], key=lambda choice: choice["index"])
+        except (KeyError, TypeError) as exc:
+            raise BackendRejectedError(f"{where}: answer has no choices ({exc!r})") from exc
+        if len(choices) != len(copies):
+            raise BackendRejectedError(f"{where} returned {len(choices)} choices for n={len(copies)}")
+        return [
+            (index, self._generated_result(choice, first, start, where))
+            for index, choice in zip(copies, choices, strict=True)
+        ]
+
+    def _generated_result(self, choice: dict[str, Any], prompt: TextPrompt, start: int, where: str) -> BackendResult:
+        """A ``/inference/v1/generate`` choice as a result: text decoded here (cut before the first
+        stop string, as ``/v1/completions`` does), versions from its weight-version spans."""
+        from types import SimpleNamespace
+
+        try:
+            token_ids = [int(token) for token in choice["token_ids"]]
+            content = choice["logprobs"]["content"]
+            token_logps = [float(entry["logprob"]) for entry in content]
+            spans = [
+                SimpleNamespace(
+                    version=str(self._version_label(span["version"])), start=int(span["start"]), end=int(span["end"])
+                )
+                for span in choice.get("weight_versions") or []
+            ]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise BackendRejectedError(
+                f"{where}: a choice lacks token_ids/logprobs.content/weight_versions ({exc!r}); is the server "
+                "vLLM >= 0.32 with --logprobs-mode processed_logprobs?"
+            ) from exc
+        try:
+            versions = token_versions_of(
+                SimpleNamespace(token_ids=token_ids, weight_versions=spans), start, self._label
+            )
+        except RuntimeError as exc:
+            raise BackendError(str(exc)) from None
+        top_rows = None
+        if prompt.top_logprobs:
+            top_rows = [
+                {int(top["token_id"]): float(top["logprob"]) for top in entry["top_logprobs"]} for entry in content
+            ]
+        with self._tokenizer_lock:
+            text = self._tokenizer.decode(token_ids, skip_special_tokens=True)  # type: ignore[union-attr]
+        cuts = [text.find(stop) for stop in prompt.stop if stop in text]
+        text = text[: min(cuts)] if cuts else text
+        version = versions[0] if versions else start
+        return self._text_result(
+            text, token_ids, token_logps, top_rows, policy_version=version, token_versions=versions
+        )
+
+    def _version_label(self, label: Any) -> int:
+        """A vLLM weight-version label as a version (``"default"``: the policy's initial version)."""
+        version = _parse_version(label)
+        return self._initial_version if version is None else version
 
     def _choice_result(self, choice: dict[str, Any], top_k: int, response_version: int | None) -> BackendResult:
         try:
@@ -609,6 +735,15 @@ class _VLLMRoutes(_Routes):
                 f"{self.policy.base_url} is vLLM {info['version']} without its weight routes "
                 f"(GET /weight_info: {exc}); start it with VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
             ) from None
+        if self.policy.inflight_updates:
+            try:  # an empty body: refused by the route's validation if it is served, 403/404 if not
+                await self.policy._request("POST", GENERATE_ROUTE, json={})
+            except (PermissionError, BackendRejectedError) as exc:
+                if isinstance(exc, PermissionError) or " answered 404" in str(exc):
+                    raise BackendRejectedError(
+                        f"{self.policy.base_url} does not serve {GENERATE_ROUTE} ({exc}), which inflight_updates=True "
+                        "needs: start vLLM with --enable-scale-out (VLLMServer(..., enable_scale_out=True))"
+                    ) from None
         return info
 
     async def batch_version(self) -> int | None:
@@ -622,10 +757,14 @@ class _VLLMRoutes(_Routes):
         return self.policy._initial_version if version is None else version
 
     async def publish(self, path: str, version: int) -> None:
+        """Pause (``wait``: requests finish; in flight ``keep``: they stay frozen), reload, preempt
+        the frozen requests (in flight: their prefix is recomputed with the new weights), set the
+        version, resume."""
         policy = self.policy
         await self._check_newer(version)
         token = policy._update_token
-        await policy._request("POST", "/pause", params={"mode": "wait"}, token=token)
+        inflight = policy.inflight_updates
+        await policy._request("POST", "/pause", params={"mode": "keep" if inflight else "wait"}, token=token)
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}}
             try:
@@ -637,6 +776,16 @@ class _VLLMRoutes(_Routes):
                     f"vLLM at {policy.base_url} failed to reload weights from {path!r}: {exc} "
                     "(a failed reload stops vLLM's engine: check its /health)"
                 ) from exc
+            if inflight:
+                reset = await policy._request(
+                    "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}, token=token
+                )
+                if not isinstance(reset, dict) or reset.get("success") is not True:
+                    raise BackendError(
+                        f"vLLM at {policy.base_url} reloaded {path!r} but could not preempt its running requests "
+                        f"(POST /reset_prefix_cache?reset_running_requests=true answered {reset!r}); the weight "
+                        "version was not changed"
+                    )
             await policy._request("POST", "/update_weight_version", json={"new_version": str(version)}, token=token)
         finally:
             try:

@@ -321,6 +321,9 @@ class VLLMServer(ServerProcess):
             distribution sampled from, after temperature and top-p).
         seed: ``--seed``.
         dev_mode: set ``VLLM_SERVER_DEV_MODE=1``.
+        enable_scale_out: ``--enable-scale-out``: also serve the token-in-token-out route
+            ``POST /inference/v1/generate``, whose answers carry per-token weight-version spans
+            (needed by `OpenAIPolicy` with ``inflight_updates=True``).
         extra_args: more command-line arguments.
         **kwargs: `ServerProcess` options (``port``, ``host``, ``env``, ``startup_timeout_s``, ``log_path``).
 
@@ -340,6 +343,7 @@ class VLLMServer(ServerProcess):
         logprobs_mode: str | None = "processed_logprobs",
         seed: int | None = 0,
         dev_mode: bool = True,
+        enable_scale_out: bool = False,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str | None] | None = None,
         **kwargs: Any,
@@ -371,6 +375,8 @@ class VLLMServer(ServerProcess):
             command += ["--logprobs-mode", logprobs_mode]
         if seed is not None:
             command += ["--seed", str(int(seed))]
+        if enable_scale_out:
+            command.append("--enable-scale-out")
         command += list(extra_args)
         environment: dict[str, str | None] = {}
         if not _cuda_available():

