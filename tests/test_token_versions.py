@@ -394,5 +394,7 @@ def test_the_agents_take_inflight_updates_from_the_command_line(tiny_dir):
     result = agent.train()
     assert result.updates == 4 and result.final_version == result.start_version + 4
     assert all("engine/inflight_swaps" in row for row in result.history)
-    with pytest.raises(ValueError, match="--inflight-updates needs --backend hf or vllm"):
+    with pytest.raises(ValueError, match="--inflight-updates needs --backend hf or vllm, or --backend openai with "):
         rloo.Args(backend="openai", base_url="http://127.0.0.1:1", inflight_updates=True)
+    args = rloo.Args(backend="openai", base_url="http://127.0.0.1:1", server_kind="vllm", inflight_updates=True)
+    assert args.inflight_updates  # a vLLM server takes in-flight updates (tests/test_vllm_server_inflight.py)

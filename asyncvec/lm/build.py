@@ -151,7 +151,7 @@ def make_text_policy(
         "max_inflight_batches": args.policy_inflight_batches,
         "deadline_ms": args.deadline_ms,
     }
-    if args.backend in ("hf", "vllm"):
+    if args.backend in ("hf", "vllm") or args.inflight_updates:  # openai: --server-kind vllm (checked by LMArgs)
         options["inflight_updates"] = args.inflight_updates
     if args.backend == "hf":
         from asyncvec.inference import HFTextPolicy

@@ -64,8 +64,9 @@ class LMArgs:
     backend: Literal["hf", "openai", "vllm"] = "hf"
     """hf: HFTextPolicy in this process; vllm: an in-process vLLM engine; openai: a server at --base-url"""
     inflight_updates: bool = False
-    """hf and vllm backends: a publish reaches the engine between decoding steps instead of after the batch;
-    completions then span versions (token by token) and the loss uses each token's version (docs/inference.md)"""
+    """hf and vllm backends, and openai with --server-kind vllm (a server started with --enable-scale-out): a
+    publish reaches the engine between decoding steps instead of after the batch; completions then span versions
+    (token by token) and the loss uses each token's version (docs/inference.md)"""
     vllm_engine: str = "{}"
     """--backend vllm: vllm.LLM options as JSON, e.g. '{"dtype": "float32", "max_model_len": 128}'"""
     base_url: str | None = None
@@ -187,10 +188,10 @@ class LMArgs:
                 raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
         elif self.base_url is not None:
             raise ValueError(f"--base-url is only used with --backend openai, got --backend {self.backend}")
-        if self.inflight_updates and self.backend == "openai":
+        if self.inflight_updates and self.backend == "openai" and self.server_kind != "vllm":
             raise ValueError(
-                "--inflight-updates needs --backend hf or vllm: a server's completions carry one version "
-                "(docs/inference.md, In-flight weight updates)"
+                f"--inflight-updates needs --backend hf or vllm, or --backend openai with --server-kind vllm: a "
+                f"{self.server_kind} server's completions carry one version (docs/inference.md, In-flight weight updates)"
             )
         load_reward_plugin(self.reward)
         try:

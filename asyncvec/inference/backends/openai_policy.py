@@ -463,7 +463,7 @@ class OpenAIPolicy(TextPolicy):
         first = prompts[copies[0]]
         if isinstance(first.prompt, str):
             with self._tokenizer_lock:
-                token_ids = list(self._tokenizer(first.prompt).input_ids)  # type: ignore[misc]
+                token_ids = list(self._tokenizer(first.prompt).input_ids)
         else:
             token_ids = list(first.prompt)
         sampling: dict[str, Any] = {
@@ -525,7 +525,7 @@ class OpenAIPolicy(TextPolicy):
                 {int(top["token_id"]): float(top["logprob"]) for top in entry["top_logprobs"]} for entry in content
             ]
         with self._tokenizer_lock:
-            text = self._tokenizer.decode(token_ids, skip_special_tokens=True)  # type: ignore[union-attr]
+            text = self._tokenizer.decode(token_ids, skip_special_tokens=True)
         cuts = [text.find(stop) for stop in prompt.stop if stop in text]
         text = text[: min(cuts)] if cuts else text
         version = versions[0] if versions else start
