@@ -100,6 +100,9 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_its_weights(server, mo
     with make_policy(server, model_dir, tmp_path) as stale:  # a second client that is behind the server
         with pytest.raises(ValueError, match=f"newer than the server's current weight version {version}, got 1"):
             stale.load_weights(reference.weights(version), 1)
+    with make_policy(server, model_dir, tmp_path, inflight_updates=True) as inflight:  # no --enable-scale-out here
+        with pytest.raises(BackendRejectedError, match=r"start vLLM with --enable-scale-out"):
+            inflight.check_server()
     for kind in ("asyncvec", "sglang"):
         with make_policy(server, model_dir, tmp_path, server_kind=kind) as wrong_kind:
             with pytest.raises(BackendRejectedError, match=f"is not a server of kind '{kind}'"):
