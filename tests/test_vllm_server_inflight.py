@@ -11,6 +11,7 @@ One server for the whole module (one to three minutes to start on a loaded 2-cor
 import threading
 import time
 
+import httpx
 import psutil
 import pytest
 from test_inflight_updates import perturbed
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.timeout(900)
 
 MODEL = "tiny"
 NEW_TOKENS = 100  # the tiny random model rarely samples eos: most completions run the whole length
-COPIES = 8  # concurrent completions per prompt: a batch of 32 long requests, long enough for several publishes
+COPIES = 16  # concurrent completions per prompt: a batch of 64 long requests, long enough for several publishes
 MAX_PUBLISHES = 8
 
 
@@ -54,10 +55,17 @@ def make_policy(server, model_dir, tmp_path, **kwargs):
     return OpenAIPolicy(server.url, MODEL, text_action, **options)
 
 
-def run_with_publishes(policy, reference, folder, count):
+def generated_tokens(server):
+    """Tokens the server has generated so far (vLLM's ``vllm:generation_tokens`` counter)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:generation_tokens_total"))
+
+
+def run_with_publishes(server, policy, reference, folder, count):
     """Submit PROMPTS x COPIES as one batch; once it is in flight publish new versions one after
     another (at most ``count``, checkpoints written beforehand so that a publish is only the
-    server's reload) until it is answered. Returns (prompts, outputs, start, versions published)."""
+    server's reload) until it is answered; the first once every request has a token. Returns
+    (prompts, outputs, start, versions published, seconds per publish)."""
     start = max(policy.server_version() or 0, policy.policy_version)
     versions = [start + offset for offset in range(1, count + 1)]
     checkpoints = {}
@@ -68,17 +76,22 @@ def run_with_publishes(policy, reference, folder, count):
             write_checkpoint(reference.weights(version), folder / f"v{version}", config_from=reference.model_dir)
         )
     prompts = [prompt for prompt in PROMPTS for _ in range(COPIES)]
+    baseline = generated_tokens(server)
     futures = [future for prompt in PROMPTS for future in policy.submit_group(prompt, COPIES)]
-    published = []
+    published, seconds = [], []
 
     def publish():
         deadline = time.monotonic() + 120
-        while policy.stats()["inflight_batches"] < 1 and not futures[0].done() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        while generated_tokens(server) < baseline + len(futures) and time.monotonic() < deadline:
+            if all(future.done() for future in futures):
+                return
+            time.sleep(0.01)
         for version in versions:
             if all(future.done() for future in futures):
                 break
+            began = time.monotonic()
             policy.load_weights(checkpoints[version], version, timeout_s=120)
+            seconds.append(time.monotonic() - began)
             published.append(version)
 
     publisher = threading.Thread(target=publish, daemon=True)
@@ -86,18 +99,21 @@ def run_with_publishes(policy, reference, folder, count):
     outputs = [future.result(timeout=300) for future in futures]
     publisher.join(timeout=300)
     assert not publisher.is_alive()
-    return prompts, outputs, start, published
+    return prompts, outputs, start, published, seconds
 
 
 def test_publishes_land_inside_long_completions_and_every_token_matches_its_version(
     server, model_dir, reference, tmp_path
 ):
     with make_policy(server, model_dir, tmp_path) as policy:
-        prompts, outputs, start, published = run_with_publishes(policy, reference, tmp_path, MAX_PUBLISHES)
+        prompts, outputs, start, published, seconds = run_with_publishes(
+            server, policy, reference, tmp_path, MAX_PUBLISHES
+        )
         spans = [len(set(output.token_versions)) for output in outputs]
         landed = len({version for output in outputs for version in output.token_versions} - {start})
         print(
-            f"vLLM server in flight: {len(published)} publishes while the batch ran, {landed} seen inside it; "
+            f"vLLM server in flight: {len(published)} publishes while the batch ran "
+            f"({', '.join(f'{s * 1000:.0f}' for s in seconds)} ms), {landed} seen inside it; "
             f"versions per completion {sorted(spans)}; lengths {sorted(len(o.token_ids) for o in outputs)}"
         )
         # timing on a loaded machine decides how many land (unloaded here: all 8, up to 9 versions per completion)
@@ -122,7 +138,7 @@ def test_versions_never_decrease_within_a_completion_and_the_first_is_policy_ver
     server, model_dir, reference, tmp_path
 ):
     with make_policy(server, model_dir, tmp_path) as policy:
-        _, outputs, start, published = run_with_publishes(policy, reference, tmp_path, 3)
+        _, outputs, start, published, _ = run_with_publishes(server, policy, reference, tmp_path, 3)
         final = start + len(published)
         for output in outputs:
             versions = list(output.token_versions)
