@@ -17,6 +17,7 @@ import pytest
 from test_inflight_updates import perturbed
 from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
 
+from asyncvec.agents import rloo
 from asyncvec.inference import OpenAIPolicy, TextPrompt, VLLMServer, write_checkpoint
 from asyncvec.testing.checks import LOGP_TOLERANCE, PROMPTS
 
@@ -166,6 +167,20 @@ def test_the_generate_route_answers_as_v1_completions_does(server, model_dir, tm
         assert a.token_ids == b.token_ids and a.text == b.text and a.policy_version == b.policy_version
         assert max(abs(x - y) for x, y in zip(a.token_logps, b.token_logps, strict=True)) <= LOGP_TOLERANCE
     assert any(len(a.token_ids) < 40 for a in got), "no stop string met: the cut was not checked"
+
+
+def test_an_lm_agent_trains_through_the_server_with_inflight_updates(server, model_dir):
+    """``--backend openai --server-kind vllm --inflight-updates``: an async RLOO run publishes into
+    the server while its completions run and trains on them."""
+    args = rloo.Args(model=str(model_dir), backend="openai", server_kind="vllm", base_url=server.url,
+                     inflight_updates=True, total_prompts=16, prompts_per_update=4, group_size=2, max_new_tokens=12,
+                     progress=False, eval_prompts=0, mode="async", timeout_s=300)  # fmt: skip
+    agent = rloo.RLOO(args)
+    assert agent.parts.policy.inflight_updates
+    result = agent.train()
+    assert result.updates == 4 and result.final_version == result.start_version + 4
+    assert all("engine/inflight_swaps" in row for row in result.history)
+    assert httpx.get(server.url + "/weight_info", timeout=10).json() == {"weight_version": str(result.final_version)}
 
 
 @pytest.mark.parametrize("kind", ["asyncvec", "sglang"])
