@@ -120,3 +120,21 @@ def test_a_failed_engine_step_fails_its_batches_leaves_nothing_in_the_engine_and
         del policy._engine_step
     assert len(calls) > 3 and policy.stats()["retries"] == retries + 1 and out.token_ids
     assert not policy.llm.llm_engine.has_unfinished_requests() and not policy._waiting
+
+
+def test_copies_of_a_prompt_are_one_request_with_n_in_the_shared_engine(policy, reference):
+    enqueue, sizes = policy.llm.enqueue, []
+
+    def recording_enqueue(prompts, params, **kwargs):
+        sizes.extend(p.n for p in params)
+        return enqueue(prompts, params, **kwargs)
+
+    policy.llm.enqueue = recording_enqueue
+    try:
+        group = policy.submit_group(TextPrompt("6+6=", max_new_tokens=8), 4)
+        outputs = [future.result(timeout=120) for future in group]
+    finally:
+        del policy.llm.enqueue
+    assert sum(sizes) == 4 and max(sizes) > 1  # copies that met in a batch went to vLLM as one request with n
+    assert len(outputs) == 4 and len({out.text for out in outputs}) > 1  # n samples, not one repeated
+    assert max(reference.error("6+6=", out) for out in outputs) <= LOGP_TOLERANCE

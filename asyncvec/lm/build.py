@@ -148,9 +148,10 @@ def make_text_policy(
         "temperature": args.temperature,
         "max_batch_size": args.policy_batch_size,
         "max_wait_ms": args.policy_wait_ms,
-        "max_inflight_batches": args.policy_inflight_batches,
         "deadline_ms": args.deadline_ms,
     }
+    if args.policy_inflight_batches is not None:
+        options["max_inflight_batches"] = args.policy_inflight_batches
     if args.backend in ("hf", "vllm") or args.inflight_updates:  # openai: --server-kind vllm (checked by LMArgs)
         options["inflight_updates"] = args.inflight_updates
     if args.backend == "hf":

@@ -118,9 +118,10 @@ class LMArgs:
     """largest batch the policy's DynamicBatcher sends to the model (multi-turn: at most --num-envs)"""
     policy_wait_ms: float = 20.0
     """longest the policy's batcher waits to fill a batch (over HTTP each batch is one request)"""
-    policy_inflight_batches: int = 1
+    policy_inflight_batches: int | None = None
     """batches the policy runs at once (vllm: they share the engine, continuous admission; openai: requests in
-    flight at once); without --inflight-updates a weight update waits for all of them"""
+    flight at once; default: the backend's, 1 in process, 4 over HTTP); without --inflight-updates a weight
+    update waits for all of them"""
     deadline_ms: float | None = None
     """a completion not ready this long after its request gets the fallback and is never trained on"""
     eval_prompts: int = 200
@@ -156,7 +157,6 @@ class LMArgs:
             "num_minibatches",
             "max_new_tokens",
             "policy_batch_size",
-            "policy_inflight_batches",
             "torch_threads",
             "prefetch_updates",
             "num_envs",
@@ -171,6 +171,8 @@ class LMArgs:
             _check_number(name, getattr(self, name), positive=False)
         if self.deadline_ms is not None:
             _check_number("deadline_ms", self.deadline_ms, positive=True)
+        if self.policy_inflight_batches is not None:
+            _check_int("policy_inflight_batches", self.policy_inflight_batches, 1)
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"--gamma must be in [0, 1], got {self.gamma!r}")
         try:
