@@ -77,6 +77,12 @@ FRESH_INTERPRETER_MODULES = (
     "tests/test_vllm_policy.py",
     "tests/test_vla_vllm.py",
     "tests/test_inflight_updates_vllm.py",
+    "tests/test_vllm_continuous.py",
+    "tests/test_benchmarks_inflight.py",  # --quick starts in-process vLLM engines (the benchmark's default backend)
+    # A local Ray started in a worker that had already started and stopped Ray for other modules hung in its first
+    # actor creation (GCS InternalKVAccessor::Put never answered; seen in two `make test` runs on 2026-12-03); alone
+    # the module passes in 20 s.
+    "tests/test_vector_timeouts.py",
 )
 ROOT = Path(__file__).resolve().parents[1]
 
