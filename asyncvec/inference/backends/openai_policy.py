@@ -418,17 +418,8 @@ class OpenAIPolicy(TextPolicy):
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": [_wire_prompt(prompts[entry[0]].prompt) for entry in entries],
-            "n": n,
-            "max_tokens": first.max_new_tokens,
-            "temperature": first.temperature,
-            "logprobs": first.top_logprobs,
+            **_sampling_fields(first, n),
         }
-        if first.top_p is not None:
-            body["top_p"] = first.top_p
-        if first.stop:
-            body["stop"] = list(first.stop)
-        if first.seed is not None:
-            body["seed"] = first.seed
         if self.return_token_ids:
             body["return_tokens_as_token_ids"] = True
         self._http_requests += 1  # one event-loop thread: no lock needed
@@ -466,18 +457,7 @@ class OpenAIPolicy(TextPolicy):
                 token_ids = list(self._tokenizer(first.prompt).input_ids)
         else:
             token_ids = list(first.prompt)
-        sampling: dict[str, Any] = {
-            "n": len(copies),
-            "max_tokens": first.max_new_tokens,
-            "temperature": first.temperature,
-            "logprobs": first.top_logprobs,
-        }
-        if first.top_p is not None:
-            sampling["top_p"] = first.top_p
-        if first.stop:
-            sampling["stop"] = list(first.stop)
-        if first.seed is not None:
-            sampling["seed"] = first.seed
+        sampling = _sampling_fields(first, len(copies))
         body = {"model": self.model, "token_ids": token_ids, "sampling_params": sampling, "output_mode": "tokens"}
         self._http_requests += 1  # one event-loop thread: no lock needed
         data = await self._request("POST", GENERATE_ROUTE, json=body)
@@ -862,6 +842,23 @@ def _tag(result: BackendResult, version: int) -> BackendResult:
     import dataclasses
 
     return dataclasses.replace(result, policy_version=version)
+
+
+def _sampling_fields(prompt: TextPrompt, n: int) -> dict[str, Any]:
+    """The sampling settings of ``n`` completions of ``prompt`` as vLLM and OpenAI requests name them."""
+    fields: dict[str, Any] = {
+        "n": n,
+        "max_tokens": prompt.max_new_tokens,
+        "temperature": prompt.temperature,
+        "logprobs": prompt.top_logprobs,
+    }
+    if prompt.top_p is not None:
+        fields["top_p"] = prompt.top_p
+    if prompt.stop:
+        fields["stop"] = list(prompt.stop)
+    if prompt.seed is not None:
+        fields["seed"] = prompt.seed
+    return fields
 
 
 def _wire_prompt(prompt: str | tuple[int, ...]) -> str | list[int]:
