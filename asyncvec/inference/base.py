@@ -76,8 +76,8 @@ class BatchedPolicy(abc.ABC):
       version, so after `load_weights` returns every answer reports the new version and no
       answer computed with old weights claims it. Versions must increase.
     * **In-flight updates** (``inflight_updates=True``, backends that decode step by step
-      only: `HFTextPolicy`): `load_weights` waits for one decoding step instead of the whole
-      batch; the batch goes on with the new weights from its next step (the backend recomputes
+      only: `HFTextPolicy`, `VLLMPolicy`, `OpenAIPolicy` on a vLLM server): `load_weights`
+      waits for one decoding step instead of the whole batch; the batch goes on with the new weights from its next step (the backend recomputes
       what it cached under the old ones). Each answer then carries ``token_versions`` (the
       version that sampled each token) and ``policy_version`` is its oldest token's version.
       Every token sampled after `load_weights` returns has the new version. Off by default:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import concurrent.futures
 import math
@@ -16,6 +15,7 @@ from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from asyncvec.inference.backends.server_routes import GENERATE_ROUTE, ROUTES, SERVER_KINDS, parse_version
 from asyncvec.inference.backends.vllm_policy import token_versions_of
 from asyncvec.inference.text import TextPolicy, group_by_sampling, group_identical
 from asyncvec.inference.types import (
@@ -31,9 +31,6 @@ if TYPE_CHECKING:
     from asyncvec.inference.serving.supervisor import EngineSupervisor
 
 TOKEN_ID_PREFIX = "token_id:"
-SERVER_KINDS = ("asyncvec", "vllm", "sglang")
-#: vLLM's token-in-token-out route (``--enable-scale-out``): answers carry per-token weight-version spans
-GENERATE_ROUTE = "/inference/v1/generate"
 
 
 class OpenAIPolicy(TextPolicy):
@@ -248,7 +245,7 @@ class OpenAIPolicy(TextPolicy):
         self._written: list[Path] = []
         self._api_key = api_key
         self._update_token = update_token if update_token is not None else api_key
-        self._routes = _ROUTES[server_kind](self)
+        self._routes = ROUTES[server_kind](self)
         self._identified = False
         self._httpx = httpx
         self._loop = asyncio.new_event_loop()
@@ -515,7 +512,7 @@ class OpenAIPolicy(TextPolicy):
 
     def _version_label(self, label: Any) -> int:
         """A vLLM weight-version label as a version (``"default"``: the policy's initial version)."""
-        version = _parse_version(label)
+        version = parse_version(label)
         return self._initial_version if version is None else version
 
     def _choice_result(self, choice: dict[str, Any], top_k: int, response_version: int | None) -> BackendResult:
@@ -619,215 +616,6 @@ class OpenAIPolicy(TextPolicy):
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(5.0)
             self._loop.close()
-
-
-# ------------------------------------------------------------------------- server kinds
-class _Routes(abc.ABC):
-    """How one kind of server reports versions and takes new weights (one subclass per server kind)."""
-
-    kind = ""
-
-    def __init__(self, policy: OpenAIPolicy) -> None:
-        self.policy = policy
-
-    @abc.abstractmethod
-    async def identify(self) -> dict[str, Any]:
-        """Ask the server what it is; raise BackendRejectedError if it is not this kind."""
-
-    async def read_version(self) -> int | None:
-        """``GET /weight_info`` (vLLM's route; asyncvec serves it too)."""
-        info = await self.policy._request("GET", "/weight_info")
-        return _parse_version(info.get("weight_version") if isinstance(info, dict) else None)
-
-    async def _version_route(self, is_this_kind: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        try:
-            info = await self.policy._request("GET", "/version")
-        except BackendRejectedError as exc:
-            raise self._not_this_kind("/version", str(exc)) from None
-        if not isinstance(info, dict) or not is_this_kind(info):
-            raise self._not_this_kind("/version", info)
-        return info
-
-    async def batch_version(self) -> int | None:
-        """Version read around each batch (None: the server reports versions in its answers)."""
-        return None
-
-    def response_version(self, data: dict[str, Any]) -> int | None:
-        return None
-
-    @abc.abstractmethod
-    async def publish(self, path: str, version: int) -> None:
-        """Load the checkpoint folder ``path`` into the server as ``version``."""
-
-    async def _check_newer(self, version: int) -> None:
-        current = await self.read_version()
-        if current is not None and version <= current:
-            raise ValueError(
-                f"{self.policy._label}: version must be newer than the server's current weight version {current}, "
-                f"got {version}; the server keeps its weights"
-            )
-
-    async def _confirm(self, version: int) -> None:
-        got = await self.read_version()
-        if got != version:
-            raise BackendError(f"{self.policy.base_url} reports weight version {got} after the update to {version}")
-
-    def _not_this_kind(self, route: str, answer: Any) -> BackendRejectedError:
-        return BackendRejectedError(
-            f"{self.policy.base_url} is not a server of kind {self.kind!r} (GET {route} answered {answer!r}); "
-            f"create the policy with the server_kind of that server (one of {SERVER_KINDS})"
-        )
-
-
-class _AsyncvecRoutes(_Routes):
-    kind = "asyncvec"
-
-    async def identify(self) -> dict[str, Any]:
-        return await self._version_route(lambda info: info.get("server") == "asyncvec")
-
-    def response_version(self, data: dict[str, Any]) -> int | None:
-        return _parse_version((data.get("metadata") or {}).get("weight_version"))
-
-    async def publish(self, path: str, version: int) -> None:
-        await self._check_newer(version)
-        body = {"path": path, "version": version}
-        answer = await self.policy._request(
-            "POST",
-            "/update_weights",
-            json=body,
-            token=self.policy._update_token,
-            timeout_s=self.policy.update_timeout_s,
-        )
-        if not isinstance(answer, dict) or answer.get("version") != version:
-            raise BackendError(f"{self.policy.base_url}/update_weights answered {answer!r}, expected version {version}")
-        await self._confirm(version)
-
-
-class _VLLMRoutes(_Routes):
-    kind = "vllm"
-
-    async def identify(self) -> dict[str, Any]:
-        info = await self._version_route(lambda info: set(info) == {"version"})  # vLLM: {"version": "0.32.0"}
-        try:
-            await self.policy._request("GET", "/weight_info")
-        except BackendRejectedError as exc:
-            raise BackendRejectedError(
-                f"{self.policy.base_url} is vLLM {info['version']} without its weight routes "
-                f"(GET /weight_info: {exc}); start it with VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
-            ) from None
-        if self.policy.inflight_updates:
-            try:  # an empty body: refused by the route's validation if it is served, 403/404 if not
-                await self.policy._request("POST", GENERATE_ROUTE, json={})
-            except (PermissionError, BackendRejectedError) as exc:
-                if isinstance(exc, PermissionError) or " answered 404" in str(exc):
-                    raise BackendRejectedError(
-                        f"{self.policy.base_url} does not serve {GENERATE_ROUTE} ({exc}), which inflight_updates=True "
-                        "needs: start vLLM with --enable-scale-out (VLLMServer(..., enable_scale_out=True))"
-                    ) from None
-        return info
-
-    async def batch_version(self) -> int | None:
-        try:
-            version = await self.read_version()
-        except BackendRejectedError as exc:  # no weight routes: say how to get them
-            raise BackendRejectedError(
-                f"{exc}; answers of a vLLM server are tagged with GET /weight_info: start it with "
-                "VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
-            ) from None
-        return self.policy._initial_version if version is None else version
-
-    async def publish(self, path: str, version: int) -> None:
-        """Pause (``wait``: requests finish; in flight ``keep``: they stay frozen), reload, preempt
-        the frozen requests (in flight: their prefix is recomputed with the new weights), set the
-        version, resume."""
-        policy = self.policy
-        await self._check_newer(version)
-        token = policy._update_token
-        inflight = policy.inflight_updates
-        await policy._request("POST", "/pause", params={"mode": "keep" if inflight else "wait"}, token=token)
-        try:
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}}
-            try:
-                await policy._request(
-                    "POST", "/collective_rpc", json=rpc, token=token, timeout_s=policy.update_timeout_s
-                )
-            except (TransientBackendError, BackendRejectedError) as exc:
-                raise BackendError(
-                    f"vLLM at {policy.base_url} failed to reload weights from {path!r}: {exc} "
-                    "(a failed reload stops vLLM's engine: check its /health)"
-                ) from exc
-            if inflight:
-                reset = await policy._request(
-                    "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}, token=token
-                )
-                if not isinstance(reset, dict) or reset.get("success") is not True:
-                    raise BackendError(
-                        f"vLLM at {policy.base_url} reloaded {path!r} but could not preempt its running requests "
-                        f"(POST /reset_prefix_cache?reset_running_requests=true answered {reset!r}); the weight "
-                        "version was not changed"
-                    )
-            await policy._request("POST", "/update_weight_version", json={"new_version": str(version)}, token=token)
-        finally:
-            try:
-                await policy._request("POST", "/resume", token=token)
-            except (TransientBackendError, BackendRejectedError):
-                pass  # the error that stopped the update is the one to report
-        await self._confirm(version)
-
-
-class _SGLangRoutes(_Routes):
-    kind = "sglang"
-    _info_routes = ("/model_info", "/get_model_info", "/get_weight_version")
-
-    async def identify(self) -> dict[str, Any]:
-        for route in self._info_routes:
-            try:
-                info = await self.policy._request("GET", route)
-            except BackendRejectedError:
-                continue
-            if isinstance(info, dict) and "weight_version" in info:
-                return info
-        raise self._not_this_kind(" or ".join(self._info_routes), "no weight_version")
-
-    async def read_version(self) -> int | None:
-        info = await self.identify()
-        return _parse_version(info.get("weight_version"))
-
-    def response_version(self, data: dict[str, Any]) -> int | None:
-        version = _parse_version((data.get("metadata") or {}).get("weight_version"))
-        return self.policy._initial_version if version is None else version
-
-    async def publish(self, path: str, version: int) -> None:
-        policy = self.policy
-        await self._check_newer(version)
-        token = policy._update_token
-        await policy._request("POST", "/pause_generation", token=token)
-        try:
-            body = {"model_path": path, "weight_version": str(version)}
-            answer = await policy._request(
-                "POST", "/update_weights_from_disk", json=body, token=token, timeout_s=policy.update_timeout_s
-            )
-            if not isinstance(answer, dict) or not answer.get("success", False):
-                raise BackendError(f"SGLang at {policy.base_url} did not load {path!r}: {answer!r}")
-        finally:
-            try:
-                await policy._request("POST", "/continue_generation", token=token)
-            except (TransientBackendError, BackendRejectedError):
-                pass
-        await self._confirm(version)
-
-
-_ROUTES: dict[str, type[_Routes]] = {"asyncvec": _AsyncvecRoutes, "vllm": _VLLMRoutes, "sglang": _SGLangRoutes}
-
-
-def _parse_version(value: Any) -> int | None:
-    """A server's weight version as an int (None for vLLM's "default" or SGLang's initial label)."""
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _not_answered(future: concurrent.futures.Future) -> bool:
