@@ -9,10 +9,9 @@ a forward hook on the engine's model (see `test_inflight_updates.SwapAtSteps`)."
 # ruff: noqa: F811  (module-scoped fixtures imported from vllm_fixtures are redefined as arguments)
 
 import llvmlite.binding  # noqa: F401  (numba's, imported by tianshou: the engine must start beside it)
-import psutil
 import pytest
 from test_inflight_updates import PROMPTS, SWAP_AFTER_STEPS, SwapAtSteps, perturbed
-from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
+from vllm_fixtures import model_dir, reference, text_action, vllm_children  # noqa: F401  (module-scoped fixtures)
 
 from asyncvec.inference import VLLMPolicy
 from asyncvec.testing.checks import LOGP_TOLERANCE, weight_sync_check
@@ -38,7 +37,7 @@ def policy(model_dir):
     )
     yield policy
     policy.close()
-    leftovers = [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(p.cmdline()).lower()]
+    leftovers = vllm_children()
     assert not leftovers, f"processes left after close: {leftovers}"
 
 

@@ -12,10 +12,9 @@ import threading
 import time
 
 import llvmlite.binding  # noqa: F401  (numba's, imported by tianshou: the engine must start beside it)
-import psutil
 import pytest
 from test_inflight_updates import perturbed
-from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
+from vllm_fixtures import model_dir, reference, text_action, vllm_children  # noqa: F401  (module-scoped fixtures)
 
 from asyncvec.inference import TextPrompt, VLLMPolicy
 from asyncvec.testing.checks import LOGP_TOLERANCE, weight_sync_check
@@ -40,7 +39,7 @@ def policy(model_dir):
     )
     yield policy
     policy.close()
-    leftovers = [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(p.cmdline()).lower()]
+    leftovers = vllm_children()
     assert not leftovers, f"processes left after close: {leftovers}"
 
 

@@ -11,10 +11,9 @@ import threading
 
 import gymnasium as gym
 import llvmlite.binding  # noqa: F401  (numba's, imported by tianshou: the engine must start beside it)
-import psutil
 import pytest
 import torch
-from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
+from vllm_fixtures import model_dir, reference, text_action, vllm_children  # noqa: F401  (module-scoped fixtures)
 
 from asyncvec.inference import LatencyModel, PolicyClosedError, TextPrompt, VLLMPolicy
 from asyncvec.testing.checks import LOGP_TOLERANCE, PROMPTS, weight_sync_check
@@ -43,20 +42,13 @@ def policy(model_dir):
     gc.collect()
     threads = [t.name for t in threading.enumerate() if t.name.startswith("asyncvec-") and t.is_alive()]
     assert not threads, f"threads left after close: {threads}"
-    leftovers = [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(_cmdline(p)).lower()]
+    leftovers = vllm_children()
     assert not leftovers, f"processes left after close: {leftovers}"
-
-
-def _cmdline(process):
-    try:
-        return process.cmdline() + [process.name()]
-    except psutil.Error:
-        return []
 
 
 def test_the_engine_runs_in_this_process(policy):
     assert policy.submit("1+1=").result(timeout=300).token_ids
-    assert not [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(_cmdline(p)).lower()]
+    assert not vllm_children()
 
 
 def test_groups_go_to_vllm_as_one_request_with_n_and_logprobs_match_transformers(policy, reference):

@@ -12,10 +12,9 @@ import threading
 import time
 
 import httpx
-import psutil
 import pytest
 from test_inflight_updates import perturbed
-from vllm_fixtures import model_dir, reference, text_action  # noqa: F401  (module-scoped fixtures)
+from vllm_fixtures import model_dir, reference, text_action, vllm_children  # noqa: F401  (module-scoped fixtures)
 
 from asyncvec.agents import rloo
 from asyncvec.inference import OpenAIPolicy, TextPrompt, VLLMServer, write_checkpoint
@@ -36,7 +35,7 @@ def server(model_dir):
     ) as server:
         yield server
     assert not server.running
-    leftovers = [p for p in psutil.Process().children(recursive=True) if "vllm" in " ".join(p.cmdline()).lower()]
+    leftovers = vllm_children()
     assert not leftovers, f"processes left after stop: {leftovers}"
 
 

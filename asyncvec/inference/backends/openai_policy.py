@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from functools import reduce
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from asyncvec.inference.backends.server_routes import GENERATE_ROUTE, ROUTES, SERVER_KINDS, parse_version
@@ -473,8 +474,6 @@ class OpenAIPolicy(TextPolicy):
     def _generated_result(self, choice: dict[str, Any], prompt: TextPrompt, start: int, where: str) -> BackendResult:
         """A ``/inference/v1/generate`` choice as a result: text decoded here (cut before the first
         stop string, as ``/v1/completions`` does), versions from its weight-version spans."""
-        from types import SimpleNamespace
-
         try:
             token_ids = [int(token) for token in choice["token_ids"]]
             content = choice["logprobs"]["content"]

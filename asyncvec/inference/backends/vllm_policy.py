@@ -98,10 +98,9 @@ class VLLMPolicy(TextPolicy):
       records the version of every sampled token, and a batch whose tokens span two versions
       raises instead of being delivered.
     * **Continuous admission** (``max_inflight_batches=k > 1``): up to ``k`` batches share the
-      engine at once. Each batch is enqueued (``LLM.enqueue``) and the engine is stepped
-      (``llm_engine.step()``) by whichever waiting batch holds it, so a new batch's requests
-      join the running ones between two engine steps and each batch returns as soon as its own
-      requests finish. Without in-flight updates `load_weights` drains the engine: it holds new
+      engine at once. Each batch is enqueued (``LLM.enqueue``) and one stepping thread steps the
+      engine (``llm_engine.step()``) for all of them, so a new batch's requests join the running
+      ones between two engine steps and each batch returns as soon as its own requests finish. Without in-flight updates `load_weights` drains the engine: it holds new
       batches back, waits for the running ones to finish and swaps (every answer still has one
       version).
     * **In-flight updates** (``inflight_updates=True``): a batch is driven step by step
