@@ -10,6 +10,8 @@ buffers (:mod:`~asyncvec.vector.observations`), transports and the worker loop.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
@@ -29,7 +31,15 @@ from asyncvec.vector.errors import (
 )
 from asyncvec.vector.faults import check_fault_settings
 from asyncvec.vector.observations import ObservationBuffers, take_info
-from asyncvec.vector.placement import check_placement_arguments, place_envs, probe_skip_reason
+from asyncvec.vector.placement import (
+    Placement,
+    check_placement_arguments,
+    in_process_blockers,
+    initial_placement,
+    probe_skip_reason,
+    relocation_skip_reason,
+)
+from asyncvec.vector.relocation import TIMED_STEPS, Relocator
 from asyncvec.vector.split_obs import is_fixed_shape, shared_subspace
 from asyncvec.vector.transport import (
     Backend,
@@ -38,6 +48,7 @@ from asyncvec.vector.transport import (
     Transport,
     WorkerSpec,
     resolve_backend,
+    usable_cores,
 )
 from asyncvec.vector.worker import make_env
 
@@ -74,8 +85,10 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     :mod:`asyncvec.distributed`); the semantics are the same. A worker hosts
     ``envs_per_worker`` envs and steps them one after another, so fast envs pay one round trip
     per worker instead of one per env; ``send``/``recv`` still take and return single env ids.
-    Envs far cheaper than a round trip run in the calling process instead. Unless told, the
-    vector env measures one env and chooses (``envs.placement``).
+    Unless told, the envs start one per worker, their first steps (yours) are timed where they
+    run, and they may then move with their state: into the calling process when that is clearly
+    faster and nothing forbids it, or CPU-bound envs into one worker per core
+    (:mod:`~asyncvec.vector.relocation`; ``envs.placement`` says where and why).
 
     Faults: an env that raises, a worker killed by a signal, or a step longer than
     ``step_timeout`` raises :class:`WorkerError` naming the env index, the exception type and the
@@ -124,12 +137,17 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         observation_mode: ``"same"`` (every env has the same observation space) or
             ``"different"`` (same dtype and shape suffice).
         envs_per_worker: how many envs each worker hosts (the last worker may host fewer).
-            ``None`` (default): chosen by measuring one env (:mod:`asyncvec.vector.placement`):
-            in this process for envs far cheaper than a round trip to a worker, one busy worker
-            per core for CPU-bound envs, a worker per env for envs that wait. Given, it always
-            wins. ``envs.placement`` says what was chosen and why.
+            ``None`` (default): chosen from your envs' own first steps (:mod:`asyncvec.vector.placement`):
+            the calling process for envs far cheaper than a round trip to a worker (never with
+            ``max_restarts``, ``step_timeout``, partial batches, or steps from another thread),
+            one busy worker per core for CPU-bound envs, a worker per env for envs that wait.
+            Given, it always wins. ``1`` keeps a crash to one env (a worker's death ends the
+            episodes of all its envs). ``envs.placement`` says what was chosen and why.
         in_process: ``True``: every env in the calling process (no workers, no crash isolation,
             no ``step_timeout``); ``False``: never; ``None`` (default): as measured.
+        placement: ``"auto"`` (default: from your own steps, as above) or ``"probe"``: step a
+            throwaway copy of each distinct env function with random actions before anything
+            runs, and place from that (an opt-in: those actions reach whatever the env drives).
         backend: ``"process"``, ``"ray"``, or a :class:`~asyncvec.vector.transport.Backend`
             such as ``RayBackend(address=..., num_cpus=..., resources=...)``.
     """
@@ -152,6 +170,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         envs_per_worker: int | None = None,
         in_process: bool | None = None,
         backend: str | Backend = "process",
+        placement: str = "auto",
     ) -> None:
         self.closed = True  # until the workers exist; makes __del__ safe on early errors
         self._closed_reason: str | None = None  # set when an error closed the env
@@ -169,7 +188,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         check_fault_settings(step_timeout, max_restarts, in_process)
         if observation_mode not in ("same", "different"):
             raise ValueError(f"observation_mode must be 'same' or 'different', got {observation_mode!r}")
-        check_placement_arguments(envs_per_worker, in_process, backend)
+        check_placement_arguments(envs_per_worker, in_process, backend, placement)
         self.copy = copy
         self.validate_actions = validate_actions
         self.context = context
@@ -184,23 +203,35 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._observations = ObservationBuffers(self.num_envs)
         self._action_rows: Any = None  # shared views of one action per env, when actions travel that way
         self._in_process_steps: bool | None = None  # placement and buffers allow the in-process fast path
+        self._relocator: Relocator | None = None  # times the first steps and moves the envs (relocation.py)
 
-        skip_reason = None
+        probe_skip = relocate_skip = None
         if self.backend.local:  # read the spaces from one throwaway env (shared memory must exist before the workers)
             dummy = make_env(self.env_fns[0], 0)
             self._set_spaces(dummy.observation_space, dummy.action_space, dummy.metadata, dummy.render_mode)
             dummy.close()
             del dummy
-            skip_reason = probe_skip_reason(
+            probe_skip = probe_skip_reason(
                 self.single_observation_space, self.single_action_space, self.render_mode, self.metadata
             )
-        self.placement = place_envs(
+            relocate_skip = relocation_skip_reason(self.render_mode, self.metadata)
+        blockers = in_process_blockers(
+            max_restarts=max_restarts,
+            step_timeout=step_timeout,
+            batch_size=self.batch_size,
+            num_envs=self.num_envs,
+            process_backend=isinstance(self.backend, ProcessBackend),
+            in_process=in_process,
+        )
+        self.placement: Placement = initial_placement(
             self.env_fns,
             self.backend,
+            placement=placement,
             envs_per_worker=envs_per_worker,
             in_process=in_process,
-            step_timeout=step_timeout,
-            skip_reason=skip_reason,
+            blockers=blockers,
+            probe_skip=probe_skip,
+            relocate_skip=relocate_skip,
             context=context,
             start_timeout=start_timeout,
             daemon=daemon,
@@ -209,10 +240,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         if self.placement.in_process:
             self.backend = InProcessBackend()
         self.envs_per_worker = self.placement.envs_per_worker
-        groups = [
-            list(range(start, min(start + self.envs_per_worker, self.num_envs)))
-            for start in range(0, self.num_envs, self.envs_per_worker)
-        ]
+        groups = [list(group) for group in self.placement.groups]
 
         if self.backend.local:
             shared_space = shared_subspace(self.single_observation_space) if shared_memory else None
@@ -224,7 +252,9 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         if shared_memory and isinstance(self.backend, ProcessBackend) and is_fixed_shape(self.single_action_space):
             action_memory = self.backend.create_shared_memory(self.single_action_space, self.num_envs)
             self._action_rows = read_from_shared_memory(self.single_action_space, action_memory, n=self.num_envs)
-        spec = WorkerSpec(self.env_fns, groups, self.autoreset_mode, self._shm, action_memory)
+        self._action_memory = action_memory
+        timed_steps = TIMED_STEPS if self.placement.measuring else 0
+        spec = WorkerSpec(self.env_fns, groups, self.autoreset_mode, self._shm, action_memory, timed_steps=timed_steps)
         self._transport = self.backend.create(spec)
         self._dispatch = Dispatcher(
             self._transport,
@@ -238,6 +268,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             close_for=self._close_for,
         )
         self._slots = self._dispatch.slots
+        if self.placement.measuring:
+            self._relocator = Relocator(self, blockers, self.batch_size < self.num_envs, usable_cores())
         self.closed = False
         try:
             for worker in range(len(groups)):
@@ -364,6 +396,10 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._assert_idle("step_async")
         ids = list(range(self.num_envs))
         items = self._actions.split(actions, ids, self.validate_actions)
+        relocator = self._relocator
+        if relocator is not None:
+            started = time.perf_counter()
+            relocator.before_send(ids)
         if self._can_step_in_process():
             self._dispatch.step_all(items)
         else:
@@ -372,6 +408,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             self._dispatch.flush_or_discard(ids)
         self._lockstep_ids = ids
         self._state = _LockstepState.WAITING_STEP
+        if relocator is not None:
+            relocator.spent(time.perf_counter() - started, 0)
 
     def _can_step_in_process(self) -> bool:
         """Whether a lockstep step takes the fast path of in-process envs (:meth:`Dispatcher.step_all`):
@@ -409,8 +447,18 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
+        relocator = self._relocator
+        if relocator is not None:
+            started = time.perf_counter()
         if self._dispatch.stepped is not None:
-            return self._finish_step_in_process()
+            result = self._finish_step_in_process()
+        else:
+            result = self._collect_step(timeout)
+        if relocator is not None:
+            relocator.spent(time.perf_counter() - started, self.num_envs)
+        return result
+
+    def _collect_step(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         ids = self._lockstep_ids
         self._dispatch.collect(ids, timeout, _PENDING.format(call="step_wait"))
         results = self._dispatch.deliver(ids)
@@ -454,7 +502,15 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             self._assert_not_waiting("send")
             ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in np.asarray(env_ids).reshape(-1)]
             self._check_free(ids)
-            self._send_now(ids, "step", self._actions.split(actions, ids, self.validate_actions))
+            items = self._actions.split(actions, ids, self.validate_actions)
+            relocator = self._relocator
+            if relocator is None:
+                self._send_now(ids, "step", items)
+                return
+            started = time.perf_counter()
+            relocator.before_send(ids)
+            self._send_now(ids, "step", items)
+            relocator.spent(time.perf_counter() - started, 0)
 
     def _assert_not_waiting(self, call: str) -> None:
         """``send``/``send_reset``: open, and no lockstep call pending (sends to other envs may be)."""
@@ -504,6 +560,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             if len(seeds) != len(ids):
                 raise ValueError(f"send_reset: {len(seeds)} seeds for {len(ids)} env ids")
             self._check_free(ids)
+            if self._relocator is not None:
+                self._relocator.before_send(ids)
             self._send_now(ids, "reset", [{"seed": seed, "options": options} for seed in seeds])
 
     def recv(
@@ -533,6 +591,11 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 )
             target = min(self.batch_size, len(in_flight))
             needed = target if at_least is None else max(1, min(int(at_least), target))
+            relocator = self._relocator
+            if relocator is not None:
+                started = time.perf_counter()
+                if needed < target:
+                    relocator.block(f"recv(at_least={at_least}) of {target}", partial=True)
             dispatch = self._dispatch
             dispatch.wait_until(
                 lambda: len(dispatch.arrivals) >= needed,
@@ -547,6 +610,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             rows = np.asarray(ids, dtype=np.int64)
             commands = [self._slots[i].command for i in ids]
             results = self._dispatch.deliver(ids)
+            if relocator is not None:
+                relocator.spent(time.perf_counter() - started, commands.count("step"))
             rewards = np.zeros(target, dtype=np.float64)
             terminations = np.zeros(target, dtype=np.bool_)
             truncations = np.zeros(target, dtype=np.bool_)
@@ -664,6 +729,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
 
     @step_timeout.setter
     def step_timeout(self, seconds: float | None) -> None:
+        if seconds is not None and self._relocator is not None:  # moves envs that were moved here back to workers
+            self._relocator.block(f"step_timeout={seconds} (a step in this process cannot be interrupted)")
         check_fault_settings(seconds, self.max_restarts, self.placement.in_process)
         self._dispatch.step_timeout = seconds
 
@@ -674,6 +741,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
 
     @max_restarts.setter
     def max_restarts(self, count: int) -> None:
+        if count > 0 and self._relocator is not None:
+            self._relocator.block(f"max_restarts={count} (a crash in this process could not be restarted)")
         check_fault_settings(self.step_timeout, count, self.placement.in_process)
         self._dispatch.faults.max_restarts = int(count)
 
@@ -694,6 +763,15 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 )
             if not same_action:
                 raise RuntimeError(f"env {index} has an action space different from {self.single_action_space}")
+
+    # ------------------------------------------------------------------ placement
+
+    def rehost(self, transport: Transport, backend: Backend, placement: Placement) -> None:
+        """The envs now run in ``transport``'s workers (called by the relocation, with nothing in flight)."""
+        self._dispatch.rehost(transport, [list(g) for g in placement.groups], None if placement.in_process else self._action_rows)
+        self._transport, self.backend, self.placement = transport, backend, placement
+        self.envs_per_worker = placement.envs_per_worker
+        self._in_process_steps = None
 
     # ------------------------------------------------------------------ closing
 

@@ -106,7 +106,8 @@ class Dispatcher:
         self.start_timeout = start_timeout
         self.action_rows = action_rows
         self.close_for = close_for
-        self.slots = [Slot(worker=w, position=p) for w, group in enumerate(groups) for p in range(len(group))]
+        self.slots = [Slot(worker=0, position=0) for _ in range(sum(map(len, groups)))]
+        self._place_slots(groups)
         self.queues: list[deque[Message]] = [deque() for _ in groups]
         self.arrivals: deque[int] = deque()  # env ids with an undelivered answer, in arrival order
         self.faults = Restarts(self, max_restarts, autoreset_mode)
@@ -116,6 +117,22 @@ class Dispatcher:
         self._same_step = autoreset_mode == AutoresetMode.SAME_STEP
         self._outbox: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
         self.stepped: Any = None  # a lockstep step's actions and results, taken by the in-process fast path
+
+    def _place_slots(self, groups: list[list[int]]) -> None:
+        for worker, group in enumerate(groups):
+            for position, index in enumerate(group):
+                self.slots[index].worker, self.slots[index].position = worker, position
+
+    def rehost(self, transport: Transport, groups: list[list[int]], action_rows: Any) -> None:
+        """The envs moved to ``transport``'s workers, as ``groups`` (:mod:`~asyncvec.vector.relocation`).
+
+        Called with nothing in flight to a worker; each env's bookkeeping (answers not yet
+        delivered, restarts, seeds, episode state) stays as it was.
+        """
+        assert not any(self.queues) and not self._outbox, "envs move only with no message in flight"
+        self.transport, self.groups, self.action_rows = transport, groups, action_rows
+        self._place_slots(groups)
+        self.queues = [deque() for _ in groups]
 
     # ------------------------------------------------------------------ sending
 

@@ -1,46 +1,37 @@
-"""Where a vector env's sub-envs run, chosen from a measurement of the env (``envs_per_worker=None``).
+"""Where a vector env's sub-envs run: the rules, from what the user asked for and what each env costs.
 
-At construction, unless ``envs_per_worker`` is given, :func:`profile_env` builds one throwaway
-env in a child process (a crash, hang or exit there costs nothing but the probe) and measures:
+Promises before speed, in this order (one line each in :func:`in_process_blockers`):
 
-* ``t``: the median wall time of one ``step`` with random actions from the action space,
-* ``c``: the CPU share of a step (CPU seconds of the process per wall second, the median over the
-  steps; a sleeping or waiting env is near 0, a simulator near 1),
-* ``o``: the overhead of one message to a worker process and back (pickling, pipe, wake-ups),
-  from real step messages to that child, less ``t``.
-
-:func:`choose_placement` then applies one rule, the same for every env (no setting is keyed by
-an env id), for ``N`` envs on a machine with ``cores`` usable cores:
-
-1. Busy workers: ``W = min(N, round(cores / c))``: never more CPU-bound workers than cores (a
-   simulator with ``c = 1`` gets one worker per core), one worker per env for envs that wait
-   (``c -> 0``: sleeps, I/O, remote calls overlap across workers). Each worker hosts
-   ``k = ceil(N / W)`` envs.
-2. In the calling process instead, when stepping all ``N`` envs one after another costs no more
-   than one round trip to a worker: ``N * t <= o`` (a step far cheaper than a pipe round trip,
-   e.g. classic control). Then workers could not win even in lockstep, and the caller loses
-   at most one round trip of overlap per step (the env steps inside ``send``/``step_async``
-   instead of beside the caller's work). Never with ``step_timeout`` (an in-process step cannot
-   be interrupted), nor with a backend other than worker processes, nor when the env declares
-   ``metadata["asyncvec_probe"] = False``.
-
-The probe is skipped (one env per worker, gymnasium's placement) where random actions are not
-meaningful or safe: action spaces of variable size (``Text``, ``Sequence``, ``Graph``: text
-envs), ``render_mode="human"``, an env whose metadata says ``"asyncvec_probe": False`` (declare
-it for envs whose steps act on the world: hardware, paid services, one-shot files), or a probe
-that fails (the env raises, dies, or takes longer than its budget). Passing ``envs_per_worker``
-or ``in_process`` also skips it. ``envs.placement`` tells what was chosen and why; the ``asyncvec.vector``
-logger says it at INFO level.
+1. **What the user asked for decides first.** ``in_process=True`` or ``envs_per_worker=k`` is
+   kept as given. The calling process never hosts the envs where that would break a setting:
+   ``max_restarts > 0`` (a crash there would take the caller with it), ``step_timeout`` (a step
+   there cannot be interrupted), ``batch_size < num_envs`` or any partial ``send``/``recv`` (the
+   envs would step inside ``send``, one after another: fast envs would wait for slow ones), a
+   backend other than worker processes, ``in_process=False``, or steps driven from a thread other
+   than the main one (the envs would take the GIL from the caller's other work, e.g. a learner).
+2. **No env receives an action the user did not send.** By default nothing is probed: the envs
+   start one per worker process (gymnasium's ``AsyncVectorEnv`` placement) and the user's own
+   first steps are timed where they run (:mod:`~asyncvec.vector.relocation` then moves the envs,
+   with their whole state, if that clearly pays). Random-action probing of a throwaway copy is an
+   explicit opt-in: ``placement="probe"`` (:func:`probe_placement`).
+3. **Every env counts.** The rule takes one :class:`StepProfile` per env: envs that wait (CPU
+   share under a half: sleeps, I/O, remote calls) keep a worker each; only CPU-bound envs share
+   workers, at most one busy worker per core, balanced by their step times.
+4. **Then speed, with a clear margin.** For lockstep use, with ``N`` envs costing ``t_i`` each and a
+   measured overhead ``o`` per worker message, the predicted wall time of one vector step is
+   ``T(groups) = max(max_w sum_{i in w} t_i, sum_i t_i c_i / cores) + W o``; in the calling process
+   ``sum_i t_i`` plus a small per-env cost. A placement is left only for one predicted
+   ``IN_PROCESS_MARGIN`` (into the calling process, whose cost is well predicted) or
+   ``REGROUP_MARGIN`` (among workers) times faster than what was measured.
 
 Example:
-    >>> p = choose_placement(8, StepProfile(step_s=5e-6, cpu_share=1.0, round_trip_s=60e-6, steps=64), cores=2)
-    >>> p.in_process, p.envs_per_worker
-    (True, 8)
-    >>> p = choose_placement(8, StepProfile(step_s=1e-3, cpu_share=1.0, round_trip_s=60e-6, steps=50), cores=2)
-    >>> p.in_process, p.envs_per_worker, p.num_workers
-    (False, 4, 2)
-    >>> sleeping = StepProfile(step_s=10e-3, cpu_share=0.01, round_trip_s=60e-6, steps=5)
-    >>> choose_placement(16, sleeping, cores=2).envs_per_worker
+    >>> cheap = [StepProfile(step_s=10e-6, cpu_share=1.0)] * 8
+    >>> choose_placement(cheap, overhead_s=30e-6, cores=2, measured_s=500e-6).in_process
+    True
+    >>> choose_placement(cheap, overhead_s=30e-6, cores=2, measured_s=500e-6, blockers=["max_restarts=1"]).groups
+    ((0, 1, 2, 3), (4, 5, 6, 7))
+    >>> sleeping = [StepProfile(step_s=10e-3, cpu_share=0.01)] * 4
+    >>> choose_placement(sleeping, overhead_s=30e-6, cores=2).envs_per_worker
     1
 """
 
@@ -50,43 +41,46 @@ import copy
 import logging
 import math
 import multiprocessing
-import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from gymnasium import Env, Space
 from gymnasium.vector.vector_env import AutoresetMode
 
 from asyncvec.vector.split_obs import is_fixed_shape
-
-if TYPE_CHECKING:
-    from asyncvec.vector.transport import Backend
+from asyncvec.vector.transport import Backend, ProcessBackend, ProcessTransport, WorkerSpec
+from asyncvec.vector.worker import EnvFailure
 
 __all__ = [
     "Placement",
     "StepProfile",
     "check_placement_arguments",
     "choose_placement",
+    "describe_failure",
     "given_placement",
+    "initial_placement",
+    "in_process_blockers",
     "in_process_placement",
-    "place_envs",
+    "probe_placement",
     "probe_skip_reason",
     "profile_env",
-    "time_steps",
-    "usable_cores",
+    "relocation_skip_reason",
 ]
 
 logger = logging.getLogger("asyncvec.vector")
 
-#: The probe steps its env for about this long (wall seconds of stepping), at most PROBE_MAX_STEPS steps.
-PROBE_BUDGET_S = 0.05
-PROBE_MAX_STEPS = 64
-#: A step longer than this ends the probe at once: the env is slow, and one step says how slow.
-PROBE_SLOW_STEP_S = 0.02
+#: Leave the current placement for the calling process only when predicted this many times faster.
+IN_PROCESS_MARGIN = 1.1
+#: Regroup envs among workers only when predicted this many times faster.
+REGROUP_MARGIN = 1.25
+#: What the calling process adds to each env step beside the env's own step (the in-process fast path).
+IN_PROCESS_STEP_COST_S = 3e-6
+#: Envs that use less CPU than this share of their step's wall time wait (sleep, I/O): a worker each.
+WAITING_CPU_SHARE = 0.5
 #: Step messages timed to the probe's worker to measure the round trip (only for steps under the second constant).
 PROBE_ROUND_TRIPS = 16
 PROBE_ROUND_TRIP_MAX_STEP_S = 0.002
@@ -96,21 +90,33 @@ PROBE_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class StepProfile:
-    """What :func:`profile_env` measured of one env.
+    """What one env's step costs.
 
     Attributes:
         step_s: median wall seconds of one ``step``.
-        cpu_share: CPU seconds the env's process used per wall second of stepping (about 1 for
-            a simulator, about 0 for an env that sleeps or waits).
-        round_trip_s: median overhead of one step message to a worker process and back, less
-            the step itself; ``None`` if not measured.
+        cpu_share: CPU seconds used per wall second of stepping (about 1 for a simulator, about
+            0 for an env that sleeps or waits).
+        round_trip_s: (the probe only) median overhead of one step message to a worker process and
+            back, less the step itself; ``None`` if not measured.
         steps: how many steps were timed.
     """
 
     step_s: float
     cpu_share: float
-    round_trip_s: float | None
-    steps: int
+    round_trip_s: float | None = None
+    steps: int = 0
+
+    @staticmethod
+    def from_timings(walls: Sequence[float], cpus: Sequence[float], round_trip_s: float | None = None) -> StepProfile:
+        """The profile of timed steps: median wall, and the median step's CPU share (on a loaded
+        machine some steps of a CPU-bound env are preempted; the median still shows what it needs)."""
+        cpu_share = min(1.0, statistics.median(cpu / max(wall, 1e-9) for cpu, wall in zip(cpus, walls)))
+        return StepProfile(statistics.median(walls), cpu_share, round_trip_s, len(walls))
+
+    @property
+    def waits(self) -> bool:
+        """The env mostly waits (sleep, I/O, a remote call): it overlaps with others in its own worker."""
+        return self.cpu_share < WAITING_CPU_SHARE
 
 
 @dataclass(frozen=True)
@@ -119,69 +125,169 @@ class Placement:
 
     Attributes:
         in_process: the envs run in the calling process, stepped one after another (no workers).
-        envs_per_worker: envs each worker process hosts (``num_envs`` when ``in_process``).
-        num_workers: worker processes (or actors); 0 when ``in_process``.
-        reason: why this placement, in words (the rule's numbers, or why none was measured).
-        profile: the measurement the choice came from, or ``None`` (given, or not measured).
+        groups: the env ids each worker hosts (one group of every env when ``in_process``).
+        reason: why this placement, in words (the rule's numbers, or what the user asked for).
+        profiles: the per-env measurements the choice came from, or ``None`` (not measured).
+        measuring: the envs' first steps are being timed; the placement may still change
+            (:mod:`~asyncvec.vector.relocation`).
     """
 
     in_process: bool
-    envs_per_worker: int
-    num_workers: int
+    groups: tuple[tuple[int, ...], ...]
     reason: str
-    profile: StepProfile | None = None
+    profiles: tuple[StepProfile, ...] | None = None
+    measuring: bool = False
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes (or actors); 0 when ``in_process``."""
+        return 0 if self.in_process else len(self.groups)
+
+    @property
+    def envs_per_worker(self) -> int:
+        """The most envs one worker hosts (``num_envs`` when ``in_process``)."""
+        return max(map(len, self.groups))
+
+    @property
+    def profile(self) -> StepProfile | None:
+        """The first env's measurement (``profiles[0]``), or ``None``."""
+        return None if not self.profiles else self.profiles[0]
 
     def __str__(self) -> str:
-        where = (
-            "in the calling process"
-            if self.in_process
-            else f"{self.num_workers} worker(s) x {self.envs_per_worker} env(s)"
-        )
+        if self.in_process:
+            where = "in the calling process"
+        elif all(len(group) == self.envs_per_worker for group in self.groups[:-1]):
+            where = f"{self.num_workers} worker(s) x {self.envs_per_worker} env(s)"
+        else:
+            where = f"{self.num_workers} worker(s) hosting {[list(group) for group in self.groups]}"
         return f"{where}: {self.reason}"
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity where the OS tells it, else ``os.cpu_count()``)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
+def contiguous_groups(num_envs: int, envs_per_worker: int) -> tuple[tuple[int, ...], ...]:
+    """Env ids ``0..num_envs-1`` in workers of ``envs_per_worker`` each (the last may hold fewer)."""
+    return tuple(tuple(range(s, min(s + envs_per_worker, num_envs))) for s in range(0, num_envs, envs_per_worker))
 
 
-def given_placement(num_envs: int, envs_per_worker: int, reason: str) -> Placement:
-    """The placement of an explicit ``envs_per_worker`` (or of a fallback to one env per worker)."""
-    return Placement(False, envs_per_worker, math.ceil(num_envs / envs_per_worker), reason)
+def given_placement(num_envs: int, envs_per_worker: int, reason: str, measuring: bool = False) -> Placement:
+    """Contiguous workers of ``envs_per_worker`` envs (an explicit setting, or one env per worker)."""
+    return Placement(False, contiguous_groups(num_envs, envs_per_worker), reason, measuring=measuring)
 
 
-def in_process_placement(num_envs: int, reason: str, profile: StepProfile | None = None) -> Placement:
-    return Placement(True, num_envs, 0, reason, profile)
+def in_process_placement(
+    num_envs: int, reason: str, profiles: tuple[StepProfile, ...] | None = None
+) -> Placement:
+    return Placement(True, (tuple(range(num_envs)),), reason, profiles)
 
 
-def choose_placement(num_envs: int, profile: StepProfile, cores: int, can_run_in_process: bool = True) -> Placement:
-    """The module docstring's rule: workers ``W = min(N, round(cores / c))``, ``k = ceil(N / W)``
-    envs each; in the calling process if ``N * t <= o`` and ``can_run_in_process``."""
-    t, c = profile.step_s, max(profile.cpu_share, 1e-3)
-    o = profile.round_trip_s or 0.0
-    busy = min(num_envs, max(1, round(cores / c)))  # rounded: a measured share of 0.97 is one core
-    k = math.ceil(num_envs / busy)
-    workers = math.ceil(num_envs / k)
-    measured = f"step {t * 1e6:,.0f} us at {profile.cpu_share:.0%} CPU, round trip {o * 1e6:,.0f} us, {cores} cores"
-    if can_run_in_process and num_envs * t <= o:
+def in_process_blockers(
+    *,
+    max_restarts: int,
+    step_timeout: float | None,
+    batch_size: int,
+    num_envs: int,
+    process_backend: bool,
+    in_process: bool | None,
+) -> list[str]:
+    """The settings that forbid hosting the envs in the calling process, in words (empty: allowed).
+    Later uses add their own (a partial ``send``, a step from another thread: the relocation)."""
+    blockers = []
+    if max_restarts > 0:
+        blockers.append(f"max_restarts={max_restarts} (a crash in this process could not be restarted)")
+    if step_timeout is not None:
+        blockers.append(f"step_timeout={step_timeout} (a step in this process cannot be interrupted)")
+    if batch_size < num_envs:
+        blockers.append(f"batch_size={batch_size} < num_envs={num_envs} (partial batches need envs stepping apart)")
+    if not process_backend:
+        blockers.append("another backend than worker processes")
+    if in_process is False:
+        blockers.append("in_process=False")
+    return blockers
+
+
+def predicted_step_s(groups: Sequence[Sequence[int]], profiles: Sequence[StepProfile], cores: int, overhead_s: float) -> float:
+    """Predicted wall seconds of one lockstep vector step with the envs in workers as ``groups``
+    (the module docstring's ``T``)."""
+    busiest = max(sum(profiles[i].step_s for i in group) for group in groups)
+    cpu = sum(p.step_s * p.cpu_share for p in profiles) / cores
+    return max(busiest, cpu) + len(groups) * overhead_s
+
+
+def predicted_in_process_s(profiles: Sequence[StepProfile]) -> float:
+    """Predicted wall seconds of one lockstep vector step with every env in the calling process."""
+    return sum(p.step_s + IN_PROCESS_STEP_COST_S for p in profiles)
+
+
+def packed_groups(profiles: Sequence[StepProfile], cores: int) -> tuple[tuple[int, ...], ...]:
+    """Envs that wait keep a worker each; CPU-bound envs share at most ``cores`` workers, each env to
+    the least loaded worker, slowest first (so that a slow env does not stack on another)."""
+    busy = sorted((i for i, p in enumerate(profiles) if not p.waits), key=lambda i: -profiles[i].step_s)
+    workers = min(len(busy), max(1, cores))
+    packs: list[list[int]] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for index in busy:
+        w = loads.index(min(loads))
+        packs[w].append(index)
+        loads[w] += profiles[index].step_s
+    groups = [sorted(pack) for pack in packs if pack] + [[i] for i, p in enumerate(profiles) if p.waits]
+    return tuple(tuple(group) for group in sorted(groups))
+
+
+def choose_placement(
+    profiles: Sequence[StepProfile],
+    *,
+    overhead_s: float,
+    cores: int,
+    measured_s: float | None = None,
+    current: Sequence[Sequence[int]] | None = None,
+    blockers: Sequence[str] = (),
+) -> Placement:
+    """The module docstring's rule for envs costing ``profiles`` (one per env).
+
+    Args:
+        overhead_s: the measured cost of one message to a worker and back, beyond the steps.
+        cores: cores the envs may use.
+        measured_s: the measured wall time of one vector step as the envs run now (``current``),
+            or ``None``: then the current placement is one env per worker, as predicted.
+        current: the groups the envs run in now (default: one env per worker).
+        blockers: why the envs may not run in the calling process (:func:`in_process_blockers`).
+    """
+    num_envs = len(profiles)
+    current_groups = tuple(tuple(g) for g in current) if current is not None else contiguous_groups(num_envs, 1)
+    now = measured_s if measured_s is not None else predicted_step_s(current_groups, profiles, cores, overhead_s)
+    cpu = statistics.mean(p.cpu_share for p in profiles)
+    measured = (
+        f"steps {statistics.median(p.step_s for p in profiles) * 1e6:,.1f} us (median of {num_envs} envs, "
+        f"{min(p.step_s for p in profiles) * 1e6:,.1f}-{max(p.step_s for p in profiles) * 1e6:,.1f}) at {cpu:.0%} "
+        f"CPU, {overhead_s * 1e6:,.0f} us per worker message, {cores} cores; a vector step "
+        f"{'measured' if measured_s is not None else 'predicted'} {now * 1e6:,.0f} us"
+    )
+    in_process_s = predicted_in_process_s(profiles)
+    if not blockers and in_process_s * IN_PROCESS_MARGIN <= now:
         return in_process_placement(
             num_envs,
-            f"{num_envs} steps in turn ({num_envs * t * 1e6:,.0f} us) cost no more than a worker round trip; "
-            f"{measured}",
-            profile,
+            f"in this process predicted {in_process_s * 1e6:,.0f} us a vector step, at least "
+            f"{IN_PROCESS_MARGIN}x faster; {measured}",
+            tuple(profiles),
         )
-    why = "CPU-bound: at most one busy worker per core" if busy < num_envs else "one worker per env"
-    return Placement(False, k, workers, f"{why}; {measured}", profile)
+    packed = packed_groups(profiles, cores)
+    packed_s = predicted_step_s(packed, profiles, cores, overhead_s)
+    if packed != current_groups and packed_s * REGROUP_MARGIN <= now:
+        return Placement(
+            False,
+            packed,
+            f"CPU-bound envs share at most one busy worker per core, those that wait keep their own "
+            f"(predicted {packed_s * 1e6:,.0f} us, at least {REGROUP_MARGIN}x faster); {measured}",
+            tuple(profiles),
+        )
+    why = "; ".join(blockers) if blockers else "no other placement is clearly faster"
+    return Placement(False, current_groups, f"stays: {why}; {measured}", tuple(profiles))
 
 
-def check_placement_arguments(envs_per_worker: Any, in_process: bool | None, backend: Any) -> None:
+def check_placement_arguments(envs_per_worker: Any, in_process: bool | None, backend: Any, placement: Any) -> None:
     """Refuses ``AsyncLLMVectorEnv`` placement arguments that do not fit together, before anything starts.
 
     Example:
-        >>> check_placement_arguments(4, True, "process")
+        >>> check_placement_arguments(4, True, "process", "auto")
         Traceback (most recent call last):
         ...
         ValueError: in_process=True runs every env in this process: do not also give envs_per_worker
@@ -190,91 +296,78 @@ def check_placement_arguments(envs_per_worker: Any, in_process: bool | None, bac
         isinstance(envs_per_worker, bool) or not isinstance(envs_per_worker, (int, np.integer)) or envs_per_worker < 1
     ):
         raise ValueError(
-            f"envs_per_worker must be an int >= 1 or None (chosen by measuring the env), got {envs_per_worker!r}"
+            f"envs_per_worker must be an int >= 1 or None (chosen from the envs' own steps), got {envs_per_worker!r}"
         )
     if in_process and envs_per_worker is not None:
         raise ValueError("in_process=True runs every env in this process: do not also give envs_per_worker")
     if in_process and backend != "process":
         raise ValueError(f"in_process=True needs the default backend='process', got backend={backend!r}")
+    if placement not in ("auto", "probe"):
+        raise ValueError(
+            f"placement must be 'auto' (measured from your own steps) or 'probe' (random actions on a throwaway "
+            f"copy of each env, before anything runs), got {placement!r}"
+        )
+    if placement == "probe" and (in_process or envs_per_worker is not None):
+        raise ValueError("placement='probe' chooses the placement: do not also give envs_per_worker or in_process=True")
 
 
-def place_envs(
-    env_fns: list[Callable[[], Env[Any, Any]]],
+def initial_placement(
+    env_fns: Sequence[Callable[[], Env[Any, Any]]],
     backend: Backend,
     *,
+    placement: str,
     envs_per_worker: int | None,
     in_process: bool | None,
-    step_timeout: float | None,
-    skip_reason: str | None,
+    blockers: Sequence[str],
+    probe_skip: str | None,
+    relocate_skip: str | None,
     context: str | None,
     start_timeout: float,
     daemon: bool,
 ) -> Placement:
-    """How a vector env places its envs: as given (``in_process=True``, ``envs_per_worker``), else by
-    measuring one env (:func:`profile_env`) and :func:`choose_placement`'s rule.
-
-    ``skip_reason``: :func:`probe_skip_reason` of the env's spaces when they are known here (then one
-    env per worker, unmeasured). A probe that fails falls back to one env per worker (gymnasium's placement).
+    """Where the envs start: as given (``in_process=True``, ``envs_per_worker``), as probed
+    (``placement="probe"``), else one env per worker, ``measuring`` their first steps when they may
+    move later (worker processes, envs that allow it).
 
     Example:
         >>> import gymnasium as gym
-        >>> from asyncvec.vector.transport import ProcessBackend
-        >>> place_envs([lambda: gym.make("CartPole-v1")] * 4, ProcessBackend(), envs_per_worker=2, in_process=None,
-        ...            step_timeout=None, skip_reason=None, context=None, start_timeout=60.0, daemon=True).num_workers
-        2
+        >>> p = initial_placement([lambda: gym.make("CartPole-v1")] * 4, ProcessBackend(), placement="auto",
+        ...     envs_per_worker=None, in_process=None, blockers=[], probe_skip=None, relocate_skip=None,
+        ...     context=None, start_timeout=60.0, daemon=True)
+        >>> p.num_workers, p.measuring
+        (4, True)
     """
     num_envs = len(env_fns)
     if in_process:
         return in_process_placement(num_envs, "in_process=True")
     if envs_per_worker is not None:
         return given_placement(num_envs, int(envs_per_worker), "envs_per_worker given")
-    if skip_reason is not None:
-        return given_placement(num_envs, 1, f"one env per worker: not measured: {skip_reason}")
-    try:
-        profile = profile_env(env_fns[0], context, start_timeout, daemon)
-    except Exception as exc:  # the env, not the vector env, failed: fall back to gymnasium's placement
-        return given_placement(num_envs, 1, f"one env per worker: {exc}")
-    from asyncvec.vector.transport import ProcessBackend  # transport imports this module
+    if placement == "probe":
+        if probe_skip is not None:
+            return given_placement(num_envs, 1, f"one env per worker: not measured: {probe_skip}")
+        return probe_placement(
+            env_fns, backend, blockers=blockers, context=context, start_timeout=start_timeout, daemon=daemon
+        )
+    if not isinstance(backend, ProcessBackend):
+        return given_placement(num_envs, 1, "one env per worker (another backend than worker processes)")
+    if relocate_skip is not None:
+        return given_placement(num_envs, 1, f"one env per worker: {relocate_skip}")
+    return given_placement(num_envs, 1, "one env per worker while the first steps are timed", measuring=True)
 
-    can_run_in_process = in_process is None and step_timeout is None and isinstance(backend, ProcessBackend)
-    return choose_placement(num_envs, profile, backend.parallelism(), can_run_in_process)
 
-
-def time_steps(
-    env: Env[Any, Any], budget_s: float = PROBE_BUDGET_S, max_steps: int = PROBE_MAX_STEPS
-) -> dict[str, Any]:
-    """Steps ``env`` with random actions (a seeded copy of its action space) and times each step.
-
-    Runs in the probe's worker process (the ``"probe"`` command). Returns ``{"step_s": [...],
-    "cpu_s": [...]}``, wall and process-CPU seconds per step; a reset after an episode's end is
-    not timed. Stops after ``budget_s`` of stepping, ``max_steps`` steps, or one step longer than
-    ``PROBE_SLOW_STEP_S``.
-    """
-    space: Space[Any] = copy.deepcopy(env.action_space)
-    space.seed(0)
-    env.reset(seed=0)
-    walls: list[float] = []
-    cpus: list[float] = []
-    spent = 0.0
-    while len(walls) < max_steps and spent < budget_s:
-        action = space.sample()
-        wall, cpu = time.perf_counter(), time.process_time()
-        _, _, terminated, truncated, _ = env.step(action)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        walls.append(wall)
-        cpus.append(cpu)
-        spent += wall
-        if wall > PROBE_SLOW_STEP_S:
-            break
-        if terminated or truncated:
-            env.reset()
-    return {"step_s": walls, "cpu_s": cpus}
+def relocation_skip_reason(render_mode: Any, metadata: dict[Any, Any]) -> str | None:
+    """Why the envs may never move between processes once built, or ``None``."""
+    if metadata.get("asyncvec_relocate", True) is False:
+        return "the env declares metadata['asyncvec_relocate'] = False"
+    if render_mode == "human":
+        return "render_mode='human' (its window belongs to its process)"
+    return None
 
 
 def probe_skip_reason(
     observation_space: Space[Any], action_space: Space[Any], render_mode: Any, metadata: dict[Any, Any]
 ) -> str | None:
-    """Why the env is not probed (random actions not meaningful or not safe), or ``None``."""
+    """Why ``placement="probe"`` does not probe the env (random actions not meaningful or not safe), or ``None``."""
     if metadata.get("asyncvec_probe", True) is False:
         return "the env declares metadata['asyncvec_probe'] = False"
     if not is_fixed_shape(action_space):
@@ -284,36 +377,68 @@ def probe_skip_reason(
     return None
 
 
+def probe_placement(
+    env_fns: Sequence[Callable[[], Env[Any, Any]]],
+    backend: Backend,
+    *,
+    blockers: Sequence[str],
+    context: str | None,
+    start_timeout: float,
+    daemon: bool,
+) -> Placement:
+    """``placement="probe"`` (an opt-in): steps a throwaway copy of each distinct env function with
+    random actions (:func:`profile_env`) and applies :func:`choose_placement`. A probe that fails
+    falls back to one env per worker.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> p = probe_placement([lambda: gym.make("CartPole-v1")] * 4, ProcessBackend(), blockers=["max_restarts=1"],
+        ...                     context=None, start_timeout=60.0, daemon=True)
+        >>> p.in_process, p.profile is not None
+        (False, True)
+    """
+    by_fn: dict[int, StepProfile] = {}
+    try:
+        for fn in env_fns:
+            if id(fn) not in by_fn:
+                by_fn[id(fn)] = profile_env(fn, context, start_timeout, daemon)
+    except Exception as exc:  # the env, not the vector env, failed: fall back to gymnasium's placement
+        return given_placement(len(env_fns), 1, f"one env per worker: {exc}")
+    profiles = [by_fn[id(fn)] for fn in env_fns]
+    trips = [p.round_trip_s for p in profiles if p.round_trip_s is not None]
+    return choose_placement(
+        profiles,
+        overhead_s=statistics.median(trips) if trips else 0.0,
+        cores=backend.parallelism(),
+        blockers=list(blockers) + ([] if isinstance(backend, ProcessBackend) else ["another backend"]),
+    )
+
+
 def profile_env(
     env_fn: Callable[[], Env[Any, Any]], context: str | None = None, start_timeout: float = 60.0, daemon: bool = True
 ) -> StepProfile:
-    """Measures one throwaway env built by ``env_fn`` in a child process (see the module docstring).
+    """Measures one throwaway env built by ``env_fn`` in a child process with random actions
+    (``placement="probe"`` only: a crash, hang or exit there costs nothing but the probe).
 
     Raises:
         RuntimeError: the env could not be built, raised while stepping, or the child died or
             took longer than ``start_timeout`` to build plus ``PROBE_TIMEOUT_S``.
     """
-    from asyncvec.vector.transport import ProcessTransport, WorkerSpec
-
     ctx = multiprocessing.get_context(context)
     # daemon as the vector env's workers: an env that starts processes of its own needs daemon=False
     transport = ProcessTransport(WorkerSpec([env_fn], [[0]], AutoresetMode.NEXT_STEP), ctx, daemon=daemon)
     try:
         ok, payload = transport.await_ready(0, start_timeout)
         if not ok:
-            raise RuntimeError(f"measurement failed: the probe env could not be built: {_describe(payload)}")
+            raise RuntimeError(f"measurement failed: the probe env could not be built: {describe_failure(payload)}")
         observation_space, action_space, metadata, render_mode = _ask(transport, (0, "spaces", None))
         skip = probe_skip_reason(observation_space, action_space, render_mode, metadata)
         if skip is not None:
             raise RuntimeError(f"not measured: {skip}")
         timings = _ask(transport, (0, "probe", None))
-        walls, cpus = timings["step_s"], timings["cpu_s"]
-        step_s = statistics.median(walls)
-        # The median step's share, not total CPU over total wall: on a loaded machine some steps of a
-        # CPU-bound env are preempted (wall > CPU), and the median step still shows what the env needs.
-        cpu_share = min(1.0, statistics.median(cpu / max(wall, 1e-9) for cpu, wall in zip(cpus, walls)))
+        profile = StepProfile.from_timings(timings["step_s"], timings["cpu_s"])
         round_trip_s = None
-        if step_s < PROBE_ROUND_TRIP_MAX_STEP_S:  # for slower steps the round trip does not change the choice
+        if profile.step_s < PROBE_ROUND_TRIP_MAX_STEP_S:  # for slower steps the round trip does not change the choice
             space = copy.deepcopy(_ask(transport, (0, "call", ("action_space", (), {}))))
             space.seed(1)
             trips = []
@@ -321,8 +446,8 @@ def profile_env(
                 start = time.perf_counter()
                 _ask(transport, (0, "step", space.sample()))
                 trips.append(time.perf_counter() - start)
-            round_trip_s = max(0.0, statistics.median(trips) - step_s)
-        return StepProfile(step_s, cpu_share, round_trip_s, len(walls))
+            round_trip_s = max(0.0, statistics.median(trips) - profile.step_s)
+        return StepProfile(profile.step_s, profile.cpu_share, round_trip_s, profile.steps)
     finally:
         transport.close(timeout=1.0, terminate=False)
 
@@ -333,16 +458,15 @@ def _ask(transport: Any, item: tuple[int, str, Any]) -> Any:
         raise RuntimeError(f"measurement failed: the probe env did not answer {item[1]!r} within {PROBE_TIMEOUT_S} s")
     ok, payload = transport.read(0)
     if not ok:
-        raise RuntimeError(f"measurement failed: the probe's worker failed: {_describe(payload)}")
-    from asyncvec.vector.worker import EnvFailure
-
+        raise RuntimeError(f"measurement failed: the probe's worker failed: {describe_failure(payload)}")
     result = payload[0]
     if isinstance(result, EnvFailure):
-        raise RuntimeError(f"measurement failed: the probe env raised in {item[1]!r}: {_describe(result)}")
+        raise RuntimeError(f"measurement failed: the probe env raised in {item[1]!r}: {describe_failure(result)}")
     return result
 
 
-def _describe(payload: Any) -> str:
+def describe_failure(payload: Any) -> str:
+    """A worker's error payload (or a ``BuildFailure``) in one line: ``Type: message``."""
     payload = getattr(payload, "payload", payload)  # a BuildFailure wraps the error payload
     if isinstance(payload, tuple) and len(payload) >= 2:
         return f"{payload[0]}: {payload[1]}"

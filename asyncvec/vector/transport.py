@@ -31,7 +31,6 @@ from gymnasium import Env, Space
 from gymnasium.vector.utils import CloudpickleWrapper, clear_mpi_env_vars, create_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
-from asyncvec.vector.placement import usable_cores
 from asyncvec.vector.worker import IDLE, BuildFailureError, EnvGroup, dumps, run_worker
 
 __all__ = [
@@ -43,6 +42,7 @@ __all__ = [
     "Transport",
     "WorkerSpec",
     "resolve_backend",
+    "usable_cores",
 ]
 
 
@@ -52,11 +52,14 @@ class WorkerSpec:
 
     Attributes:
         env_fns: one function per env of the vector env.
-        groups: the env indices each worker hosts (``groups[w]``), contiguous and in order.
+        groups: the env indices each worker hosts (``groups[w]``); every env in exactly one group.
         autoreset_mode: the vector env's autoreset mode, applied inside the workers.
         shared_memory: the buffer made by :meth:`Backend.create_shared_memory`, or ``None``.
         action_memory: shared memory for one action per env (fixed-shape action spaces, worker
             processes), or ``None``: actions then travel with the message.
+        states: per env, the bytes of an env moved from another process (``"export"``), or
+            ``None``; used when the workers first start (a restart builds from ``env_fns``).
+        timed_steps: each env times this many of its first steps (:mod:`~asyncvec.vector.relocation`).
     """
 
     env_fns: Sequence[Callable[[], Env[Any, Any]]]
@@ -64,10 +67,24 @@ class WorkerSpec:
     autoreset_mode: AutoresetMode
     shared_memory: Any = None
     action_memory: Any = None
+    states: Sequence[bytes | None] | None = None
+    timed_steps: int = 0
+
+    def states_of(self, worker: int) -> list[bytes | None] | None:
+        """The moved states of ``worker``'s envs, or ``None`` (build them from their functions)."""
+        return None if self.states is None else [self.states[i] for i in self.groups[worker]]
 
     @property
     def num_envs(self) -> int:
         return len(self.env_fns)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS tells it, else ``os.cpu_count()``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 class Transport(ABC):
@@ -216,9 +233,9 @@ class ProcessTransport(Transport):
         self._pipes: list[Any] = [None] * len(spec.groups)
         with clear_mpi_env_vars():
             for worker in range(len(spec.groups)):
-                self._start(worker)
+                self._start(worker, spec.states_of(worker), spec.timed_steps)
 
-    def _start(self, worker: int) -> None:
+    def _start(self, worker: int, states: list[bytes | None] | None = None, timed_steps: int = 0) -> None:
         indices = list(self.spec.groups[worker])
         parent_pipe, child_pipe = self._ctx.Pipe()
         process = self._ctx.Process(
@@ -234,6 +251,8 @@ class ProcessTransport(Transport):
                 (self._marker, worker),
                 os.getpid(),
                 None if self.spec.action_memory is None else (self.spec.action_memory, self.spec.num_envs),
+                states,
+                timed_steps,
             ),
             daemon=self._daemon,
         )
@@ -375,13 +394,15 @@ class InProcessTransport(Transport):
         self._changed = threading.Condition()
         self._woken = False
         for worker in range(len(spec.groups)):
-            self._start(worker)
+            self._start(worker, spec.states_of(worker))
 
-    def _start(self, worker: int) -> None:
+    def _start(self, worker: int, states: list[bytes | None] | None = None) -> None:
         indices = list(self.spec.groups[worker])
         memory = None if self.spec.shared_memory is None else (self.spec.shared_memory, self.spec.num_envs)
         try:
-            group = EnvGroup([self.spec.env_fns[i] for i in indices], indices, self.spec.autoreset_mode, memory)
+            group = EnvGroup(
+                [self.spec.env_fns[i] for i in indices], indices, self.spec.autoreset_mode, memory, states=states
+            )
         except BuildFailureError as exc:
             self._groups[worker], self._ready[worker] = None, (False, exc.failure)
         else:

@@ -22,7 +22,11 @@ Commands (per env):
 * ``"call"`` ``(name, args, kwargs)``, ``"setattr"`` ``(name, value)``,
   ``"check_spaces"`` ``(observation_mode, observation_space, action_space)``,
   ``"spaces"`` (answers the env's spaces, metadata and render mode), ``"probe"`` (times random
-  steps: :func:`~asyncvec.vector.placement.time_steps`).
+  steps: :func:`time_steps`; only for ``placement="probe"``, which the user opts into).
+* Placement (:mod:`~asyncvec.vector.relocation`): ``"timings"`` answers the wall and CPU seconds
+  of the env's first steps (the user's own steps, timed as they run), ``"export"`` the env's
+  whole state as bytes (cloudpickle: the env object, its autoreset flag and pending seed),
+  ``"detach"`` drops the env without closing it (its copy lives on elsewhere).
 
 An env that raises does not stop the others: its item answers :class:`EnvFailure`.
 Observations of fixed-shape spaces are written to shared memory once the whole message is
@@ -32,6 +36,7 @@ done (so a worker that dies mid-message never leaves a half-published row) and a
 
 from __future__ import annotations
 
+import copy
 import copyreg
 import io
 import os
@@ -45,19 +50,24 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, SupportsFloat
 
+import cloudpickle
 import numpy as np
 from gymnasium import Env, Space
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
-from asyncvec.vector.placement import time_steps
 from asyncvec.vector.split_obs import copy_row, pipe_part, shared_subspace, write_row
 
 # How often a worker process checks that its parent is still alive.
 _PARENT_CHECK_S = 1.0
 IDLE = -1  # the value of a worker's "current env" marker between messages
 _OBSERVING_COMMANDS = ("step", "step_shared", "reset", "restart")  # commands that answer an observation
+#: The probe (``placement="probe"``) steps its env for about this long (wall seconds), at most PROBE_MAX_STEPS steps.
+PROBE_BUDGET_S = 0.05
+PROBE_MAX_STEPS = 64
+#: A step longer than this ends the probe at once: the env is slow, and one step says how slow.
+PROBE_SLOW_STEP_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -137,6 +147,37 @@ def error_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
     return type(exc).__name__, str(exc), traceback.format_exc(), pickled
 
 
+def time_steps(
+    env: Env[Any, Any], budget_s: float = PROBE_BUDGET_S, max_steps: int = PROBE_MAX_STEPS
+) -> dict[str, Any]:
+    """Steps ``env`` with random actions (a seeded copy of its action space) and times each step.
+
+    Runs in the probe's worker process (the ``"probe"`` command, ``placement="probe"`` only). Returns
+    ``{"step_s": [...], "cpu_s": [...]}``, wall and process-CPU seconds per step; a reset after an
+    episode's end is not timed. Stops after ``budget_s`` of stepping, ``max_steps`` steps, or one
+    step longer than ``PROBE_SLOW_STEP_S``.
+    """
+    space: Space[Any] = copy.deepcopy(env.action_space)
+    space.seed(0)
+    env.reset(seed=0)
+    walls: list[float] = []
+    cpus: list[float] = []
+    spent = 0.0
+    while len(walls) < max_steps and spent < budget_s:
+        action = space.sample()
+        wall, cpu = time.perf_counter(), time.process_time()
+        _, _, terminated, truncated, _ = env.step(action)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        walls.append(wall)
+        cpus.append(cpu)
+        spent += wall
+        if wall > PROBE_SLOW_STEP_S:
+            break
+        if terminated or truncated:
+            env.reset()
+    return {"step_s": walls, "cpu_s": cpus}
+
+
 class EnvGroup:
     """The envs one worker hosts, and how they answer a message (see the module docstring).
 
@@ -151,6 +192,9 @@ class EnvGroup:
         marker: optional ``(array, slot)``: ``array[slot]`` holds the index of the env being
             worked on (``IDLE`` between messages), so the parent can name the env that hung or
             killed the worker.
+        states: per env, ``None`` (build it with its function) or the bytes of ``"export"``: the
+            env moved here from another process with its whole state.
+        timed_steps: time this many of each env's first steps (for ``"timings"``); 0: none.
 
     Raises:
         BuildFailureError: an env function raised (``.failure`` says which one and why).
@@ -164,6 +208,8 @@ class EnvGroup:
         shared_memory: Any = None,
         marker: tuple[Any, int] | None = None,
         action_memory: Any = None,
+        states: Sequence[bytes | None] | None = None,
+        timed_steps: int = 0,
     ) -> None:
         self.env_fns = list(env_fns)
         self.indices = list(indices)
@@ -178,16 +224,25 @@ class EnvGroup:
         self.slot: int
         self.marker, self.slot = marker if marker is not None else (None, 0)
         self.envs: list[Env[Any, Any]] = []
+        self.autoreset = [False] * len(self.env_fns)  # NEXT_STEP: the env's next "step" resets it
+        self.next_seed: list[int | None] = [None] * len(self.env_fns)  # seeds the next unseeded reset
         for position, fn in enumerate(self.env_fns):
             self._mark(position)
+            state = None if states is None else states[position]
             try:
-                self.envs.append(make_env(fn, self.indices[position]))
+                if state is None:
+                    self.envs.append(make_env(fn, self.indices[position]))
+                else:
+                    env, self.autoreset[position], self.next_seed[position] = cloudpickle.loads(state)
+                    self.envs.append(env)
             except BaseException as exc:
                 self.close()
                 raise BuildFailureError(BuildFailure(position, error_payload(exc))) from exc
         self._mark(None)
-        self.autoreset = [False] * len(self.envs)  # NEXT_STEP: the env's next "step" resets it
-        self.next_seed: list[int | None] = [None] * len(self.envs)  # seeds the next unseeded reset
+        # (wall, cpu) seconds of each env's first `timed_steps` steps; timing stops once every env has them
+        self.timings: list[list[tuple[float, float]]] = [[] for _ in self.envs]
+        self._timed_steps = timed_steps
+        self._timing = timed_steps > 0
 
     def _mark(self, position: int | None) -> None:
         if self.marker is not None:
@@ -302,9 +357,30 @@ class EnvGroup:
             return env.observation_space, env.action_space, dict(env.metadata), env.render_mode
         if command == "probe":
             return time_steps(env)
+        if command == "timings":
+            return list(self.timings[position])
+        if command == "export":
+            return cloudpickle.dumps((env, self.autoreset[position], self.next_seed[position]))
+        if command == "detach":  # the env moved to another process: dropped here, not closed
+            self.envs[position] = None  # type: ignore[call-overload]  # no command reaches it any more
+            return None
         raise RuntimeError(f"unknown worker command {command!r}")
 
     def _step(self, position: int, action: Any) -> tuple[Any, ...]:
+        if self._timing:  # the user's own first steps, timed for placement (relocation.py)
+            return self._timed_step(position, action)
+        return self._untimed_step(position, action)
+
+    def _timed_step(self, position: int, action: Any) -> tuple[Any, ...]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = self._untimed_step(position, action)
+        timings = self.timings[position]
+        if len(timings) < self._timed_steps:
+            timings.append((time.perf_counter() - wall, time.process_time() - cpu))
+            self._timing = any(len(t) < self._timed_steps for t in self.timings)
+        return result
+
+    def _untimed_step(self, position: int, action: Any) -> tuple[Any, ...]:
         reward: SupportsFloat
         if self._next_step and self.autoreset[position]:
             observation, info = self._reset(position)
@@ -349,6 +425,8 @@ class EnvGroup:
 
     def close(self) -> None:
         for env in self.envs:
+            if env is None:  # detached
+                continue
             try:
                 env.close()
             except Exception:
@@ -388,6 +466,8 @@ def run_worker(
     marker: tuple[Any, int],
     parent_pid: int,
     action_memory: Any = None,
+    states: Sequence[bytes | None] | None = None,
+    timed_steps: int = 0,
 ) -> None:
     """A worker process: builds its envs, answers ``(True, results)`` per message until ``None`` (close).
 
@@ -400,7 +480,7 @@ def run_worker(
     if parent_pipe is not None:
         parent_pipe.close()
     try:
-        group = EnvGroup(env_fns, indices, autoreset_mode, shared_memory, marker, action_memory)
+        group = EnvGroup(env_fns, indices, autoreset_mode, shared_memory, marker, action_memory, states, timed_steps)
     except BuildFailureError as exc:
         pipe.send_bytes(dumps((False, exc.failure)))
         pipe.close()
