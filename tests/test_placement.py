@@ -1,139 +1,251 @@
-"""How AsyncLLMVectorEnv places its envs when ``envs_per_worker`` is not given (asyncvec.vector.placement)."""
+"""Where AsyncLLMVectorEnv places its envs (asyncvec.vector.placement, asyncvec.vector.relocation).
+
+The promises first: what the user asked for decides, no env receives an action the user did not
+send, every env counts, and the envs keep their state (and gymnasium's trajectories) when they move.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import threading
+import time
 from functools import partial
 
 import gymnasium as gym
 import numpy as np
 import pytest
-from toy_envs import CounterEnv, SleepyEnv
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from toy_envs import CounterEnv, RecordingEnv, SleepyEnv, recorded_actions
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.slow import SlowEnv
 from asyncvec.vector.placement import StepProfile, choose_placement, profile_env
+from asyncvec.vector.relocation import TIMED_STEPS
+
+# Enough lockstep steps for the first decision (each env's first TIMED_STEPS steps are timed).
+DECIDED = TIMED_STEPS + 8
 
 
-def profile(step_s, cpu_share, round_trip_s=100e-6):
-    return StepProfile(step_s=step_s, cpu_share=cpu_share, round_trip_s=round_trip_s, steps=10)
+def profiles(step_s, cpu_share, n):
+    return [StepProfile(step_s=step_s, cpu_share=cpu_share)] * n
 
 
 @pytest.mark.parametrize(
-    "num_envs, step_s, cpu_share, cores, in_process, envs_per_worker, num_workers",
+    "n, step_s, cpu_share, measured_s, blockers, in_process, groups",
     [
-        (8, 5e-6, 1.0, 2, True, 8, 0),  # classic control: 8 steps in turn are cheaper than a round trip
-        (8, 1e-3, 1.0, 2, False, 4, 2),  # a 1 ms simulator: one busy worker per core
-        (8, 1e-3, 0.97, 2, False, 4, 2),  # a measured share a little under 1 is still one core
-        (8, 1e-3, 1.0, 16, False, 1, 8),  # more cores than envs: one env each
-        (1, 0.5, 0.0, 2, False, 1, 1),  # one slow env: a worker, so that its steps overlap the caller
-        (16, 10e-3, 0.01, 2, False, 1, 16),  # sleeps: every env its own worker, they overlap
-        (16, 1e-3, 0.5, 2, False, 4, 4),  # half waiting: twice as many workers as cores
-        (64, 5e-6, 1.0, 2, False, 32, 2),  # many cheap envs: 64 in turn cost more than 2 workers of 32
-        (3, 5e-6, 1.0, 1, True, 3, 0),
+        (8, 5e-6, 1.0, 400e-6, [], True, None),  # classic control: far cheaper in this process than measured
+        (8, 5e-6, 1.0, 400e-6, ["max_restarts=1"], False, ((0, 2, 4, 6), (1, 3, 5, 7))),  # never here: one per core
+        (8, 5e-6, 1.0, 60e-6, [], False, tuple((i,) for i in range(8))),  # not 1.1x faster than measured: stays
+        (4, 10e-3, 0.01, 11e-3, [], False, ((0,), (1,), (2,), (3,))),  # sleeps keep a worker each
+        (8, 1e-3, 1.0, 4.2e-3, [], False, tuple((i,) for i in range(8))),  # 1 ms CPU: packing gains < 25%: stays
     ],
 )
-def test_the_rule(num_envs, step_s, cpu_share, cores, in_process, envs_per_worker, num_workers):
-    placement = choose_placement(num_envs, profile(step_s, cpu_share), cores)
-    assert (placement.in_process, placement.envs_per_worker, placement.num_workers) == (
-        in_process,
-        envs_per_worker,
-        num_workers,
-    ), placement
-    assert placement.profile is not None and placement.reason
+def test_the_rule(n, step_s, cpu_share, measured_s, blockers, in_process, groups):
+    placement = choose_placement(
+        profiles(step_s, cpu_share, n), overhead_s=30e-6, cores=2, measured_s=measured_s, blockers=blockers
+    )
+    assert placement.in_process == in_process, placement
+    if groups is not None:
+        assert placement.groups == groups, placement
+    assert placement.reason and placement.profiles is not None
 
 
-def test_the_rule_without_in_process_places_cheap_envs_on_the_cores():
-    placement = choose_placement(8, profile(5e-6, 1.0), 2, can_run_in_process=False)
-    assert not placement.in_process and placement.num_workers == 2 and placement.envs_per_worker == 4
+def test_every_env_counts_slow_envs_keep_their_own_workers():
+    """Mixed costs: the sleeping envs each keep a worker; only the CPU-bound ones share, by cost."""
+    mixed = profiles(20e-6, 1.0, 4) + profiles(20e-3, 0.01, 2)
+    placement = choose_placement(mixed, overhead_s=100e-6, cores=2, measured_s=30e-3, blockers=["x"])
+    assert (4,) in placement.groups and (5,) in placement.groups, placement
+    assert not placement.in_process
+    # in this process the sleeps would add up (40 ms > 30 ms measured): never there
+    assert not choose_placement(mixed, overhead_s=100e-6, cores=2, measured_s=30e-3).in_process
 
 
-def test_profile_tells_a_spinning_env_from_a_sleeping_one():
-    """Both take 3 ms a step; one spins the CPU, the other sleeps (margins for a loaded 2-core machine)."""
-    spinning = profile_env(partial(SlowEnv, gym.make("CartPole-v1"), latency_ms=3.0, busy=True))
-    sleeping = profile_env(partial(SlowEnv, gym.make("CartPole-v1"), latency_ms=3.0))
-    assert spinning.cpu_share > 0.4, spinning
-    assert sleeping.cpu_share < 0.2, sleeping
-    assert 2.5e-3 < spinning.step_s < 0.1 and 2.5e-3 < sleeping.step_s < 0.1
-    assert spinning.round_trip_s is None or spinning.round_trip_s >= 0
+def run_lockstep(ours, theirs, steps, seed=1):
+    np.testing.assert_array_equal(ours.reset(seed=seed)[0], theirs.reset(seed=seed)[0])
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        actions = rng.integers(0, 3, size=ours.num_envs)
+        for got, want in zip(ours.step(actions)[:4], theirs.step(actions)[:4]):
+            np.testing.assert_array_equal(got, want)
 
 
-def test_cheap_envs_run_in_process_and_match_gymnasium(no_leftover_children):
-    fns = [partial(CounterEnv, max_len=5)] * 3
-    ours = AsyncLLMVectorEnv(fns)
-    sync = gym.vector.SyncVectorEnv(fns)
-    try:
+def test_cheap_envs_move_into_this_process_with_their_state_and_match_gymnasium(no_leftover_children):
+    fns = [partial(CounterEnv, max_len=9)] * 4
+    theirs = gym.vector.SyncVectorEnv(fns)
+    with AsyncLLMVectorEnv(fns) as ours:
+        assert ours.placement.measuring and ours.placement.num_workers == 4
+        run_lockstep(ours, theirs, DECIDED + 40)  # equal before, across and after the move
         assert ours.placement.in_process, ours.placement
-        assert ours.worker_pids == [None, None, None]
-        assert "round trip" in ours.placement.reason and ours.placement.profile.steps > 0
-        np.testing.assert_array_equal(ours.reset(seed=1)[0], sync.reset(seed=1)[0])
-        for t in range(20):
-            actions = np.array([t % 3, 1, 2])
-            for got, want in zip(ours.step(actions)[:4], sync.step(actions)[:4]):
-                np.testing.assert_array_equal(got, want)
-    finally:
-        ours.close()
-        sync.close()
+        assert ours.worker_pids == [None] * 4 and not ours.placement.measuring
+        assert "measured" in ours.placement.reason and ours.placement.profile.steps > 0
 
 
-def test_sleeping_envs_get_a_worker_each(no_leftover_children):
-    with AsyncLLMVectorEnv([partial(SleepyEnv, 0.01)] * 3) as envs:
+def test_sleeping_envs_keep_a_worker_each(no_leftover_children):
+    with AsyncLLMVectorEnv([partial(SleepyEnv, 0.005)] * 3) as envs:
+        envs.reset(seed=0)
+        for _ in range(DECIDED):
+            envs.step(np.ones(3, dtype=np.int64))
         assert not envs.placement.in_process and envs.placement.envs_per_worker == 1, envs.placement
         assert len(set(envs.worker_pids)) == 3
 
 
-def test_step_timeout_keeps_envs_in_workers(no_leftover_children):
-    with AsyncLLMVectorEnv([CounterEnv] * 2, step_timeout=5.0) as envs:
-        assert not envs.placement.in_process
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"max_restarts": 1}, {"step_timeout": 5.0}, {"in_process": False}, {"batch_size": 3}],
+    ids=["max_restarts", "step_timeout", "in_process=False", "batch_size"],
+)
+def test_settings_keep_cheap_envs_out_of_this_process(kwargs, no_leftover_children):
+    with AsyncLLMVectorEnv([CounterEnv] * 4, **kwargs) as envs:
+        envs.async_reset(seed=0)
+        for _ in range(DECIDED * 2):
+            _, _, _, _, info = envs.recv()
+            envs.send(np.ones(len(info["env_id"]), dtype=np.int64), info["env_id"])
+        assert not envs.placement.in_process, envs.placement
         assert all(pid is not None for pid in envs.worker_pids)
+        assert any(word in envs.placement.reason for word in kwargs), envs.placement
 
 
-def test_explicit_envs_per_worker_wins_and_is_not_measured():
+def moved_in(fns, **kwargs):
+    """A vector env whose cheap envs were moved into this process by their first steps."""
+    envs = AsyncLLMVectorEnv(fns, **kwargs)
+    envs.reset(seed=0)
+    for _ in range(DECIDED):
+        envs.step(np.ones(envs.num_envs, dtype=np.int64))
+    if not envs.placement.in_process:
+        envs.close()
+        raise AssertionError(f"the cheap envs did not move into this process: {envs.placement}")
+    return envs
+
+
+def test_a_partial_send_moves_envs_back_to_their_workers_and_batches_stay_partial(no_leftover_children):
+    with moved_in([partial(SleepyEnv, 0.0, max_len=50)] * 4) as envs:
+        envs.set_attr("delay", [0.0, 0.0, 0.03, 0.03])  # two envs turn slow
+        envs.batch_size = 2
+        envs.send(np.ones(2, dtype=np.int64), [2, 3])  # the slow ones first: they must not block the send
+        envs.send(np.ones(2, dtype=np.int64), [0, 1])
+        assert not envs.placement.in_process and "partial send" in envs.placement.reason
+        rows = np.zeros(4, dtype=int)
+        for _ in range(40):
+            _, _, _, _, info = envs.recv()
+            rows[info["env_id"]] += 1
+            envs.send(np.ones(len(info["env_id"]), dtype=np.int64), info["env_id"])
+        assert rows[:2].min() > 3 * rows[2:].max(), rows
+
+
+def test_steps_from_another_thread_move_envs_back(no_leftover_children):
+    with moved_in([CounterEnv] * 2) as envs:
+        thread = threading.Thread(target=envs.step, args=(np.ones(2, dtype=np.int64),))
+        thread.start()
+        thread.join()
+        assert not envs.placement.in_process and "thread" in envs.placement.reason
+
+
+@pytest.mark.parametrize("setting", ["max_restarts", "step_timeout"])
+def test_a_fault_setting_set_later_moves_envs_back(setting, no_leftover_children):
+    with moved_in([CounterEnv] * 2) as envs:
+        setattr(envs, setting, 1 if setting == "max_restarts" else 5.0)
+        assert not envs.placement.in_process and setting in envs.placement.reason
+        envs.step(np.ones(2, dtype=np.int64))
+
+
+def test_an_explicit_in_process_stays_and_refuses_step_timeout():
+    with AsyncLLMVectorEnv([CounterEnv] * 2, in_process=True) as envs:
+        with pytest.raises(ValueError, match="cannot enforce step_timeout"):
+            envs.step_timeout = 1.0
+        assert envs.placement.in_process
+
+
+def test_mixed_fast_and_slow_envs_keep_partial_batches(no_leftover_children):
+    """The issue's case: 3 fast and 3 slow (20 ms) envs, batch_size=3; fast envs step far more often."""
+    fns = [partial(CounterEnv, max_len=50)] * 3 + [partial(SleepyEnv, 0.02, max_len=50)] * 3
+    with AsyncLLMVectorEnv(fns, batch_size=3) as envs:
+        envs.async_reset(seed=0)
+        rows = np.zeros(6, dtype=int)
+        for _ in range(150):
+            _, _, _, _, info = envs.recv()
+            rows[info["env_id"]] += 1
+            envs.send(np.ones(3, dtype=np.int64), info["env_id"])
+        assert not envs.placement.in_process
+        assert rows[:3].min() > 3 * rows[3:].max(), rows
+
+
+def test_a_dying_env_never_takes_the_caller_with_it_when_restarts_are_on(tmp_path, no_leftover_children):
+    """A cheap env whose process exits (a segfault, the OOM killer) with max_restarts=1: rebuilt, run goes on."""
+    log = str(tmp_path / "env1")
+    fns = [partial(RecordingEnv, str(tmp_path / "env0"), max_len=9)]
+    fns += [partial(RecordingEnv, log, "crash", crash_at=DECIDED + 5, max_len=9)]
+    with AsyncLLMVectorEnv(fns, max_restarts=1) as envs:
+        envs.reset(seed=0)
+        for _ in range(DECIDED + 20):
+            envs.step(np.ones(2, dtype=np.int64))
+        assert envs.restarts == [0, 1] and os.path.exists(log + ".crashed")
+
+
+def is_subsequence(recorded, sent):
+    remaining = iter(sent)
+    return all(any(action == candidate for candidate in remaining) for action in recorded)
+
+
+def test_no_env_receives_an_action_the_user_did_not_send(tmp_path, no_leftover_children):
+    """Nothing steps the envs at construction, and the steps they see, before and after moving, are
+    exactly those gymnasium's SyncVectorEnv gives the same envs for the same actions."""
+    ours = [str(tmp_path / f"ours{i}") for i in range(3)]
+    theirs = [str(tmp_path / f"theirs{i}") for i in range(3)]
+    reference = gym.vector.SyncVectorEnv([partial(RecordingEnv, log, max_len=7) for log in theirs])
+    with AsyncLLMVectorEnv([partial(RecordingEnv, log, max_len=7) for log in ours]) as envs:
+        assert all(recorded_actions(log) == [] for log in ours)
+        envs.reset(seed=0)
+        reference.reset(seed=0)
+        sent = np.random.default_rng(0).integers(0, 3, size=(DECIDED + 10, 3))
+        for actions in sent:
+            envs.step(actions)
+            reference.step(actions)
+        assert envs.placement.in_process, envs.placement
+    for i, (mine, gyms) in enumerate(zip(ours, theirs)):
+        assert recorded_actions(mine) == recorded_actions(gyms) and len(recorded_actions(mine)) > DECIDED // 2
+        assert is_subsequence(recorded_actions(mine), sent[:, i].tolist())
+
+
+class HoldsALock(CounterEnv):
+    """Cannot be copied to another process (a lock, like a socket or a thread): it stays where it is."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lock = threading.Lock()
+
+
+class RefusesToMove(CounterEnv):
+    metadata = {**CounterEnv.metadata, "asyncvec_relocate": False}
+
+
+def test_envs_that_cannot_or_must_not_move_stay_in_their_workers(no_leftover_children):
+    with AsyncLLMVectorEnv([HoldsALock] * 2) as envs:
+        envs.reset(seed=0)
+        for _ in range(DECIDED):
+            envs.step(np.ones(2, dtype=np.int64))
+        assert not envs.placement.in_process and "cannot move" in envs.placement.reason, envs.placement
+        envs.step(np.ones(2, dtype=np.int64))
+    with AsyncLLMVectorEnv([RefusesToMove] * 2) as envs:
+        assert not envs.placement.measuring and "asyncvec_relocate" in envs.placement.reason
+
+
+def test_explicit_envs_per_worker_wins_and_nothing_moves():
     with AsyncLLMVectorEnv([CounterEnv] * 4, envs_per_worker=2) as envs:
+        envs.reset(seed=0)
+        for _ in range(DECIDED):
+            envs.step(np.ones(4, dtype=np.int64))
         assert envs.placement.profile is None and envs.placement.reason == "envs_per_worker given"
         assert (envs.placement.envs_per_worker, envs.placement.num_workers) == (2, 2)
-    with AsyncLLMVectorEnv([CounterEnv] * 2, in_process=True) as envs:
-        assert envs.placement.in_process and envs.placement.profile is None
-    with AsyncLLMVectorEnv([CounterEnv] * 2, in_process=False) as envs:
-        assert not envs.placement.in_process
 
 
-def test_text_actions_are_not_probed():
-    """Random strings are not meaningful actions of a text env: one env per worker, unmeasured."""
-    import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
-
-    with AsyncLLMVectorEnv([lambda: gym.make("asyncvec/GuessNumber-v0")] * 2) as vector_env:
-        assert vector_env.placement.envs_per_worker == 1 and vector_env.placement.profile is None
-        assert "not fixed-shape" in vector_env.placement.reason
-
-
-class KillsItsProcessOnStep(CounterEnv):
-    """Kills the process it steps in: only the probe's child (and the workers) may host it."""
-
-    def step(self, action):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class RaisesOnStep(CounterEnv):
-    def step(self, action):
-        raise RuntimeError("this env cannot step")
-
-
-@pytest.mark.parametrize(
-    "env_cls, why", [(KillsItsProcessOnStep, "WorkerDied"), (RaisesOnStep, "this env cannot step")]
-)
-def test_a_failed_measurement_falls_back_to_one_env_per_worker(env_cls, why, no_leftover_children):
-    with AsyncLLMVectorEnv([env_cls] * 2) as envs:
-        assert envs.placement.envs_per_worker == 1 and not envs.placement.in_process
-        assert "measurement failed" in envs.placement.reason and why in envs.placement.reason
-
-
-def test_the_choice_is_logged(caplog):
+def test_the_choice_and_the_move_are_logged(caplog):
     with caplog.at_level(logging.INFO, logger="asyncvec.vector"):
-        AsyncLLMVectorEnv([CounterEnv] * 2).close()
-    assert any("places its envs" in record.getMessage() for record in caplog.records)
+        moved_in([CounterEnv] * 2).close()
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("places its envs" in m for m in messages) and any("moved its envs" in m for m in messages)
 
 
 @pytest.mark.parametrize(
@@ -143,6 +255,8 @@ def test_the_choice_is_logged(caplog):
         ({"in_process": True, "step_timeout": 1.0}, "cannot enforce step_timeout"),
         ({"in_process": True, "backend": "ray"}, "needs the default backend"),
         ({"envs_per_worker": 0}, "envs_per_worker must be an int >= 1 or None"),
+        ({"placement": "fast"}, "placement must be 'auto'"),
+        ({"placement": "probe", "envs_per_worker": 2}, "placement='probe' chooses"),
     ],
 )
 def test_contradictory_placement_arguments_are_refused(kwargs, match):
@@ -166,9 +280,54 @@ def test_an_in_process_env_that_raises_names_itself_and_closes(tmp_path):
         envs.step(np.ones(2, dtype=np.int64))
 
 
-class ActsOnTheWorld(CounterEnv):
-    """An env whose steps must not be taken at random (hardware, a paid service): it says so."""
+# ---------------------------------------------------------------------- the opt-in probe (placement="probe")
 
+
+def test_the_probe_tells_a_spinning_env_from_a_sleeping_one():
+    """Both take 3 ms a step; one spins the CPU, the other sleeps (margins for a loaded 2-core machine)."""
+    spinning = profile_env(partial(SlowEnv, gym.make("CartPole-v1"), latency_ms=3.0, busy=True))
+    sleeping = profile_env(partial(SlowEnv, gym.make("CartPole-v1"), latency_ms=3.0))
+    assert spinning.cpu_share > 0.4, spinning
+    assert sleeping.cpu_share < 0.2, sleeping
+    assert 2.5e-3 < spinning.step_s < 0.1 and 2.5e-3 < sleeping.step_s < 0.1
+
+
+def test_the_probe_measures_each_distinct_env_and_places_before_any_step(tmp_path):
+    fns = [partial(CounterEnv, max_len=5)] * 2 + [partial(SleepyEnv, 0.01)] * 2
+    with AsyncLLMVectorEnv(fns, placement="probe") as envs:
+        assert envs.placement.profiles is not None and not envs.placement.measuring
+        assert envs.placement.profiles[0].step_s < envs.placement.profiles[3].step_s
+        assert (2,) in envs.placement.groups and (3,) in envs.placement.groups, envs.placement
+
+
+def test_the_probe_skips_text_actions():
+    import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+
+    with AsyncLLMVectorEnv([lambda: gym.make("asyncvec/GuessNumber-v0")] * 2, placement="probe") as vector_env:
+        assert vector_env.placement.envs_per_worker == 1 and vector_env.placement.profile is None
+        assert "not fixed-shape" in vector_env.placement.reason
+
+
+class KillsItsProcessOnStep(CounterEnv):
+    def step(self, action):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RaisesOnStep(CounterEnv):
+    def step(self, action):
+        raise RuntimeError("this env cannot step")
+
+
+@pytest.mark.parametrize(
+    "env_cls, why", [(KillsItsProcessOnStep, "WorkerDied"), (RaisesOnStep, "this env cannot step")]
+)
+def test_a_failed_probe_falls_back_to_one_env_per_worker(env_cls, why, no_leftover_children):
+    with AsyncLLMVectorEnv([env_cls] * 2, placement="probe") as envs:
+        assert envs.placement.envs_per_worker == 1 and not envs.placement.in_process
+        assert "measurement failed" in envs.placement.reason and why in envs.placement.reason
+
+
+class ActsOnTheWorld(CounterEnv):
     metadata = {**CounterEnv.metadata, "asyncvec_probe": False}
 
     def step(self, action):
@@ -176,7 +335,7 @@ class ActsOnTheWorld(CounterEnv):
 
 
 def test_an_env_can_refuse_the_probe():
-    with AsyncLLMVectorEnv([ActsOnTheWorld] * 2) as envs:
+    with AsyncLLMVectorEnv([ActsOnTheWorld] * 2, placement="probe") as envs:
         assert envs.placement.profile is None and envs.placement.envs_per_worker == 1
         assert "asyncvec_probe" in envs.placement.reason
 
@@ -194,5 +353,86 @@ class StartsAProcess(CounterEnv):
 
 
 def test_the_probe_runs_as_the_workers_do_daemon_false(no_leftover_children):
-    with AsyncLLMVectorEnv([StartsAProcess] * 2, daemon=False, context="fork") as envs:
+    with AsyncLLMVectorEnv([StartsAProcess] * 2, daemon=False, context="fork", placement="probe") as envs:
         assert envs.placement.profile is not None, envs.placement
+
+
+# ---------------------------------------------------------------------- properties over env mixes x settings
+
+KINDS = {"cheap": 0.0, "cpu": 0.002, "sleep": 0.004, "crash": 0.0}
+
+
+@st.composite
+def mixes(draw):
+    kinds = draw(st.lists(st.sampled_from(sorted(KINDS)), min_size=2, max_size=5))
+    num_envs = len(kinds)
+    crashing = "crash" in kinds
+    setting = {
+        "batch_size": draw(st.sampled_from([None, max(1, num_envs // 2)])),
+        # a worker hosting several envs rebuilds them all when one dies: each crash may count for each
+        "max_restarts": kinds.count("crash") if crashing else draw(st.sampled_from([0, 1])),
+        "step_timeout": draw(st.sampled_from([None, 30.0])),
+    }
+    placement = draw(st.sampled_from(["auto", "in_process", "per_worker"]))
+    if placement == "in_process" and setting["step_timeout"] is None and not crashing:
+        setting["in_process"] = True
+    elif placement == "per_worker":
+        setting["envs_per_worker"] = draw(st.integers(1, num_envs))
+    return kinds, {key: value for key, value in setting.items() if value is not None}
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mix=mixes())
+def test_every_placement_keeps_the_promises(mix, tmp_path_factory):
+    """For random mixes of env kinds and user settings: no env sees an action that was not sent, a
+    dying env never kills the caller with restarts on, partial batches stay partial (faster envs give
+    more rows), the envs stay out of this process where a setting forbids it, and lockstep
+    trajectories equal gymnasium's."""
+    kinds, setting = mix
+    folder = tmp_path_factory.mktemp("mix")
+    logs = [str(folder / f"env{i}") for i in range(len(kinds))]
+    fns = [
+        partial(RecordingEnv, log, kind, KINDS[kind], crash_at=DECIDED // 2, max_len=9) for log, kind in zip(logs, kinds)
+    ]
+    sent: list[list[int]] = [[] for _ in kinds]
+    rows = np.zeros(len(kinds), dtype=int)
+    rng = np.random.default_rng(0)
+    partial_batches = setting.get("batch_size", len(kinds)) < len(kinds)
+    with AsyncLLMVectorEnv(fns, **setting) as envs:
+        if partial_batches:
+            envs.async_reset(seed=0)
+            for _ in range(DECIDED * 2):
+                _, _, _, _, info = envs.recv()
+                actions = rng.integers(0, 3, size=len(info["env_id"]))
+                for index, action in zip(info["env_id"], actions):
+                    sent[index].append(int(action))
+                rows[info["env_id"]] += 1
+                envs.send(actions, info["env_id"])
+        else:
+            reference = gym.vector.SyncVectorEnv([partial(CounterEnv, max_len=9)] * len(kinds))
+            expected = reference.reset(seed=0)[0]
+            np.testing.assert_array_equal(envs.reset(seed=0)[0], expected)
+            for _ in range(DECIDED + 8):
+                actions = rng.integers(0, 3, size=len(kinds))
+                for index, action in enumerate(actions):
+                    sent[index].append(int(action))
+                got, want = envs.step(actions), reference.step(actions)
+                if "crash" not in kinds:
+                    for a, b in zip(got[:4], want[:4]):
+                        np.testing.assert_array_equal(a, b)
+            reference.close()
+        placement, restarts = envs.placement, envs.restarts
+        forbidding = setting.get("max_restarts") or "step_timeout" in setting or partial_batches
+        if forbidding and not setting.get("in_process"):  # an explicit in_process=True is kept as given
+            assert not placement.in_process, placement
+    for index, (log, kind) in enumerate(zip(logs, kinds)):
+        recorded = recorded_actions(log)  # NEXT_STEP's reset steps take no action, and a crash loses one
+        assert is_subsequence(recorded, sent[index]) and len(recorded) >= len(sent[index]) // 2, (kind, setting)
+        if os.path.exists(log + ".crashed"):  # it died; the caller did not, and the env was rebuilt
+            assert restarts[index] >= 1, restarts
+    if "crash" in kinds:
+        assert any(os.path.exists(log + ".crashed") for log in logs)
+    slow = [i for i, kind in enumerate(kinds) if kind == "sleep"]
+    fast = [i for i, kind in enumerate(kinds) if kind == "cheap"]
+    if partial_batches and slow and fast and setting.get("envs_per_worker", 1) == 1 and not setting.get("in_process"):
+        assert rows[fast].max() > rows[slow].min(), (rows, kinds, setting)

@@ -100,5 +100,41 @@ class SleepyEnv(CounterEnv):
         self.delay = delay
 
     def step(self, action):
-        time.sleep(self.delay)
+        if self.delay:
+            time.sleep(self.delay)
         return super().step(action)
+
+
+class RecordingEnv(CounterEnv):
+    """Appends every action it is stepped with to ``log`` (one file per env), wherever it runs: the
+    record of what reached the env. ``kind``: "cheap", "cpu" (spins ``cost`` seconds), "sleep"
+    (sleeps ``cost``), "crash" (its process exits at step ``crash_at`` of its first life, once per
+    ``log`` file)."""
+
+    def __init__(self, log: str, kind: str = "cheap", cost: float = 0.0, crash_at: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.log, self.kind, self.cost, self.crash_at = log, kind, cost, crash_at
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.kind == "crash" and self.steps == self.crash_at and not os.path.exists(self.log + ".crashed"):
+            open(self.log + ".crashed", "w").close()
+            os._exit(3)
+        with open(self.log, "a") as log:
+            log.write(f"{int(action)}\n")
+        if self.kind == "sleep":
+            time.sleep(self.cost)
+        elif self.kind == "cpu":
+            end = time.perf_counter() + self.cost
+            while time.perf_counter() < end:
+                pass
+        return super().step(action)
+
+
+def recorded_actions(log: str) -> list[int]:
+    """The actions a :class:`RecordingEnv` was stepped with, in order."""
+    if not os.path.exists(log):
+        return []
+    with open(log) as file:
+        return [int(line) for line in file]

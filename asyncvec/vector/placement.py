@@ -29,7 +29,7 @@ Example:
     >>> choose_placement(cheap, overhead_s=30e-6, cores=2, measured_s=500e-6).in_process
     True
     >>> choose_placement(cheap, overhead_s=30e-6, cores=2, measured_s=500e-6, blockers=["max_restarts=1"]).groups
-    ((0, 1, 2, 3), (4, 5, 6, 7))
+    ((0, 2, 4, 6), (1, 3, 5, 7))
     >>> sleeping = [StepProfile(step_s=10e-3, cpu_share=0.01)] * 4
     >>> choose_placement(sleeping, overhead_s=30e-6, cores=2).envs_per_worker
     1
@@ -240,6 +240,7 @@ def choose_placement(
     measured_s: float | None = None,
     current: Sequence[Sequence[int]] | None = None,
     blockers: Sequence[str] = (),
+    may_share_workers: bool = True,
 ) -> Placement:
     """The module docstring's rule for envs costing ``profiles`` (one per env).
 
@@ -250,6 +251,7 @@ def choose_placement(
             or ``None``: then the current placement is one env per worker, as predicted.
         current: the groups the envs run in now (default: one env per worker).
         blockers: why the envs may not run in the calling process (:func:`in_process_blockers`).
+        may_share_workers: ``False`` for partial batches: each env keeps the worker it has.
     """
     num_envs = len(profiles)
     current_groups = tuple(tuple(g) for g in current) if current is not None else contiguous_groups(num_envs, 1)
@@ -271,7 +273,7 @@ def choose_placement(
         )
     packed = packed_groups(profiles, cores)
     packed_s = predicted_step_s(packed, profiles, cores, overhead_s)
-    if packed != current_groups and packed_s * REGROUP_MARGIN <= now:
+    if may_share_workers and packed != current_groups and packed_s * REGROUP_MARGIN <= now:
         return Placement(
             False,
             packed,
@@ -279,7 +281,8 @@ def choose_placement(
             f"(predicted {packed_s * 1e6:,.0f} us, at least {REGROUP_MARGIN}x faster); {measured}",
             tuple(profiles),
         )
-    why = "; ".join(blockers) if blockers else "no other placement is clearly faster"
+    why = "; ".join(list(blockers) + ([] if may_share_workers else ["partial batches: each env keeps its worker"]))
+    why = why or "no other placement is clearly faster"
     return Placement(False, current_groups, f"stays: {why}; {measured}", tuple(profiles))
 
 

@@ -139,9 +139,6 @@ class Relocator:
         ideal = predicted_step_s(current, profiles, self.cores, 0.0)
         overhead_s = max(0.0, measured_s - ideal) / len(current)
         self.history.append((current, measured_s))
-        blockers = list(self.blockers)
-        if self.partial:
-            blockers.append("partial batches")
         if len(self.history) > 1 and self.history[-2][1] * REGROUP_MARGIN <= measured_s:  # the first move did not pay
             groups, before_s = self.history[-2]
             choice = Placement(
@@ -152,10 +149,14 @@ class Relocator:
             )
         else:
             choice = choose_placement(
-                profiles, overhead_s=overhead_s, cores=self.cores, measured_s=measured_s, current=current, blockers=blockers
+                profiles,
+                overhead_s=overhead_s,
+                cores=self.cores,
+                measured_s=measured_s,
+                current=current,
+                blockers=self.blockers,
+                may_share_workers=not self.partial,
             )
-            if self.partial and not choice.in_process and choice.groups != current:
-                choice = Placement(False, current, f"stays: partial batches; {choice.reason}", profiles)
         if choice.in_process == envs.placement.in_process and choice.groups == current:
             self._stop(choice.reason, choice.profiles)
             return
@@ -230,6 +231,7 @@ def _ask_all(transport: Transport, groups: Sequence[Sequence[int]], command: str
     for worker, group in enumerate(groups):
         transport.send(worker, [(position, command, None) for position in range(len(group))])
     waiting = set(range(len(groups)))
+    failures: list[str] = []  # raised once every worker answered: an unread answer would reach the next message
     deadline = time.monotonic() + ANSWER_TIMEOUT_S
     while waiting:
         if time.monotonic() > deadline:  # its answer would reach the next message: the worker must go
@@ -240,10 +242,13 @@ def _ask_all(transport: Transport, groups: Sequence[Sequence[int]], command: str
             waiting.discard(worker)
             ok, payload = transport.read(worker)
             if not ok:
-                raise RuntimeError(f"the worker of envs {list(groups[worker])} failed: {describe_failure(payload)}")
+                failures.append(f"the worker of envs {list(groups[worker])} failed: {describe_failure(payload)}")
+                continue
             for index, result in zip(groups[worker], payload):
                 if isinstance(result, EnvFailure):
-                    raise RuntimeError(f"env {index}: {describe_failure(result.payload)}")
+                    failures.append(f"env {index}: {describe_failure(result.payload)}")
                 answers[index] = result
+    if failures:
+        raise RuntimeError(failures[0] + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
     return answers
 
