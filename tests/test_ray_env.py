@@ -372,13 +372,53 @@ def test_local_ray_started_by_the_env_is_shut_down_by_close():
     assert int(line.split()[1]) >= 3, "a local Ray has a GCS, a raylet and the actors"
 
 
-def test_ray_placement_is_measured_and_never_in_process(cluster):
-    """Without envs_per_worker the env is measured (in a local child process) and placed on actors:
-    CPU-bound envs no more busy actors than the cluster's CPUs, never in the driver's process."""
+def test_ray_placement_is_one_env_per_actor_unless_probed_and_never_in_process(cluster):
+    """Without envs_per_worker: an actor per env, nothing probed. With placement="probe" (the opt-in) the
+    env is measured in a local child process: CPU-bound envs on no more busy actors than the cluster's
+    CPUs, never in the driver's process."""
     with AsyncLLMVectorEnv([CounterEnv] * 4, backend="ray") as envs:
+        assert envs.placement.num_workers == 4 and envs.placement.profile is None, envs.placement
+        envs.reset(seed=0)
+        for _ in range(40):
+            envs.step(np.ones(4, dtype=np.int64))
+        assert envs.placement.num_workers == 4 and not envs.placement.in_process, envs.placement
+    with AsyncLLMVectorEnv([CounterEnv] * 4, backend="ray", placement="probe") as envs:
         placement = envs.placement
         assert not placement.in_process and placement.profile is not None, placement
         assert placement.num_workers == len(set(envs.worker_pids)) <= 4
         assert placement.num_workers <= max(1, int(ray.cluster_resources()["CPU"])), placement
         envs.reset(seed=0)
         envs.step(np.ones(4, dtype=np.int64))
+
+
+class SlowToShip:
+    """An env function whose pickling (when Ray ships it to an actor) takes ``seconds``: the actor's
+    creation blocks in the driver, as it does when Ray's GCS stops answering."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self):
+        return CounterEnv()
+
+    def __reduce__(self):
+        time.sleep(self.seconds)
+        return (SlowToShip, (0.0,))
+
+
+def test_a_ray_start_that_does_not_answer_raises_naming_the_stage_and_leaves_no_actor(cluster):
+    def alive_actors():
+        from ray.util.state import list_actors
+
+        return {a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")])}
+
+    before = alive_actors()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"backend='ray': creating its actors.*start_timeout=1\.0"):
+        AsyncLLMVectorEnv([SlowToShip(4.0)] * 2, backend="ray", start_timeout=1.0)
+    assert time.monotonic() - started < 3.5
+    time.sleep(5.0)  # the shipping ends; the actor it makes is killed at once
+    deadline = time.monotonic() + 15
+    while alive_actors() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive_actors() - before

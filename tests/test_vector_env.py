@@ -378,7 +378,7 @@ def test_box_actions_through_shared_memory_match_gymnasium(placement, no_leftove
     sync = SyncVectorEnv(fns)
     ours = AsyncLLMVectorEnv(fns, **PLACEMENTS[placement])
     try:
-        assert (ours._action_rows is not None) == (not ours.placement.in_process)
+        assert (ours._dispatch.action_rows is not None) == (not ours.placement.in_process)
         assert_same(ours.reset(seed=4), sync.reset(seed=4), "reset")
         space = sync.action_space
         space.seed(5)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import uuid
 from collections import deque
@@ -173,7 +174,8 @@ class RayTransport(Transport):
         global _local_ray_users
         import ray
 
-        self._owns_ray = connect(backend.address) or _local_ray_users > 0
+        self._owns_ray = _within(spec.start_timeout, "connecting to Ray", connect, backend.address)
+        self._owns_ray = self._owns_ray or _local_ray_users > 0
         if self._owns_ray:
             _local_ray_users += 1
         self._actors: list[Any] = []
@@ -187,14 +189,23 @@ class RayTransport(Transport):
         self._closed = False
         try:
             self._options = [backend.options(w) for w in range(len(spec.groups))]
-            actor_class = ray.remote(_EnvWorker)
-            for w, group in enumerate(spec.groups):
-                options = actor_class.options(**self._options[w])
-                self._actors.append(options.remote([spec.env_fns[i] for i in group], list(group), spec.autoreset_mode))
-                self._ready_refs[w] = self._actors[w].ready.remote()
+            _within(spec.start_timeout, "creating its actors (Ray's GCS did not answer)", self._create_actors, spec)
         except BaseException:
             self.close(timeout=0, terminate=True)
             raise
+
+    def _create_actors(self, spec: WorkerSpec) -> None:
+        import ray
+
+        actor_class = ray.remote(_EnvWorker)
+        for w, group in enumerate(spec.groups):
+            options = actor_class.options(**self._options[w])
+            actor = options.remote([spec.env_fns[i] for i in group], list(group), spec.autoreset_mode)
+            if self._closed:  # the start gave up waiting for this call (_within): leave no actor behind
+                ray.kill(actor)
+                return
+            self._actors.append(actor)
+            self._ready_refs[w] = self._actors[w].ready.remote()
 
     def await_ready(self, worker: int, timeout: float) -> tuple[bool, Any]:
         import ray
@@ -370,6 +381,33 @@ class RayTransport(Transport):
 
     def node(self, worker: int) -> str | None:
         return self._info[worker].get("node_id")
+
+
+def _within(seconds: float, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Runs ``fn(*args)``, which calls into Ray and may block without a deadline of its own (an actor's
+    creation exports its class through the GCS: seen waiting for 17 minutes on a GCS that no longer
+    answered); raises ``TimeoutError`` naming the backend and ``stage`` if it takes longer than ``seconds``
+    (the call is left in a daemon thread: Ray offers no way to cancel it)."""
+    failure: list[BaseException] = []
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(fn(*args))
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=f"asyncvec-ray-{stage.split()[0]}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(
+            f"backend='ray': {stage}: no answer within start_timeout={seconds} s; `ray status` shows whether "
+            f"the cluster answers (a local Ray: ray.shutdown() and start again)"
+        )
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 def _node_gone(node_id: str) -> str | None:

@@ -254,7 +254,9 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             self._action_rows = read_from_shared_memory(self.single_action_space, action_memory, n=self.num_envs)
         self._action_memory = action_memory
         timed_steps = TIMED_STEPS if self.placement.measuring else 0
-        spec = WorkerSpec(self.env_fns, groups, self.autoreset_mode, self._shm, action_memory, timed_steps=timed_steps)
+        spec = WorkerSpec(
+            self.env_fns, groups, self.autoreset_mode, self._shm, action_memory, None, timed_steps, start_timeout
+        )
         self._transport = self.backend.create(spec)
         self._dispatch = Dispatcher(
             self._transport,

@@ -60,6 +60,8 @@ class WorkerSpec:
         states: per env, the bytes of an env moved from another process (``"export"``), or
             ``None``; used when the workers first start (a restart builds from ``env_fns``).
         timed_steps: each env times this many of its first steps (:mod:`~asyncvec.vector.relocation`).
+        start_timeout: seconds a worker may take to start; a backend whose start does not return
+            within it (a cluster that stopped answering) raises, naming the backend and the stage.
     """
 
     env_fns: Sequence[Callable[[], Env[Any, Any]]]
@@ -69,6 +71,7 @@ class WorkerSpec:
     action_memory: Any = None
     states: Sequence[bytes | None] | None = None
     timed_steps: int = 0
+    start_timeout: float = 60.0
 
     def states_of(self, worker: int) -> list[bytes | None] | None:
         """The moved states of ``worker``'s envs, or ``None`` (build them from their functions)."""
