@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from functools import partial
 
 import gymnasium as gym
@@ -392,7 +391,8 @@ def test_every_placement_keeps_the_promises(mix, tmp_path_factory):
     folder = tmp_path_factory.mktemp("mix")
     logs = [str(folder / f"env{i}") for i in range(len(kinds))]
     fns = [
-        partial(RecordingEnv, log, kind, KINDS[kind], crash_at=DECIDED // 2, max_len=9) for log, kind in zip(logs, kinds)
+        partial(RecordingEnv, log, kind, KINDS[kind], crash_at=DECIDED // 2, max_len=9)
+        for log, kind in zip(logs, kinds)
     ]
     sent: list[list[int]] = [[] for _ in kinds]
     rows = np.zeros(len(kinds), dtype=int)

@@ -172,10 +172,8 @@ class RayTransport(Transport):
 
     def __init__(self, spec: WorkerSpec, backend: RayBackend) -> None:
         global _local_ray_users
-        import ray
 
-        self._owns_ray = _within(spec.start_timeout, "connecting to Ray", connect, backend.address)
-        self._owns_ray = self._owns_ray or _local_ray_users > 0
+        self._owns_ray = connect(backend.address) or _local_ray_users > 0  # ray.init: in this (the main) thread
         if self._owns_ray:
             _local_ray_users += 1
         self._actors: list[Any] = []

@@ -1,4 +1,5 @@
-"""Splitting a batch of actions into one action per env, checked against the single action space."""
+"""What a caller hands the vector env, made per env and checked: actions (split from a batch and checked
+against the single action space), reset seeds and reset masks."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 from gymnasium import Space, spaces
 from gymnasium.vector.utils import batch_space, iterate
 
-__all__ = ["ActionSplitter"]
+__all__ = ["ActionSplitter", "reset_mask", "seeds_for"]
 
 
 class ActionSplitter:
@@ -104,3 +105,34 @@ class ActionSplitter:
                 bounds = self._box_bounds = (low[0], high[0]) if uniform else ()
             return bool(bounds) and bool(actions.min() >= bounds[0] and actions.max() <= bounds[1])
         return False
+
+
+def seeds_for(seed: int | Sequence[int | None] | None, num_envs: int) -> list[int | None]:
+    """One reset seed per env, as gymnasium's vector envs take them: ``seed + i``, or a list of ``num_envs``.
+
+    Example:
+        >>> seeds_for(3, 2), seeds_for(None, 2)
+        ([3, 4], [None, None])
+    """
+    if seed is None:
+        return [None] * num_envs
+    if isinstance(seed, (int, np.integer)):
+        return [int(seed) + i for i in range(num_envs)]
+    seeds = list(seed)
+    if len(seeds) != num_envs:
+        raise ValueError(
+            f"If seeds are passed as a list the length must match num_envs={num_envs} but got length={len(seeds)}."
+        )
+    return seeds
+
+
+def reset_mask(options: dict[str, Any] | None, num_envs: int) -> np.ndarray | None:
+    """``options["reset_mask"]``, taken out of ``options`` and checked (a bool array, one per env, any true)."""
+    if options is None or "reset_mask" not in options:
+        return None
+    mask = options.pop("reset_mask")
+    if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != (num_envs,):
+        raise ValueError(f"options['reset_mask'] must be a numpy bool array of shape ({num_envs},), got {mask!r}")
+    if not mask.any():
+        raise ValueError("options['reset_mask'] must contain at least one True value")
+    return mask

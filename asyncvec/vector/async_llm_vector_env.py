@@ -10,8 +10,6 @@ buffers (:mod:`~asyncvec.vector.observations`), transports and the worker loop.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
@@ -21,7 +19,7 @@ from gymnasium import Env, Space
 from gymnasium.vector.utils import batch_space, read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode, VectorEnv
 
-from asyncvec.vector.actions import ActionSplitter
+from asyncvec.vector.actions import ActionSplitter, reset_mask, seeds_for
 from asyncvec.vector.dispatch import CallFailure, Dispatcher
 from asyncvec.vector.errors import (
     AlreadyPendingCallError,
@@ -31,15 +29,8 @@ from asyncvec.vector.errors import (
 )
 from asyncvec.vector.faults import check_fault_settings
 from asyncvec.vector.observations import ObservationBuffers, take_info
-from asyncvec.vector.placement import (
-    Placement,
-    check_placement_arguments,
-    in_process_blockers,
-    initial_placement,
-    probe_skip_reason,
-    relocation_skip_reason,
-)
-from asyncvec.vector.relocation import TIMED_STEPS, Relocator
+from asyncvec.vector.placement import check_placement_arguments, initial_placement
+from asyncvec.vector.relocation import TIMED_STEPS, Relocator, timed_for_placement
 from asyncvec.vector.split_obs import is_fixed_shape, shared_subspace
 from asyncvec.vector.transport import (
     Backend,
@@ -85,10 +76,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     :mod:`asyncvec.distributed`); the semantics are the same. A worker hosts
     ``envs_per_worker`` envs and steps them one after another, so fast envs pay one round trip
     per worker instead of one per env; ``send``/``recv`` still take and return single env ids.
-    Unless told, the envs start one per worker, their first steps (yours) are timed where they
-    run, and they may then move with their state: into the calling process when that is clearly
-    faster and nothing forbids it, or CPU-bound envs into one worker per core
-    (:mod:`~asyncvec.vector.relocation`; ``envs.placement`` says where and why).
+    Unless told, your envs' first steps are timed, then they may move with their state where that is
+    clearly faster (:mod:`~asyncvec.vector.relocation`; ``envs.placement`` says where and why).
 
     Faults: an env that raises, a worker killed by a signal, or a step longer than
     ``step_timeout`` raises :class:`WorkerError` naming the env index, the exception type and the
@@ -205,33 +194,23 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._in_process_steps: bool | None = None  # placement and buffers allow the in-process fast path
         self._relocator: Relocator | None = None  # times the first steps and moves the envs (relocation.py)
 
-        probe_skip = relocate_skip = None
+        spaces = None
         if self.backend.local:  # read the spaces from one throwaway env (shared memory must exist before the workers)
             dummy = make_env(self.env_fns[0], 0)
             self._set_spaces(dummy.observation_space, dummy.action_space, dummy.metadata, dummy.render_mode)
             dummy.close()
             del dummy
-            probe_skip = probe_skip_reason(
-                self.single_observation_space, self.single_action_space, self.render_mode, self.metadata
-            )
-            relocate_skip = relocation_skip_reason(self.render_mode, self.metadata)
-        blockers = in_process_blockers(
-            max_restarts=max_restarts,
-            step_timeout=step_timeout,
-            batch_size=self.batch_size,
-            num_envs=self.num_envs,
-            process_backend=isinstance(self.backend, ProcessBackend),
-            in_process=in_process,
-        )
-        self.placement: Placement = initial_placement(
+            spaces = (self.single_observation_space, self.single_action_space, self.render_mode, self.metadata)
+        self.placement, blockers = initial_placement(
             self.env_fns,
             self.backend,
             placement=placement,
             envs_per_worker=envs_per_worker,
             in_process=in_process,
-            blockers=blockers,
-            probe_skip=probe_skip,
-            relocate_skip=relocate_skip,
+            max_restarts=max_restarts,
+            step_timeout=step_timeout,
+            batch_size=self.batch_size,
+            spaces=spaces,
             context=context,
             start_timeout=start_timeout,
             daemon=daemon,
@@ -325,30 +304,6 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 "send",
             )
 
-    def _seeds(self, seed: int | Sequence[int | None] | None) -> list[int | None]:
-        if seed is None:
-            return [None] * self.num_envs
-        if isinstance(seed, (int, np.integer)):
-            return [int(seed) + i for i in range(self.num_envs)]
-        seeds = list(seed)
-        if len(seeds) != self.num_envs:
-            raise ValueError(
-                f"If seeds are passed as a list the length must match num_envs={self.num_envs} but got length={len(seeds)}."
-            )
-        return seeds
-
-    def _reset_mask(self, options: dict[str, Any] | None) -> np.ndarray | None:
-        if options is None or "reset_mask" not in options:
-            return None
-        mask = options.pop("reset_mask")
-        if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != (self.num_envs,):
-            raise ValueError(
-                f"options['reset_mask'] must be a numpy bool array of shape ({self.num_envs},), got {mask!r}"
-            )
-        if not mask.any():
-            raise ValueError("options['reset_mask'] must contain at least one True value")
-        return mask
-
     def reset(
         self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
@@ -362,8 +317,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         """Sends ``reset`` to the sub-environments; :meth:`reset_wait` collects the results."""
         self._assert_idle("reset_async")
         options = None if options is None else dict(options)
-        seeds = self._seeds(seed)
-        mask = self._reset_mask(options)
+        seeds = seeds_for(seed, self.num_envs)
+        mask = reset_mask(options, self.num_envs)
         ids = [i for i in range(self.num_envs) if mask is None or mask[i]]
         for i in ids:
             self._dispatch.send(i, "reset", {"seed": seeds[i], "options": options})
@@ -393,15 +348,14 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self.step_async(actions)
         return self.step_wait()
 
+    @timed_for_placement(lambda envs, result: 0)
     def step_async(self, actions: Any) -> None:
         """Sends one action to every sub-environment; :meth:`step_wait` collects the results."""
         self._assert_idle("step_async")
         ids = list(range(self.num_envs))
         items = self._actions.split(actions, ids, self.validate_actions)
-        relocator = self._relocator
-        if relocator is not None:
-            started = time.perf_counter()
-            relocator.before_send(ids)
+        if self._relocator is not None:
+            self._relocator.before_send(ids)
         if self._can_step_in_process():
             self._dispatch.step_all(items)
         else:
@@ -410,8 +364,6 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             self._dispatch.flush_or_discard(ids)
         self._lockstep_ids = ids
         self._state = _LockstepState.WAITING_STEP
-        if relocator is not None:
-            relocator.spent(time.perf_counter() - started, 0)
 
     def _can_step_in_process(self) -> bool:
         """Whether a lockstep step takes the fast path of in-process envs (:meth:`Dispatcher.step_all`):
@@ -439,6 +391,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             infos,
         )
 
+    @timed_for_placement(lambda envs, result: envs.num_envs)
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Waits for :meth:`step_async` (at most ``timeout`` seconds) and returns the batch.
 
@@ -449,18 +402,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
-        relocator = self._relocator
-        if relocator is not None:
-            started = time.perf_counter()
         if self._dispatch.stepped is not None:
-            result = self._finish_step_in_process()
-        else:
-            result = self._collect_step(timeout)
-        if relocator is not None:
-            relocator.spent(time.perf_counter() - started, self.num_envs)
-        return result
-
-    def _collect_step(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+            return self._finish_step_in_process()
         ids = self._lockstep_ids
         self._dispatch.collect(ids, timeout, _PENDING.format(call="step_wait"))
         results = self._dispatch.deliver(ids)
@@ -484,11 +427,12 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         Reset results carry reward 0 and ``terminated = truncated = False``.
         """
         self._assert_idle("async_reset")
-        seeds = self._seeds(seed)
+        seeds = seeds_for(seed, self.num_envs)
         for i in range(self.num_envs):
             self._dispatch.send(i, "reset", {"seed": seeds[i], "options": options})
         self._dispatch.flush()
 
+    @timed_for_placement(lambda envs, result: 0)
     def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Sends one action to each env in ``env_ids`` (default: all) and returns at once.
 
@@ -505,14 +449,9 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in np.asarray(env_ids).reshape(-1)]
             self._check_free(ids)
             items = self._actions.split(actions, ids, self.validate_actions)
-            relocator = self._relocator
-            if relocator is None:
-                self._send_now(ids, "step", items)
-                return
-            started = time.perf_counter()
-            relocator.before_send(ids)
+            if self._relocator is not None:
+                self._relocator.before_send(ids)
             self._send_now(ids, "step", items)
-            relocator.spent(time.perf_counter() - started, 0)
 
     def _assert_not_waiting(self, call: str) -> None:
         """``send``/``send_reset``: open, and no lockstep call pending (sends to other envs may be)."""
@@ -566,6 +505,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 self._relocator.before_send(ids)
             self._send_now(ids, "reset", [{"seed": seed, "options": options} for seed in seeds])
 
+    @timed_for_placement(lambda envs, result: len(result[4]["env_id"]))
     def recv(
         self, timeout: float | None = None, *, at_least: int | None = None
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
@@ -593,11 +533,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 )
             target = min(self.batch_size, len(in_flight))
             needed = target if at_least is None else max(1, min(int(at_least), target))
-            relocator = self._relocator
-            if relocator is not None:
-                started = time.perf_counter()
-                if needed < target:
-                    relocator.block(f"recv(at_least={at_least}) of {target}", partial=True)
+            if self._relocator is not None and needed < target:
+                self._relocator.block(f"recv(at_least={at_least}) of {target}", partial=True)
             dispatch = self._dispatch
             dispatch.wait_until(
                 lambda: len(dispatch.arrivals) >= needed,
@@ -612,8 +549,6 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             rows = np.asarray(ids, dtype=np.int64)
             commands = [self._slots[i].command for i in ids]
             results = self._dispatch.deliver(ids)
-            if relocator is not None:
-                relocator.spent(time.perf_counter() - started, commands.count("step"))
             rewards = np.zeros(target, dtype=np.float64)
             terminations = np.zeros(target, dtype=np.bool_)
             truncations = np.zeros(target, dtype=np.bool_)
@@ -765,15 +700,6 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 )
             if not same_action:
                 raise RuntimeError(f"env {index} has an action space different from {self.single_action_space}")
-
-    # ------------------------------------------------------------------ placement
-
-    def rehost(self, transport: Transport, backend: Backend, placement: Placement) -> None:
-        """The envs now run in ``transport``'s workers (called by the relocation, with nothing in flight)."""
-        self._dispatch.rehost(transport, [list(g) for g in placement.groups], None if placement.in_process else self._action_rows)
-        self._transport, self.backend, self.placement = transport, backend, placement
-        self.envs_per_worker = placement.envs_per_worker
-        self._in_process_steps = None
 
     # ------------------------------------------------------------------ closing
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import multiprocessing
 import statistics
 import time
@@ -173,9 +172,7 @@ def given_placement(num_envs: int, envs_per_worker: int, reason: str, measuring:
     return Placement(False, contiguous_groups(num_envs, envs_per_worker), reason, measuring=measuring)
 
 
-def in_process_placement(
-    num_envs: int, reason: str, profiles: tuple[StepProfile, ...] | None = None
-) -> Placement:
+def in_process_placement(num_envs: int, reason: str, profiles: tuple[StepProfile, ...] | None = None) -> Placement:
     return Placement(True, (tuple(range(num_envs)),), reason, profiles)
 
 
@@ -204,7 +201,9 @@ def in_process_blockers(
     return blockers
 
 
-def predicted_step_s(groups: Sequence[Sequence[int]], profiles: Sequence[StepProfile], cores: int, overhead_s: float) -> float:
+def predicted_step_s(
+    groups: Sequence[Sequence[int]], profiles: Sequence[StepProfile], cores: int, overhead_s: float
+) -> float:
     """Predicted wall seconds of one lockstep vector step with the envs in workers as ``groups``
     (the module docstring's ``T``)."""
     busiest = max(sum(profiles[i].step_s for i in group) for group in groups)
@@ -321,25 +320,66 @@ def initial_placement(
     placement: str,
     envs_per_worker: int | None,
     in_process: bool | None,
-    blockers: Sequence[str],
+    max_restarts: int,
+    step_timeout: float | None,
+    batch_size: int,
+    spaces: tuple[Space[Any], Space[Any], Any, dict[Any, Any]] | None,
+    context: str | None,
+    start_timeout: float,
+    daemon: bool,
+) -> tuple[Placement, list[str]]:
+    """Where the envs start, and what forbids the calling process (:func:`in_process_blockers`): as
+    given (``in_process=True``, ``envs_per_worker``), as probed (``placement="probe"``), else one env
+    per worker, ``measuring`` their first steps when they may move later (worker processes, envs that
+    allow it). ``spaces``: the env's observation and action spaces, render mode and metadata, when
+    read here (``None`` for remote workers).
+
+    Example:
+        >>> import gymnasium as gym
+        >>> p, blockers = initial_placement([lambda: gym.make("CartPole-v1")] * 4, ProcessBackend(), placement="auto",
+        ...     envs_per_worker=None, in_process=None, max_restarts=1, step_timeout=None, batch_size=4, spaces=None,
+        ...     context=None, start_timeout=60.0, daemon=True)
+        >>> p.num_workers, p.measuring, blockers
+        (4, True, ['max_restarts=1 (a crash in this process could not be restarted)'])
+    """
+    blockers = in_process_blockers(
+        max_restarts=max_restarts,
+        step_timeout=step_timeout,
+        batch_size=batch_size,
+        num_envs=len(env_fns),
+        process_backend=isinstance(backend, ProcessBackend),
+        in_process=in_process,
+    )
+    probe_skip = None if spaces is None else probe_skip_reason(*spaces)
+    relocate_skip = None if spaces is None else relocation_skip_reason(spaces[2], spaces[3])
+    return _starting_placement(
+        env_fns,
+        backend,
+        placement,
+        envs_per_worker,
+        in_process,
+        blockers,
+        probe_skip,
+        relocate_skip,
+        context,
+        start_timeout,
+        daemon,
+    ), blockers
+
+
+def _starting_placement(
+    env_fns: Sequence[Callable[[], Env[Any, Any]]],
+    backend: Backend,
+    placement: str,
+    envs_per_worker: int | None,
+    in_process: bool | None,
+    blockers: list[str],
     probe_skip: str | None,
     relocate_skip: str | None,
     context: str | None,
     start_timeout: float,
     daemon: bool,
 ) -> Placement:
-    """Where the envs start: as given (``in_process=True``, ``envs_per_worker``), as probed
-    (``placement="probe"``), else one env per worker, ``measuring`` their first steps when they may
-    move later (worker processes, envs that allow it).
-
-    Example:
-        >>> import gymnasium as gym
-        >>> p = initial_placement([lambda: gym.make("CartPole-v1")] * 4, ProcessBackend(), placement="auto",
-        ...     envs_per_worker=None, in_process=None, blockers=[], probe_skip=None, relocate_skip=None,
-        ...     context=None, start_timeout=60.0, daemon=True)
-        >>> p.num_workers, p.measuring
-        (4, True)
-    """
     num_envs = len(env_fns)
     if in_process:
         return in_process_placement(num_envs, "in_process=True")
@@ -369,7 +409,7 @@ def relocation_skip_reason(render_mode: Any, metadata: dict[Any, Any]) -> str | 
 
 def probe_skip_reason(
     observation_space: Space[Any], action_space: Space[Any], render_mode: Any, metadata: dict[Any, Any]
-) -> str | None:
+) -> str | None:  # the order of initial_placement's ``spaces``
     """Why ``placement="probe"`` does not probe the env (random actions not meaningful or not safe), or ``None``."""
     if metadata.get("asyncvec_probe", True) is False:
         return "the env declares metadata['asyncvec_probe'] = False"

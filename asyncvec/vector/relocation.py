@@ -20,12 +20,13 @@ process, a use that forbids it (a partial ``send`` or ``recv``, a step from anot
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from asyncvec.vector.placement import (
     REGROUP_MARGIN,
@@ -39,10 +40,7 @@ from asyncvec.vector.placement import (
 from asyncvec.vector.transport import InProcessBackend, ProcessBackend, Transport, WorkerSpec
 from asyncvec.vector.worker import EnvFailure
 
-if TYPE_CHECKING:
-    from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
-
-__all__ = ["MAX_MOVES", "TIMED_STEPS", "Relocator"]
+__all__ = ["MAX_MOVES", "TIMED_STEPS", "Relocator", "timed_for_placement"]
 
 logger = logging.getLogger("asyncvec.vector")
 
@@ -57,17 +55,43 @@ MAX_MOVES = 2
 ANSWER_TIMEOUT_S = 60.0
 
 
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def timed_for_placement(steps: Callable[[Any, Any], int]) -> Callable[[Method], Method]:
+    """Decorates a vector env method (``step_async``, ``step_wait``, ``send``, ``recv``): while its
+    envs' first steps are timed, the caller's wait inside it counts (:meth:`Relocator.spent`), with
+    ``steps(envs, result)`` env steps delivered."""
+
+    def decorate(method: Method) -> Method:
+        @functools.wraps(method)
+        def timed(envs: Any, *args: Any, **kwargs: Any) -> Any:
+            relocator = envs._relocator
+            if relocator is None or not relocator.active:
+                return method(envs, *args, **kwargs)
+            started = time.perf_counter()
+            result = method(envs, *args, **kwargs)
+            if envs._relocator is relocator:  # not released by this very call
+                relocator.spent(time.perf_counter() - started, steps(envs, result))
+            return result
+
+        return timed  # type: ignore[return-value]  # same signature as the method
+
+    return decorate
+
+
 class Relocator:
     """The measuring and moving of one :class:`~asyncvec.vector.AsyncLLMVectorEnv` (module docstring).
 
     Args:
-        envs: the vector env (its dispatcher, transport and shared memory are moved together).
+        envs: the :class:`~asyncvec.vector.AsyncLLMVectorEnv` (its dispatcher, transport and shared memory
+            move together; typed ``Any``: that module imports this one).
         blockers: why the envs may not run in the calling process, from its settings.
         partial: partial batches are asked for (``batch_size < num_envs``): each env keeps its worker.
         cores: cores the envs may use.
     """
 
-    def __init__(self, envs: AsyncLLMVectorEnv, blockers: list[str], partial: bool, cores: int) -> None:
+    def __init__(self, envs: Any, blockers: list[str], partial: bool, cores: int) -> None:
         self.envs = envs
         self.blockers = list(blockers)
         self.cores = cores
@@ -144,7 +168,8 @@ class Relocator:
             choice = Placement(
                 False,
                 groups,
-                f"back: measured {before_s * 1e6:,.0f} us a vector step there, {measured_s * 1e6:,.0f} us after moving",
+                f"back: measured {before_s * 1e6:,.0f} us a vector step there, {measured_s * 1e6:,.0f} us after "
+                f"moving; {'; '.join(self.blockers) or 'in this process was not predicted faster'}",
                 profiles,
             )
         else:
@@ -200,14 +225,23 @@ class Relocator:
             ok, payload = transport.await_ready(worker, envs.start_timeout)
             if not ok:
                 transport.close(0.0, terminate=True)
-                self._stop(f"stays: the moved envs could not start ({describe_failure(payload)}); {envs.placement.reason}")
+                self._stop(
+                    f"stays: the moved envs could not start ({describe_failure(payload)}); {envs.placement.reason}"
+                )
                 return
         try:
             _ask_all(old_transport, old_groups, "detach")
         finally:
             old_transport.close(timeout=1.0, terminate=False)
-        envs.rehost(transport, backend, Placement(placement.in_process, placement.groups, placement.reason,
-                                                  placement.profiles, measuring))
+        # the envs now run in the new transport's workers; each env's bookkeeping stays in the dispatcher
+        envs._dispatch.rehost(
+            transport, [list(g) for g in spec.groups], None if placement.in_process else envs._action_rows
+        )
+        envs._transport, envs.backend, envs.envs_per_worker = transport, backend, placement.envs_per_worker
+        envs.placement = Placement(
+            placement.in_process, placement.groups, placement.reason, placement.profiles, measuring
+        )
+        envs._in_process_steps = None
         self.moves_left = self.moves_left - 1 if measuring else 0
         self.relocated = True
         self._restart_window()
@@ -219,7 +253,8 @@ def _profiles(timings: list[Any]) -> tuple[StepProfile, ...]:
     """One profile per env from its timed steps; an env never stepped costs the median of the others."""
     measured = {i: StepProfile.from_timings([w for w, _ in t], [c for _, c in t]) for i, t in enumerate(timings) if t}
     typical = StepProfile(
-        statistics.median(p.step_s for p in measured.values()), statistics.median(p.cpu_share for p in measured.values())
+        statistics.median(p.step_s for p in measured.values()),
+        statistics.median(p.cpu_share for p in measured.values()),
     )
     return tuple(measured.get(i, typical) for i in range(len(timings)))
 
@@ -251,4 +286,3 @@ def _ask_all(transport: Transport, groups: Sequence[Sequence[int]], command: str
     if failures:
         raise RuntimeError(failures[0] + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
     return answers
-
