@@ -12,6 +12,9 @@ placement is whatever :mod:`asyncvec.vector.placement` chose, printed in the tab
   simulator or a robot: heavy-tailed, the core is free); lockstep and partial batches of 8.
 * ``image``: a 64x64 RGB image observation (``PixelPendulum``'s image alone), x8.
 * ``dict``: ``Dict(image 64x64x3, instruction Text)`` observations (a VLA's input), x8.
+* ``mixed``: 4 CartPole-v1 and 4 CartPoles behind a SlowEnv sleeping 20 ms a step, in one vector
+  env (fast and slow envs together, the case partial batches are for); its bound is the sum of each
+  half's.
 
 The physical bound of each kind is ``min(N / E[wall], cores / E[cpu])`` per env-step, from
 one env stepped in this process before the contenders run: the envs always stepping, on every
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncvec import AsyncLLMVectorEnv  # noqa: E402  (the repository root goes on sys.path first)
 from asyncvec.envs.pixels import make_pixel_env  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.envs.slow import SlowEnv  # noqa: E402  (after the repository is put on sys.path)
-from asyncvec.vector.placement import usable_cores  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.vector.transport import usable_cores  # noqa: E402  (after the repository is put on sys.path)
 from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
 
 SYNC, ASYNC = "gymnasium SyncVectorEnv", "gymnasium AsyncVectorEnv"
@@ -60,7 +63,7 @@ class Args:
     """interleaved rounds per contender (the table holds the median)"""
     quick: bool = False
     """a short run (1.5 s per contender, 3 rounds)"""
-    kinds: tuple[str, ...] = ("classic", "pendulum", "cpu", "sleep", "image", "dict")
+    kinds: tuple[str, ...] = ("classic", "pendulum", "cpu", "sleep", "image", "dict", "mixed")
     """which env kinds to run"""
     out_dir: str | None = None
     """where to write throughput.md/.png (default benchmarks/results)"""
@@ -91,12 +94,23 @@ def make_dict_env() -> gym.Env:
     return make_pixel_env("pendulum", size=64)
 
 
+def make_sleepy_cartpole() -> gym.Env:
+    return SlowEnv(gym.make("CartPole-v1"), latency_ms=20.0)
+
+
 @dataclass(frozen=True)
 class Kind:
     title: str
     env_fn: Callable[[], gym.Env]
     num_envs: int
     batch_size: int
+    second_half_fn: Callable[[], gym.Env] | None = None  # the second half of the envs, when they differ
+
+    def fns(self) -> list[Callable[[], gym.Env]]:
+        half = self.num_envs // 2
+        if self.second_half_fn is None:
+            return [self.env_fn] * self.num_envs
+        return [self.env_fn] * half + [self.second_half_fn] * (self.num_envs - half)
 
 
 KINDS = {
@@ -106,6 +120,7 @@ KINDS = {
     "sleep": Kind("lognormal 10 ms sleeps", partial(make_slow_cartpole, 10.0, 1.0), 16, 8),
     "image": Kind("64x64 RGB image obs", make_image_env, 8, 4),
     "dict": Kind("Dict(image, Text) obs", make_dict_env, 8, 4),
+    "mixed": Kind("4 fast + 4 sleeping 20 ms", make_cartpole, 8, 4, make_sleepy_cartpole),
 }
 
 
@@ -259,7 +274,7 @@ def envpool_cartpole(num_envs: int):
 
 
 def contenders(kind: str, spec: Kind) -> dict[str, Callable]:
-    fns = [spec.env_fn] * spec.num_envs
+    fns = spec.fns()
     loops: dict[str, Callable] = {
         SYNC: lambda: LockstepLoop(SyncVectorEnv(fns)),
         ASYNC: lambda: LockstepLoop(AsyncVectorEnv(fns)),
@@ -280,7 +295,13 @@ def run_kind(kind: str, args: Args, cores: int) -> tuple[float, list[tuple[str, 
     spec = KINDS[kind]
     seconds = 1.5 if args.quick else args.seconds
     rounds = 3 if args.quick else args.rounds
-    bound = physical_bound(spec.env_fn, spec.num_envs, cores, 0.3 if args.quick else 1.0)
+    budget = 0.3 if args.quick else 1.0
+    if spec.second_half_fn is None:
+        bound = physical_bound(spec.env_fn, spec.num_envs, cores, budget)
+    else:
+        half = spec.num_envs // 2
+        bound = physical_bound(spec.env_fn, half, cores, budget)
+        bound += physical_bound(spec.second_half_fn, spec.num_envs - half, cores, budget)
     loops = {label: make() for label, make in contenders(kind, spec).items()}
     samples: dict[str, list[float]] = {label: [] for label in loops}
     try:
