@@ -16,6 +16,12 @@ placement is whatever :mod:`asyncvec.vector.placement` chose, printed in the tab
   env (fast and slow envs together, the case partial batches are for); its bound is the sum of each
   half's.
 
+PufferLib's Python vectorization (``pufferlib.vector.Multiprocessing``, ``pip install pufferlib-core``) runs
+beside them where it is installed, as its docs recommend it: one worker per core (``num_workers`` = cores), in
+lockstep (``batch_size = N``) and with partial batches (``batch_size = N/2``), its envs wrapped by
+``pufferlib.emulation.GymnasiumPufferEnv`` (which autoresets them itself). Its ``autotune`` is not run (it tries
+configurations for minutes); the rows say which configuration ran.
+
 The physical bound of each kind is ``min(N / E[wall], cores / E[cpu])`` per env-step, from
 one env stepped in this process before the contenders run: the envs always stepping, on every
 core. EnvPool's own CartPole is a reference row where ``envpool`` is installed (``pip install
@@ -246,6 +252,65 @@ class PartialBatchLoop:
         self.envs.close()
 
 
+class PufferLoop:
+    """PufferLib's ``send``/``recv`` loop over its vector env (random actions for the rows it returns)."""
+
+    def __init__(self, vecenv) -> None:
+        self.envs = vecenv
+        self.meter = CpuMeter()
+        self._spaces: dict[int, gym.Space] = {}
+        vecenv.async_reset(seed=0)
+
+    def run(self, seconds: float) -> float:
+        start = time.perf_counter()
+
+        def loop() -> int:
+            steps = 0
+            while time.perf_counter() - start < seconds:
+                rows = len(self.envs.recv()[6])
+                space = self._spaces.get(rows)
+                if space is None:
+                    space = self._spaces[rows] = batch_space(self.envs.single_action_space, rows)
+                    space.seed(rows)
+                self.envs.send(space.sample())
+                steps += rows
+            return steps
+
+        return self.meter.measure(loop) / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def pufferlib_contenders(spec: Kind, cores: int) -> dict[str, Callable]:
+    """PufferLib's Multiprocessing at one worker per core, lockstep and partial, where pufferlib is installed."""
+    try:
+        import pufferlib.emulation
+        import pufferlib.vector
+    except ImportError:
+        return {}
+    creators = [partial(pufferlib.emulation.GymnasiumPufferEnv, env_creator=fn) for fn in spec.fns()]
+    workers = max(w for w in range(1, cores + 1) if spec.num_envs % w == 0)
+
+    def make(batch_size: int):
+        return lambda: PufferLoop(
+            pufferlib.vector.make(
+                creators,
+                env_args=[[] for _ in creators],
+                env_kwargs=[{} for _ in creators],
+                backend=pufferlib.vector.Multiprocessing,
+                num_envs=spec.num_envs,
+                num_workers=workers,
+                batch_size=batch_size,
+            )
+        )
+
+    return {
+        f"PufferLib Multiprocessing ({workers} workers)": make(spec.num_envs),
+        f"PufferLib Multiprocessing ({workers} workers, batch {spec.batch_size})": make(spec.batch_size),
+    }
+
+
 def physical_bound(env_fn: Callable[[], gym.Env], num_envs: int, cores: int, budget_s: float = 1.0) -> float:
     """``min(N / E[wall], cores / E[cpu])`` env-steps/s from one env stepped here with random actions."""
     env = env_fn()
@@ -273,7 +338,7 @@ def envpool_cartpole(num_envs: int):
     return envpool.make("CartPole-v1", env_type="gymnasium", num_envs=num_envs, seed=0)
 
 
-def contenders(kind: str, spec: Kind) -> dict[str, Callable]:
+def contenders(kind: str, spec: Kind, cores: int = 2) -> dict[str, Callable]:
     fns = spec.fns()
     loops: dict[str, Callable] = {
         SYNC: lambda: LockstepLoop(SyncVectorEnv(fns)),
@@ -285,6 +350,8 @@ def contenders(kind: str, spec: Kind) -> dict[str, Callable]:
     }
     if kind == "classic" and envpool_cartpole(1) is not None:
         loops[ENVPOOL] = lambda: EnvPoolLoop(envpool_cartpole(spec.num_envs), spec.num_envs)
+    if kind in ("classic", "pendulum", "cpu", "sleep", "mixed"):  # its emulation has no Text observations
+        loops.update(pufferlib_contenders(spec, cores))
     return loops
 
 
@@ -302,7 +369,7 @@ def run_kind(kind: str, args: Args, cores: int) -> tuple[float, list[tuple[str, 
         half = spec.num_envs // 2
         bound = physical_bound(spec.env_fn, half, cores, budget)
         bound += physical_bound(spec.second_half_fn, spec.num_envs - half, cores, budget)
-    loops = {label: make() for label, make in contenders(kind, spec).items()}
+    loops = {label: make() for label, make in contenders(kind, spec, cores).items()}
     samples: dict[str, list[float]] = {label: [] for label in loops}
     try:
         for loop in loops.values():

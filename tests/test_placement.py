@@ -380,7 +380,7 @@ def mixes(draw):
     return kinds, {key: value for key, value in setting.items() if value is not None}
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mix=mixes())
 def test_every_placement_keeps_the_promises(mix, tmp_path_factory):
     """For random mixes of env kinds and user settings: no env sees an action that was not sent, a
@@ -401,13 +401,17 @@ def test_every_placement_keeps_the_promises(mix, tmp_path_factory):
     with AsyncLLMVectorEnv(fns, **setting) as envs:
         if partial_batches:
             envs.async_reset(seed=0)
-            for _ in range(DECIDED * 2):
+            for _ in range(3000):  # until every env took more steps than the crash needs (slow envs take fewer)
+                if rows.min() > DECIDED:
+                    break
                 _, _, _, _, info = envs.recv()
                 actions = rng.integers(0, 3, size=len(info["env_id"]))
                 for index, action in zip(info["env_id"], actions):
                     sent[index].append(int(action))
                 rows[info["env_id"]] += 1
                 envs.send(actions, info["env_id"])
+            while envs.in_flight:  # a crash in a step still in flight is received (and restarted) here
+                envs.recv()
         else:
             reference = gym.vector.SyncVectorEnv([partial(CounterEnv, max_len=9)] * len(kinds))
             expected = reference.reset(seed=0)[0]
@@ -436,3 +440,20 @@ def test_every_placement_keeps_the_promises(mix, tmp_path_factory):
     fast = [i for i, kind in enumerate(kinds) if kind == "cheap"]
     if partial_batches and slow and fast and setting.get("envs_per_worker", 1) == 1 and not setting.get("in_process"):
         assert rows[fast].max() > rows[slow].min(), (rows, kinds, setting)
+
+
+def test_answers_not_yet_received_survive_a_move(no_leftover_children):
+    """Envs in this process with answers not yet received (a partial recv) move out on a partial send;
+    those answers come out of the next recv unchanged."""
+    with moved_in([partial(CounterEnv, max_len=50)] * 4) as envs:
+        envs.batch_size = 2
+        envs.async_reset(seed=5)
+        _, _, _, _, info = envs.recv()
+        first = list(info["env_id"])
+        envs.send(np.ones(2, dtype=np.int64), first)  # partial: the envs move to their workers
+        assert not envs.placement.in_process
+        obs, _, _, _, info = envs.recv()
+        assert sorted(info["env_id"]) == sorted(set(range(4)) - set(first))
+        np.testing.assert_array_equal(obs[:, 0], [0, 0])  # reset observations: t = 0
+        obs, _, _, _, info = envs.recv()
+        assert sorted(info["env_id"]) == sorted(first) and (obs[:, 0] == 1).all()

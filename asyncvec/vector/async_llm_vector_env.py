@@ -297,7 +297,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 f"Calling `{call}` while waiting for a pending call to `{self._state.value}` to complete.",
                 self._state.value,
             )
-        if any(slot.command is not None for slot in self._slots):
+        dispatch = self._dispatch  # an env is busy only while its message or its undelivered answer is there
+        if (dispatch.arrivals or any(dispatch.queues)) and any(slot.command is not None for slot in self._slots):
             raise AlreadyPendingCallError(
                 f"Calling `{call}` while envs {self.in_flight} have sends in flight or answers not yet received "
                 "with recv().",
@@ -366,14 +367,14 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._state = _LockstepState.WAITING_STEP
 
     def _can_step_in_process(self) -> bool:
-        """Whether a lockstep step takes the fast path of in-process envs (:meth:`Dispatcher.step_all`):
-        whole observations in shared memory and no env owing a restart's truncation or info."""
+        """Lockstep steps of in-process envs take :meth:`Dispatcher.step_all` (whole observations in shared memory, no env owing a restart's truncation or info)."""
         if self._in_process_steps is None:
             self._in_process_steps = (
                 self.placement.in_process and self._shm is not None and self._observations.per_env is None
             )
-        slots = self._slots
-        return self._in_process_steps and not any(slot.after_restart is not None or slot.info_extra for slot in slots)
+        if not self._in_process_steps or not self._dispatch.faults.rebuilds:
+            return bool(self._in_process_steps)
+        return not any(slot.after_restart is not None or slot.info_extra for slot in self._slots)
 
     def _finish_step_in_process(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """``step_wait`` of the in-process fast path (:meth:`Dispatcher.finish_step_all`)."""

@@ -123,6 +123,11 @@ class Dispatcher:
             for position, index in enumerate(group):
                 self.slots[index].worker, self.slots[index].position = worker, position
 
+    @property
+    def has_outbox(self) -> bool:
+        """Commands queued and not yet sent (:meth:`flush` sends them)."""
+        return bool(self._outbox)
+
     def rehost(self, transport: Transport, groups: list[list[int]], action_rows: Any) -> None:
         """The envs moved to ``transport``'s workers, as ``groups`` (:mod:`~asyncvec.vector.relocation`).
 

@@ -75,6 +75,7 @@ class Restarts:
         self.dispatch = dispatch
         self.max_restarts = max_restarts
         self.autoreset_mode = autoreset_mode
+        self.rebuilds = 0  # env rebuilds so far: until one, no env owes a truncation or a restart's info
 
     def reset_payload(self, index: int, payload: dict[str, Any]) -> dict[str, Any]:
         """A reset with a seed makes it the env's seed; one without takes a rebuilt env's restart seed."""
@@ -102,6 +103,7 @@ class Restarts:
         """Counts a rebuild of env ``index`` and derives the seed of its next reset (:func:`restart_seed`)."""
         slot = self.dispatch.slots[index]
         slot.restarts += 1
+        self.rebuilds += 1
         slot.reseed = None if slot.seed is None else restart_seed(slot.seed, slot.restarts)
 
     def _restart_item(self, index: int) -> dict[str, Any]:

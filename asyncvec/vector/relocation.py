@@ -67,7 +67,7 @@ def timed_for_placement(steps: Callable[[Any, Any], int]) -> Callable[[Method], 
         @functools.wraps(method)
         def timed(envs: Any, *args: Any, **kwargs: Any) -> Any:
             relocator = envs._relocator
-            if relocator is None or not relocator.active:
+            if relocator is None or relocator.moves_left <= 0:  # the hot path once the envs are placed
                 return method(envs, *args, **kwargs)
             started = time.perf_counter()
             result = method(envs, *args, **kwargs)
@@ -97,6 +97,7 @@ class Relocator:
         self.cores = cores
         self.partial = partial  # partial batches: one env per worker, nothing shared
         self.moves_left = MAX_MOVES
+        self._main_thread = threading.main_thread().ident
         self.relocated = False  # the envs moved at least once (into the calling process: moved back when forbidden)
         self.history: list[tuple[tuple[tuple[int, ...], ...], float]] = []  # (groups, measured vector-step s)
         self._restart_window()
@@ -118,7 +119,7 @@ class Relocator:
         if reason not in self.blockers:
             self.blockers.append(reason)
         self.partial = self.partial or partial
-        if self.envs.placement.in_process and self.relocated:
+        if self.envs.placement.in_process and self.relocated and not self.envs._dispatch.recv_waiting:
             self._move(
                 given_placement(self.envs.num_envs, 1, f"one env per worker: {reason}", measuring=False), final=True
             )
@@ -126,7 +127,7 @@ class Relocator:
     def before_send(self, ids: Sequence[int]) -> None:
         """``step_async``/``send``/``send_reset`` of ``ids``: notes partial use and other threads;
         when the envs are all idle and the first steps are timed, decides (and maybe moves)."""
-        if threading.current_thread() is not threading.main_thread():
+        if threading.get_ident() != self._main_thread:
             self.block("steps come from a thread other than the main one (envs here would take its GIL)")
         if len(ids) < self.envs.num_envs:
             self.block(f"a partial send ({len(ids)} of {self.envs.num_envs} envs)", partial=True)
@@ -202,6 +203,11 @@ class Relocator:
     def _move(self, placement: Placement, final: bool) -> None:
         """Moves every env, with its state, to ``placement``; on any failure the envs stay as they are."""
         envs = self.envs
+        dispatch = envs._dispatch
+        if envs.placement.in_process:
+            dispatch.poll_ready()  # in this process every answer is there already: file them first
+        if any(dispatch.queues) or dispatch.has_outbox:  # an answer still to come would go to the old workers
+            return
         old_transport, old_groups = envs._transport, envs.placement.groups
         try:
             states = _ask_all(old_transport, old_groups, "export")

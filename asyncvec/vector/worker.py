@@ -306,7 +306,7 @@ class EnvGroup:
         """
         rows = self._observation_rows()
         rewards, terminations, truncations, infos, failures = [], [], [], [], []
-        step, indices = self._step, self.indices
+        step, indices = self._timed_step if self._timing else self._untimed_step, self.indices
         for position, action in enumerate(actions):
             try:
                 observation, reward, terminated, truncated, info = step(position, action)
