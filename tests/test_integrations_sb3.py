@@ -102,7 +102,9 @@ def test_attributes_methods_and_wrappers_by_index(no_leftover_children):
         assert venv.has_attr("max_len") and not venv.has_attr("no_such_attribute")
         with pytest.raises(AttributeError, match="no_such_attribute"):
             venv.get_attr("no_such_attribute")
-        assert make_vec_env("CartPole-v1", n_envs=2, vec_env_cls=SB3VecEnv).env_is_wrapped(Monitor) == [True, True]
+        monitored = make_vec_env("CartPole-v1", n_envs=2, vec_env_cls=SB3VecEnv)
+        assert monitored.env_is_wrapped(Monitor) == [True, True]
+        monitored.close()
     finally:
         venv.close()
 
