@@ -319,7 +319,9 @@ class PPO:
                 args.env,
                 args.num_envs,
                 args.env_latency_ms,
-                batch_size=max(1, args.num_envs // 4),
+                # partial batches for the async collector; sync mode steps every env at once (and then its
+                # cheap envs may run in this process, which partial batches rule out)
+                batch_size=max(1, args.num_envs // 4) if args.mode == "async" else None,
                 distribution=args.env_latency_dist,
             )
         obs_dim = obs_space.shape[0]

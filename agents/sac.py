@@ -279,7 +279,9 @@ class SAC:
                 args.env,
                 args.num_envs,
                 args.env_latency_ms,
-                batch_size=max(1, args.num_envs // 2),
+                # partial batches for the async collector; sync mode steps every env at once (and then its
+                # cheap envs may run in this process, which partial batches rule out)
+                batch_size=max(1, args.num_envs // 2) if args.mode == "async" else None,
                 distribution=args.env_latency_dist,
             )
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space

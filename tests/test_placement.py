@@ -457,3 +457,29 @@ def test_answers_not_yet_received_survive_a_move(no_leftover_children):
         np.testing.assert_array_equal(obs[:, 0], [0, 0])  # reset observations: t = 0
         obs, _, _, _, info = envs.recv()
         assert sorted(info["env_id"]) == sorted(first) and (obs[:, 0] == 1).all()
+
+
+def test_a_collector_beside_a_learner_keeps_cheap_envs_in_workers(no_leftover_children):
+    """The Collector steps its envs from its own thread, beside the learner's: envs in this process would
+    take the learner's GIL, so cheap envs stay in their workers however long it runs."""
+    import torch
+
+    from asyncvec import Collector, RolloutStore
+    from asyncvec.inference import TorchPolicy
+
+    with AsyncLLMVectorEnv([CounterEnv] * 2) as envs:
+        policy = TorchPolicy(torch.nn.Linear(3, 3), envs.single_action_space)
+        store = RolloutStore(DECIDED, 2, envs.single_observation_space, envs.single_action_space)
+        with Collector(envs, policy, store, seed=0):
+            for _ in range(3):
+                store.get(timeout=60)
+        policy.close()
+        assert not envs.placement.in_process and "thread" in envs.placement.reason, envs.placement
+        assert all(pid is not None for pid in envs.worker_pids)
+
+
+def test_a_placement_sharing_workers_says_a_crash_ends_all_their_episodes():
+    with AsyncLLMVectorEnv([CounterEnv] * 4, envs_per_worker=2) as envs:
+        assert "a worker's death ends the episodes of all its envs" in str(envs.placement)
+    with AsyncLLMVectorEnv([CounterEnv] * 2) as envs:
+        assert "death" not in str(envs.placement)

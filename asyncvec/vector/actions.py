@@ -96,6 +96,9 @@ class ActionSplitter:
         if type(space) is spaces.Discrete:
             if actions.shape != (count,) or actions.dtype.kind not in "iu":
                 return False
+            if count <= 64:  # Python's min/max of a short list cost less than two numpy reductions
+                values = actions.tolist()
+                return bool(min(values) >= space.start and max(values) < space.start + space.n)
             return bool(actions.min() >= space.start and actions.max() < space.start + space.n)
         if type(space) is spaces.Box and actions.dtype == space.dtype and actions.shape == (count, *space.shape):
             bounds = self._box_bounds

@@ -159,7 +159,12 @@ class Placement:
             where = f"{self.num_workers} worker(s) x {self.envs_per_worker} env(s)"
         else:
             where = f"{self.num_workers} worker(s) hosting {[list(group) for group in self.groups]}"
-        return f"{where}: {self.reason}"
+        shared = (
+            ""
+            if self.in_process or self.envs_per_worker == 1
+            else (" (a worker's death ends the episodes of all its envs; envs_per_worker=1 keeps a crash to one env)")
+        )
+        return f"{where}: {self.reason}{shared}"
 
 
 def contiguous_groups(num_envs: int, envs_per_worker: int) -> tuple[tuple[int, ...], ...]:

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from asyncvec.vector.placement import (
-    REGROUP_MARGIN,
     Placement,
     StepProfile,
     choose_placement,
@@ -123,6 +122,13 @@ class Relocator:
             self._move(
                 given_placement(self.envs.num_envs, 1, f"one env per worker: {reason}", measuring=False), final=True
             )
+            if self.envs.placement.in_process:  # the envs could not be copied out (their state no longer pickles)
+                logger.warning(
+                    "AsyncLLMVectorEnv(num_envs=%d): %s, but its envs stay in this process: %s",
+                    self.envs.num_envs,
+                    reason,
+                    self.envs.placement.reason,
+                )
 
     def before_send(self, ids: Sequence[int]) -> None:
         """``step_async``/``send``/``send_reset`` of ``ids``: notes partial use and other threads;
@@ -164,7 +170,7 @@ class Relocator:
         ideal = predicted_step_s(current, profiles, self.cores, 0.0)
         overhead_s = max(0.0, measured_s - ideal) / len(current)
         self.history.append((current, measured_s))
-        if len(self.history) > 1 and self.history[-2][1] * REGROUP_MARGIN <= measured_s:  # the first move did not pay
+        if len(self.history) > 1 and self.history[-2][1] < measured_s:  # the first move did not pay: both measured
             groups, before_s = self.history[-2]
             choice = Placement(
                 False,
