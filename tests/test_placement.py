@@ -483,3 +483,22 @@ def test_a_placement_sharing_workers_says_a_crash_ends_all_their_episodes():
         assert "a worker's death ends the episodes of all its envs" in str(envs.placement)
     with AsyncLLMVectorEnv([CounterEnv] * 2) as envs:
         assert "death" not in str(envs.placement)
+
+
+class HoldsATable(CounterEnv):
+    """A cheap env with a large state (a lookup table, a dataset): copying it is not worth a faster step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = np.zeros(4096, dtype=np.float64)
+
+
+def test_an_env_whose_state_is_too_large_to_copy_stays(monkeypatch, no_leftover_children):
+    from asyncvec.vector import worker
+
+    monkeypatch.setattr(worker, "MAX_MOVED_STATE_BYTES", 16 * 1024)  # the forked workers inherit it
+    with AsyncLLMVectorEnv([HoldsATable] * 2, context="fork") as envs:
+        envs.reset(seed=0)
+        for _ in range(DECIDED):
+            envs.step(np.ones(2, dtype=np.int64))
+        assert not envs.placement.in_process and "MiB an env may take" in envs.placement.reason, envs.placement

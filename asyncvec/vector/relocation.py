@@ -10,8 +10,9 @@ env object, its autoreset flag, its pending restart seed), new workers (or the c
 unpickle them, and the old copies are dropped without ``close()``. Episodes, random generators
 and observations continue exactly (the equivalence tests against gymnasium run through moves).
 
-An env that cannot be pickled (a socket, a thread, a window) stays where it is; so does one that
-declares ``metadata["asyncvec_relocate"] = False``. At most :data:`MAX_MOVES` moves, the second
+An env that cannot be pickled (a socket, a thread, a window) stays where it is; so do envs whose
+state pickles to more than ``worker.MAX_MOVED_STATE_BYTES`` (64 MiB) and one that declares
+``metadata["asyncvec_relocate"] = False``. At most :data:`MAX_MOVES` moves, the second
 only to confirm or undo the first with a new measurement. Once the envs run in the calling
 process, a use that forbids it (a partial ``send`` or ``recv``, a step from another thread, a
 ``max_restarts`` or ``step_timeout`` set later) moves them back to one worker each before it runs.

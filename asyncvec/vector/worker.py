@@ -63,6 +63,8 @@ from asyncvec.vector.split_obs import copy_row, pipe_part, shared_subspace, writ
 _PARENT_CHECK_S = 1.0
 IDLE = -1  # the value of a worker's "current env" marker between messages
 _OBSERVING_COMMANDS = ("step", "step_shared", "reset", "restart")  # commands that answer an observation
+#: An env whose pickled state is larger than this never moves between processes (relocation.py).
+MAX_MOVED_STATE_BYTES = 64 * 2**20
 #: The probe (``placement="probe"``) steps its env for about this long (wall seconds), at most PROBE_MAX_STEPS steps.
 PROBE_BUDGET_S = 0.05
 PROBE_MAX_STEPS = 64
@@ -360,7 +362,13 @@ class EnvGroup:
         if command == "timings":
             return list(self.timings[position])
         if command == "export":
-            return cloudpickle.dumps((env, self.autoreset[position], self.next_seed[position]))
+            state = cloudpickle.dumps((env, self.autoreset[position], self.next_seed[position]))
+            if len(state) > MAX_MOVED_STATE_BYTES:  # a large table or dataset: copying it is not worth a faster step
+                raise ValueError(
+                    f"its state pickles to {len(state) / 2**20:.1f} MiB, over the "
+                    f"{MAX_MOVED_STATE_BYTES / 2**20:.0f} MiB an env may take when it moves"
+                )
+            return state
         if command == "detach":  # the env moved to another process: dropped here, not closed
             self.envs[position] = None  # type: ignore[call-overload]  # no command reaches it any more
             return None
