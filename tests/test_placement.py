@@ -195,7 +195,7 @@ def test_no_env_receives_an_action_the_user_did_not_send(tmp_path, no_leftover_c
     theirs = [str(tmp_path / f"theirs{i}") for i in range(3)]
     reference = gym.vector.SyncVectorEnv([partial(RecordingEnv, log, max_len=7) for log in theirs])
     with AsyncLLMVectorEnv([partial(RecordingEnv, log, max_len=7) for log in ours]) as envs:
-        assert all(recorded_actions(log) == [] for log in ours)
+        assert envs.get_attr("steps") == (0, 0, 0)  # nothing stepped them while placing them
         envs.reset(seed=0)
         reference.reset(seed=0)
         sent = np.random.default_rng(0).integers(0, 3, size=(DECIDED + 10, 3))
@@ -203,6 +203,7 @@ def test_no_env_receives_an_action_the_user_did_not_send(tmp_path, no_leftover_c
             envs.step(actions)
             reference.step(actions)
         assert envs.placement.in_process, envs.placement
+    reference.close()  # the envs write what they saw when closed
     for i, (mine, gyms) in enumerate(zip(ours, theirs)):
         assert recorded_actions(mine) == recorded_actions(gyms) and len(recorded_actions(mine)) > DECIDED // 2
         assert is_subsequence(recorded_actions(mine), sent[:, i].tolist())
@@ -430,8 +431,10 @@ def test_every_placement_keeps_the_promises(mix, tmp_path_factory):
         if forbidding and not setting.get("in_process"):  # an explicit in_process=True is kept as given
             assert not placement.in_process, placement
     for index, (log, kind) in enumerate(zip(logs, kinds)):
-        recorded = recorded_actions(log)  # NEXT_STEP's reset steps take no action, and a crash loses one
-        assert is_subsequence(recorded, sent[index]) and len(recorded) >= len(sent[index]) // 2, (kind, setting)
+        recorded = recorded_actions(log)  # NEXT_STEP's reset steps take no action; a crash loses a life's record
+        assert is_subsequence(recorded, sent[index]), (kind, setting)
+        if "crash" not in kinds:
+            assert len(recorded) >= len(sent[index]) // 2, (kind, setting)
         if os.path.exists(log + ".crashed"):  # it died; the caller did not, and the env was rebuilt
             assert restarts[index] >= 1, restarts
     if "crash" in kinds:

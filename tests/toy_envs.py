@@ -106,23 +106,25 @@ class SleepyEnv(CounterEnv):
 
 
 class RecordingEnv(CounterEnv):
-    """Appends every action it is stepped with to ``log`` (one file per env), wherever it runs: the
-    record of what reached the env. ``kind``: "cheap", "cpu" (spins ``cost`` seconds), "sleep"
-    (sleeps ``cost``), "crash" (its process exits at step ``crash_at`` of its first life, once per
-    ``log`` file)."""
+    """Records every action it is stepped with and appends them to ``log`` (one file per env) when
+    closed, wherever it ran: the record of what reached the env (kept in memory while it runs, so that
+    the env stays cheap; a copy moved to another process carries it along, the copy left behind is
+    dropped without closing). ``kind``: "cheap", "cpu" (spins ``cost`` seconds), "sleep" (sleeps
+    ``cost``), "crash" (its process exits at step ``crash_at`` of its first life, once per ``log``
+    file: what that life recorded is lost)."""
 
     def __init__(self, log: str, kind: str = "cheap", cost: float = 0.0, crash_at: int = 0, **kwargs):
         super().__init__(**kwargs)
         self.log, self.kind, self.cost, self.crash_at = log, kind, cost, crash_at
         self.steps = 0
+        self.actions: list[int] = []
 
     def step(self, action):
         self.steps += 1
         if self.kind == "crash" and self.steps == self.crash_at and not os.path.exists(self.log + ".crashed"):
             open(self.log + ".crashed", "w").close()
             os._exit(3)
-        with open(self.log, "a") as log:
-            log.write(f"{int(action)}\n")
+        self.actions.append(int(action))
         if self.kind == "sleep":
             time.sleep(self.cost)
         elif self.kind == "cpu":
@@ -130,6 +132,12 @@ class RecordingEnv(CounterEnv):
             while time.perf_counter() < end:
                 pass
         return super().step(action)
+
+    def close(self):
+        with open(self.log, "a") as log:
+            log.writelines(f"{action}\n" for action in self.actions)
+        self.actions = []
+        super().close()
 
 
 def recorded_actions(log: str) -> list[int]:
