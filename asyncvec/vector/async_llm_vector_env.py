@@ -71,11 +71,10 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
       which returns the first ``batch_size`` envs to finish, their ids in ``info["env_id"]``.
       While the caller works on one group (e.g. waits for a slow policy), the others step.
 
-    Workers are processes on this machine (``backend="process"``, the default) or Ray actors
-    anywhere on a cluster (``backend="ray"`` or ``backend=RayBackend(...)`` from
-    :mod:`asyncvec.distributed`); the semantics are the same. A worker hosts
-    ``envs_per_worker`` envs and steps them one after another, so fast envs pay one round trip
-    per worker instead of one per env; ``send``/``recv`` still take and return single env ids.
+    Workers are processes on this machine (``backend="process"``, the default) or Ray actors anywhere on a
+    cluster (``backend="ray"`` or ``backend=RayBackend(...)`` from :mod:`asyncvec.distributed`); the semantics
+    are the same. A worker hosts ``envs_per_worker`` envs and steps them one after another, so fast envs pay
+    one round trip per worker instead of one per env; ``send``/``recv`` still take and return single env ids.
     Unless told, your envs' first steps are timed, then they may move with their state where that is
     clearly faster (:mod:`~asyncvec.vector.relocation`; ``envs.placement`` says where and why).
 
