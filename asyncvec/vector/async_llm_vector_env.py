@@ -29,7 +29,7 @@ from asyncvec.vector.errors import (
 )
 from asyncvec.vector.faults import check_fault_settings
 from asyncvec.vector.observations import ObservationBuffers, take_info
-from asyncvec.vector.placement import check_placement_arguments, initial_placement
+from asyncvec.vector.placement import check_placement_arguments, initial_placement, resolve_backend
 from asyncvec.vector.relocation import TIMED_STEPS, Relocator, timed_for_placement
 from asyncvec.vector.split_obs import is_fixed_shape, shared_subspace
 from asyncvec.vector.transport import (
@@ -38,7 +38,6 @@ from asyncvec.vector.transport import (
     ProcessBackend,
     Transport,
     WorkerSpec,
-    resolve_backend,
     usable_cores,
 )
 from asyncvec.vector.worker import make_env

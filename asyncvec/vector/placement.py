@@ -68,6 +68,7 @@ __all__ = [
     "probe_skip_reason",
     "profile_env",
     "relocation_skip_reason",
+    "resolve_backend",
 ]
 
 logger = logging.getLogger("asyncvec.vector")
@@ -288,6 +289,25 @@ def choose_placement(
     why = "; ".join(list(blockers) + ([] if may_share_workers else ["partial batches: each env keeps its worker"]))
     why = why or "no other placement is clearly faster"
     return Placement(False, current_groups, f"stays: {why}; {measured}", tuple(profiles))
+
+
+def resolve_backend(backend: str | Backend, context: str | None, daemon: bool) -> Backend:
+    """Where the workers run, as ``AsyncLLMVectorEnv(backend=...)`` names it: ``"process"``, ``"ray"``, or a
+    :class:`~asyncvec.vector.transport.Backend` (here, not in transport.py: Ray's backend imports the transport).
+
+    Example:
+        >>> resolve_backend("process", context=None, daemon=True)
+        ProcessBackend(context=None, daemon=True)
+    """
+    if isinstance(backend, Backend):
+        return backend
+    if backend == "process":
+        return ProcessBackend(context=context, daemon=daemon)
+    if backend == "ray":
+        from asyncvec.distributed.ray_env import RayBackend  # imported only when asked: Ray is an extra
+
+        return RayBackend()
+    raise ValueError(f"backend must be 'process', 'ray' or a Backend instance, got {backend!r}")
 
 
 def check_placement_arguments(envs_per_worker: Any, in_process: bool | None, backend: Any, placement: Any) -> None:

@@ -41,7 +41,6 @@ __all__ = [
     "ProcessTransport",
     "Transport",
     "WorkerSpec",
-    "resolve_backend",
     "usable_cores",
 ]
 
@@ -190,24 +189,6 @@ class ProcessBackend(Backend):
 
     def create(self, spec: WorkerSpec) -> ProcessTransport:
         return ProcessTransport(spec, self._ctx, self.daemon)
-
-
-def resolve_backend(backend: str | Backend, context: str | None, daemon: bool) -> Backend:
-    """The backend named by ``AsyncLLMVectorEnv(backend=...)``: ``"process"``, ``"ray"``, or a :class:`Backend`.
-
-    Example:
-        >>> resolve_backend("process", context=None, daemon=True)
-        ProcessBackend(context=None, daemon=True)
-    """
-    if isinstance(backend, Backend):
-        return backend
-    if backend == "process":
-        return ProcessBackend(context=context, daemon=daemon)
-    if backend == "ray":
-        from asyncvec.distributed.ray_env import RayBackend  # imported only when asked: Ray is an extra
-
-        return RayBackend()
-    raise ValueError(f"backend must be 'process', 'ray' or a Backend instance, got {backend!r}")
 
 
 class ProcessTransport(Transport):
