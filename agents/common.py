@@ -113,13 +113,18 @@ def make_vector_env(
     batch_size: int | None = None,
     distribution: str = "fixed",
     normalize_obs: bool = False,
+    max_restarts: int = 0,
+    step_timeout: float | None = None,
 ) -> AsyncLLMVectorEnv:
-    """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes."""
+    """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes; ``max_restarts``
+    and ``step_timeout`` as ``AsyncLLMVectorEnv`` takes them (either keeps the envs in worker processes)."""
     check_env_id(env_id)
     return AsyncLLMVectorEnv(
         [make_env_fn(env_id, env_latency_ms, distribution, i, normalize_obs) for i in range(num_envs)],
         batch_size=batch_size,
         autoreset_mode=AutoresetMode.SAME_STEP,
+        max_restarts=max_restarts,
+        step_timeout=step_timeout,
     )
 
 

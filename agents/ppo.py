@@ -127,6 +127,12 @@ class Args:
     """latency of each env step (a sleeping SlowEnv playing a slow simulator)"""
     env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
     """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
+    max_restarts: int = 0
+    """times each env may be rebuilt after a crash, an exception or a hang (its episode comes back truncated);
+    above 0 the envs always run in worker processes (--backend local)"""
+    step_timeout: float | None = None
+    """seconds an env step may take before its worker counts as hung and is killed (then rebuilt with
+    --max-restarts, else the run stops naming the env); None: no limit (--backend local)"""
     total_timesteps: int = 100_000
     """env steps to train for"""
     target_return: float | None = None
@@ -192,6 +198,12 @@ class Args:
                     setattr(self, name, value)
         if self.backend == "ray" and self.mode != "async":
             raise ValueError("--backend ray runs remote collectors: it needs --mode async")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.step_timeout is not None and self.step_timeout <= 0:
+            raise ValueError(f"--step-timeout must be > 0 seconds (or None), got {self.step_timeout}")
+        if self.backend == "ray" and (self.max_restarts or self.step_timeout is not None):
+            raise ValueError("--max-restarts and --step-timeout are for --backend local (Ray restarts its own actors)")
         for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -323,6 +335,8 @@ class PPO:
                 # cheap envs may run in this process, which partial batches rule out)
                 batch_size=max(1, args.num_envs // 4) if args.mode == "async" else None,
                 distribution=args.env_latency_dist,
+                max_restarts=args.max_restarts,
+                step_timeout=args.step_timeout,
             )
         obs_dim = obs_space.shape[0]
         self.actor = Actor(obs_dim, self.action_space, args.hidden, normalize_obs=args.normalize_obs)

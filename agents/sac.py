@@ -97,6 +97,12 @@ class Args:
     """latency of each env step (a sleeping SlowEnv)"""
     env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
     """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
+    max_restarts: int = 0
+    """times each env may be rebuilt after a crash, an exception or a hang (its episode comes back truncated);
+    above 0 the envs always run in worker processes (--backend local)"""
+    step_timeout: float | None = None
+    """seconds an env step may take before its worker counts as hung and is killed (then rebuilt with
+    --max-restarts, else the run stops naming the env); None: no limit (--backend local)"""
     total_timesteps: int = 15_000
     """env steps to train for"""
     target_return: float | None = None
@@ -148,6 +154,12 @@ class Args:
             self.publish_every = max(1, round(self.num_envs * self.utd))
         if self.backend == "ray" and self.mode != "async":
             raise ValueError("--backend ray runs remote collectors: it needs --mode async")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.step_timeout is not None and self.step_timeout <= 0:
+            raise ValueError(f"--step-timeout must be > 0 seconds (or None), got {self.step_timeout}")
+        if self.backend == "ray" and (self.max_restarts or self.step_timeout is not None):
+            raise ValueError("--max-restarts and --step-timeout are for --backend local (Ray restarts its own actors)")
         for name in ("num_envs", "total_timesteps", "batch_size", "n_step", "publish_every", "buffer_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -283,6 +295,8 @@ class SAC:
                 # cheap envs may run in this process, which partial batches rule out)
                 batch_size=max(1, args.num_envs // 2) if args.mode == "async" else None,
                 distribution=args.env_latency_dist,
+                max_restarts=args.max_restarts,
+                step_timeout=args.step_timeout,
             )
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(self.action_space, gym.spaces.Box):

@@ -143,6 +143,38 @@ def test_ppo_argument_errors(kwargs, message):
 
 
 @pytest.mark.parametrize("agent", [ppo, sac])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_restarts": -1}, r"--max-restarts must be >= 0, got -1"),
+        ({"step_timeout": 0.0}, r"--step-timeout must be > 0 seconds"),
+        ({"backend": "ray", "mode": "async", "max_restarts": 1}, r"are for --backend local"),
+    ],
+)
+def test_fault_setting_errors(agent, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        agent.Args(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "agent, make, env",
+    [(ppo, lambda a: ppo.PPO(a), "CartPole-v1"), (sac, lambda a: sac.SAC(a), "Pendulum-v1")],
+    ids=["ppo", "sac"],
+)
+def test_fault_settings_reach_the_vector_env_and_keep_envs_in_workers(agent, make, env, no_leftover_children):
+    """--max-restarts and --step-timeout go to the agent's vector env; the envs stay in worker processes after
+    a short run (restarts need a process to rebuild), and the run ends normally."""
+    args = agent.Args(
+        env=env, num_envs=2, total_timesteps=128, mode="sync", max_restarts=2, step_timeout=30.0, progress=False
+    )
+    learner = make(args)
+    envs = learner.envs
+    assert (envs.max_restarts, envs.step_timeout) == (2, 30.0)
+    learner.train()
+    assert not envs.placement.in_process, envs.placement  # in workers, one env each or packed by cost
+
+
+@pytest.mark.parametrize("agent", [ppo, sac])
 @pytest.mark.parametrize("field", ["policy_latency_ms", "env_latency_ms"])
 def test_negative_latencies_are_refused(agent, field):
     flag = "--" + field.replace("_", "-")
