@@ -106,6 +106,16 @@ def make_env_fn(
     return make
 
 
+def check_fault_flags(max_restarts: int, step_timeout: float | None, backend: str) -> None:
+    """``--max-restarts`` / ``--step-timeout`` of PPO and SAC, refused with a line naming the flag."""
+    if max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
+    if step_timeout is not None and step_timeout <= 0:
+        raise ValueError(f"--step-timeout must be > 0 seconds (or None), got {step_timeout}")
+    if backend == "ray" and (max_restarts or step_timeout is not None):
+        raise ValueError("--max-restarts and --step-timeout are for --backend local (Ray restarts its own actors)")
+
+
 def make_vector_env(
     env_id: str,
     num_envs: int,

@@ -44,6 +44,7 @@ from torch.distributions import Categorical, Normal
 from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.agents.common import (
     anneal,
+    check_fault_flags,
     env_spaces,
     final_observations,
     final_return_text,
@@ -128,11 +129,9 @@ class Args:
     env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
     """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
     max_restarts: int = 0
-    """times each env may be rebuilt after a crash, an exception or a hang (its episode comes back truncated);
-    above 0 the envs always run in worker processes (--backend local)"""
+    """times each env may be rebuilt after a crash or hang (episode truncated); envs then stay in workers"""
     step_timeout: float | None = None
-    """seconds an env step may take before its worker counts as hung and is killed (then rebuilt with
-    --max-restarts, else the run stops naming the env); None: no limit (--backend local)"""
+    """seconds an env step may take before its worker counts as hung (killed; rebuilt with --max-restarts)"""
     total_timesteps: int = 100_000
     """env steps to train for"""
     target_return: float | None = None
@@ -198,12 +197,7 @@ class Args:
                     setattr(self, name, value)
         if self.backend == "ray" and self.mode != "async":
             raise ValueError("--backend ray runs remote collectors: it needs --mode async")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.step_timeout is not None and self.step_timeout <= 0:
-            raise ValueError(f"--step-timeout must be > 0 seconds (or None), got {self.step_timeout}")
-        if self.backend == "ray" and (self.max_restarts or self.step_timeout is not None):
-            raise ValueError("--max-restarts and --step-timeout are for --backend local (Ray restarts its own actors)")
+        check_fault_flags(self.max_restarts, self.step_timeout, self.backend)
         for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -331,8 +325,6 @@ class PPO:
                 args.env,
                 args.num_envs,
                 args.env_latency_ms,
-                # partial batches for the async collector; sync mode steps every env at once (and then its
-                # cheap envs may run in this process, which partial batches rule out)
                 batch_size=max(1, args.num_envs // 4) if args.mode == "async" else None,
                 distribution=args.env_latency_dist,
                 max_restarts=args.max_restarts,

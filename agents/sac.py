@@ -46,6 +46,7 @@ from torch.distributions import AffineTransform, Independent, Normal, TanhTransf
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec._threads import release_if_held
 from asyncvec.agents.common import (
+    check_fault_flags,
     final_observations,
     final_return_text,
     make_policy,
@@ -98,11 +99,9 @@ class Args:
     env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
     """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
     max_restarts: int = 0
-    """times each env may be rebuilt after a crash, an exception or a hang (its episode comes back truncated);
-    above 0 the envs always run in worker processes (--backend local)"""
+    """times each env may be rebuilt after a crash or hang (episode truncated); envs then stay in workers"""
     step_timeout: float | None = None
-    """seconds an env step may take before its worker counts as hung and is killed (then rebuilt with
-    --max-restarts, else the run stops naming the env); None: no limit (--backend local)"""
+    """seconds an env step may take before its worker counts as hung (killed; rebuilt with --max-restarts)"""
     total_timesteps: int = 15_000
     """env steps to train for"""
     target_return: float | None = None
@@ -154,12 +153,7 @@ class Args:
             self.publish_every = max(1, round(self.num_envs * self.utd))
         if self.backend == "ray" and self.mode != "async":
             raise ValueError("--backend ray runs remote collectors: it needs --mode async")
-        if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.step_timeout is not None and self.step_timeout <= 0:
-            raise ValueError(f"--step-timeout must be > 0 seconds (or None), got {self.step_timeout}")
-        if self.backend == "ray" and (self.max_restarts or self.step_timeout is not None):
-            raise ValueError("--max-restarts and --step-timeout are for --backend local (Ray restarts its own actors)")
+        check_fault_flags(self.max_restarts, self.step_timeout, self.backend)
         for name in ("num_envs", "total_timesteps", "batch_size", "n_step", "publish_every", "buffer_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -291,8 +285,6 @@ class SAC:
                 args.env,
                 args.num_envs,
                 args.env_latency_ms,
-                # partial batches for the async collector; sync mode steps every env at once (and then its
-                # cheap envs may run in this process, which partial batches rule out)
                 batch_size=max(1, args.num_envs // 2) if args.mode == "async" else None,
                 distribution=args.env_latency_dist,
                 max_restarts=args.max_restarts,
