@@ -386,6 +386,7 @@ def initial_placement(
         blockers,
         probe_skip,
         relocate_skip,
+        batch_size < len(env_fns),
         context,
         start_timeout,
         daemon,
@@ -401,6 +402,7 @@ def _starting_placement(
     blockers: list[str],
     probe_skip: str | None,
     relocate_skip: str | None,
+    partial: bool,
     context: str | None,
     start_timeout: float,
     daemon: bool,
@@ -420,6 +422,8 @@ def _starting_placement(
         return given_placement(num_envs, 1, "one env per worker (another backend than worker processes)")
     if relocate_skip is not None:
         return given_placement(num_envs, 1, f"one env per worker: {relocate_skip}")
+    if partial:  # nothing could change: neither this process nor shared workers keep partial batches
+        return given_placement(num_envs, 1, f"one env per worker: {'; '.join(blockers)}")
     return given_placement(num_envs, 1, "one env per worker while the first steps are timed", measuring=True)
 
 
