@@ -91,10 +91,23 @@ def test_sleeping_envs_keep_a_worker_each(no_leftover_children):
         assert len(set(envs.worker_pids)) == 3
 
 
+class RestartTwice:
+    """A fault policy of a user's own (asyncvec.vector.faults.FaultPolicy)."""
+
+    def restart(self, fault):
+        return fault.restarts < 2
+
+
 @pytest.mark.parametrize(
     "kwargs",
-    [{"max_restarts": 1}, {"step_timeout": 5.0}, {"in_process": False}, {"batch_size": 3}],
-    ids=["max_restarts", "step_timeout", "in_process=False", "batch_size"],
+    [
+        {"max_restarts": 1},
+        {"step_timeout": 5.0},
+        {"in_process": False},
+        {"batch_size": 3},
+        {"fault_policy": RestartTwice()},
+    ],
+    ids=["max_restarts", "step_timeout", "in_process=False", "batch_size", "fault_policy"],
 )
 def test_settings_keep_cheap_envs_out_of_this_process(kwargs, no_leftover_children):
     with AsyncLLMVectorEnv([CounterEnv] * 4, **kwargs) as envs:
@@ -142,10 +155,10 @@ def test_steps_from_another_thread_move_envs_back(no_leftover_children):
         assert not envs.placement.in_process and "thread" in envs.placement.reason
 
 
-@pytest.mark.parametrize("setting", ["max_restarts", "step_timeout"])
+@pytest.mark.parametrize("setting", ["max_restarts", "step_timeout", "fault_policy"])
 def test_a_fault_setting_set_later_moves_envs_back(setting, no_leftover_children):
     with moved_in([CounterEnv] * 2) as envs:
-        setattr(envs, setting, 1 if setting == "max_restarts" else 5.0)
+        setattr(envs, setting, {"max_restarts": 1, "step_timeout": 5.0, "fault_policy": RestartTwice()}[setting])
         assert not envs.placement.in_process and setting in envs.placement.reason
         envs.step(np.ones(2, dtype=np.int64))
 

@@ -18,6 +18,7 @@ from toy_envs import CounterEnv, FaultyEnv
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.slow import SlowEnv
 from asyncvec.vector.errors import ClosedEnvironmentError, WorkerError
+from asyncvec.vector.faults import Fault, FaultKind, MaxRestarts
 
 FAULTS = ["raise", "kill", "hang"]
 
@@ -425,3 +426,56 @@ def test_a_step_timeout_set_on_envs_placed_in_process_is_refused_saying_why() ->
         assert envs.step_timeout is None
     finally:
         envs.close()
+
+
+class NoHangs:
+    """A fault policy of a user's own: restart envs that raised or died, never a hang; keeps what it was asked."""
+
+    def __init__(self):
+        self.faults: list[Fault] = []
+
+    def restart(self, fault: Fault) -> bool:
+        self.faults.append(fault)
+        return fault.kind is not FaultKind.STEP_TIMEOUT
+
+
+@pytest.mark.parametrize("envs_per_worker", [1, 2])
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_policy_decides_what_restarts(tmp_path, fault, envs_per_worker, no_leftover_children):
+    policy = NoHangs()
+    envs = make_envs(tmp_path, fault, num_envs=4, envs_per_worker=envs_per_worker, fault_policy=policy)
+    try:
+        assert envs.fault_policy is policy and envs.max_restarts is None
+        envs.reset(seed=0)
+        if fault == "hang":
+            with pytest.raises(WorkerError, match="env 1 failed in step\\(\\): StepTimeout"):
+                for _ in range(5):
+                    envs.step(np.ones(4, dtype=np.int64))
+            assert envs.closed
+        else:
+            for _ in range(5):
+                envs.step(np.ones(4, dtype=np.int64))
+            rebuilt = [0, 1] if envs_per_worker == 2 and fault == "kill" else [1]
+            assert envs.restarts == [1 if i in rebuilt else 0 for i in range(4)]
+        kind = {"raise": FaultKind.ENV_RAISED, "kill": FaultKind.WORKER_DIED, "hang": FaultKind.STEP_TIMEOUT}[fault]
+        (seen,) = policy.faults
+        assert (seen.env, seen.kind, seen.command, seen.restarts) == (1, kind, "step", 0)
+        assert seen.envs == ((0, 1) if envs_per_worker == 2 and fault != "raise" else (1,))
+        assert seen.error[0] == {"raise": "ZeroDivisionError", "kill": "WorkerDied", "hang": "StepTimeout"}[fault]
+    finally:
+        envs.close()
+
+
+def test_fault_policy_arguments_are_checked():
+    with pytest.raises(ValueError, match="max_restarts=1 or fault_policy, not both"):
+        AsyncLLMVectorEnv([CounterEnv], max_restarts=1, fault_policy=NoHangs())
+    with pytest.raises(TypeError, match="fault_policy must have a restart\\(fault\\) -> bool method, got int"):
+        AsyncLLMVectorEnv([CounterEnv], fault_policy=3)
+    with AsyncLLMVectorEnv([CounterEnv], max_restarts=2) as envs:
+        assert envs.fault_policy == MaxRestarts(2)
+        envs.fault_policy = NoHangs()
+        assert envs.max_restarts is None
+        envs.max_restarts = 1
+        assert envs.fault_policy == MaxRestarts(1)
+        with pytest.raises(TypeError, match="fault_policy must have"):
+            envs.fault_policy = "restart"

@@ -2,8 +2,14 @@
 
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 from asyncvec.vector.checker import VectorEnvCheckError, check_vector_env
-from asyncvec.vector.errors import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError, WorkerError
-from asyncvec.vector.faults import restart_seed
+from asyncvec.vector.errors import (
+    AlreadyPendingCallError,
+    ClosedEnvironmentError,
+    NoAsyncCallError,
+    SpaceMismatchError,
+    WorkerError,
+)
+from asyncvec.vector.faults import Fault, FaultKind, FaultPolicy, MaxRestarts, restart_seed
 from asyncvec.vector.placement import Placement, StepProfile
 from asyncvec.vector.transport import Backend, ProcessBackend, Transport
 
@@ -12,9 +18,14 @@ __all__ = [
     "AsyncLLMVectorEnv",
     "Backend",
     "ClosedEnvironmentError",
+    "Fault",
+    "FaultKind",
+    "FaultPolicy",
+    "MaxRestarts",
     "NoAsyncCallError",
     "Placement",
     "ProcessBackend",
+    "SpaceMismatchError",
     "StepProfile",
     "Transport",
     "VectorEnvCheckError",

@@ -25,9 +25,10 @@ from asyncvec.vector.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     NoAsyncCallError,
+    SpaceMismatchError,
     error_from_payload,
 )
-from asyncvec.vector.faults import check_fault_settings
+from asyncvec.vector.faults import FaultPolicy, MaxRestarts, check_fault_settings, describe_policy
 from asyncvec.vector.observations import ObservationBuffers, take_info
 from asyncvec.vector.placement import check_placement_arguments, initial_placement, resolve_backend
 from asyncvec.vector.relocation import TIMED_STEPS, Relocator, timed_for_placement
@@ -77,15 +78,11 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     Unless told, your envs' first steps are timed, then they may move with their state where that is
     clearly faster (:mod:`~asyncvec.vector.relocation`; ``envs.placement`` says where and why).
 
-    Faults: an env that raises, a worker killed by a signal, or a step longer than
-    ``step_timeout`` raises :class:`WorkerError` naming the env index, the exception type and the
-    worker's traceback; the vector env then closes itself. With ``max_restarts > 0`` the env is
-    rebuilt in place instead: the interrupted episode comes back truncated with
-    ``info["env_restarted"] = True`` and every other env keeps running. (When a worker hosting
-    several envs dies, all its envs are rebuilt: those with an episode running come back
-    truncated on their next step.) A rebuilt env's next reset without a seed of its own is
-    seeded with :func:`restart_seed` of its last seed and its restart count, so runs with
-    restarts are reproducible.
+    Faults: an env that raises, a worker killed by a signal, or a step longer than ``step_timeout``
+    raises :class:`WorkerError` naming the env index, the exception type and the worker's traceback,
+    and the vector env closes itself. With ``max_restarts > 0`` (or a ``fault_policy`` that says so)
+    the envs are rebuilt instead, each interrupted episode truncated with ``info["env_restarted"] =
+    True``, the other envs running on, reseeded reproducibly (:mod:`~asyncvec.vector.faults`).
 
     A failed call never leaves the env pending: an env method that raises is a ``WorkerError``
     with the env idle after it; a payload that cannot be sent raises with nothing left in flight;
@@ -116,7 +113,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             (killed, then restarted or reported); a message to a worker hosting ``k`` envs may
             take ``k * step_timeout``. ``None`` waits forever. Method calls and attributes
             (``call``, ``get_attr``, ``set_attr``, ``render``) have no such deadline.
-        max_restarts: how many times each env may be rebuilt after a fault.
+        max_restarts: how many times each env may be rebuilt after a fault (``fault_policy``: a
+            :class:`~asyncvec.vector.faults.FaultPolicy` of your own decides instead).
         copy: return copies of observations from ``reset``/``step`` (``recv`` always copies).
         validate_actions: check each action against ``single_action_space`` before sending.
         start_timeout: seconds a worker may take to build its envs.
@@ -158,6 +156,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         in_process: bool | None = None,
         backend: str | Backend = "process",
         placement: str = "auto",
+        fault_policy: FaultPolicy | None = None,
     ) -> None:
         self.closed = True  # until the workers exist; makes __del__ safe on early errors
         self._closed_reason: str | None = None  # set when an error closed the env
@@ -172,7 +171,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         if not 1 <= self.batch_size <= self.num_envs:
             raise ValueError(f"batch_size must be in [1, num_envs={self.num_envs}], got {batch_size}")
         self.autoreset_mode = AutoresetMode(autoreset_mode)
-        check_fault_settings(step_timeout, max_restarts, in_process)
+        check_fault_settings(step_timeout, max_restarts, in_process, fault_policy)
         if observation_mode not in ("same", "different"):
             raise ValueError(f"observation_mode must be 'same' or 'different', got {observation_mode!r}")
         check_placement_arguments(envs_per_worker, in_process, backend, placement)
@@ -212,6 +211,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             context=context,
             start_timeout=start_timeout,
             daemon=daemon,
+            fault_policy=fault_policy,
         )
         logger.info("AsyncLLMVectorEnv(num_envs=%d) places its envs %s", self.num_envs, self.placement)
         if self.placement.in_process:
@@ -242,7 +242,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             autoreset_mode=self.autoreset_mode,
             step_timeout=step_timeout,
             start_timeout=start_timeout,
-            max_restarts=int(max_restarts),
+            fault_policy=MaxRestarts(int(max_restarts)) if fault_policy is None else fault_policy,
             action_rows=self._action_rows,
             close_for=self._close_for,
         )
@@ -374,11 +374,12 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             return bool(self._in_process_steps)
         return not any(slot.after_restart is not None or slot.info_extra for slot in self._slots)
 
-    def _finish_step_in_process(self) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """``step_wait`` of the in-process fast path (:meth:`Dispatcher.finish_step_all`)."""
-        rewards, terminations, truncations, env_infos = self._dispatch.finish_step_all()
+    def _step_batch(
+        self, ids: Sequence[int], rewards: Any, terminations: Any, truncations: Any, env_infos: Sequence[Any]
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """Ends a lockstep step: the batch of envs ``ids``' results (each env's info, with what a restart added)."""
         infos: dict[str, Any] = {}
-        for index, info in enumerate(env_infos):
+        for index, info in zip(ids, env_infos):
             if info:
                 infos = self._add_info(infos, info, index)
         self._state = _LockstepState.DEFAULT
@@ -401,20 +402,15 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._assert_is_running()
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
-        if self._dispatch.stepped is not None:
-            return self._finish_step_in_process()
+        dispatch = self._dispatch
+        if dispatch.stepped is not None:  # the in-process fast path (step_async: _can_step_in_process)
+            return self._step_batch(range(self.num_envs), *dispatch.finish_step_all())
         ids = self._lockstep_ids
-        self._dispatch.collect(ids, timeout, _PENDING.format(call="step_wait"))
-        results = self._dispatch.deliver(ids)
-        rewards = np.array([result[1] for result in results], dtype=np.float64)
-        terminations = np.array([result[2] for result in results], dtype=np.bool_)
-        truncations = np.array([result[3] for result in results], dtype=np.bool_)
-        infos: dict[str, Any] = {}
-        for index, result in zip(ids, results):
-            if result[4] or self._slots[index].info_extra:
-                infos = self._add_info(infos, self._dispatch.with_extra(index, result[4]), index)
-        self._state = _LockstepState.DEFAULT
-        return self._observations.batch(self.copy), rewards, terminations, truncations, infos
+        dispatch.collect(ids, timeout, _PENDING.format(call="step_wait"))
+        results = dispatch.deliver(ids)
+        env_infos = [dispatch.with_extra(index, result[4]) for index, result in zip(ids, results)]
+        rewards, terminations, truncations = ([result[k] for result in results] for k in (1, 2, 3))
+        return self._step_batch(ids, rewards, terminations, truncations, env_infos)
 
     # ------------------------------------------------------------------ EnvPool API
 
@@ -569,11 +565,10 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         return self._transport is not None and self._transport.wakeable
 
     def wake(self) -> None:
-        """Ends a :meth:`recv` waiting in another thread, as its timeout would (it raises
-        ``multiprocessing.TimeoutError``); a wake while no ``recv`` waits ends the next wait.
-        Thread-safe: with :meth:`send` and :meth:`send_reset`, what another thread may call during ``recv``. For a loop that
-        waits on envs and on something else, e.g. a policy's answers: ``recv(timeout)`` with a
-        long timeout, and ``wake()`` from the other side when its thing is ready.
+        """Ends a :meth:`recv` waiting in another thread, as its timeout would (it raises ``multiprocessing.TimeoutError``);
+        a wake while no ``recv`` waits ends the next wait. Thread-safe: with :meth:`send` and :meth:`send_reset`, what
+        another thread may call during ``recv``. For a loop that waits on envs and on something else, e.g. a policy's
+        answers: ``recv(timeout)`` with a long timeout, and ``wake()`` from the other side when its thing is ready.
 
         Example:
             >>> import multiprocessing, threading, time, gymnasium as gym
@@ -656,8 +651,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             self._dispatch.send(i, "setattr", (name, value))
         self._finish_calls("setattr", None)
 
-    # The fault settings live where they are used (the dispatcher, its restarts); set after construction, they apply
-    # from the next step on.
+    # The fault settings live in the dispatcher; set after construction, they apply from the next step on.
     @property
     def step_timeout(self) -> float | None:
         """Seconds a reset or step may take before its worker counts as hung (``None``: no limit)."""
@@ -667,20 +661,31 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     def step_timeout(self, seconds: float | None) -> None:
         if seconds is not None and self._relocator is not None:  # moves envs that were moved here back to workers
             self._relocator.block(f"step_timeout={seconds} (a step in this process cannot be interrupted)")
-        check_fault_settings(seconds, self.max_restarts, self.placement.in_process)
+        check_fault_settings(seconds, 0, self.placement.in_process)
         self._dispatch.step_timeout = seconds
 
     @property
-    def max_restarts(self) -> int:
-        """How many times each env may be rebuilt after a fault."""
-        return self._dispatch.faults.max_restarts
+    def fault_policy(self) -> FaultPolicy:
+        """Decides whether a fault's envs are rebuilt (default: :class:`~asyncvec.vector.faults.MaxRestarts`)."""
+        return self._dispatch.faults.policy
+
+    @fault_policy.setter
+    def fault_policy(self, policy: FaultPolicy) -> None:
+        check_fault_settings(self.step_timeout, 0, self.placement.in_process, policy)
+        if self._relocator is not None and policy != MaxRestarts(0):
+            self._relocator.block(f"{describe_policy(policy)} (a crash in this process could not be restarted)")
+        self._dispatch.faults.policy = policy
+
+    @property
+    def max_restarts(self) -> int | None:
+        """How many times each env may be rebuilt after a fault (``None``: a ``fault_policy`` of your own decides)."""
+        policy = self.fault_policy
+        return policy.max_restarts if isinstance(policy, MaxRestarts) else None
 
     @max_restarts.setter
     def max_restarts(self, count: int) -> None:
-        if count > 0 and self._relocator is not None:
-            self._relocator.block(f"max_restarts={count} (a crash in this process could not be restarted)")
         check_fault_settings(self.step_timeout, count, self.placement.in_process)
-        self._dispatch.faults.max_restarts = int(count)
+        self.fault_policy = MaxRestarts(int(count))
 
     @property
     def start_timeout(self) -> float:
@@ -688,17 +693,13 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         return self._dispatch.start_timeout
 
     def _check_spaces(self) -> None:
+        expected = (self.observation_mode, self.single_observation_space, self.single_action_space)
         for i in range(self.num_envs):
-            self._dispatch.send(
-                i, "check_spaces", (self.observation_mode, self.single_observation_space, self.single_action_space)
-            )
-        for index, (same_obs, same_action) in enumerate(self._finish_calls("check_spaces", self.start_timeout)):
-            if not same_obs:
-                raise RuntimeError(
-                    f"env {index} has an observation space different from {self.single_observation_space}"
-                )
-            if not same_action:
-                raise RuntimeError(f"env {index} has an action space different from {self.single_action_space}")
+            self._dispatch.send(i, "check_spaces", expected)
+        for index, same in enumerate(self._finish_calls("check_spaces", self.start_timeout)):
+            for kind, space, ok in zip(("observation", "action"), expected[1:], same):
+                if not ok:
+                    raise SpaceMismatchError(f"env {index} has an {kind} space different from {space}")
 
     # ------------------------------------------------------------------ closing
 

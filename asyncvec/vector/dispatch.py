@@ -5,7 +5,8 @@ each worker its share as one message. A worker answers its messages in order, so
 sent messages form a FIFO (:class:`Message`); an answer is filed per env into its :class:`Slot`
 and the env id joins ``arrivals``, from which the vector env delivers. A message holding a step or
 reset that runs past ``step_timeout`` (per env of the message) has hung: its worker is killed and
-handed to :class:`~asyncvec.vector.faults.Restarts`, as is a worker that died or an env that raised.
+handed to the fault handling (:class:`~asyncvec.vector.faults.Faults`), as is a worker that died or an env
+that raised: it says what to restart, and the dispatcher restarts it.
 """
 
 from __future__ import annotations
@@ -15,23 +16,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from gymnasium.vector.vector_env import AutoresetMode
 
-from asyncvec.vector.errors import error_from_payload
-from asyncvec.vector.faults import ENV_COMMANDS, Restarts
+from asyncvec.vector.errors import WorkerError, error_from_payload
+from asyncvec.vector.faults import ENV_COMMANDS, FaultPolicy, Faults, Restart
 from asyncvec.vector.observations import ObservationBuffers
+from asyncvec.vector.slots import NO_RESULT, Episode, Slot
 from asyncvec.vector.split_obs import write_row
 from asyncvec.vector.transport import InProcessTransport, Transport
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
-__all__ = ["NO_RESULT", "CallFailure", "Dispatcher", "Message", "Slot"]
+__all__ = ["NO_RESULT", "CallFailure", "Dispatcher", "Message", "Slot"]  # NO_RESULT, Slot: from slots.py
 
 _TIMED_COMMANDS = ("step", "step_shared", "reset", "restart")  # a message holding one is subject to step_timeout
-
-NO_RESULT = object()  # a worker's answer can be None, so "no answer yet" needs its own marker
 
 
 @dataclass(frozen=True)
@@ -50,23 +50,6 @@ class Message:
     started_at: float | None  # when the worker began it (None while an earlier message is still running)
 
 
-@dataclass
-class Slot:
-    """The vector env's view of one sub-environment."""
-
-    worker: int
-    position: int  # index among its worker's envs
-    command: str | None = None  # what the user asked of it and ``recv`` has not returned yet
-    payload: Any = None  # kept to repeat a reset after a restart
-    result: Any = NO_RESULT  # answer received, not yet delivered
-    info_extra: dict[Any, Any] = field(default_factory=dict)
-    restarts: int = 0
-    seed: int | None = None  # the last seed the caller gave this env's reset
-    reseed: int | None = None  # a rebuilt env's restart_seed, until a message hands it to the worker
-    episode: str = "none"  # "none" (never reset), "live", or "ended" (its last step ended it)
-    after_restart: tuple[str, str] | None = None  # ("truncate" | "autoreset", reason): its next step after a rebuild
-
-
 class Dispatcher:
     """Sends the vector env's commands to its workers and files their answers (see the module docstring).
 
@@ -81,7 +64,7 @@ class Dispatcher:
         autoreset_mode: the vector env's autoreset mode.
         step_timeout: seconds a step or reset may take before its worker counts as hung, or ``None``.
         start_timeout: seconds a worker may take to build its envs.
-        max_restarts: how many times each env may be rebuilt after a fault.
+        fault_policy: decides whether a fault's envs are rebuilt (:class:`~asyncvec.vector.faults.MaxRestarts`).
         action_rows: shared views of one action per env (actions then travel without pickling), or ``None``.
         close_for: closes the vector env, saying why (an error while waiting, or a fault past restarting).
     """
@@ -95,7 +78,7 @@ class Dispatcher:
         autoreset_mode: AutoresetMode,
         step_timeout: float | None,
         start_timeout: float,
-        max_restarts: int,
+        fault_policy: FaultPolicy,
         action_rows: Any,
         close_for: Callable[[str], None],
     ) -> None:
@@ -110,7 +93,7 @@ class Dispatcher:
         self._place_slots(groups)
         self.queues: list[deque[Message]] = [deque() for _ in groups]
         self.arrivals: deque[int] = deque()  # env ids with an undelivered answer, in arrival order
-        self.faults = Restarts(self, max_restarts, autoreset_mode)
+        self.faults = Faults(self.slots, observations, fault_policy, autoreset_mode)
         self.lock = threading.Lock()
         self.recv_waiting = False
         self.woken = threading.Event()  # wake(): the next wakeable wait that would wait returns at once
@@ -240,7 +223,7 @@ class Dispatcher:
             queue[0].started_at = time.monotonic()
         if not ok:
             queue.appendleft(message)
-            self.faults.worker_failed(worker, payload)
+            self.worker_failed(worker, payload)
             return
         accept = self._accept
         for index, result in zip(message.env_ids, payload):
@@ -255,7 +238,7 @@ class Dispatcher:
         observations = self.observations
         if slot.command == "step" and observations.in_shared_memory:
             # the common case (a step, its observation in shared memory), without the checks below
-            slot.episode = "ended" if (result[2] or result[3]) and not self._same_step else "live"
+            slot.episode = Episode.ENDED if (result[2] or result[3]) and not self._same_step else Episode.LIVE
         elif slot.command in ENV_COMMANDS:
             try:
                 observations.store(index, result[0])
@@ -263,18 +246,18 @@ class Dispatcher:
                 self.env_failed(index, (type(exc).__name__, str(exc), "", None))
                 return
             if slot.command == "reset":
-                slot.episode = "live"
+                slot.episode = Episode.LIVE
             else:
-                slot.episode = "ended" if (result[2] or result[3]) and not self._same_step else "live"
+                slot.episode = Episode.ENDED if (result[2] or result[3]) and not self._same_step else Episode.LIVE
         slot.result = result
         self.arrivals.append(index)
 
     def env_failed(self, index: int, payload: Any) -> None:
-        """Env ``index`` raised: a step or reset is restarted (:class:`~asyncvec.vector.faults.Restarts`);
-        a method call's failure is its answer (the worker is fine, nothing restarts)."""
+        """Env ``index`` raised: a step or reset is restarted (or the vector env closes and raises, as the
+        fault policy says); a method call's failure is its answer (the worker is fine, nothing restarts)."""
         slot = self.slots[index]
         if slot.command in ENV_COMMANDS:
-            self.faults.env_failed(index, payload)
+            self._restart(self.faults.env_failed(index, payload))
         else:
             slot.result = CallFailure(payload)
             self.arrivals.append(index)
@@ -309,11 +292,42 @@ class Dispatcher:
                 if hang_at is not None and now > hang_at:
                     culprit = self.transport.culprit(worker)
                     self.transport.kill(worker)
-                    self.faults.worker_failed(
+                    self.worker_failed(
                         worker,
                         ("StepTimeout", f"no answer within step_timeout={self.step_timeout} s", "", None),
                         culprit,
                     )
+
+    def worker_failed(self, worker: int, payload: Any, culprit: int | None = None) -> None:
+        """A worker died or hung: restarts it with all its envs rebuilt, or closes and raises."""
+        lost = [i for message in self.queues[worker] for i in message.env_ids]
+        self.queues[worker].clear()
+        if culprit is None:
+            culprit = self.transport.culprit(worker)
+        self._restart(self.faults.worker_failed(worker, self.groups[worker], lost, culprit, payload), payload)
+
+    def _restart(self, restart: Restart | WorkerError, payload: Any = None) -> None:
+        """Does what the fault handling decided: restart a worker and queue the envs' restart items, or give up."""
+        if isinstance(restart, WorkerError):
+            self._give_up(restart)
+        if restart.worker is not None:
+            try:
+                self.transport.restart(restart.worker)
+                self.await_ready(restart.worker)
+            except WorkerError as error:
+                error.args = (f"{error.args[0]}\n(while restarting its worker after: {payload[0]}: {payload[1]})",)
+                self._give_up(error)
+            except BaseException as exc:
+                self.close_for(f"{type(exc).__name__}: {exc}")
+                raise
+        for index, item in restart.items:
+            self.queue(index, "restart", item)
+        if restart.worker is not None:
+            self.flush()
+
+    def _give_up(self, error: WorkerError) -> NoReturn:
+        self.close_for(str(error).split("\n", 1)[0])
+        raise error
 
     def poll_ready(self) -> None:
         """Files the replies that have already arrived, without waiting (an error closes the env)."""
@@ -427,5 +441,5 @@ class Dispatcher:
                 infos[index] = self.with_extra(index, infos[index])
         same_step = self._same_step
         for slot, terminated, truncated in zip(self.slots, terminations, truncations):
-            slot.episode = "ended" if (terminated or truncated) and not same_step else "live"
+            slot.episode = Episode.ENDED if (terminated or truncated) and not same_step else Episode.LIVE
         return rewards, terminations, truncations, infos

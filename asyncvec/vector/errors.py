@@ -10,7 +10,14 @@ from typing import Any
 
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 
-__all__ = ["AlreadyPendingCallError", "ClosedEnvironmentError", "NoAsyncCallError", "WorkerError", "error_from_payload"]
+__all__ = [
+    "AlreadyPendingCallError",
+    "ClosedEnvironmentError",
+    "NoAsyncCallError",
+    "SpaceMismatchError",
+    "WorkerError",
+    "error_from_payload",
+]
 
 
 class WorkerError(RuntimeError):
@@ -35,6 +42,11 @@ class WorkerError(RuntimeError):
         if worker_traceback:
             text += f"\n\nTraceback in the worker process of env {env_index}:\n{worker_traceback}"
         super().__init__(text)
+
+
+class SpaceMismatchError(RuntimeError):
+    """A sub-environment's observation or action space differs from env 0's (``observation_mode="different"``
+    accepts observation spaces of the same dtype and shape)."""
 
 
 def error_from_payload(index: int, command: str | None, payload: Any) -> WorkerError:

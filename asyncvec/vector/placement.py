@@ -190,11 +190,15 @@ def in_process_blockers(
     num_envs: int,
     process_backend: bool,
     in_process: bool | None,
+    fault_policy: object | None = None,
 ) -> list[str]:
     """The settings that forbid hosting the envs in the calling process, in words (empty: allowed).
-    Later uses add their own (a partial ``send``, a step from another thread: the relocation)."""
+    Later uses add their own (a partial ``send``, a step from another thread: the relocation).
+    ``fault_policy``: a policy of the user's own (it may restart, as ``max_restarts > 0``)."""
     blockers = []
-    if max_restarts > 0:
+    if fault_policy is not None:
+        blockers.append(f"fault_policy={fault_policy!r} (a crash in this process could not be restarted)")
+    elif max_restarts > 0:
         blockers.append(f"max_restarts={max_restarts} (a crash in this process could not be restarted)")
     if step_timeout is not None:
         blockers.append(f"step_timeout={step_timeout} (a step in this process cannot be interrupted)")
@@ -352,6 +356,7 @@ def initial_placement(
     context: str | None,
     start_timeout: float,
     daemon: bool,
+    fault_policy: object | None = None,
 ) -> tuple[Placement, list[str]]:
     """Where the envs start, and what forbids the calling process (:func:`in_process_blockers`): as
     given (``in_process=True``, ``envs_per_worker``), as probed (``placement="probe"``), else one env
@@ -374,6 +379,7 @@ def initial_placement(
         num_envs=len(env_fns),
         process_backend=isinstance(backend, ProcessBackend),
         in_process=in_process,
+        fault_policy=fault_policy,
     )
     probe_skip = None if spaces is None else probe_skip_reason(*spaces)
     relocate_skip = None if spaces is None else relocation_skip_reason(spaces[2], spaces[3])
