@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from asyncvec.lifecycle import ClosesOnExit
+
 __all__ = ["VersionManager", "StalenessStats", "WeightsBackend", "adapt_max_staleness", "per_token_versions"]
 
 VersionSource = int | Callable[[], int]
@@ -60,7 +62,7 @@ class StalenessStats:
     dropped: int
 
 
-class VersionManager:
+class VersionManager(ClosesOnExit):
     """Monotonic policy version with a max-lag gate, shareable with child processes.
 
     Args:
@@ -335,12 +337,6 @@ class VersionManager:
     def _raise_if_closed(self) -> None:
         if self._closed.value:
             raise RuntimeError("VersionManager is closed")
-
-    def __enter__(self) -> VersionManager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"VersionManager(current_version={self.current_version}, max_lag={self.max_lag}, on_lag={self.on_lag!r})"

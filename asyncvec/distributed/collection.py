@@ -37,6 +37,7 @@ from asyncvec.collection.collector import Sink, check_sink
 from asyncvec.distributed.collector_actor import CollectorActor
 from asyncvec.distributed.runtime import connect, feasible_nodes, placement_problem, required_resources
 from asyncvec.inference.types import Policy
+from asyncvec.lifecycle import ClosesOnExit
 from asyncvec.versioning import VersionManager
 
 __all__ = ["DistributedCollector", "RayCollectors"]
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 EPISODE_STRIDE = 1 << 40
 
 
-class RayCollectors:
+class RayCollectors(ClosesOnExit):
     """Collector actors on a Ray cluster, each hosting a contiguous slice of the envs.
 
     This is the env side of distributed collection; a `DistributedCollector` drives it with a
@@ -212,12 +213,6 @@ class RayCollectors:
                 ray.kill(actor, no_restart=True)
         if self._started_ray:
             ray.shutdown()
-
-    def __enter__(self) -> RayCollectors:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"RayCollectors(num_envs={self.num_envs}, slices={self.slices}, closed={self._closed})"

@@ -17,6 +17,7 @@ from typing import Any
 
 from asyncvec.distributed.router import act_via_submit
 from asyncvec.inference.types import BackendError, Policy, PolicyClosedError, PolicyOutput
+from asyncvec.lifecycle import ClosesOnExit
 
 __all__ = ["RayPolicy"]
 
@@ -49,7 +50,7 @@ class _PolicyServer:
         await asyncio.to_thread(self.policy.close)
 
 
-class RayPolicy:
+class RayPolicy(ClosesOnExit):
     """A `Policy` whose model runs in a Ray actor; one RPC per request, batched in the actor.
 
     Args:
@@ -197,12 +198,6 @@ class RayPolicy:
         except (ray.exceptions.RayError, TimeoutError) as exc:
             logger.debug("%s: closing the actor's policy failed: %r", self.name, exc)
         ray.kill(self._actor, no_restart=True)
-
-    def __enter__(self) -> RayPolicy:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{self.name}(policy_version={self._version}, closed={self._closed})"

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from asyncvec.inference.types import BackendError, Policy, PolicyClosedError, PolicyOutput
+from asyncvec.lifecycle import ClosesOnExit
 
 __all__ = ["EndpointStats", "RoutedPolicy", "act_via_submit"]
 
@@ -120,7 +121,7 @@ class _Routed:
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
-class RoutedPolicy:
+class RoutedPolicy(ClosesOnExit):
     """Routes each request to the healthy replica with the fewest outstanding requests.
 
     Args:
@@ -389,12 +390,6 @@ class RoutedPolicy:
         self._prober.join(self.probe_timeout_s + 5.0)
         self._publisher.shutdown(wait=False, cancel_futures=True)
         self._close_replicas()
-
-    def __enter__(self) -> RoutedPolicy:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         healthy = sum(e.healthy for e in self._endpoints)
