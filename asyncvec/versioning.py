@@ -30,9 +30,20 @@ from typing import Any, Literal, Protocol
 
 from asyncvec.lifecycle import ClosesOnExit
 
-__all__ = ["VersionManager", "StalenessStats", "WeightsBackend", "adapt_max_staleness", "per_token_versions"]
+__all__ = [
+    "StalenessStats",
+    "VersionManager",
+    "VersionManagerClosedError",
+    "WeightsBackend",
+    "adapt_max_staleness",
+    "per_token_versions",
+]
 
 VersionSource = int | Callable[[], int]
+
+
+class VersionManagerClosedError(RuntimeError):
+    """A :class:`VersionManager` was used after ``close()``."""
 
 
 class WeightsBackend(Protocol):
@@ -336,7 +347,7 @@ class VersionManager(ClosesOnExit):
 
     def _raise_if_closed(self) -> None:
         if self._closed.value:
-            raise RuntimeError("VersionManager is closed")
+            raise VersionManagerClosedError("VersionManager is closed")
 
     def __repr__(self) -> str:
         return f"VersionManager(current_version={self.current_version}, max_lag={self.max_lag}, on_lag={self.on_lag!r})"

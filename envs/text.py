@@ -26,6 +26,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from gymnasium.error import ResetNeeded
 
 from asyncvec.lm.rewards import ARITHMETIC_OPERATIONS, exact_answer, parse_leading_int
 
@@ -134,7 +135,7 @@ class ArithmeticEnv(gym.Env[str, str]):
         """Score the completion; the returned observation is the answered prompt."""
         completion = _check_action(action)
         if self._prompt is None:
-            raise RuntimeError("ArithmeticEnv: call reset() before step() (episodes last one step)")
+            raise ResetNeeded("ArithmeticEnv: call reset() before step() (episodes last one step)")
         prompt, self._prompt = self._prompt, None
         reward = exact_answer(prompt, completion, answer=self._answer)
         info = {"answer": self._answer, "parsed": parse_leading_int(completion) is not None}
@@ -227,7 +228,7 @@ class GuessNumberEnv(gym.Env[str, str]):
         """Take one guess (the completion's leading integer)."""
         completion = _check_action(action)
         if self._done:
-            raise RuntimeError("GuessNumberEnv: the episode is over (or not started); call reset()")
+            raise ResetNeeded("GuessNumberEnv: the episode is over (or not started); call reset()")
         self._turn += 1
         guess = parse_leading_int(completion)
         if guess is None or not 1 <= guess <= self.max_number:

@@ -12,6 +12,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.error import ResetNeeded
 
 import asyncvec.envs  # noqa: F401  (registers the pixel envs)
 from asyncvec import AsyncLLMVectorEnv
@@ -116,7 +117,7 @@ def test_rejects_bad_arguments(pixel_envs) -> None:
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4, request_at=5)
     with pytest.raises(ValueError, match="latency_ticks must be None"):
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4, latency_ticks=0)
-    with pytest.raises(RuntimeError, match="call reset"):
+    with pytest.raises(ResetNeeded, match="call reset"):
         ChunkExecutor(pixel_envs, policy, period_s=PERIOD_S, horizon=4).run(1)
     disabled = gym.vector.SyncVectorEnv(
         [lambda: gym.make("Pendulum-v1")], autoreset_mode=gym.vector.AutoresetMode.DISABLED

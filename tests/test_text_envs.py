@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from gymnasium.error import ResetNeeded
 from gymnasium.utils.env_checker import check_env
 
 from asyncvec.envs.text import ArithmeticEnv, GuessNumberEnv
@@ -124,13 +125,13 @@ def test_arithmetic_seeding_is_deterministic():
 
 def test_arithmetic_errors():
     env = ArithmeticEnv()
-    with pytest.raises(RuntimeError, match="reset"):
+    with pytest.raises(ResetNeeded, match="reset"):
         env.step("1")
     env.reset(seed=0)
     with pytest.raises(TypeError, match="action must be a str.*int"):
         env.step(3)
     env.step("1")
-    with pytest.raises(RuntimeError, match="reset"):
+    with pytest.raises(ResetNeeded, match="reset"):
         env.step("1")  # one step per episode
 
 
@@ -224,7 +225,7 @@ def test_invalid_guesses_count_and_truncate_with_penalty():
     assert all(s[1] == pytest.approx(-0.1) for s in steps)
     assert [s[3] for s in steps] == [False, False, True]  # truncated on the last turn
     assert not any(s[2] for s in steps)
-    with pytest.raises(RuntimeError, match="reset"):
+    with pytest.raises(ResetNeeded, match="reset"):
         env.step("1")
 
 
@@ -264,7 +265,7 @@ def test_guess_seeding_is_deterministic():
 
 def test_guess_errors():
     env = GuessNumberEnv()
-    with pytest.raises(RuntimeError, match="reset"):
+    with pytest.raises(ResetNeeded, match="reset"):
         env.step("1")
     env.reset(seed=0)
     with pytest.raises(TypeError, match="action must be a str"):

@@ -91,6 +91,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.error import ResetNeeded
 from gymnasium.vector import AutoresetMode
 
 from asyncvec.control.safety import SafetyFilter
@@ -102,6 +103,7 @@ __all__ = [
     "action_logps_from_tokens",
     "Chunk",
     "ChunkExecutor",
+    "ChunkExecutorError",
     "ChunkRollout",
     "ChunkStream",
     "request_threshold",
@@ -109,6 +111,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class ChunkExecutorError(RuntimeError):
+    """The policy behind a :class:`ChunkExecutor` failed on a request or did not answer it."""
+
 
 #: where an executed action came from (``ChunkRollout.source`` holds the index)
 SOURCES = ("policy", "ensemble", "fallback", "reset")
@@ -450,7 +457,7 @@ class ChunkExecutor:
         back (module docstring, "Clock").
         """
         if self._obs is None:
-            raise RuntimeError("call reset() before run()")
+            raise ResetNeeded("ChunkExecutor: call reset() before run()")
         shape = self.action_space.shape
         n = self.num_envs
         actions = np.zeros((ticks, n, *shape), dtype=self.action_space.dtype)
@@ -609,7 +616,7 @@ class ChunkExecutor:
         try:
             output: PolicyOutput = future.result()
         except Exception as exc:
-            raise RuntimeError(f"ChunkExecutor: the policy failed on env {env_id}'s request: {exc!r}") from exc
+            raise ChunkExecutorError(f"ChunkExecutor: the policy failed on env {env_id}'s request: {exc!r}") from exc
         actions = self._as_chunk(output.action, env_id)
         if actions is None:
             return
@@ -635,7 +642,7 @@ class ChunkExecutor:
     def _wait_for_answer(self, future: Future, env_id: int) -> None:
         done, _ = wait([future], timeout=ANSWER_TIMEOUT_S)
         if not done:
-            raise RuntimeError(
+            raise ChunkExecutorError(
                 f"ChunkExecutor: the policy did not answer env {env_id}'s request within {ANSWER_TIMEOUT_S:.0f} s "
                 f"(latency_ticks={self.latency_ticks} waits for every answer)"
             )

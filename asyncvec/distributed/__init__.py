@@ -22,6 +22,7 @@ _LAZY = {
     "EndpointStats": "asyncvec.distributed.router",
     "RayPolicy": "asyncvec.distributed.ray_policy",
     "connect": "asyncvec.distributed.runtime",
+    "RayStateError": "asyncvec.distributed.runtime",
     "RayCollectors": "asyncvec.distributed.collection",
     "DistributedCollector": "asyncvec.distributed.collection",
     "RayBackend": "asyncvec.distributed.ray_env",

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from asyncvec.distributed.runtime import RayStateError
+
 __all__ = ["NODE_UNITS", "LocalCluster", "local_cluster"]
 
 #: Units of ``node_<i>`` each node carries: up to this many actors can be pinned to one node.
@@ -81,7 +83,7 @@ class LocalCluster:
         from ray.cluster_utils import Cluster
 
         if ray.is_initialized():
-            raise RuntimeError("Ray is already initialized in this process: call ray.shutdown() before LocalCluster")
+            raise RayStateError("Ray is already initialized in this process: call ray.shutdown() before LocalCluster")
         self._num_cpus = num_cpus
         self._resources = dict(resources or {})
         self._object_store_memory = object_store_memory

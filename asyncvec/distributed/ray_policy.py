@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from asyncvec.distributed.router import act_via_submit
+from asyncvec.distributed.runtime import RayStateError
 from asyncvec.inference.types import BackendError, Policy, PolicyClosedError, PolicyOutput
 from asyncvec.lifecycle import ClosesOnExit
 
@@ -93,7 +94,7 @@ class RayPolicy(ClosesOnExit):
                 f"RayPolicy: policy_fn must be a function building a policy, got {type(policy_fn).__name__}"
             )
         if not ray.is_initialized():
-            raise RuntimeError("RayPolicy needs Ray: call asyncvec.distributed.connect() or ray.init() first")
+            raise RayStateError("RayPolicy needs Ray: call asyncvec.distributed.connect() or ray.init() first")
         self.name = name or "RayPolicy"
         self.timeout_s = float(timeout_s)
         self.actor_options = {"max_restarts": -1, "num_cpus": 0, **(actor_options or {})}

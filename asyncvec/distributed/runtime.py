@@ -6,7 +6,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["connect", "feasible_nodes", "placement_problem", "required_resources"]
+__all__ = ["RayStateError", "connect", "feasible_nodes", "placement_problem", "required_resources"]
+
+
+class RayStateError(RuntimeError):
+    """Ray is not in the state a call needs (not started yet, or already started by someone else)."""
 
 
 def connect(address: str | None = None) -> bool:
