@@ -31,18 +31,14 @@ never sampled them). After each update that trained on something the weights are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import tyro
 
 from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
-from asyncvec.buffers import GroupBatch
-from asyncvec.lm.episodes import EpisodeGroups
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
-from asyncvec.lm.options import LMArgs
-from asyncvec.lm.results import LMTrainResult, summary
-from asyncvec.lm.training import LearnerStep, LMAgent, TrainingRun, trainable_batch
+from asyncvec.lm.options import LMArgs, check_clip_coef
+from asyncvec.lm.results import LMTrainResult
+from asyncvec.lm.training import LMAgent
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
 
 
@@ -62,19 +58,15 @@ class Args(LMArgs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if (
-            isinstance(self.clip_coef, bool)
-            or not isinstance(self.clip_coef, (int, float))
-            or not 0 < self.clip_coef < 1
-        ):
-            raise ValueError(f"--clip-coef must be a number in (0, 1), got {self.clip_coef!r}")
+        check_clip_coef(self.clip_coef)
 
 
 class ReinforcePP(LMAgent):
     """REINFORCE++ learner over a text policy (see the module docstring). ``train()`` closes
     everything; otherwise use it as a context manager or call ``close()``. Its parts (the
-    learner, the policy, the collector, the version manager) come from
-    :class:`asyncvec.lm.training.LMAgent`.
+    learner, the policy, the collector, the version manager), its optimizer, its ``update`` and
+    its ``train`` loop come from :class:`asyncvec.lm.training.LMAgent`; REINFORCE++ adds its
+    advantages and its loss.
 
     Example:
         >>> from asyncvec.agents.reinforce_pp import ReinforcePP, Args
@@ -83,11 +75,15 @@ class ReinforcePP(LMAgent):
         2
     """
 
-    name = "reinforce_pp"
+    name = "reinforce_pp"  # the run's TensorBoard folder: runs/<env>__reinforce_pp__...
+    label = "REINFORCE++"  # in messages and the summary
+    min_group_samples = 1  # the advantages are normalized over the whole batch
+    args: Args
 
-    def __init__(self, args: Args, policy: Any | None = None) -> None:
-        super().__init__(args, policy)
-        self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
+    @classmethod
+    def run_label(cls, args: LMArgs) -> str:
+        """REINFORCE++, or REINFORCE++-baseline with ``--baseline``."""
+        return cls.label + ("-baseline" if isinstance(args, Args) and args.baseline else "")
 
     # ------------------------------------------------------------------ the advantages
     def compute_advantages(
@@ -104,18 +100,6 @@ class ReinforcePP(LMAgent):
             data.rewards, data.mask, kl, args.kl_coef, baseline=args.baseline, group_ids=data.group_ids
         )
 
-    # ------------------------------------------------------------------ one update
-    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
-        """One learner update on complete groups (no publish): the clipped objective over
-        ``--update-epochs`` passes, all against ``pi_prox``; returns its statistics."""
-        # min_group_samples: the advantages are normalized over the whole batch
-        data = trainable_batch(groups, self.parts, self.args, min_group_samples=1)
-        if not len(data):
-            return dict(data.info)  # nothing is trainable: no step
-        step = LearnerStep(data, self.parts, self.args)  # pi_prox, the reference's log-probs, truncated IS weights
-        advantages = self.compute_advantages(data, step.prox_logp, step.ref_logp)
-        return {**data.info, **step.minimize(self.optimizer, self.policy_loss, advantages)}
-
     # ------------------------------------------------------------------ the loss
     def policy_loss(
         self,
@@ -124,18 +108,13 @@ class ReinforcePP(LMAgent):
         advantages: torch.Tensor,
         weights: torch.Tensor,
         mask: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,  # unused: the KL penalty is in the token rewards
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """PPO-clip against ``pi_prox``, each token weighted by its truncated IS weight; mean over tokens."""
         return ppo_clip_loss(logp, prox_logp, advantages, self.args.clip_coef, mask=mask, weights=weights)
 
-    # ------------------------------------------------------------------ the loop
-    def train(self) -> LMTrainResult:
-        """Trains on ``total_prompts`` prompts (or until ``target_reward``) and closes everything."""
-        # TrainingRun: evaluation before and after, logging, generation started (--mode async) and stopped.
-        with TrainingRun(self.parts, self.args, self.run_name) as run:
-            for groups in run.batches():  # --prompts-per-update complete groups at a time
-                run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
-        return run.result()
+    # update (the clipped objective over --update-epochs passes, all against pi_prox) and train (the loop):
+    # asyncvec.lm.training.LMAgent
 
 
 def train(args: Args) -> LMTrainResult:
@@ -145,12 +124,7 @@ def train(args: Args) -> LMTrainResult:
 
 def cli() -> None:
     """``asyncvec-reinforce-pp``, ``python -m asyncvec.agents.reinforce_pp`` or, in a clone, ``python agents/reinforce_pp.py``."""
-    args = tyro.cli(Args)
-    name = "REINFORCE++" + ("-baseline" if args.baseline else "")
-    with exit_on_setup_error(name):
-        agent = ReinforcePP(args)
-    with exit_on_missing_extra(name):
-        print(summary(name, agent.train()))
+    ReinforcePP.cli(Args, exit_on_setup_error, exit_on_missing_extra)
 
 
 if __name__ == "__main__":

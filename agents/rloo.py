@@ -29,18 +29,14 @@ never sampled them). After each update that trained on something the weights are
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import tyro
 
 from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
-from asyncvec.buffers import GroupBatch
-from asyncvec.lm.episodes import EpisodeGroups
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs
-from asyncvec.lm.results import LMTrainResult, summary
-from asyncvec.lm.training import LearnerStep, LMAgent, TrainingRun, trainable_batch
+from asyncvec.lm.results import LMTrainResult
+from asyncvec.lm.training import LMAgent
 from asyncvec.losses import approx_kl, kl_penalized_rewards, masked_mean, rloo_advantages
 
 
@@ -52,7 +48,8 @@ class Args(LMArgs):
 class RLOO(LMAgent):
     """RLOO learner over a text policy (see the module docstring). ``train()`` closes everything;
     otherwise use it as a context manager or call ``close()``. Its parts (the learner, the
-    policy, the collector, the version manager) come from :class:`asyncvec.lm.training.LMAgent`.
+    policy, the collector, the version manager), its optimizer, its ``update`` and its ``train``
+    loop come from :class:`asyncvec.lm.training.LMAgent`; RLOO adds its advantages and its loss.
 
     Example:
         >>> from asyncvec.agents.rloo import RLOO, Args
@@ -61,11 +58,9 @@ class RLOO(LMAgent):
         (2, 2)
     """
 
-    name = "rloo"
-
-    def __init__(self, args: Args, policy: Any | None = None) -> None:
-        super().__init__(args, policy)
-        self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
+    name = "rloo"  # the run's TensorBoard folder: runs/<env>__rloo__...
+    label = "RLOO"  # in messages and the summary
+    min_group_samples = 2  # the leave-one-out baseline needs another sample of the group
 
     # ------------------------------------------------------------------ the advantages
     def compute_advantages(
@@ -89,17 +84,6 @@ class RLOO(LMAgent):
             advantages[rows] = rloo_advantages(rewards[rows].unsqueeze(0)).squeeze(0)
         return advantages.unsqueeze(-1) * data.mask
 
-    # ------------------------------------------------------------------ one update
-    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
-        """One learner update on complete groups (no publish); returns its statistics."""
-        # min_group_samples: the leave-one-out baseline needs another sample of the group
-        data = trainable_batch(groups, self.parts, self.args, min_group_samples=2)
-        if not len(data):
-            return dict(data.info)  # nothing is trainable: no step
-        step = LearnerStep(data, self.parts, self.args)  # pi_prox, the reference's log-probs, truncated IS weights
-        advantages = self.compute_advantages(data, step.prox_logp, step.ref_logp)
-        return {**data.info, **step.minimize(self.optimizer, self.policy_loss, advantages)}
-
     # ------------------------------------------------------------------ the loss
     def policy_loss(
         self,
@@ -108,20 +92,14 @@ class RLOO(LMAgent):
         advantages: torch.Tensor,
         weights: torch.Tensor,
         mask: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,  # unused: RLOO's KL penalty is in the reward
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """``-mean_i sum_t w_it A_i pi/pi_prox``: sum over a completion's tokens, mean over completions."""
         ratio = torch.exp(logp - prox_logp)
         loss = -(weights * advantages * ratio * mask).sum(-1).mean()
         return loss, {"ratio_mean": masked_mean(ratio.detach(), mask)}
 
-    # ------------------------------------------------------------------ the loop
-    def train(self) -> LMTrainResult:
-        """Trains on ``total_prompts`` prompts (or until ``target_reward``) and closes everything."""
-        # TrainingRun: evaluation before and after, logging, generation started (--mode async) and stopped.
-        with TrainingRun(self.parts, self.args, self.run_name) as run:
-            for groups in run.batches():  # --prompts-per-update complete groups at a time
-                run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
-        return run.result()
+    # update (one learner step on a batch of groups) and train (the loop): asyncvec.lm.training.LMAgent
 
 
 def train(args: Args) -> LMTrainResult:
@@ -131,11 +109,7 @@ def train(args: Args) -> LMTrainResult:
 
 def cli() -> None:
     """``asyncvec-rloo``, ``python -m asyncvec.agents.rloo`` or, in a clone, ``python agents/rloo.py``."""
-    args = tyro.cli(Args)
-    with exit_on_setup_error("RLOO"):
-        agent = RLOO(args)
-    with exit_on_missing_extra("RLOO"):
-        print(summary("RLOO", agent.train()))
+    RLOO.cli(Args, exit_on_setup_error, exit_on_missing_extra)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import gymnasium as gym
 
 from asyncvec import VersionManager, inference
+from asyncvec.lm.backends import LM_BACKENDS
+from asyncvec.lm.backends import served_model_name as served_model_name  # its old home: asyncvec.lm.build
 from asyncvec.lm.episodes import EpisodeCollector, make_text_vector_env
 from asyncvec.lm.groups import GroupCollector
 from asyncvec.lm.learner import load_causal_lm, sft_warm_start
@@ -81,44 +83,32 @@ def declared_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool | None:
     return None if declared is None else bool(declared)
 
 
-def prepare_model(args: LMArgs, workdir: Path) -> Path:
-    """The model folder to train: ``--model`` (or a fresh tiny GPT-2 in ``workdir``), after a
-    supervised warm start of ``--sft-steps`` on the env's solved prompts (saved in ``workdir/sft``).
+def prepare_model(args: LMArgs, workdir: Path, multi_turn: bool = False) -> Path:
+    """The model folder to train: ``--model`` (or a fresh tiny GPT-2 in ``workdir``, with a 512-token
+    context for ``multi_turn`` conversations), after a supervised warm start of ``--sft-steps``
+    (saved in ``workdir/sft``) on the env's solved prompts, or on a multi-turn env's expert
+    conversations (:func:`~asyncvec.lm.prompts.expert_conversations`).
 
     Example:
         >>> import tempfile
         >>> prepare_model(LMArgs(sft_steps=2), Path(tempfile.mkdtemp())).name
         'sft'
     """
-    model_dir = Path(args.model) if args.model else inference.build_tiny_lm(workdir / "tiny-lm", seed=args.seed)
+    if args.model:
+        model_dir = Path(args.model)
+    else:  # conversations need a longer context than one-step prompts
+        context = {"max_positions": 512} if multi_turn else {}
+        model_dir = inference.build_tiny_lm(workdir / "tiny-lm", seed=args.seed, **context)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)")
     if not args.sft_steps:
         return model_dir
-    examples = solved_prompts(args.env, args.seed)
+    if multi_turn:
+        model, tokenizer = load_causal_lm(model_dir)  # the context as HFTextPolicy reads it
+        examples: Any = expert_conversations(args, tokenizer, getattr(model.config, "max_position_embeddings", None))
+    else:
+        examples = solved_prompts(args.env, args.seed)
     return sft_warm_start(model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed)
-
-
-def served_model_name(base_url: str, model_dir: Path) -> str:
-    """The model name to ask ``base_url`` for when --served-model is not given.
-
-    The server's one model at ``/v1/models`` (vLLM serves ``--model`` as given, a path, unless
-    ``--served-model-name`` says otherwise); with several, the one named like ``model_dir``.
-    A server that cannot be asked gets ``model_dir``'s name (the server check then says why).
-    """
-    import httpx
-
-    try:
-        response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0)
-        served = [entry["id"] for entry in response.json()["data"]]
-    except Exception:
-        return model_dir.name
-    if len(served) == 1:
-        return served[0]
-    for name in served:
-        if name in (model_dir.name, str(model_dir)) or Path(name).name == model_dir.name:
-            return name
-    raise ValueError(f"--base-url {base_url} serves {served}: pick one with --served-model")
 
 
 def make_text_policy(
@@ -128,7 +118,8 @@ def make_text_policy(
     weights_dir: Path | None = None,
     action_parser: Any = completion_with_answer,
 ) -> Any:
-    """The policy sampling completions: HFTextPolicy, VLLMPolicy or OpenAIPolicy (``--backend``).
+    """The policy sampling completions: HFTextPolicy, VLLMPolicy or OpenAIPolicy (``--backend``, made by
+    its entry in :data:`asyncvec.lm.backends.LM_BACKENDS`).
 
     ``--backend openai`` writes each published version to ``weights_dir`` (``--weights-dir``
     if given), a folder the server must be able to read, and has the server load it.
@@ -152,37 +143,7 @@ def make_text_policy(
     }
     if args.policy_inflight_batches is not None:
         options["max_inflight_batches"] = args.policy_inflight_batches
-    if args.backend in ("hf", "vllm") or args.inflight_updates:  # openai: --server-kind vllm (checked by LMArgs)
-        options["inflight_updates"] = args.inflight_updates
-    if args.backend == "hf":
-        from asyncvec.inference import HFTextPolicy
-
-        return HFTextPolicy(*load_causal_lm(model_dir, args.device), action_parser, seed=args.seed, **options)
-    if args.backend == "vllm":
-        from asyncvec.inference import VLLMPolicy
-
-        engine = {"seed": args.seed, **json.loads(args.vllm_engine)}
-        return VLLMPolicy(model_dir, action_parser, engine_kwargs=engine, **options)
-    from asyncvec.inference import OpenAIPolicy
-
-    token = args.update_token if args.update_token is not None else os.environ.get("ASYNCVEC_SERVE_TOKEN")
-    policy = OpenAIPolicy(
-        args.base_url,
-        args.served_model or served_model_name(args.base_url, model_dir),
-        action_parser,
-        server_kind=args.server_kind,
-        update_token=token,
-        checkpoint_dir=args.weights_dir or weights_dir,
-        model_dir=model_dir,
-        max_attempts=3,
-        **options,
-    )
-    try:
-        policy.check_server()
-    except Exception as exc:
-        policy.close()
-        raise ValueError(f"--base-url {args.base_url} (--server-kind {args.server_kind}): {exc}") from exc
-    return policy
+    return LM_BACKENDS[args.backend].make_policy(args, model_dir, action_parser, options, weights_dir)
 
 
 def starting_version(policy: Any) -> int:
@@ -211,8 +172,8 @@ class LMParts:
     collector: GroupCollector | EpisodeCollector
     eval_env: gym.Env | None
     resources: contextlib.ExitStack
-    """closes the collector, the version manager, the policy (when built here), the reward
-    service, the scratch folder and the envs, in that order"""
+    """closes the collector, the version manager, the policy (when built here), the scratch folder,
+    the reward service and the envs, in that order"""
     multi_turn: bool = False
     """--env is multi-turn: the collector is an EpisodeCollector over ``envs``"""
     eval_envs: Any = None
@@ -261,61 +222,11 @@ def version_manager(policy: Any, learner: torch.nn.Module, args: LMArgs, sync: b
     return versions
 
 
-def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
-    """:func:`build_parts` for a multi-turn env: an ``AsyncLLMVectorEnv`` of ``--num-envs`` envs
-    and an ``EpisodeCollector`` (``--group-size`` episodes per reset seed) instead of prompts,
-    a reward service and a ``GroupCollector``. The rewards are the env's."""
-    if args.is_level == "sequence":
-        raise ValueError("--is-level sequence weighs whole completions; multi-turn episodes use --is-level token")
-    env_kwargs = json.loads(args.env_kwargs)
-    with contextlib.ExitStack() as stack:
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"asyncvec-{run_name}-")))
-        if args.model:
-            model_dir = Path(args.model)
-            if not model_dir.is_dir():
-                raise FileNotFoundError(
-                    f"--model {model_dir}: no such folder (a save_pretrained model with its tokenizer)"
-                )
-        else:  # conversations need a longer context than one-step prompts
-            model_dir = inference.build_tiny_lm(workdir / "tiny-lm", seed=args.seed, max_positions=512)
-        if args.sft_steps:
-            model, tokenizer = load_causal_lm(model_dir)  # the context as HFTextPolicy reads it
-            examples = expert_conversations(args, tokenizer, getattr(model.config, "max_position_embeddings", None))
-            model_dir = sft_warm_start(
-                model_dir, workdir / "sft", examples, args.sft_steps, batch_size=32, seed=args.seed
-            )
-        learner, tokenizer = load_causal_lm(model_dir, args.device)
-        reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
-        envs = stack.enter_context(make_text_vector_env(args.env, args.num_envs, env_kwargs=env_kwargs))
-        eval_envs = stack.enter_context(make_text_vector_env(args.env, min(args.num_envs, 8), env_kwargs=env_kwargs))
-        sync = policy is not None or args.backend == "openai"
-        if policy is not None:
-            check_given_policy(policy, args)
-        else:
-            # Each env waits for one turn at a time, so at most --num-envs requests queue: a larger
-            # batch threshold would only add --policy-wait-ms to every turn.
-            batching = dataclasses.replace(args, policy_batch_size=min(args.policy_batch_size, args.num_envs))
-            policy = stack.enter_context(
-                make_text_policy(batching, model_dir, text_space(), workdir / "weights", action_parser=str)
-            )
-        versions = stack.enter_context(version_manager(policy, learner, args, sync))
-        collector = stack.enter_context(
-            EpisodeCollector(
-                envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
-                max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003,
-                on_overflow=args.on_overflow,
-            )
-        )  # fmt: skip
-        return LMParts(
-            model_dir, learner, tokenizer, reference, None, policy, versions, versions.current_version,
-            collector, None, stack.pop_all(), multi_turn=True, eval_envs=eval_envs,
-        )  # fmt: skip
-
-
 def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
     """Prompts (``--env``), the model (``--model``, ``--sft-steps``), the learner and its reference,
     the reward service, the policy (``--backend``, unless ``policy`` is given), the version
-    manager and the group collector. What fails on the way closes what was built before it.
+    manager and the group collector; for a multi-turn env (:func:`is_multi_turn`) what
+    :func:`build_episode_parts` builds. What fails on the way closes what was built before it.
 
     A server (``--backend openai``) or a given policy may hold other weights than the learner's
     (another run's, or the model before the warm start), so the learner's starting weights are
@@ -332,39 +243,99 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMPar
                 + "); a one-step env declares metadata['multi_turn'] = False to be scored by --reward"
             )
         return build_episode_parts(args, run_name, policy)
+    return _build(args, run_name, policy, _prompt_side)
+
+
+def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
+    """:func:`build_parts` for a multi-turn env: an ``AsyncLLMVectorEnv`` of ``--num-envs`` envs
+    and an ``EpisodeCollector`` (``--group-size`` episodes per reset seed) instead of prompts,
+    a reward service and a ``GroupCollector``. The rewards are the env's."""
+    if args.is_level == "sequence":
+        raise ValueError("--is-level sequence weighs whole completions; multi-turn episodes use --is-level token")
+    return _build(args, run_name, policy, _episode_side)
+
+
+@dataclass
+class _EnvSide:
+    """What one kind of env adds to the parts every agent builds the same way."""
+
+    multi_turn: bool
+    action_space: gym.Space
+    action_parser: Any
+    policy_args: LMArgs
+    """the options the policy is made with"""
+    make_collector: Callable[[Any, Any], Any]
+    """``(policy, tokenizer) -> the collector``"""
+    rewarder: RewardService | None = None
+    eval_env: gym.Env | None = None
+    eval_envs: Any = None
+
+
+def _prompt_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.ExitStack) -> _EnvSide:
+    """A one-step env: its reset observations are the prompts (the reward plugin is tried on the
+    first), scored on a reward service, k completions each by a ``GroupCollector``."""
+    env = stack.enter_context(make_prompt_env(args.env, env_kwargs))
+    eval_env = stack.enter_context(make_prompt_env(args.env, env_kwargs))
+    check_reward_scores(args.reward, args.env, env.reset(seed=args.seed)[0])
+    rewarder = stack.enter_context(
+        RewardService(
+            args.reward,
+            timeout_s=args.reward_timeout_s,
+            num_workers=args.reward_workers,
+            cache_size=args.reward_cache_size,
+        )
+    )
+
+    def make_collector(policy: Any, tokenizer: Any) -> GroupCollector:
+        return GroupCollector(policy, rewarder, iter_prompts(env, args.seed), args.group_size)
+
+    return _EnvSide(False, env.action_space, completion_with_answer, args, make_collector, rewarder, eval_env)
+
+
+def _episode_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.ExitStack) -> _EnvSide:
+    """A multi-turn env: ``--num-envs`` of them (and up to 8 for evaluation) in vector envs, played
+    by an ``EpisodeCollector``, k episodes per reset seed, rewarded by the env."""
+    envs = stack.enter_context(make_text_vector_env(args.env, args.num_envs, env_kwargs=env_kwargs))
+    eval_envs = stack.enter_context(make_text_vector_env(args.env, min(args.num_envs, 8), env_kwargs=env_kwargs))
+    # Each env waits for one turn at a time, so at most --num-envs requests queue: a larger
+    # batch threshold would only add --policy-wait-ms to every turn.
+    batching = dataclasses.replace(args, policy_batch_size=min(args.policy_batch_size, args.num_envs))
+
+    def make_collector(policy: Any, tokenizer: Any) -> EpisodeCollector:
+        return EpisodeCollector(
+            envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
+            max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003, on_overflow=args.on_overflow,
+        )  # fmt: skip
+
+    return _EnvSide(True, text_space(), str, batching, make_collector, eval_envs=eval_envs)
+
+
+def _build(
+    args: LMArgs,
+    run_name: str,
+    policy: Any | None,
+    env_side: Callable[[LMArgs, dict[str, Any], contextlib.ExitStack], _EnvSide],
+) -> LMParts:
+    """The one path of :func:`build_parts` and :func:`build_episode_parts`: the env's side, the model,
+    the learner and its reference, the policy, the version manager, the collector."""
     with contextlib.ExitStack() as stack:
-        env = stack.enter_context(make_prompt_env(args.env, env_kwargs))
-        eval_env = stack.enter_context(make_prompt_env(args.env, env_kwargs))
-        check_reward_scores(args.reward, args.env, env.reset(seed=args.seed)[0])
+        side = env_side(args, json.loads(args.env_kwargs), stack)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"asyncvec-{run_name}-")))
-        model_dir = prepare_model(args, workdir)
+        model_dir = prepare_model(args, workdir, side.multi_turn)
         learner, tokenizer = load_causal_lm(model_dir, args.device)
         reference = load_causal_lm(model_dir, args.device)[0].requires_grad_(False) if args.kl_coef > 0 else None
-        rewarder = stack.enter_context(
-            RewardService(
-                args.reward,
-                timeout_s=args.reward_timeout_s,
-                num_workers=args.reward_workers,
-                cache_size=args.reward_cache_size,
-            )
-        )
-        sync = policy is not None or args.backend == "openai"
+        sync = policy is not None or LM_BACKENDS[args.backend].needs_sync
         if policy is not None:
             check_given_policy(policy, args)
         else:
-            policy = stack.enter_context(make_text_policy(args, model_dir, env.action_space, workdir / "weights"))
+            policy = stack.enter_context(
+                make_text_policy(
+                    side.policy_args, model_dir, side.action_space, workdir / "weights", side.action_parser
+                )
+            )
         versions = stack.enter_context(version_manager(policy, learner, args, sync))
-        collector = stack.enter_context(GroupCollector(policy, rewarder, iter_prompts(env, args.seed), args.group_size))
+        collector = stack.enter_context(side.make_collector(policy, tokenizer))
         return LMParts(
-            model_dir,
-            learner,
-            tokenizer,
-            reference,
-            rewarder,
-            policy,
-            versions,
-            versions.current_version,
-            collector,
-            eval_env,
-            stack.pop_all(),
-        )
+            model_dir, learner, tokenizer, reference, side.rewarder, policy, versions, versions.current_version,
+            collector, side.eval_env, stack.pop_all(), multi_turn=side.multi_turn, eval_envs=side.eval_envs,
+        )  # fmt: skip

@@ -16,12 +16,18 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from asyncvec.lm import rewards
+from asyncvec.lm.backends import LM_BACKENDS
 from asyncvec.runs import import_user_module
+
+if TYPE_CHECKING:
+    BackendName = str
+else:  # --backend's choices: the names in the table of backends (tyro reads the Literal)
+    BackendName = Literal[tuple(LM_BACKENDS)]
 
 
 @dataclass
@@ -61,8 +67,9 @@ class LMArgs:
     """scorer calls running at once (raise it for a remote reward model or tool that waits)"""
     reward_cache_size: int = 4096
     """scores kept by (prompt, completion) and reused; 0 scores every completion afresh"""
-    backend: Literal["hf", "openai", "vllm"] = "hf"
-    """hf: HFTextPolicy in this process; vllm: an in-process vLLM engine; openai: a server at --base-url"""
+    backend: BackendName = "hf"
+    """hf: HFTextPolicy in this process; vllm: an in-process vLLM engine; openai: a server at --base-url
+    (asyncvec.lm.backends.LM_BACKENDS)"""
     inflight_updates: bool = False
     """hf and vllm backends, and openai with --server-kind vllm (a server started with --enable-scale-out): a
     publish reaches the engine between decoding steps instead of after the batch; completions then span versions
@@ -185,16 +192,9 @@ class LMArgs:
             )
         if self.temperature == 0:
             raise ValueError("--temperature must be > 0: policy-gradient learning needs sampled completions")
-        if self.backend == "openai":
-            if not self.base_url:
-                raise ValueError("--backend openai needs --base-url (e.g. http://127.0.0.1:8000)")
-        elif self.base_url is not None:
-            raise ValueError(f"--base-url is only used with --backend openai, got --backend {self.backend}")
-        if self.inflight_updates and self.backend == "openai" and self.server_kind != "vllm":
-            raise ValueError(
-                f"--inflight-updates needs --backend hf or vllm, or --backend openai with --server-kind vllm: a "
-                f"{self.server_kind} server's completions carry one version (docs/inference.md, In-flight weight updates)"
-            )
+        if self.backend not in LM_BACKENDS:
+            raise ValueError(f"--backend must be one of {', '.join(LM_BACKENDS)}, got {self.backend!r}")
+        LM_BACKENDS[self.backend].check(self)  # --base-url, --inflight-updates
         load_reward_plugin(self.reward)
         try:
             engine = json.loads(self.vllm_engine)
@@ -206,6 +206,19 @@ class LMArgs:
             torch.device(self.device)
         except RuntimeError as exc:
             raise ValueError(f"--device: {exc}") from None
+
+
+def check_clip_coef(value: Any) -> None:
+    """``--clip-coef`` of the agents with a PPO-clip loss: a number in (0, 1).
+
+    Example:
+        >>> check_clip_coef(1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: --clip-coef must be a number in (0, 1), got 1.5
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"--clip-coef must be a number in (0, 1), got {value!r}")
 
 
 def _flag(name: str) -> str:

@@ -1,15 +1,16 @@
-"""What the language-model agents' updates and loops call (``agents/rloo.py``,
-``agents/reinforce_pp.py``): each agent file holds its objective, its ``update`` and its
-``train`` loop; the steps they share live here.
+"""The language-model agents' skeleton and the steps their updates and loops call
+(``agents/rloo.py``, ``agents/reinforce_pp.py`` and the other LM agents): each agent file holds
+its ``Args``, its advantages and its loss; what every agent does the same way lives here.
 
-* :class:`LMAgent`: builds an agent's parts from its options (:func:`asyncvec.lm.build.build_parts`),
-  publishes the learner's weights, closes everything;
+* :class:`LMAgent`: builds an agent's parts from its options (:func:`asyncvec.lm.build.build_parts`)
+  and its optimizer; one update (:meth:`LMAgent.update`: the trainable batch, ``pi_prox``, the
+  agent's advantages, minibatch steps on the agent's loss), the loop (:meth:`LMAgent.train`), the
+  command line (:meth:`LMAgent.cli`); publishes the learner's weights, closes everything;
 * :func:`trainable_batch`: a popped batch of groups as learner tensors, staleness recorded;
 * :class:`LearnerStep`: the start of an update (``pi_prox``, the reference's log-probs, the
   truncated importance weights) and its minibatch steps on the agent's loss;
 * :class:`TrainingRun`: the bookkeeping around the loop: batches popped from the collector,
   timings, logging, evaluation before and after, the ``--target-reward`` check, the result.
-
 """
 
 from __future__ import annotations
@@ -17,39 +18,54 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+import tyro
 
 from asyncvec.buffers import GroupBatch
 from asyncvec.extras import check_installed
+from asyncvec.lm.backends import LM_BACKENDS
 from asyncvec.lm.build import LMParts, build_parts
 from asyncvec.lm.episodes import EpisodeGroups
 from asyncvec.lm.evaluation import confirm_target, mean_reward, target_reached
 from asyncvec.lm.learner import EpisodeBatch, LMBatch, minibatch_updates, quiet_model_libraries
 from asyncvec.lm.options import LMArgs
-from asyncvec.lm.results import LMTrainResult
+from asyncvec.lm.results import LMTrainResult, summary
 from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger, StageClock
 from asyncvec.runs import seed_everything
 
 PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-"""``policy_loss(logp, prox_logp, advantages, weights, mask) -> (loss, stats)`` of a minibatch's rows."""
+"""``policy_loss(logp, prox_logp, advantages, weights, mask, **row_inputs) -> (loss, stats)`` of a minibatch's
+rows (``row_inputs``: what :meth:`LearnerStep.minimize` was given, e.g. ``ref_logp``, on the same rows)."""
+
+ExitGuard = Callable[[str], AbstractContextManager[None]]
+"""``guard(label)``: a context manager that ends a command line in one line on the errors it knows
+(``asyncvec.agents.common.exit_on_setup_error``, ``exit_on_missing_extra``)."""
 
 
 class LMAgent:
-    """What a language-model agent is built of: its options (``args``), its parts (the learner and
-    its frozen reference, the tokenizer, the policy, the version manager, the collector: see
-    :class:`~asyncvec.lm.build.LMParts`), publishing and closing. The agent adds its objective,
-    its update and its loop. ``name`` is the run's name in its TensorBoard folder.
+    """The skeleton of a language-model agent: its options (``args``), its parts (the learner and its
+    frozen reference, the tokenizer, the policy, the version manager, the collector: see
+    :class:`~asyncvec.lm.build.LMParts`), an Adam optimizer over the learner (``--learning-rate``),
+    one update, the loop, publishing and closing. An agent (a subclass) adds what differs: its
+    ``compute_advantages`` and ``policy_loss``, and sets ``name`` (the run's name in its
+    TensorBoard folder), ``label`` (its name in messages and the summary) and, when its
+    advantages need it, ``min_group_samples``.
 
     ``policy``: a text policy to sample from instead of one built from ``--backend`` (it stays
     open after the run); the learner's starting weights are published to it first.
     """
 
     name = "lm"
+    label = "LM"
+    min_group_samples = 1
+    """groups left with fewer trainable samples are not trained on (a leave-one-out or a group
+    standard deviation needs 2)"""
 
     def __init__(self, args: LMArgs, policy: Any | None = None) -> None:
         self.args = args
@@ -57,14 +73,79 @@ class LMAgent:
             "transformers", extra="hf", feature=f"agents/{self.name}.py (its learner is a transformers model)"
         )
         seed_everything(args.seed)
-        if args.backend != "vllm":  # an in-process vLLM engine on the CPU binds the torch threads itself
+        if LM_BACKENDS[args.backend].sets_torch_threads:
             torch.set_num_threads(args.torch_threads)
         quiet_model_libraries()
         self.run_name = f"{args.env.replace('/', '_')}__{self.name}__{args.mode}__{args.seed}__{int(time.time())}"
         self.parts = build_parts(args, self.run_name, policy)
         self.learner, self.tokenizer, self.reference = self.parts.learner, self.parts.tokenizer, self.parts.reference
         self.policy, self.versions, self.collector = self.parts.policy, self.parts.versions, self.parts.collector
+        self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
 
+    # ------------------------------------------------------------------ what each agent defines
+    def compute_advantages(
+        self, data: LMBatch | EpisodeBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The advantages ``[N, L]`` of ``data``'s tokens (0 off the mask); ``logp``: ``pi_prox``'s
+        log-probs, ``ref_logp``: the reference's (None without ``--kl-coef``)."""
+        raise NotImplementedError(f"{type(self).__name__} defines its advantages")
+
+    def policy_loss(
+        self,
+        logp: torch.Tensor,
+        prox_logp: torch.Tensor,
+        advantages: torch.Tensor,
+        weights: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logp: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of a minibatch's rows: ``logp`` (with grad) and ``prox_logp`` (``pi_prox``) per
+        token, the advantages, the truncated IS weights, the mask, the reference's log-probs
+        (None without ``--kl-coef``); returns ``(loss, stats)``."""
+        raise NotImplementedError(f"{type(self).__name__} defines its loss")
+
+    @classmethod
+    def run_label(cls, args: LMArgs) -> str:
+        """The agent's name in its command line's messages and summary (``label``; a variant may add to it)."""
+        return cls.label
+
+    # ------------------------------------------------------------------ one update
+    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
+        """One learner update on complete groups (no publish); returns its statistics: the
+        trainable samples (:func:`trainable_batch`), ``pi_prox``, the reference's log-probs and the
+        truncated IS weights (:class:`LearnerStep`), the agent's advantages, then ``--update-epochs``
+        passes of ``--num-minibatches`` steps on the agent's loss, all against ``pi_prox``."""
+        data = trainable_batch(groups, self.parts, self.args, self.min_group_samples)
+        if not len(data):
+            return dict(data.info)  # nothing is trainable: no step
+        step = LearnerStep(data, self.parts, self.args)
+        advantages = self.compute_advantages(data, step.prox_logp, step.ref_logp)
+        return {**data.info, **step.minimize(self.optimizer, self.policy_loss, advantages, ref_logp=step.ref_logp)}
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> LMTrainResult:
+        """Trains on ``total_prompts`` prompts (or until ``target_reward``) and closes everything."""
+        # TrainingRun: evaluation before and after, logging, generation started (--mode async) and stopped.
+        with TrainingRun(self.parts, self.args, self.run_name) as run:
+            for groups in run.batches():  # --prompts-per-update complete groups at a time
+                run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
+        return run.result()
+
+    @classmethod
+    def cli(cls, args_cls: type[LMArgs], setup_errors: ExitGuard, missing_extra: ExitGuard) -> None:
+        """The agent's command line: ``args_cls`` from ``sys.argv`` (tyro), the agent built under
+        ``setup_errors(label)`` (a wrong setting ends the run in one line), trained under
+        ``missing_extra(label)``, its summary printed. The agents pass
+        ``asyncvec.agents.common.exit_on_setup_error`` and ``exit_on_missing_extra`` (the library
+        does not import the agents)."""
+        args = tyro.cli(args_cls)
+        label = cls.run_label(args)
+        with setup_errors(label):
+            agent = cls(args)
+        with missing_extra(label):
+            print(summary(label, agent.train()))
+
+    # ------------------------------------------------------------------ weights and closing
     def learner_weights(self) -> dict[str, torch.Tensor]:
         """A copy of the learner's weights (what :meth:`publish` sends)."""
         return {k: v.detach().clone() for k, v in self.learner.state_dict().items()}
@@ -149,17 +230,27 @@ class LearnerStep:
             self.weights = self.weights.unsqueeze(-1) * data.mask
 
     def minimize(
-        self, optimizer: torch.optim.Optimizer, policy_loss: PolicyLoss, advantages: torch.Tensor
+        self,
+        optimizer: torch.optim.Optimizer,
+        policy_loss: PolicyLoss,
+        advantages: torch.Tensor,
+        **row_inputs: torch.Tensor | None,
     ) -> dict[str, float]:
         """``--update-epochs`` passes of ``--num-minibatches`` steps on ``policy_loss``; returns the
-        update's statistics (losses, importance weights, advantages, KL to the reference)."""
+        update's statistics (losses, importance weights, advantages, KL to the reference).
+        ``row_inputs`` (e.g. ``ref_logp=step.ref_logp``) reach ``policy_loss`` by name, each on the
+        minibatch's rows (None as None)."""
         data, args = self.data, self.args
+
+        def rows_of(rows: Any) -> dict[str, torch.Tensor | None]:
+            return {key: None if value is None else value[rows] for key, value in row_inputs.items()}
+
         losses = minibatch_updates(
             data,
             self.learner,
             optimizer,
             lambda logp_rows, rows: policy_loss(
-                logp_rows, self.prox_logp[rows], advantages[rows], self.weights[rows], data.mask[rows]
+                logp_rows, self.prox_logp[rows], advantages[rows], self.weights[rows], data.mask[rows], **rows_of(rows)
             ),
             epochs=args.update_epochs,
             minibatches=args.num_minibatches,
