@@ -7,8 +7,6 @@ import asyncio
 import concurrent.futures
 import math
 import os
-import re
-import shutil
 import threading
 from collections.abc import Callable
 from functools import reduce
@@ -16,8 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from asyncvec.inference.backends.server_client import ServerClient, is_transient
 from asyncvec.inference.backends.server_routes import GENERATE_ROUTE, ROUTES, SERVER_KINDS, parse_version
 from asyncvec.inference.backends.vllm_policy import token_versions_of
+from asyncvec.inference.backends.weight_publisher import WeightPublisher
 from asyncvec.inference.text import TextPolicy, group_by_sampling, group_identical
 from asyncvec.inference.types import (
     BackendError,
@@ -26,7 +26,6 @@ from asyncvec.inference.types import (
     TextPrompt,
     TransientBackendError,
 )
-from asyncvec.inference.weights import ParameterSpec, checkpoint_shapes, write_checkpoint
 
 if TYPE_CHECKING:
     from asyncvec.inference.serving.supervisor import EngineSupervisor
@@ -167,7 +166,7 @@ class OpenAIPolicy(TextPolicy):
         supervisor: EngineSupervisor | None = None,
         **kwargs: Any,
     ) -> None:
-        import httpx
+        import httpx  # noqa: F401 (the serve extra: fail here, before any thread starts, if it is missing)
 
         from asyncvec.inference.serving.supervisor import EngineSupervisor
 
@@ -217,7 +216,6 @@ class OpenAIPolicy(TextPolicy):
         super().__init__(action_parser, **kwargs)
         self.base_url = base_url
         self.supervisor = supervisor
-        self._published: tuple[str, int] | None = None  # the last load_weights: reloaded after a restart
         self._batch_state = threading.local()  # per batcher thread: did this batch meet a dead engine?
         self._engine_counts = {"resubmitted_requests": 0, "failed_requests": 0}
         self.model = model
@@ -229,7 +227,6 @@ class OpenAIPolicy(TextPolicy):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.keep_checkpoints = keep_checkpoints
         self.model_dir = Path(model_dir) if model_dir is not None else None
-        self._parameters = ParameterSpec.from_model_dir(self.model_dir) if self.model_dir is not None else None
         self._tokenizer = None
         self.max_model_len = max_model_len
         if self.model_dir is not None:
@@ -243,68 +240,28 @@ class OpenAIPolicy(TextPolicy):
         self._tokenizer_lock = threading.Lock()
         self._initial_version = self.policy_version
         self._http_requests = 0
-        self._written: list[Path] = []
-        self._api_key = api_key
-        self._update_token = update_token if update_token is not None else api_key
-        self._routes = ROUTES[server_kind](self)
-        self._identified = False
-        self._httpx = httpx
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(
-            target=self._loop.run_forever, name="asyncvec-OpenAIPolicy-http", daemon=True
+        self._client = ServerClient(
+            base_url,
+            api_key=api_key,
+            update_token=update_token,
+            request_timeout_s=self.request_timeout_s,
+            update_timeout_s=self.update_timeout_s,
+            max_connections=max_connections,
+            name="asyncvec-OpenAIPolicy-http",
         )
-        self._loop_thread.start()
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout_s), limits=limits)
+        self._routes = ROUTES[server_kind](
+            self._client, label=self._label, initial_version=self._initial_version, inflight=self.inflight_updates
+        )
+        self._publisher = WeightPublisher(
+            self._routes,
+            model=model,
+            checkpoint_dir=self.checkpoint_dir,
+            keep_checkpoints=keep_checkpoints,
+            model_dir=self.model_dir,
+            supervisor=supervisor,
+        )
 
     # -------------------------------------------------------------------------- plumbing
-    def _run_on_loop(self, coroutine: Any, timeout_s: float | None = None) -> Any:
-        """Run a coroutine on the private loop and wait for it (bounded)."""
-        limit = (self.request_timeout_s if timeout_s is None else timeout_s) + 5.0
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result(timeout=limit)
-        except concurrent.futures.TimeoutError as exc:
-            future.cancel()
-            raise TransientBackendError(f"{self.base_url}: no answer within {limit} s") from exc
-
-    async def _request(
-        self,
-        method: str,
-        route: str,
-        *,
-        json: Any = None,
-        params: dict[str, Any] | None = None,
-        token: str | None = None,
-        timeout_s: float | None = None,
-    ) -> Any:
-        url = self.base_url + route
-        token = self._api_key if token is None else token
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        timeout = self._httpx.Timeout(timeout_s) if timeout_s is not None else self._httpx.USE_CLIENT_DEFAULT
-        try:
-            response = await self._client.request(
-                method, url, json=json, params=params, headers=headers, timeout=timeout
-            )
-        except self._httpx.TimeoutException as exc:
-            raise TransientBackendError(f"{url}: timed out after {timeout_s or self.request_timeout_s} s") from exc
-        except self._httpx.TransportError as exc:
-            raise TransientBackendError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code == 429 or response.status_code >= 500:
-            raise TransientBackendError(f"{url} answered {response.status_code}: {_detail(response)}")
-        if response.status_code in (401, 403):
-            raise PermissionError(f"{url} refused the request ({response.status_code}): {_detail(response)}")
-        if response.status_code >= 400:
-            raise BackendRejectedError(f"{url} answered {response.status_code}: {_detail(response)}")
-        if not response.content:
-            return None
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise BackendRejectedError(
-                f"{url} answered {response.status_code} with a body that is not JSON: {response.text[:200]!r}"
-            ) from exc
-
     def _check_prompt(self, prompt: TextPrompt, where: str) -> None:
         if self._tokenizer is not None:
             self._check_fits_context(
@@ -333,19 +290,19 @@ class OpenAIPolicy(TextPolicy):
 
     # --------------------------------------------------------------------------- forward
     def _is_transient(self, exc: BaseException) -> bool:
-        return isinstance(exc, (TransientBackendError, OSError)) and not isinstance(exc, PermissionError)
+        return is_transient(exc)
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         supervisor = self.supervisor
         if supervisor is None:
-            return self._run_on_loop(self._complete_batch(prompts))
+            return self._client.run(self._complete_batch(prompts))
         if getattr(self._batch_state, "engine_failed", False):
             with self._stats_lock:
                 self._engine_counts["resubmitted_requests"] += len(prompts)
         generation = supervisor.generation  # waits while the server is being restarted
         try:
             supervisor.check_alive()
-            results = self._run_on_loop(self._complete_batch(prompts))
+            results = self._client.run(self._complete_batch(prompts))
             if supervisor.generation != generation:  # answered across a restart: by which weights is unclear
                 raise TransientBackendError(f"{self.base_url} was restarted while the batch ran; it is sent again")
         except Exception as exc:
@@ -354,7 +311,7 @@ class OpenAIPolicy(TextPolicy):
                 # not be, and this batch's requests are failed ones); False: it is fine, a plain retry
                 restarted = True
                 try:
-                    restarted = supervisor.recover(exc, generation, reload=self._republish)
+                    restarted = self._publisher.recover(exc, generation)
                 finally:
                     if restarted:
                         self._batch_state.engine_failed = True
@@ -375,12 +332,6 @@ class OpenAIPolicy(TextPolicy):
                 with self._stats_lock:
                     self._engine_counts["failed_requests"] += failed
             self._batch_state.engine_failed = False
-
-    def _republish(self) -> None:
-        """Load the last published weights into a restarted server (the supervisor calls this)."""
-        if self._published is not None:
-            path, version = self._published
-            self._run_on_loop(self._routes.publish(path, version), timeout_s=self.update_timeout_s + 30.0)
 
     async def _complete_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         if self.batch_requests:
@@ -421,7 +372,7 @@ class OpenAIPolicy(TextPolicy):
         if self.return_token_ids:
             body["return_tokens_as_token_ids"] = True
         self._http_requests += 1  # one event-loop thread: no lock needed
-        data = await self._request("POST", "/v1/completions", json=body)
+        data = await self._client.request("POST", "/v1/completions", json=body)
         try:
             choices = sorted(data["choices"], key=lambda choice: choice["index"])
         except (KeyError, TypeError) as exc:
@@ -458,7 +409,7 @@ class OpenAIPolicy(TextPolicy):
         sampling = _sampling_fields(first, len(copies))
         body = {"model": self.model, "token_ids": token_ids, "sampling_params": sampling, "output_mode": "tokens"}
         self._http_requests += 1  # one event-loop thread: no lock needed
-        data = await self._request("POST", GENERATE_ROUTE, json=body)
+        data = await self._client.request("POST", GENERATE_ROUTE, json=body)
         where = f"{self.base_url}{GENERATE_ROUTE}"
         try:
             choices = sorted(data["choices"], key=lambda choice: choice["index"])
@@ -541,80 +492,17 @@ class OpenAIPolicy(TextPolicy):
 
         Returns what the server said (e.g. vLLM's ``{"version": "0.32.0"}``).
         """
-        info = self._run_on_loop(self._routes.identify())
-        self._identified = True
-        return info
+        return self._publisher.identify()
 
     def server_version(self) -> int | None:
         """The weight version the server reports now (None: it has none yet, e.g. vLLM's "default")."""
-        return self._run_on_loop(self._routes.read_version())
+        return self._publisher.server_version()
 
     def _apply_weights(self, weights: Any, version: int) -> None:
-        if not self._identified:
-            self.check_server()
-        path = self._checkpoint_path(weights, version)
-        publish_timeout = self.update_timeout_s + 30.0
-        supervisor = self.supervisor
-        if supervisor is None:
-            self._run_on_loop(self._routes.publish(path, version), timeout_s=publish_timeout)
-        else:
-            generation = supervisor.generation
-            try:
-                supervisor.check_alive()
-                self._run_on_loop(self._routes.publish(path, version), timeout_s=publish_timeout)
-            except Exception as exc:
-                # a dead server: restart it (with the last weights), then publish these once more
-                if not self._is_transient(exc) or not supervisor.recover(exc, generation, reload=self._republish):
-                    raise
-                self._run_on_loop(self._routes.publish(path, version), timeout_s=publish_timeout)
-        self._published = (path, version)
-        self._prune_checkpoints()
-
-    def _checkpoint_path(self, weights: Any, version: int) -> str:
-        if isinstance(weights, (str, os.PathLike)):
-            path = os.fspath(weights)
-            if self.server_kind != "asyncvec":  # the asyncvec server checks paths itself and survives bad ones
-                self._check_checkpoint(Path(path))
-            return path
-        if self.checkpoint_dir is None:
-            raise TypeError(
-                f"{self._label}.load_weights got a {type(weights).__name__}: pass a checkpoint folder the server "
-                "can read, or create the policy with checkpoint_dir=<a folder the server can read> to write one"
-            )
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.model)
-        folder = write_checkpoint(weights, self.checkpoint_dir / f"{name}-v{version}", config_from=self.model_dir)
-        self._written.append(folder)
-        self._check_checkpoint(folder)
-        return str(folder.resolve())
-
-    def _check_checkpoint(self, folder: Path) -> None:
-        shapes = checkpoint_shapes(folder)
-        spec = self._parameters
-        if spec is None and (folder / "config.json").is_file():
-            spec = ParameterSpec.from_model_dir(folder)
-        if spec is None:
-            return
-        where = f"{self._label}: checkpoint {str(folder)!r}"
-        spec.check(shapes, where=where)
-        if self.server_kind == "vllm":
-            missing = {name: source for name, source in spec.tied.items() if name not in shapes}
-            if missing:
-                raise ValueError(
-                    f"{where} lacks tied tensors {missing} (name: tied to): vLLM reloads each parameter from its "
-                    "own name and would keep the old ones; write the folder with asyncvec.inference.write_checkpoint"
-                )
-
-    def _prune_checkpoints(self) -> None:
-        while len(self._written) > self.keep_checkpoints:
-            shutil.rmtree(self._written.pop(0), ignore_errors=True)
+        self._publisher.publish(weights, version)
 
     def _close_backend(self) -> None:
-        try:
-            self._run_on_loop(self._client.aclose())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._loop_thread.join(5.0)
-            self._loop.close()
+        self._client.close()
 
 
 def _not_answered(future: concurrent.futures.Future) -> bool:
@@ -656,16 +544,3 @@ def _token_id(token: Any) -> int:
     if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
         return int(token[len(TOKEN_ID_PREFIX) :])
     raise BackendRejectedError(f"expected tokens as '{TOKEN_ID_PREFIX}N' (return_tokens_as_token_ids), got {token!r}")
-
-
-def _detail(response: Any) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:300]
-    if isinstance(body, dict):
-        detail = body.get("error", body.get("detail", body))
-        if isinstance(detail, dict) and "message" in detail:
-            return str(detail["message"])
-        return str(detail)
-    return str(body)[:300]

@@ -1,5 +1,6 @@
 """How each kind of OpenAI-compatible server (``asyncvec serve``, vLLM, SGLang) reports the weights'
-version and takes new weights: one `_Routes` subclass per kind, used by `OpenAIPolicy`."""
+version and takes new weights: one `ServerRoutes` subclass per kind (``ROUTES[server_kind]``), which
+talks to the server through a `ServerClient`; used by `OpenAIPolicy` and its `WeightPublisher`."""
 
 from __future__ import annotations
 
@@ -10,20 +11,32 @@ from typing import TYPE_CHECKING, Any
 from asyncvec.inference.types import BackendError, BackendRejectedError, TransientBackendError
 
 if TYPE_CHECKING:
-    from asyncvec.inference.backends.openai_policy import OpenAIPolicy
+    from asyncvec.inference.backends.server_client import ServerClient
 
 SERVER_KINDS = ("asyncvec", "vllm", "sglang")
 #: vLLM's token-in-token-out route (``--enable-scale-out``): answers carry per-token weight-version spans
 GENERATE_ROUTE = "/inference/v1/generate"
 
 
-class _Routes(abc.ABC):
-    """How one kind of server reports versions and takes new weights (one subclass per server kind)."""
+class ServerRoutes(abc.ABC):
+    """How one kind of server reports versions and takes new weights (one subclass per server kind).
+
+    Args:
+        client: the `ServerClient` of the server.
+        label: who asks, in error messages (the policy's name).
+        initial_version: the version a server without a numeric one serves (vLLM's ``"default"``).
+        inflight: the server takes weights while requests run (vLLM ``--enable-scale-out``).
+    """
 
     kind = ""
 
-    def __init__(self, policy: OpenAIPolicy) -> None:
-        self.policy = policy
+    def __init__(
+        self, client: ServerClient, *, label: str = "OpenAIPolicy", initial_version: int = 0, inflight: bool = False
+    ) -> None:
+        self.client = client
+        self.label = label
+        self.initial_version = initial_version
+        self.inflight = inflight
 
     @abc.abstractmethod
     async def identify(self) -> dict[str, Any]:
@@ -31,12 +44,12 @@ class _Routes(abc.ABC):
 
     async def read_version(self) -> int | None:
         """``GET /weight_info`` (vLLM's route; asyncvec serves it too)."""
-        info = await self.policy._request("GET", "/weight_info")
+        info = await self.client.request("GET", "/weight_info")
         return parse_version(info.get("weight_version") if isinstance(info, dict) else None)
 
     async def _version_route(self, is_this_kind: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         try:
-            info = await self.policy._request("GET", "/version")
+            info = await self.client.request("GET", "/version")
         except BackendRejectedError as exc:
             raise self._not_this_kind("/version", str(exc)) from None
         if not isinstance(info, dict) or not is_this_kind(info):
@@ -58,23 +71,23 @@ class _Routes(abc.ABC):
         current = await self.read_version()
         if current is not None and version <= current:
             raise ValueError(
-                f"{self.policy._label}: version must be newer than the server's current weight version {current}, "
+                f"{self.label}: version must be newer than the server's current weight version {current}, "
                 f"got {version}; the server keeps its weights"
             )
 
     async def _confirm(self, version: int) -> None:
         got = await self.read_version()
         if got != version:
-            raise BackendError(f"{self.policy.base_url} reports weight version {got} after the update to {version}")
+            raise BackendError(f"{self.client.base_url} reports weight version {got} after the update to {version}")
 
     def _not_this_kind(self, route: str, answer: Any) -> BackendRejectedError:
         return BackendRejectedError(
-            f"{self.policy.base_url} is not a server of kind {self.kind!r} (GET {route} answered {answer!r}); "
+            f"{self.client.base_url} is not a server of kind {self.kind!r} (GET {route} answered {answer!r}); "
             f"create the policy with the server_kind of that server (one of {SERVER_KINDS})"
         )
 
 
-class _AsyncvecRoutes(_Routes):
+class _AsyncvecRoutes(ServerRoutes):
     kind = "asyncvec"
 
     async def identify(self) -> dict[str, Any]:
@@ -86,37 +99,34 @@ class _AsyncvecRoutes(_Routes):
     async def publish(self, path: str, version: int) -> None:
         await self._check_newer(version)
         body = {"path": path, "version": version}
-        answer = await self.policy._request(
-            "POST",
-            "/update_weights",
-            json=body,
-            token=self.policy._update_token,
-            timeout_s=self.policy.update_timeout_s,
+        client = self.client
+        answer = await client.request(
+            "POST", "/update_weights", json=body, update=True, timeout_s=client.update_timeout_s
         )
         if not isinstance(answer, dict) or answer.get("version") != version:
-            raise BackendError(f"{self.policy.base_url}/update_weights answered {answer!r}, expected version {version}")
+            raise BackendError(f"{client.base_url}/update_weights answered {answer!r}, expected version {version}")
         await self._confirm(version)
 
 
-class _VLLMRoutes(_Routes):
+class _VLLMRoutes(ServerRoutes):
     kind = "vllm"
 
     async def identify(self) -> dict[str, Any]:
         info = await self._version_route(lambda info: set(info) == {"version"})  # vLLM: {"version": "0.32.0"}
         try:
-            await self.policy._request("GET", "/weight_info")
+            await self.client.request("GET", "/weight_info")
         except BackendRejectedError as exc:
             raise BackendRejectedError(
-                f"{self.policy.base_url} is vLLM {info['version']} without its weight routes "
+                f"{self.client.base_url} is vLLM {info['version']} without its weight routes "
                 f"(GET /weight_info: {exc}); start it with VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
             ) from None
-        if self.policy.inflight_updates:
+        if self.inflight:
             try:  # an empty body: refused by the route's validation if it is served, 403/404 if not
-                await self.policy._request("POST", GENERATE_ROUTE, json={})
+                await self.client.request("POST", GENERATE_ROUTE, json={})
             except (PermissionError, BackendRejectedError) as exc:
                 if isinstance(exc, PermissionError) or " answered 404" in str(exc):
                     raise BackendRejectedError(
-                        f"{self.policy.base_url} does not serve {GENERATE_ROUTE} ({exc}), which inflight_updates=True "
+                        f"{self.client.base_url} does not serve {GENERATE_ROUTE} ({exc}), which inflight_updates=True "
                         "needs: start vLLM with --enable-scale-out (VLLMServer(..., enable_scale_out=True))"
                     ) from None
         return info
@@ -129,55 +139,54 @@ class _VLLMRoutes(_Routes):
                 f"{exc}; answers of a vLLM server are tagged with GET /weight_info: start it with "
                 "VLLM_SERVER_DEV_MODE=1 (asyncvec.inference.VLLMServer does)"
             ) from None
-        return self.policy._initial_version if version is None else version
+        return self.initial_version if version is None else version
 
     async def publish(self, path: str, version: int) -> None:
         """Pause (``wait``: requests finish; in flight ``keep``: they stay frozen), reload, preempt
         the frozen requests (in flight: their prefix is recomputed with the new weights), set the
         version, resume."""
-        policy = self.policy
+        client = self.client
         await self._check_newer(version)
-        token = policy._update_token
-        inflight = policy.inflight_updates
-        await policy._request("POST", "/pause", params={"mode": "keep" if inflight else "wait"}, token=token)
+        inflight = self.inflight
+        await client.request("POST", "/pause", params={"mode": "keep" if inflight else "wait"}, update=True)
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}}
             try:
-                await policy._request(
-                    "POST", "/collective_rpc", json=rpc, token=token, timeout_s=policy.update_timeout_s
+                await client.request(
+                    "POST", "/collective_rpc", json=rpc, update=True, timeout_s=client.update_timeout_s
                 )
             except (TransientBackendError, BackendRejectedError) as exc:
                 raise BackendError(
-                    f"vLLM at {policy.base_url} failed to reload weights from {path!r}: {exc} "
+                    f"vLLM at {client.base_url} failed to reload weights from {path!r}: {exc} "
                     "(a failed reload stops vLLM's engine: check its /health)"
                 ) from exc
             if inflight:
-                reset = await policy._request(
-                    "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}, token=token
+                reset = await client.request(
+                    "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}, update=True
                 )
                 if not isinstance(reset, dict) or reset.get("success") is not True:
                     raise BackendError(
-                        f"vLLM at {policy.base_url} reloaded {path!r} but could not preempt its running requests "
+                        f"vLLM at {client.base_url} reloaded {path!r} but could not preempt its running requests "
                         f"(POST /reset_prefix_cache?reset_running_requests=true answered {reset!r}); the weight "
                         "version was not changed"
                     )
-            await policy._request("POST", "/update_weight_version", json={"new_version": str(version)}, token=token)
+            await client.request("POST", "/update_weight_version", json={"new_version": str(version)}, update=True)
         finally:
             try:
-                await policy._request("POST", "/resume", token=token)
+                await client.request("POST", "/resume", update=True)
             except (TransientBackendError, BackendRejectedError):
                 pass  # the error that stopped the update is the one to report
         await self._confirm(version)
 
 
-class _SGLangRoutes(_Routes):
+class _SGLangRoutes(ServerRoutes):
     kind = "sglang"
     _info_routes = ("/model_info", "/get_model_info", "/get_weight_version")
 
     async def identify(self) -> dict[str, Any]:
         for route in self._info_routes:
             try:
-                info = await self.policy._request("GET", route)
+                info = await self.client.request("GET", route)
             except BackendRejectedError:
                 continue
             if isinstance(info, dict) and "weight_version" in info:
@@ -190,29 +199,28 @@ class _SGLangRoutes(_Routes):
 
     def response_version(self, data: dict[str, Any]) -> int | None:
         version = parse_version((data.get("metadata") or {}).get("weight_version"))
-        return self.policy._initial_version if version is None else version
+        return self.initial_version if version is None else version
 
     async def publish(self, path: str, version: int) -> None:
-        policy = self.policy
+        client = self.client
         await self._check_newer(version)
-        token = policy._update_token
-        await policy._request("POST", "/pause_generation", token=token)
+        await client.request("POST", "/pause_generation", update=True)
         try:
             body = {"model_path": path, "weight_version": str(version)}
-            answer = await policy._request(
-                "POST", "/update_weights_from_disk", json=body, token=token, timeout_s=policy.update_timeout_s
+            answer = await client.request(
+                "POST", "/update_weights_from_disk", json=body, update=True, timeout_s=client.update_timeout_s
             )
             if not isinstance(answer, dict) or not answer.get("success", False):
-                raise BackendError(f"SGLang at {policy.base_url} did not load {path!r}: {answer!r}")
+                raise BackendError(f"SGLang at {client.base_url} did not load {path!r}: {answer!r}")
         finally:
             try:
-                await policy._request("POST", "/continue_generation", token=token)
+                await client.request("POST", "/continue_generation", update=True)
             except (TransientBackendError, BackendRejectedError):
                 pass
         await self._confirm(version)
 
 
-ROUTES: dict[str, type[_Routes]] = {"asyncvec": _AsyncvecRoutes, "vllm": _VLLMRoutes, "sglang": _SGLangRoutes}
+ROUTES: dict[str, type[ServerRoutes]] = {"asyncvec": _AsyncvecRoutes, "vllm": _VLLMRoutes, "sglang": _SGLangRoutes}
 
 
 def parse_version(value: Any) -> int | None:

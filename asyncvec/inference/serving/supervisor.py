@@ -11,8 +11,9 @@ repairs it:
   stuck generation loop behind a live HTTP front end).
 
 Then it kills what is left of the server, starts it again on the same port, and has the
-policy load the last weights it published (`OpenAIPolicy.load_weights` remembers the folder
-and the version), so the restarted server serves that version and its answers report it.
+policy's `WeightPublisher` load the last weights it published (it remembers the folder and the
+version of the last `OpenAIPolicy.load_weights`; ``recover(..., reload=publisher.republish)``),
+so the restarted server serves that version and its answers report it.
 The batch that failed is sent again by `BatchedPolicy`'s own retry (``max_attempts``); what
 still fails is delivered as a flagged fallback (``fallback=True``, no text: learners never
 train on it). A completion cut off by the crash never reaches anyone: a completion request
@@ -158,7 +159,8 @@ class EngineSupervisor:
 
         If the server was restarted since ``generation`` (by another batch), nothing more is done.
         Else it is diagnosed and, when dead or hung, restarted and ``reload`` (the policy's
-        re-publish of its last weights) is called, all before any other batch is sent.
+        `WeightPublisher.republish`: its last weights again) is called, all before any other
+        batch is sent.
 
         Raises:
             BackendError: the restart or the reload failed, or the supervisor gave up after
