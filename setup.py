@@ -1,5 +1,6 @@
 """asyncvec: asynchronous vectorized envs, batched slow policies and staleness-aware learners."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -9,6 +10,18 @@ from setuptools import find_packages, setup
 VERSION = re.search(
     r'^__version__ = "([^"]+)"', Path(__file__).with_name("asyncvec").joinpath("__init__.py").read_text(), re.M
 )[1]
+
+
+def agent_commands() -> list[str]:
+    """A command per file in agents/ that defines ``cli()``: agents/reinforce_pp.py -> asyncvec-reinforce-pp (=
+    python -m asyncvec.agents.reinforce_pp, python agents/reinforce_pp.py); a new agent file needs no edit here."""
+    commands = []
+    for path in sorted(Path(__file__).with_name("agents").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        if any(isinstance(node, ast.FunctionDef) and node.name == "cli" for node in tree.body):
+            commands.append(f"asyncvec-{path.stem.replace('_', '-')}=asyncvec.agents.{path.stem}:cli")
+    return commands
+
 
 HF = ["transformers>=4.45", "tokenizers>=0.19", "safetensors"]
 SERVE = [
@@ -82,14 +95,7 @@ setup(
         + ["ruff==0.17.6", "mypy==2.4.1"],
     },
     entry_points={
-        "console_scripts": [
-            "asyncvec=asyncvec.cli:main",
-            # the agents, installed: asyncvec-ppo --env CartPole-v1 (= python -m asyncvec.agents.ppo, python agents/ppo.py)
-            "asyncvec-ppo=asyncvec.agents.ppo:cli",
-            "asyncvec-sac=asyncvec.agents.sac:cli",
-            "asyncvec-ppo-chunks=asyncvec.agents.ppo_chunks:cli",
-            "asyncvec-rloo=asyncvec.agents.rloo:cli",
-            "asyncvec-reinforce-pp=asyncvec.agents.reinforce_pp:cli",
-        ]
+        # the agents, installed: asyncvec-ppo --env CartPole-v1 (= python -m asyncvec.agents.ppo, python agents/ppo.py)
+        "console_scripts": ["asyncvec=asyncvec.cli:main", *agent_commands()]
     },
 )
