@@ -8,8 +8,9 @@ import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import gymnasium as gym
 import numpy as np
@@ -106,14 +107,69 @@ def make_env_fn(
     return make
 
 
-def check_fault_flags(max_restarts: int, step_timeout: float | None, backend: str) -> None:
-    """``--max-restarts`` / ``--step-timeout`` of PPO and SAC, refused with a line naming the flag."""
-    if max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
-    if step_timeout is not None and step_timeout <= 0:
-        raise ValueError(f"--step-timeout must be > 0 seconds (or None), got {step_timeout}")
-    if backend == "ray" and (max_restarts or step_timeout is not None):
-        raise ValueError("--max-restarts and --step-timeout are for --backend local (Ray restarts its own actors)")
+@dataclass
+class EnvAgentArgs:
+    """The options PPO and SAC share (where the envs run, how they fail, seeds, logs, checkpoints); each agent's
+    ``Args`` adds its algorithm's options below these and may change their defaults."""
+
+    env: str = "CartPole-v1"
+    """gymnasium env id, or module:EnvId for your own env: module (a file in the current folder or an installed
+    package) is imported first and registers EnvId (mymod:MyEnv-v0)"""
+    num_envs: int = 8
+    """number of parallel envs"""
+    mode: Literal["sync", "async"] = "async"
+    """sync: act then learn, in turn; async: a collector thread acts while the learner trains"""
+    backend: Literal["local", "ray"] = "local"
+    """local: env worker processes here; ray: collector actors (envs + a copy of the policy each) on a Ray cluster"""
+    ray_address: str | None = None
+    """Ray cluster for --backend ray (default: $RAY_ADDRESS, else a local Ray started for the run)"""
+    ray_collectors: int = 2
+    """collector actors for --backend ray; the envs are split among them"""
+    policy_latency_ms: float = 0.0
+    """latency of each policy call (a LatencyModel playing a remote model server)"""
+    env_latency_ms: float = 0.0
+    """latency of each env step (a sleeping SlowEnv playing a slow simulator)"""
+    env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
+    """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
+    max_restarts: int = 0
+    """times each env may be rebuilt after a crash or hang (episode truncated); envs then stay in workers"""
+    step_timeout: float | None = None
+    """seconds an env step may take before its worker counts as hung (killed; rebuilt with --max-restarts)"""
+    total_timesteps: int = 100_000
+    """env steps to train for"""
+    target_return: float | None = None
+    """stop once the mean return of the recent episodes reaches this"""
+    seed: int = 1
+    """seed of torch, numpy and the envs"""
+    track: bool = False
+    """write TensorBoard logs to --log-dir"""
+    log_dir: str = "runs"
+    """TensorBoard log root"""
+    progress: bool = True
+    """show a progress bar"""
+    checkpoint_dir: str | None = None
+    """save checkpoints here (weights, optimizers, version, RNG state, and what the agent keeps)"""
+    resume: bool = False
+    """continue from the checkpoint in --checkpoint-dir"""
+    torch_threads: int = 1
+    """torch CPU threads for the learner (small nets run faster on one)"""
+
+    def __post_init__(self) -> None:
+        """Refuses run options out of range with one line naming the flag."""
+        if self.backend == "ray" and self.mode != "async":
+            raise ValueError("--backend ray runs remote collectors: it needs --mode async")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.step_timeout is not None and self.step_timeout <= 0:
+            raise ValueError(f"--step-timeout must be > 0 seconds (or None), got {self.step_timeout}")
+        if self.backend == "ray" and (self.max_restarts or self.step_timeout is not None):
+            raise ValueError("--max-restarts and --step-timeout are for --backend local (Ray restarts its own actors)")
+        for name in ("num_envs", "total_timesteps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("policy_latency_ms", "env_latency_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (milliseconds), got {getattr(self, name)}")
 
 
 def make_vector_env(

@@ -43,8 +43,8 @@ from torch.distributions import Categorical, Normal
 
 from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.agents.common import (
+    EnvAgentArgs,
     anneal,
-    check_fault_flags,
     env_spaces,
     final_observations,
     final_return_text,
@@ -97,20 +97,9 @@ PRESETS: dict[str, dict[str, object]] = {
 
 
 @dataclass
-class Args:
-    env: str = "CartPole-v1"
-    """gymnasium env id (CartPole-v1), or module:EnvId for your own env: module (a file in the current
-    folder or an installed package) is imported first and registers EnvId (mymod:MyEnv-v0)"""
-    num_envs: int = 8
-    """number of parallel envs"""
-    mode: Literal["sync", "async"] = "async"
-    """sync: act then learn, in lockstep; async: a collector thread acts while the learner trains"""
-    backend: Literal["local", "ray"] = "local"
-    """local: env worker processes here; ray: collector actors (envs + a copy of the policy each) on a Ray cluster"""
-    ray_address: str | None = None
-    """Ray cluster for --backend ray (default: $RAY_ADDRESS, else a local Ray started for the run)"""
-    ray_collectors: int = 2
-    """collector actors for --backend ray; the envs are split among them"""
+class Args(EnvAgentArgs):
+    """PPO's options: those every env agent has (asyncvec.agents.common.EnvAgentArgs), then its own."""
+
     max_staleness: int = 4
     """samples more than this many versions older than the learner are masked out"""
     adaptive_staleness: bool = False
@@ -122,32 +111,6 @@ class Args:
     """truncation C of the importance weights"""
     policy_lag: int = 0
     """actors receive each new version this many updates late (a slow weight broadcast)"""
-    policy_latency_ms: float = 0.0
-    """latency of each policy call (a LatencyModel playing a remote model server)"""
-    env_latency_ms: float = 0.0
-    """latency of each env step (a sleeping SlowEnv playing a slow simulator)"""
-    env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
-    """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
-    max_restarts: int = 0
-    """times each env may be rebuilt after a crash or hang (episode truncated); envs then stay in workers"""
-    step_timeout: float | None = None
-    """seconds an env step may take before its worker counts as hung (killed; rebuilt with --max-restarts)"""
-    total_timesteps: int = 100_000
-    """env steps to train for"""
-    target_return: float | None = None
-    """stop once the mean return of the last 20 episodes reaches this"""
-    seed: int = 1
-    """seed of torch, numpy and the envs"""
-    track: bool = False
-    """write TensorBoard logs to --log-dir"""
-    log_dir: str = "runs"
-    """TensorBoard log root"""
-    progress: bool = True
-    """show a progress bar"""
-    checkpoint_dir: str | None = None
-    """save a checkpoint here after every update"""
-    resume: bool = False
-    """continue from the checkpoint in --checkpoint-dir"""
     preset: Literal["none", "cleanrl", "cleanrl-continuous"] = "none"
     """opt-in named settings (PRESETS): they replace the algorithm fields left at their defaults"""
     # Algorithm: one default for every env, chosen on benchmarks/defaults.py's suite (docs/agents.md).
@@ -186,8 +149,6 @@ class Args:
     """gradient clipping"""
     hidden: int = 64
     """width of the two hidden layers"""
-    torch_threads: int = 1
-    """torch CPU threads for the learner (small nets run faster on one)"""
 
     def __post_init__(self) -> None:
         if self.preset != "none":
@@ -195,15 +156,10 @@ class Args:
             for name, value in PRESETS[self.preset].items():
                 if getattr(self, name) == defaults[name]:
                     setattr(self, name, value)
-        if self.backend == "ray" and self.mode != "async":
-            raise ValueError("--backend ray runs remote collectors: it needs --mode async")
-        check_fault_flags(self.max_restarts, self.step_timeout, self.backend)
-        for name in ("num_envs", "num_steps", "total_timesteps", "update_epochs", "num_minibatches"):
+        super().__post_init__()
+        for name in ("num_steps", "update_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("policy_latency_ms", "env_latency_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (milliseconds), got {getattr(self, name)}")
         if self.policy_lag > self.max_staleness:
             raise ValueError(
                 f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}: every sample "

@@ -33,7 +33,6 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import gymnasium as gym
 import numpy as np
@@ -44,9 +43,8 @@ import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
 from asyncvec import Collector, ReplayBuffer, VersionManager
-from asyncvec._threads import release_if_held
 from asyncvec.agents.common import (
-    check_fault_flags,
+    EnvAgentArgs,
     final_observations,
     final_return_text,
     make_policy,
@@ -56,6 +54,7 @@ from asyncvec.agents.common import (
     run_from_cli,
 )
 from asyncvec.buffers import Transitions
+from asyncvec.lifecycle import release_if_held
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.runs import load_checkpoint, save_checkpoint, seed_everything
 from asyncvec.versioning import LaggedWeights
@@ -64,20 +63,17 @@ LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 
 
 @dataclass
-class Args:
+class Args(EnvAgentArgs):
+    """SAC's options: those every env agent has (asyncvec.agents.common.EnvAgentArgs, with SAC's defaults for
+    --env, --num-envs and --total-timesteps), then its own."""
+
     env: str = "Pendulum-v1"
     """gymnasium env id with a Box action space (Pendulum-v1), or module:EnvId for your own env: module (a file
     in the current folder or an installed package) is imported first and registers EnvId (mymod:MyEnv-v0)"""
     num_envs: int = 2
     """number of parallel envs"""
-    mode: Literal["sync", "async"] = "async"
-    """sync: act, store, learn, in turn; async: a collector thread acts while the learner trains"""
-    backend: Literal["local", "ray"] = "local"
-    """local: env worker processes here; ray: collector actors (envs + a copy of the policy each) on a Ray cluster"""
-    ray_address: str | None = None
-    """Ray cluster for --backend ray (default: $RAY_ADDRESS, else a local Ray started for the run)"""
-    ray_collectors: int = 2
-    """collector actors for --backend ray; the envs are split among them"""
+    total_timesteps: int = 15_000
+    """env steps to train for"""
     max_staleness: int | None = None
     """drop samples more than this many versions older than the learner (None: keep all); a version is
     --publish-every gradient steps, by default one step of every env"""
@@ -92,34 +88,8 @@ class Args:
     publish_every: int | None = None
     """publish the actor's weights (a new version) every this many gradient steps (None: num_envs * utd,
     so that one version is one step of every env)"""
-    policy_latency_ms: float = 0.0
-    """latency of each policy call (a LatencyModel playing a remote model server)"""
-    env_latency_ms: float = 0.0
-    """latency of each env step (a sleeping SlowEnv)"""
-    env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
-    """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
-    max_restarts: int = 0
-    """times each env may be rebuilt after a crash or hang (episode truncated); envs then stay in workers"""
-    step_timeout: float | None = None
-    """seconds an env step may take before its worker counts as hung (killed; rebuilt with --max-restarts)"""
-    total_timesteps: int = 15_000
-    """env steps to train for"""
-    target_return: float | None = None
-    """stop once the mean return of the last 10 episodes reaches this"""
-    seed: int = 1
-    """seed of torch, numpy and the envs"""
-    track: bool = False
-    """write TensorBoard logs"""
-    log_dir: str = "runs"
-    """TensorBoard log root"""
-    progress: bool = True
-    """show a progress bar"""
-    checkpoint_dir: str | None = None
-    """save a checkpoint (weights, optimizers, version, RNG, replay buffer) here"""
     checkpoint_every: int = 5000
     """env steps between checkpoints"""
-    resume: bool = False
-    """continue from the checkpoint in --checkpoint-dir"""
     # Algorithm (CleanRL's SAC)
     buffer_size: int = 100_000
     """replay capacity"""
@@ -145,23 +115,16 @@ class Args:
     """tune alpha towards the target entropy -dim(A)"""
     hidden: int = 256
     """width of the hidden layers"""
-    torch_threads: int = 1
-    """torch CPU threads for the learner (small nets run faster on one)"""
 
     def __post_init__(self) -> None:
         if self.publish_every is None:
             self.publish_every = max(1, round(self.num_envs * self.utd))
-        if self.backend == "ray" and self.mode != "async":
-            raise ValueError("--backend ray runs remote collectors: it needs --mode async")
-        check_fault_flags(self.max_restarts, self.step_timeout, self.backend)
-        for name in ("num_envs", "total_timesteps", "batch_size", "n_step", "publish_every", "buffer_size"):
+        super().__post_init__()
+        for name in ("batch_size", "n_step", "publish_every", "buffer_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.utd <= 0:
             raise ValueError(f"--utd must be > 0, got {self.utd}")
-        for name in ("policy_latency_ms", "env_latency_ms"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (milliseconds), got {getattr(self, name)}")
         if self.max_staleness is not None and self.policy_lag > self.max_staleness:
             raise ValueError(f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}")
 

@@ -15,7 +15,7 @@ import abc
 import threading
 from typing import Any, TypeVar
 
-from asyncvec._threads import release_if_held
+from asyncvec.lifecycle import release_if_held
 
 __all__ = ["BackgroundCollector", "CollectorError"]
 
