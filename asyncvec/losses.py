@@ -30,6 +30,7 @@ __all__ = [
     "discounted_returns",
     "effective_sample_size",
     "gae",
+    "grpo_advantages",
     "kl_penalized_rewards",
     "masked_mean",
     "masked_normalize",
@@ -339,6 +340,54 @@ def rloo_advantages(rewards: Tensor) -> Tensor:
     k = rewards.shape[1]
     rewards = rewards.detach()
     return k / (k - 1) * (rewards - rewards.mean(dim=1, keepdim=True))
+
+
+def grpo_advantages(rewards: Tensor, group_ids: Tensor | None = None, eps: float = 1e-4) -> Tensor:
+    """GRPO's group-normalized advantages (Shao et al. 2024, DeepSeekMath; outcome supervision).
+
+    ::
+
+        A_i = (r_i - mean_{j in G(i)} r_j) / (std_{j in G(i)} r_j + eps)
+
+    over the completions ``G(i)`` of the same prompt; ``std`` is the sample standard deviation
+    (Bessel-corrected, as in TRL's, OpenRLHF's and verl's GRPO), so a group whose rewards are all
+    equal gets 0. Unlike RLOO the KL penalty stays out of the rewards: GRPO adds it to the loss.
+
+    Args:
+        rewards: ``[num_prompts, k]`` rewards of ``k >= 2`` completions per prompt, or ``[B]``
+            rewards with their ``group_ids``.
+        group_ids: ``[B]`` prompt ids of ``[B]`` rewards (groups of any size >= 2, in any order).
+        eps: added to the standard deviation.
+
+    Returns:
+        Advantages of ``rewards``' shape, detached.
+
+    Example:
+        >>> grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]]))
+        tensor([[ 1.4997, -0.4999, -0.4999, -0.4999],
+                [ 0.0000,  0.0000,  0.0000,  0.0000]])
+        >>> grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0]), group_ids=torch.tensor([7, 7, 3, 3, 3]))
+        tensor([ 0.7070, -0.7070, -1.1545,  0.5773,  0.5773])
+    """
+    rewards = rewards.detach()
+    if group_ids is None:
+        if rewards.dim() != 2 or rewards.shape[1] < 2:
+            raise ValueError(f"rewards: expected shape [num_prompts, k] with k >= 2, got {tuple(rewards.shape)}")
+        mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
+        return (rewards - mean) / (std + eps)
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards, group_ids: expected two [B] tensors, got {tuple(rewards.shape)} and {tuple(group_ids.shape)}"
+        )
+    ids, group = torch.unique(group_ids, return_inverse=True)
+    counts = torch.bincount(group, minlength=len(ids)).to(rewards.dtype)
+    if bool((counts < 2).any()):
+        lone = ids[counts < 2].tolist()
+        raise ValueError(f"group_ids: groups {lone} have one reward (a standard deviation needs 2)")
+    mean = rewards.new_zeros(len(ids)).index_add_(0, group, rewards) / counts
+    squares = rewards.new_zeros(len(ids)).index_add_(0, group, (rewards - mean[group]) ** 2)
+    std = torch.sqrt(squares / (counts - 1))
+    return (rewards - mean[group]) / (std[group] + eps)
 
 
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
