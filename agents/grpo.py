@@ -43,7 +43,7 @@ from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs, check_clip_coef
 from asyncvec.lm.results import LMTrainResult
-from asyncvec.lm.training import LMAgent
+from asyncvec.lm.training import LMAgent, LossAndStats
 from asyncvec.losses import approx_kl, clipped_fraction, grpo_advantages, masked_mean
 
 
@@ -104,17 +104,10 @@ class GRPO(LMAgent):
         return grpo_advantages(data.rewards, data.group_ids).unsqueeze(-1) * data.mask
 
     # ------------------------------------------------------------------ the loss
-    def policy_loss(
-        self,
-        logp: torch.Tensor,
-        prox_logp: torch.Tensor,
-        advantages: torch.Tensor,
-        weights: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def policy_loss(self, logp, prox_logp, advantages, weights, mask, ref_logp=None) -> LossAndStats:
         """``-mean_i 1/|y_i| sum_t w_it (min(rho A, clip(rho) A) - beta KL_k3)``: token mean per completion,
-        then the mean over completions."""
+        then the mean over completions (per token ``[rows, L]``; ``ref_logp``: the reference's, None without
+        ``--kl-coef``)."""
         eps, beta = self.args.clip_coef, self.args.kl_coef
         ratio = torch.exp(logp - prox_logp)
         objective = torch.min(ratio * advantages, ratio.clamp(1 - eps, 1 + eps) * advantages)

@@ -38,7 +38,7 @@ from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs, check_clip_coef
 from asyncvec.lm.results import LMTrainResult
-from asyncvec.lm.training import LMAgent
+from asyncvec.lm.training import LMAgent, LossAndStats
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
 
 
@@ -101,16 +101,9 @@ class ReinforcePP(LMAgent):
         )
 
     # ------------------------------------------------------------------ the loss
-    def policy_loss(
-        self,
-        logp: torch.Tensor,
-        prox_logp: torch.Tensor,
-        advantages: torch.Tensor,
-        weights: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None = None,  # unused: the KL penalty is in the token rewards
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """PPO-clip against ``pi_prox``, each token weighted by its truncated IS weight; mean over tokens."""
+    def policy_loss(self, logp, prox_logp, advantages, weights, mask, ref_logp=None) -> LossAndStats:
+        """PPO-clip against ``pi_prox``, each token weighted by its truncated IS weight; mean over tokens
+        (per token ``[rows, L]``; ``ref_logp`` unused: the KL penalty is in the token rewards)."""
         return ppo_clip_loss(logp, prox_logp, advantages, self.args.clip_coef, mask=mask, weights=weights)
 
     # update (the clipped objective over --update-epochs passes, all against pi_prox) and train (the loop):

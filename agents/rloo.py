@@ -36,7 +36,7 @@ from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs
 from asyncvec.lm.results import LMTrainResult
-from asyncvec.lm.training import LMAgent
+from asyncvec.lm.training import LMAgent, LossAndStats
 from asyncvec.losses import approx_kl, kl_penalized_rewards, masked_mean, rloo_advantages
 
 
@@ -85,16 +85,9 @@ class RLOO(LMAgent):
         return advantages.unsqueeze(-1) * data.mask
 
     # ------------------------------------------------------------------ the loss
-    def policy_loss(
-        self,
-        logp: torch.Tensor,
-        prox_logp: torch.Tensor,
-        advantages: torch.Tensor,
-        weights: torch.Tensor,
-        mask: torch.Tensor,
-        ref_logp: torch.Tensor | None = None,  # unused: RLOO's KL penalty is in the reward
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """``-mean_i sum_t w_it A_i pi/pi_prox``: sum over a completion's tokens, mean over completions."""
+    def policy_loss(self, logp, prox_logp, advantages, weights, mask, ref_logp=None) -> LossAndStats:
+        """``-mean_i sum_t w_it A_i pi/pi_prox``: sum over a completion's tokens, mean over completions
+        (per token ``[rows, L]``; ``ref_logp`` unused: RLOO's KL penalty is in the reward)."""
         ratio = torch.exp(logp - prox_logp)
         loss = -(weights * advantages * ratio * mask).sum(-1).mean()
         return loss, {"ratio_mean": masked_mean(ratio.detach(), mask)}

@@ -39,7 +39,10 @@ from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger, StageClock
 from asyncvec.runs import seed_everything
 
-PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+LossAndStats = tuple[torch.Tensor, dict[str, float]]
+"""What an agent's ``policy_loss`` returns: the loss (with grad) and its statistics."""
+
+PolicyLoss = Callable[..., LossAndStats]
 """``policy_loss(logp, prox_logp, advantages, weights, mask, **row_inputs) -> (loss, stats)`` of a minibatch's
 rows (``row_inputs``: what :meth:`LearnerStep.minimize` was given, e.g. ``ref_logp``, on the same rows)."""
 
@@ -98,7 +101,7 @@ class LMAgent:
         weights: torch.Tensor,
         mask: torch.Tensor,
         ref_logp: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> LossAndStats:
         """The loss of a minibatch's rows: ``logp`` (with grad) and ``prox_logp`` (``pi_prox``) per
         token, the advantages, the truncated IS weights, the mask, the reference's log-probs
         (None without ``--kl-coef``); returns ``(loss, stats)``."""
