@@ -12,11 +12,12 @@
 * :mod:`asyncvec.lm.groups`: ``GroupCollector`` (k scored completions per prompt);
 * :mod:`asyncvec.lm.rewards`: reward plugins and the ``RewardService``, a package
   (``registry``, ``parsers``, ``models``, ``service``);
-* what the LM agents (``agents/rloo.py``, ``agents/reinforce_pp.py``) build and call:
-  :mod:`asyncvec.lm.options` (``LMArgs``), :mod:`asyncvec.lm.build` (``build_parts``,
-  ``is_multi_turn``), :mod:`asyncvec.lm.prompts`, :mod:`asyncvec.lm.training` (``LMAgent``,
-  ``trainable_batch``, ``LearnerStep``, ``TrainingRun``), :mod:`asyncvec.lm.evaluation`,
-  :mod:`asyncvec.lm.results` (``LMTrainResult``, ``summary``).
+* what the LM agents (``agents/rloo.py``, ``agents/reinforce_pp.py``, ``agents/grpo.py``) build
+  and call: :mod:`asyncvec.lm.options` (``LMArgs``), :mod:`asyncvec.lm.backends` (``LM_BACKENDS``,
+  the table of ``--backend``\ s), :mod:`asyncvec.lm.build` (``build_parts``, ``is_multi_turn``),
+  :mod:`asyncvec.lm.prompts`, :mod:`asyncvec.lm.training` (``LMAgent``, the agents' base:
+  ``update``, ``train``, ``cli``; ``trainable_batch``, ``LearnerStep``, ``TrainingRun``),
+  :mod:`asyncvec.lm.evaluation`, :mod:`asyncvec.lm.results` (``LMTrainResult``, ``summary``).
 
 Names are imported lazily (an env worker importing ``asyncvec.lm.text_env`` never pays for
 torch).
