@@ -14,7 +14,7 @@
   (``registry``, ``parsers``, ``models``, ``service``);
 * what the LM agents (``agents/rloo.py``, ``agents/reinforce_pp.py``, ``agents/grpo.py``) build
   and call: :mod:`asyncvec.lm.options` (``LMArgs``), :mod:`asyncvec.lm.backends` (``LM_BACKENDS``,
-  the table of ``--backend``\ s), :mod:`asyncvec.lm.build` (``build_parts``, ``is_multi_turn``),
+  the table of backends), :mod:`asyncvec.lm.build` (``build_parts``, ``is_multi_turn``),
   :mod:`asyncvec.lm.prompts`, :mod:`asyncvec.lm.training` (``LMAgent``, the agents' base:
   ``update``, ``train``, ``cli``; ``trainable_batch``, ``LearnerStep``, ``TrainingRun``),
   :mod:`asyncvec.lm.evaluation`, :mod:`asyncvec.lm.results` (``LMTrainResult``, ``summary``).
