@@ -15,18 +15,22 @@ from typing import TYPE_CHECKING, Any, Literal
 import gymnasium as gym
 import numpy as np
 import torch
+import tyro
 from gymnasium.vector import AutoresetMode
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.slow import SlowEnv
 from asyncvec.extras import MissingExtraError, missing_env_extra
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
+from asyncvec.lm.results import summary
 from asyncvec.runs import check_env_id
 from asyncvec.versioning import LaggedWeights
 
 if TYPE_CHECKING:
     from asyncvec import VersionManager
     from asyncvec.distributed import DistributedCollector, RayCollectors
+    from asyncvec.lm.options import LMArgs
+    from asyncvec.lm.training import LMAgent
 
 
 def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
@@ -356,3 +360,14 @@ def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], log_pa
     logs = f"{log_path(agent)} (TensorBoard)" if track else f"not written (--track writes them to {log_dir}/)"
     print(f"logs: {logs}; checkpoint: {checkpoint_line(agent)}")
     return result
+
+
+def lm_cli(agent_cls: type[LMAgent], args_cls: type[LMArgs]) -> None:
+    """The command line of a language-model agent: ``args_cls`` from ``sys.argv`` (tyro), the agent built
+    (a wrong setting ends the run in one line), trained, its summary printed."""
+    args = tyro.cli(args_cls)
+    label = agent_cls.run_label(args)
+    with exit_on_setup_error(label):
+        agent = agent_cls(args)
+    with exit_on_missing_extra(label):
+        print(summary(label, agent.train()))

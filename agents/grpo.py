@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
+from asyncvec.agents.common import lm_cli
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs, check_clip_coef
 from asyncvec.lm.results import LMTrainResult
@@ -132,7 +132,7 @@ def train(args: Args) -> LMTrainResult:
 
 def cli() -> None:
     """``asyncvec-grpo``, ``python -m asyncvec.agents.grpo`` or, in a clone, ``python agents/grpo.py``."""
-    GRPO.cli(Args, exit_on_setup_error, exit_on_missing_extra)
+    lm_cli(GRPO, Args)
 
 
 if __name__ == "__main__":

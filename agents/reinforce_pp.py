@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
+from asyncvec.agents.common import lm_cli
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs, check_clip_coef
 from asyncvec.lm.results import LMTrainResult
@@ -117,7 +117,7 @@ def train(args: Args) -> LMTrainResult:
 
 def cli() -> None:
     """``asyncvec-reinforce-pp``, ``python -m asyncvec.agents.reinforce_pp`` or, in a clone, ``python agents/reinforce_pp.py``."""
-    ReinforcePP.cli(Args, exit_on_setup_error, exit_on_missing_extra)
+    lm_cli(ReinforcePP, Args)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncvec.agents.common import exit_on_missing_extra, exit_on_setup_error
+from asyncvec.agents.common import lm_cli
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs
 from asyncvec.lm.results import LMTrainResult
@@ -102,7 +102,7 @@ def train(args: Args) -> LMTrainResult:
 
 def cli() -> None:
     """``asyncvec-rloo``, ``python -m asyncvec.agents.rloo`` or, in a clone, ``python agents/rloo.py``."""
-    RLOO.cli(Args, exit_on_setup_error, exit_on_missing_extra)
+    lm_cli(RLOO, Args)
 
 
 if __name__ == "__main__":

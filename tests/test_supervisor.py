@@ -26,6 +26,7 @@ from asyncvec.inference import (
     TransientBackendError,
     build_tiny_lm,
 )
+from asyncvec.lm import training
 from asyncvec.lm.prompts import completion_with_answer, make_prompt_env
 from asyncvec.testing.checks import teacher_forced_logps
 
@@ -186,7 +187,7 @@ def test_an_rloo_run_goes_on_when_its_server_is_killed(server, tmp_path, monkeyp
         eval_prompts=0,
     )
     kept, received, failed_seen, from_failed = [], [], [], []
-    real = rloo.trainable_batch
+    real = training.trainable_batch  # what LMAgent.update calls
 
     def recording(groups, parts, options, min_group_samples):
         data = real(groups, parts, options, min_group_samples)
@@ -199,7 +200,7 @@ def test_an_rloo_run_goes_on_when_its_server_is_killed(server, tmp_path, monkeyp
         kept.append(len(data))
         return data
 
-    monkeypatch.setattr(rloo, "trainable_batch", recording)
+    monkeypatch.setattr(training, "trainable_batch", recording)
     env = make_prompt_env(args.env)
     with make_policy(
         server,

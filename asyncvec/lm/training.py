@@ -18,13 +18,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-import tyro
 
 from asyncvec.buffers import GroupBatch
 from asyncvec.extras import check_installed
@@ -34,7 +32,7 @@ from asyncvec.lm.episodes import EpisodeGroups
 from asyncvec.lm.evaluation import confirm_target, mean_reward, target_reached
 from asyncvec.lm.learner import EpisodeBatch, LMBatch, minibatch_updates, quiet_model_libraries
 from asyncvec.lm.options import LMArgs
-from asyncvec.lm.results import LMTrainResult, summary
+from asyncvec.lm.results import LMTrainResult
 from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger, StageClock
 from asyncvec.runs import seed_everything
@@ -45,10 +43,6 @@ LossAndStats = tuple[torch.Tensor, dict[str, float]]
 PolicyLoss = Callable[..., LossAndStats]
 """``policy_loss(logp, prox_logp, advantages, weights, mask, **row_inputs) -> (loss, stats)`` of a minibatch's
 rows (``row_inputs``: what :meth:`LearnerStep.minimize` was given, e.g. ``ref_logp``, on the same rows)."""
-
-ExitGuard = Callable[[str], AbstractContextManager[None]]
-"""``guard(label)``: a context manager that ends a command line in one line on the errors it knows
-(``asyncvec.agents.common.exit_on_setup_error``, ``exit_on_missing_extra``)."""
 
 
 class LMAgent:
@@ -133,20 +127,6 @@ class LMAgent:
             for groups in run.batches():  # --prompts-per-update complete groups at a time
                 run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
         return run.result()
-
-    @classmethod
-    def cli(cls, args_cls: type[LMArgs], setup_errors: ExitGuard, missing_extra: ExitGuard) -> None:
-        """The agent's command line: ``args_cls`` from ``sys.argv`` (tyro), the agent built under
-        ``setup_errors(label)`` (a wrong setting ends the run in one line), trained under
-        ``missing_extra(label)``, its summary printed. The agents pass
-        ``asyncvec.agents.common.exit_on_setup_error`` and ``exit_on_missing_extra`` (the library
-        does not import the agents)."""
-        args = tyro.cli(args_cls)
-        label = cls.run_label(args)
-        with setup_errors(label):
-            agent = cls(args)
-        with missing_extra(label):
-            print(summary(label, agent.train()))
 
     # ------------------------------------------------------------------ weights and closing
     def learner_weights(self) -> dict[str, torch.Tensor]:
