@@ -32,6 +32,7 @@ from asyncvec.inference.types import (
     PolicyClosedError,
     PolicyOutput,
 )
+from asyncvec.lifecycle import ClosesOnExit
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ FALLBACK_MODES = ("zero", "repeat")
 _delivery = threading.local()
 
 
-class BatchedPolicy(abc.ABC):
+class BatchedPolicy(abc.ABC, ClosesOnExit):
     """Base of every backend: futures, dynamic batching, deadlines, retries, cache, versions.
 
     A subclass implements ``_forward_batch(obs_list) -> list[BackendResult]`` (one backend
@@ -431,12 +432,6 @@ class BatchedPolicy(abc.ABC):
         for request in leftover:
             self._complete(request, error=error)
         self._close_backend()
-
-    def __enter__(self) -> BatchedPolicy:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{self._label}(policy_version={self._version}, closed={self._closed})"

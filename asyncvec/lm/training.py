@@ -26,6 +26,7 @@ import torch
 
 from asyncvec.buffers import GroupBatch
 from asyncvec.extras import check_installed
+from asyncvec.lifecycle import ClosesOnExit
 from asyncvec.lm.backends import LM_BACKENDS
 from asyncvec.lm.build import LMParts, build_parts
 from asyncvec.lm.episodes import EpisodeGroups
@@ -45,7 +46,7 @@ PolicyLoss = Callable[..., LossAndStats]
 rows (``row_inputs``: what :meth:`LearnerStep.minimize` was given, e.g. ``ref_logp``, on the same rows)."""
 
 
-class LMAgent:
+class LMAgent(ClosesOnExit):
     """The skeleton of a language-model agent: its options (``args``), its parts (the learner and its
     frozen reference, the tokenizer, the policy, the version manager, the collector: see
     :class:`~asyncvec.lm.build.LMParts`), an Adam optimizer over the learner (``--learning-rate``),
@@ -140,12 +141,6 @@ class LMAgent:
     def close(self) -> None:
         """Stops generation; closes the policy, the reward service and the envs (reverse order)."""
         self.parts.resources.close()
-
-    def __enter__(self) -> LMAgent:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def batch_sizes(groups: GroupBatch | EpisodeGroups) -> tuple[int, int]:

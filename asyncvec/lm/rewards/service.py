@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from asyncvec.lifecycle import ClosesOnExit
 from asyncvec.lm.rewards.models import BatchScorer, HFRewardModel
 from asyncvec.lm.rewards.registry import RewardFn, _acall, _call, _resolve, check_reward
 
@@ -83,7 +84,7 @@ class _Request:
     timer: asyncio.TimerHandle | None = None
 
 
-class RewardService:
+class RewardService(ClosesOnExit):
     """Scores ``(prompt, response)`` pairs in the background, in parallel with generation.
 
     Requests go to an asyncio loop on a worker thread. Batch scorers (:class:`HFRewardModel`)
@@ -281,12 +282,6 @@ class RewardService:
         if self._thread.is_alive():
             raise RuntimeError(f"RewardService loop thread did not stop within {timeout_s}s")
         self._loop.close()
-
-    def __enter__(self) -> RewardService:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"RewardService({self._name!r}, version={self.version}, closed={self._closed})"
