@@ -32,7 +32,7 @@ from asyncvec.inference.backends.vllm_policy import (
     start_engine,
 )
 from asyncvec.inference.tiny_models import _make_tokenizer_config_portable
-from asyncvec.inference.types import BackendResult
+from asyncvec.inference.types import BackendError, BackendResult
 from asyncvec.inference.weights import ParameterSpec, WeightsSource, apply_state_dict, state_dict_of
 
 __all__ = ["VLLMVLAPolicy", "LANGUAGE_MODEL_PREFIX"]
@@ -141,7 +141,7 @@ class VLLMVLAPolicy(TinyVLAPolicy):
             ids = list(completion.token_ids)
             steps = completion.logprobs or []
             if len(steps) != len(ids):
-                raise RuntimeError(f"{self._label}: vLLM returned {len(steps)} log-prob steps for {len(ids)} tokens")
+                raise BackendError(f"{self._label}: vLLM returned {len(steps)} log-prob steps for {len(ids)} tokens")
             token_rows.append(ids)
             logp_rows.append([step[token].logprob for step, token in zip(steps, ids, strict=True)])
         return self._action_results(token_rows, logp_rows)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncvec.inference.text import TextPolicy, group_identical
-from asyncvec.inference.types import BackendResult, TextPrompt
+from asyncvec.inference.types import BackendError, BackendResult, PolicyClosedError, TextPrompt
 from asyncvec.inference.weights import ParameterSpec, state_dict_of
 
 INSTALL_HINT = (
@@ -218,7 +218,7 @@ class VLLMPolicy(TextPolicy):
         each batch its outputs when its last request finishes."""
         with self._engine_lock:
             if self._engine_closed:
-                raise RuntimeError(f"{self._label} is closed")
+                raise PolicyClosedError(f"{self._label} is closed")
             internal = self.llm.enqueue(requests, params, use_tqdm=False)
             # outputs carry the id the LLM gave a request; the engine appends a random suffix to it
             waiting = _Waiting([request_id.rsplit("-", 1)[0] for request_id in internal], internal)
@@ -241,12 +241,12 @@ class VLLMPolicy(TextPolicy):
                 while not self._waiting and not self._engine_closed:
                     self._engine_lock.wait()
                 if self._engine_closed:
-                    self._fail_waiting(RuntimeError(f"{self._label} closed with requests in its engine"))
+                    self._fail_waiting(PolicyClosedError(f"{self._label} closed with requests in its engine"))
                     return
             try:
                 with self._decoding_step(), self._engine_lock:
                     if not engine.has_unfinished_requests():
-                        raise RuntimeError(
+                        raise BackendError(
                             f"{self._label}: vLLM has no unfinished request but {len(self._waiting)} wait"
                         )
                     for output in self._engine_step():
@@ -288,7 +288,7 @@ class VLLMPolicy(TextPolicy):
         token_ids = list(completion.token_ids)
         steps = completion.logprobs or []
         if len(steps) != len(token_ids):
-            raise RuntimeError(f"{self._label}: vLLM returned {len(steps)} log-prob steps for {len(token_ids)} tokens")
+            raise BackendError(f"{self._label}: vLLM returned {len(steps)} log-prob steps for {len(token_ids)} tokens")
         token_logps = [step[token].logprob for step, token in zip(steps, token_ids, strict=True)]
         top = None
         if top_k:
@@ -362,13 +362,13 @@ def reload_engine_weights(llm: Any, state: dict[str, Any], version: int, *, pree
     re-runs prompt + tokens so far with the new weights."""
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items()), "is_checkpoint_format": True})
     if not llm.reset_prefix_cache(reset_running_requests=preempt_running) and preempt_running:
-        raise RuntimeError("vLLM could not reset its KV cache after a weight update")
+        raise BackendError("vLLM could not reset its KV cache after a weight update")
     llm.llm_engine.set_weight_version(str(version))
 
 
 def token_versions_of(completion: Any, start_version: int, label: str) -> list[int]:
     """The version of each token of ``completion`` from vLLM's weight-version spans (labels set
-    by `reload_engine_weights`); RuntimeError when they do not cover every token once.
+    by `reload_engine_weights`); BackendError when they do not cover every token once.
 
     Example:
         >>> from types import SimpleNamespace as S
@@ -386,7 +386,7 @@ def token_versions_of(completion: Any, start_version: int, label: str) -> list[i
             break
         versions.extend([int(span.version)] * (span.end - span.start))
     if len(versions) != count or (versions and versions[0] < start_version):
-        raise RuntimeError(
+        raise BackendError(
             f"{label}: vLLM's weight-version spans {[(s.version, s.start, s.end) for s in spans]} do not give "
             f"a version >= {start_version} to each of the {count} tokens"
         )
@@ -394,10 +394,10 @@ def token_versions_of(completion: Any, start_version: int, label: str) -> list[i
 
 
 def check_weight_versions(completion: Any, version: str, label: str) -> None:
-    """Raise RuntimeError when vLLM sampled any token of ``completion`` under another weight version."""
+    """Raise BackendError when vLLM sampled any token of ``completion`` under another weight version."""
     spans = completion.weight_versions or []
     if any(span.version != version for span in spans):
-        raise RuntimeError(
+        raise BackendError(
             f"{label}: vLLM sampled tokens under weight versions {[s.version for s in spans]} "
             f"while version {version} was published"
         )

@@ -38,7 +38,7 @@ from asyncvec.lm.rewards.registry import (
     score,
     unregister,
 )
-from asyncvec.lm.rewards.service import RewardResult, RewardService, RewardServiceStats
+from asyncvec.lm.rewards.service import RewardResult, RewardService, RewardServiceClosedError, RewardServiceStats
 
 __all__ = [
     "ARITHMETIC_OPERATIONS",
@@ -48,6 +48,7 @@ __all__ = [
     "RewardFn",
     "RewardResult",
     "RewardService",
+    "RewardServiceClosedError",
     "RewardServiceStats",
     "ascore",
     "available",

@@ -84,6 +84,10 @@ class _Request:
     timer: asyncio.TimerHandle | None = None
 
 
+class RewardServiceClosedError(RuntimeError):
+    """A :class:`RewardService` was given a request after ``close()``."""
+
+
 class RewardService(ClosesOnExit):
     """Scores ``(prompt, response)`` pairs in the background, in parallel with generation.
 
@@ -205,7 +209,7 @@ class RewardService(ClosesOnExit):
         cache_key = self._cache_key(prompt, response, info)
         with self._lock:
             if self._closed:
-                raise RuntimeError("RewardService is closed; create a new one to submit requests")
+                raise RewardServiceClosedError("RewardService is closed; create a new one to submit requests")
             self._counts["requests"] += 1
             version = self._version
             cached = self._cache_get((version, cache_key)) if cache_key is not None else None
