@@ -51,7 +51,7 @@ demo: $(VENV)/.plots
 
 # A tiny language model learns single-digit sums with RLOO and REINFORCE++ (CPU, a few minutes).
 demo-llm: $(VENV)/.test
-	$(PY) scripts/demo_llm.py
+	$(PY) benchmarks/demo_llm.py
 
 # ruff's lint and format checks and mypy --strict on the core rooms (asyncvec/vector, asyncvec/buffers, losses.py,
 # versioning.py), as pyproject.toml configures them (tests/test_style.py adds the reasons after `# noqa`); .ci/run

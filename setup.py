@@ -53,10 +53,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    # agents/ and envs/ sit at the top of the repository (python agents/ppo.py in a clone) but install inside the
-    # package, as asyncvec.agents and asyncvec.envs: a library must not claim generic top-level names.
-    packages=find_packages(include=["asyncvec", "asyncvec.*"]) + ["asyncvec.agents", "asyncvec.envs"],
-    package_dir={"asyncvec.agents": "agents", "asyncvec.envs": "envs"},
+    # agents/, envs/ and benchmarks/ sit at the top of the repository (python agents/ppo.py in a clone) but install
+    # inside the package, as asyncvec.agents, asyncvec.envs and asyncvec.benchmarks (`asyncvec demo` runs one): a
+    # library must not claim generic top-level names.
+    packages=find_packages(include=["asyncvec", "asyncvec.*"]) + ["asyncvec.agents", "asyncvec.envs", "asyncvec.benchmarks"],
+    package_dir={"asyncvec.agents": "agents", "asyncvec.envs": "envs", "asyncvec.benchmarks": "benchmarks"},
     install_requires=[
         "gymnasium>=1.0,<2",
         "numpy>=1.24",

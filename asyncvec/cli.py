@@ -1,9 +1,12 @@
 """The ``asyncvec`` console script.
 
 Example:
+    $ asyncvec demo           # PPO async vs sync with stragglers, the ratio against its bound (about 5 minutes)
+    $ asyncvec demo-llm       # a tiny language model learns single-digit sums with RLOO and REINFORCE++
     $ asyncvec serve --model ./tiny-lm --port 8000 --weights-dir ./checkpoints &
     $ asyncvec wait-ready http://127.0.0.1:8000 --timeout 120
     $ asyncvec free-port      # prints a free TCP port
+    $ asyncvec --version      # also: python -m asyncvec
 """
 
 from __future__ import annotations
@@ -15,6 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 TOKEN_ENV = "ASYNCVEC_SERVE_TOKEN"
+DEMOS = {
+    "demo": "PPO on CartPole-v1, async vs sync with stragglers: env-steps/s, time to a return of 475, and the "
+    "ratio against the bound the measured stage times allow (about 5 minutes on 2 cores; what `make demo` runs; "
+    "needs the plots extra)",
+    "demo-llm": "a tiny language model (built from a config, no download) learns single-digit sums with RLOO and "
+    "REINFORCE++ after a short supervised warm start (about 2 minutes on 2 cores; needs the hf extra)",
+}
 
 
 def _existing_dir(value: str) -> Path:
@@ -56,8 +66,13 @@ def _non_negative_float(value: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``asyncvec`` command."""
+    from asyncvec import __version__
+
     parser = argparse.ArgumentParser(prog="asyncvec", description="asyncvec command line tools")
+    parser.add_argument("--version", action="version", version=f"asyncvec {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    for name, what in DEMOS.items():  # listed here; main() hands their options to the demo's own parser
+        commands.add_parser(name, help=what, description=what)
     serve = commands.add_parser(
         "serve",
         help="serve a transformers model folder over an OpenAI-compatible HTTP API",
@@ -97,8 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``asyncvec`` console script: 0 on success, 1 on a reported error,
-    130 when stopped with Ctrl-C (one line, no traceback)."""
+    """Entry point of the ``asyncvec`` console script (and ``python -m asyncvec``): 0 on success, 1 on a reported
+    error, 2 on one the user can fix (a wrong argument, a missing extra: one line naming the fix), 130 when stopped
+    with Ctrl-C (one line, no traceback)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DEMOS:
+        try:
+            return _demo(argv[0], argv[1:])
+        except KeyboardInterrupt:
+            print(f"asyncvec {argv[0]}: stopped (Ctrl-C)", file=sys.stderr)
+            return 130
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
@@ -119,9 +142,9 @@ def _run(args: argparse.Namespace) -> int:
 
         try:
             check_installed("httpx", extra="serve", feature="asyncvec wait-ready")
-        except ImportError as exc:
+        except ImportError as exc:  # a missing extra: the message names the install command
             print(f"asyncvec wait-ready: {exc}", file=sys.stderr)
-            return 1
+            return 2
         try:
             waited = wait_until_ready(args.url, timeout_s=args.timeout, health_path=args.health_path)
         except ServerStartError as exc:
@@ -134,7 +157,7 @@ def _run(args: argparse.Namespace) -> int:
             from asyncvec.inference.serving.server import bind_socket, serve
         except ImportError as exc:  # a missing extra: the message names the install command
             print(f"asyncvec serve: {exc}", file=sys.stderr)
-            return 1
+            return 2
 
         token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
         if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -166,6 +189,32 @@ def _run(args: argparse.Namespace) -> int:
             sock=sock,
         )
     return 0
+
+
+def _demo(name: str, options: Sequence[str]) -> int:
+    """Runs a demo of the installed package (asyncvec.benchmarks) with its own options; its tables and plots go
+    to ./asyncvec-results (benchmarks/results in a clone)."""
+    import tyro
+
+    from asyncvec.extras import MissingExtraError, check_installed
+
+    try:
+        if name == "demo":
+            from asyncvec.benchmarks import ppo_speed
+
+            args = tyro.cli(ppo_speed.Args, args=options, prog=f"asyncvec {name}")
+            check_installed("matplotlib", extra="plots", feature="asyncvec demo (its plots)")
+            ppo_speed.main(args)
+            return 0
+        from asyncvec.benchmarks import demo_llm
+
+        demo_args = tyro.cli(demo_llm.DemoArgs, args=options, prog=f"asyncvec {name}")
+        check_installed("transformers", extra="hf", feature="asyncvec demo-llm")
+        results = demo_llm.main(demo_args)
+    except MissingExtraError as exc:
+        print(f"asyncvec {name}: {exc}", file=sys.stderr)
+        return 2
+    return 0 if all(result.reached_target for result in results.values()) else 1
 
 
 if __name__ == "__main__":

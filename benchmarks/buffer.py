@@ -48,8 +48,8 @@ import tyro
 from gymnasium import spaces
 from stable_baselines3.common.buffers import ReplayBuffer as SB3ReplayBuffer
 
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report
 from asyncvec.buffers import ReplayBuffer
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
 
 @dataclass

@@ -38,8 +38,8 @@ import numpy as np
 import tyro
 from gymnasium import spaces
 
+from asyncvec.benchmarks.report import markdown_table, new_figure, save_report
 from asyncvec.buffers import ImageCompression, ReplayBuffer
-from benchmarks.report import markdown_table, new_figure, save_report
 
 
 @dataclass

@@ -36,7 +36,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import markdown_table, new_figure, save_report  # noqa: E402  (after the path)
+from asyncvec.benchmarks.report import markdown_table, new_figure, save_report  # noqa: E402  (after the path)
 
 
 @dataclass(frozen=True)

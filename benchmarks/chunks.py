@@ -46,11 +46,11 @@ from gymnasium.vector.utils import create_shared_memory
 
 import asyncvec.envs  # noqa: F401  (registers the pixel envs)
 from asyncvec import AsyncLLMVectorEnv
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report
 from asyncvec.control import SOURCES, ChunkExecutor, ticks_met_bound
 from asyncvec.inference import LatencyModel, TorchPolicy
 from asyncvec.vector.split_obs import shared_subspace
 from asyncvec.vector.worker import EnvGroup, dumps
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
 
 @dataclass

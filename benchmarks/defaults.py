@@ -38,7 +38,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import RESULTS_DIR, machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.benchmarks.report import RESULTS_DIR, machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
 
 ZOO = "rl-baselines3-zoo benchmark.md"
 CLEANRL = "CleanRL docs (ppo.md)"

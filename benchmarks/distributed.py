@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np
 import tyro
 
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
 
 @dataclass

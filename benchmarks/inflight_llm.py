@@ -61,11 +61,11 @@ import tyro
 
 import asyncvec.envs  # noqa: F401  (registers the ids)
 from asyncvec.agents import reinforce_pp, rloo
+from asyncvec.benchmarks.report import RESULTS_DIR, machine_line, markdown_table, new_figure, save_report
 from asyncvec.inference import HFTextPolicy, VLLMPolicy, build_tiny_lm
 from asyncvec.inference.types import BackendResult, TextPrompt
 from asyncvec.lm import load_causal_lm, sft_warm_start, text_space
 from asyncvec.lm.prompts import expert_conversations
-from benchmarks.report import RESULTS_DIR, machine_line, markdown_table, new_figure, save_report
 
 MODES = {
     "in-flight updates": {"mode": "async", "inflight_updates": True},

@@ -26,7 +26,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import (  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.benchmarks.report import (  # noqa: E402  (after the repository is put on sys.path)
     RESULTS_DIR,
     machine_line,
     markdown_table,

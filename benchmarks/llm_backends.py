@@ -38,9 +38,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np
 import tyro
 
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report
 from asyncvec.inference import AsyncvecServer, HFTextPolicy, OpenAIPolicy, VLLMPolicy, VLLMServer, build_tiny_lm
 from asyncvec.testing.checks import PROMPTS, VersionedReference, weight_sync_check
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
 
 @dataclass

@@ -70,12 +70,12 @@ import numpy as np
 import tyro
 
 import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report
 from asyncvec.envs.slow import SlowEnv
 from asyncvec.inference.text import TextPolicy
 from asyncvec.inference.tiny_models import build_char_tokenizer
 from asyncvec.inference.types import BackendResult, TextPrompt
 from asyncvec.lm import Episode, EpisodeCollector, make_text_vector_env, text_space
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
 
 @dataclass

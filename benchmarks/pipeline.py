@@ -59,8 +59,8 @@ import tyro
 from asyncvec.agents.common import make_env_fn, make_policy, make_vector_env
 from asyncvec.agents.ppo import PPO, Actor, TrainResult
 from asyncvec.agents.ppo import Args as PPOArgs
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_figure, save_report
 from asyncvec.inference.batcher import fit_batch_cost
-from benchmarks.report import machine_line, markdown_table, new_figure, save_figure, save_report
 
 
 @dataclass(frozen=True)
@@ -573,7 +573,7 @@ def llm_regime(args: Args) -> dict[str, Any]:
 
     Returns :func:`benchmarks.pipeline_llm.llm_regime`'s dict (modes, stages, bound, ratios).
     """
-    from benchmarks import pipeline_llm  # imported here: it loads the LM stack, which a b c do not need
+    from asyncvec.benchmarks import pipeline_llm  # imported here: it loads the LM stack, which a b c do not need
 
     options = pipeline_llm.Args(
         rounds=len(args.seeds),

@@ -318,7 +318,7 @@ class Args:
 
 def main(args: Args, command: str = "python benchmarks/pipeline_llm.py") -> dict[str, Any]:
     """Runs :func:`llm_regime`, prints its table and stage times, writes ``pipeline_llm.md`` and ``.png``."""
-    from benchmarks.report import machine_line, markdown_table, new_figure, save_report
+    from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
     print(f"machine: {machine_line()}", flush=True)
     result = llm_regime(

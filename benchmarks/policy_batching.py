@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import tyro
 
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report
 from asyncvec.inference import LatencyModel, TorchPolicy
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report
 
 
 @dataclass

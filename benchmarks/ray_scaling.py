@@ -37,11 +37,11 @@ import tyro
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncvec import AsyncLLMVectorEnv  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.benchmarks.throughput import LockstepLoop, PartialBatchLoop, make_cartpole  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.distributed.cluster import LocalCluster  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.distributed.ray_env import RayBackend  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.envs.slow import SlowEnv  # noqa: E402  (after the repository is put on sys.path)
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
-from benchmarks.throughput import LockstepLoop, PartialBatchLoop, make_cartpole  # noqa: E402  (after the repository is put on sys.path)
 
 RAYLETS = 4
 

@@ -2,12 +2,12 @@
 
 Each benchmark builds its rows, calls :func:`markdown_table` to print them, and
 :func:`save_report` to write ``<out>/<name>.md`` and ``<out>/<name>.png`` side by side
-(``out`` defaults to ``benchmarks/results``); :func:`save_figure` writes any further plot. Plots use matplotlib's Agg backend, so no
+(``out`` defaults to ``benchmarks/results`` in a clone, ``./asyncvec-results`` for an installed package); :func:`save_figure` writes any further plot. Plots use matplotlib's Agg backend, so no
 display is needed.
 
 Example:
     >>> import tempfile
-    >>> from benchmarks.report import markdown_table, new_figure, save_report
+    >>> from asyncvec.benchmarks.report import markdown_table, new_figure, save_report
     >>> table = markdown_table(["mode", "steps/s"], [["sync", 100.0], ["async", 250.0]])
     >>> print(table.splitlines()[2])
     | sync | 100 |
@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# In a clone the tables live beside the code; an installed package (asyncvec demo) writes where it is run from.
+_BESIDE_THE_CODE = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = _BESIDE_THE_CODE if _BESIDE_THE_CODE.is_dir() else Path("asyncvec-results")
 
 
 def _cell(value: Any) -> str:

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncvec.agents import sac  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.agents.common import final_observations  # noqa: E402  after the repository is put on sys.path
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.buffers import Transitions  # noqa: E402  (after the repository is put on sys.path)
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
 
 
 @dataclass

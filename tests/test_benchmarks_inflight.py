@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from benchmarks import inflight_llm
+from asyncvec.benchmarks import inflight_llm
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,7 +6,7 @@ import doctest
 
 import numpy as np
 
-from benchmarks import multiturn
+from asyncvec.benchmarks import multiturn
 
 
 def test_docstring_examples_run() -> None:

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from benchmarks import pipeline, pipeline_llm
-from benchmarks.pipeline import REGIMES, Run, StageTimes, predict, summarize
+from asyncvec.benchmarks import pipeline, pipeline_llm
+from asyncvec.benchmarks.pipeline import REGIMES, Run, StageTimes, predict, summarize
 
 
 def test_docstring_examples_run() -> None:

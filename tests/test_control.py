@@ -405,7 +405,7 @@ def test_safety_wrapper_marks_samples_through_the_vector_env() -> None:
 
 def test_chunks_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/chunks.py end to end at a tiny size: it writes its table and plot."""
-    from benchmarks.chunks import Args, main
+    from asyncvec.benchmarks.chunks import Args, main
 
     results = main(
         Args(

@@ -75,19 +75,33 @@ def flat(text: str) -> str:
             "(No module named 'ray'); install it with: pip install 'asyncvec[ray]'",
         ),
         (
+            "matplotlib",
+            "from asyncvec.cli import main\nsys.exit(main(['demo', '--total-timesteps', '64']))\n",
+            "asyncvec demo: asyncvec demo (its plots) needs matplotlib, which is not installed",
+        ),
+        (
             "Box2D",
             run_script("agents/ppo.py", "--env", "LunarLander-v3", "--total-timesteps", "64"),
             "PPO: LunarLander-v3 needs Box2D, which is not installed; install it with: pip install 'asyncvec[box2d]'",
         ),
     ],
-    ids=["serve-fastapi", "rloo-transformers", "ppo-ray", "vllm", "openai-httpx", "vector-env-ray", "ppo-box2d"],
+    ids=[
+        "serve-fastapi",
+        "rloo-transformers",
+        "ppo-ray",
+        "vllm",
+        "openai-httpx",
+        "vector-env-ray",
+        "demo-matplotlib",
+        "ppo-box2d",
+    ],
 )
 def test_a_missing_library_names_the_extra(blocked, code, expected):
     done = run_without(blocked, code)
     assert done.returncode != 0
     assert expected in flat(done.stderr), done.stderr[-3000:]
-    if "agents/" in code or "asyncvec.cli" in code:  # command lines: the message alone, exit code 1
-        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    if "agents/" in code or "asyncvec.cli" in code:  # command lines: the message alone, exit code 2 (the user's to fix)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def test_the_router_needs_no_ray():

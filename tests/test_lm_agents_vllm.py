@@ -152,7 +152,7 @@ def test_reinforce_pp_publishes_every_version_to_a_vllm_server(server, warm_dir)
 
 def test_the_pipeline_benchmark_llm_regime_reports_modes_stages_and_bound(server, warm_dir):
     """A seconds-long run of benchmarks/pipeline_llm.py on this module's server (what pipeline.py calls)."""
-    from benchmarks.pipeline_llm import llm_regime
+    from asyncvec.benchmarks.pipeline_llm import llm_regime
 
     result = llm_regime(
         base_url=server.url,

@@ -11,10 +11,10 @@ import gymnasium as gym
 import pytest
 
 import asyncvec.envs  # noqa: F401  (registers asyncvec/GuessNumber-v0)
+from asyncvec.benchmarks.multiturn import SimulatedLM
 from asyncvec.envs.slow import SlowEnv
 from asyncvec.lm import EpisodeCollector, make_text_vector_env
 from asyncvec.vector import AsyncLLMVectorEnv
-from benchmarks.multiturn import SimulatedLM
 
 
 def _slow_cartpole() -> gym.Env:

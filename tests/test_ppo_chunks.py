@@ -26,10 +26,10 @@ from gymnasium.vector import AutoresetMode
 
 import asyncvec.envs  # noqa: F401  (registers the pixel envs)
 from asyncvec.agents.ppo_chunks import Args, PPOChunks
+from asyncvec.benchmarks.chunk_suite import demonstrations
 from asyncvec.control import SOURCES, ChunkExecutor, SafetyFilter, action_logps_from_tokens, hashed_words
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import truncated_importance_weights
-from benchmarks.chunk_suite import demonstrations
 
 torch.set_num_threads(1)
 HORIZON = 4

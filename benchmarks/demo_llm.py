@@ -1,7 +1,8 @@
 """CPU demo: a tiny language model learns single-digit sums with RLOO and REINFORCE++ (async mode).
 
-    python scripts/demo_llm.py                 # about 2 minutes on 2 cores
-    python scripts/demo_llm.py --agents rloo   # one agent only
+    asyncvec demo-llm                          # installed; about 2 minutes on 2 cores
+    asyncvec demo-llm --agents rloo grpo       # the agents to run
+    python benchmarks/demo_llm.py              # in a clone, the same
 
 1. builds a character-level GPT-2 (2 layers, 64 wide) from a config: no download;
 2. a short supervised warm start on random sums ("3+4=" -> "7<eos>") that leaves most sampled
@@ -22,12 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import numpy as np
 import tyro
 
-from asyncvec.agents import reinforce_pp, rloo
+from asyncvec.agents import grpo, reinforce_pp, rloo
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import quiet_model_libraries, sft_warm_start
 from asyncvec.lm.prompts import solved_prompts
@@ -38,7 +37,7 @@ from asyncvec.lm.results import LMTrainResult, summary
 class DemoArgs:
     """RLOO and REINFORCE++ on single-digit sums, after a short supervised warm start."""
 
-    agents: list[Literal["rloo", "reinforce_pp"]] = field(default_factory=lambda: ["rloo", "reinforce_pp"])
+    agents: list[Literal["rloo", "reinforce_pp", "grpo"]] = field(default_factory=lambda: ["rloo", "reinforce_pp"])
     """which agents to run, one after the other, each from the same warm-started model"""
     sft_steps: int = 400
     """supervised steps (batches of 32 sums) before RL"""
@@ -66,7 +65,11 @@ def main(args: DemoArgs) -> dict[str, LMTrainResult]:
         warm = sft_warm_start(base, Path(work) / "sft", examples, args.sft_steps, seed=args.seed)
         print(f"supervised warm start: {args.sft_steps} steps in {time.monotonic() - start:.1f} s", flush=True)
         for name in args.agents:
-            module, cls = (rloo, rloo.RLOO) if name == "rloo" else (reinforce_pp, reinforce_pp.ReinforcePP)
+            module, cls = {
+                "rloo": (rloo, rloo.RLOO),
+                "reinforce_pp": (reinforce_pp, reinforce_pp.ReinforcePP),
+                "grpo": (grpo, grpo.GRPO),
+            }[name]
             run_args = module.Args(
                 model=str(warm),
                 mode="async",
