@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -252,3 +253,27 @@ def test_a_commit_covers_only_rows_whose_priorities_are_written(tmp_path: Path) 
         rows.commit = commit_and_record
         add_serials(buffer, 0, 12)
     assert len(priorities_at_commit) >= 2 and all((p > 0).all() for p in priorities_at_commit)
+
+
+def test_a_saved_buffer_keeps_the_format_1_columns(tmp_path: Path) -> None:
+    """The columns come from the fields of `Transitions`; they must stay those that buffers saved by earlier
+    versions hold (names, shapes, dtypes), or those directories no longer open."""
+    buffer = ReplayBuffer(4, spaces.Box(-1, 1, (3,), np.float32), spaces.Discrete(2), prioritized=True)
+    buffer.save(tmp_path)
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert meta["format"] == "asyncvec.ReplayBuffer/1"
+    shapes = {name: (column["shape"], column["dtype"]) for name, column in meta["columns"].items()}
+    assert shapes == {
+        "obs": ([4, 3], "<f4"),
+        "next_obs": ([4, 3], "<f4"),
+        "action": ([4], "<i8"),
+        "reward": ([4], "<f4"),
+        "terminated": ([4], "|b1"),
+        "truncated": ([4], "|b1"),
+        "policy_version": ([4], "<i8"),
+        "behavior_logp": ([4], "<f4"),
+        "env_id": ([4], "<i8"),
+        "episode_id": ([4], "<i8"),
+        "fallback": ([4], "|b1"),
+        "priority": ([4], "<f8"),
+    }

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from asyncvec.buffers import CompletionGroups, ReplayBuffer, RolloutStore, Transitions
+from asyncvec.buffers import CompletionGroups, ReplayBatch, ReplayBuffer, RolloutStore, Transitions
+from asyncvec.buffers.transitions import NUMBERS
 
 OBS = spaces.Box(-np.inf, np.inf, (2,), np.float64)
 
@@ -303,3 +304,36 @@ def test_completion_groups_across_threads_and_bad_input() -> None:
         groups.add("a", "x", 0.0, [-1.0], -1)
     with pytest.raises(ValueError, match="group_size"):
         CompletionGroups(0)
+
+
+def test_the_numbers_of_transitions_are_defined_once() -> None:
+    """Each buffer stores, checks and returns the per-transition numbers that `Transitions` declares
+    (`NUMBERS`), so a field added there reaches both (the add signature above must follow it)."""
+    kept = {number.name for number in NUMBERS} - {"values"}  # a ReplayBuffer keeps no critic values
+    replay = ReplayBuffer(4, OBS, spaces.Discrete(2))
+    assert kept <= set(replay.column_nbytes())
+    assert {number.name for number in NUMBERS} <= {field.name for field in fields(ReplayBatch)}
+    assert [number.name for number in NUMBERS if number.required] == [
+        "reward",
+        "terminated",
+        "truncated",
+        "policy_version",
+    ]
+    obs = np.zeros((2, 2))
+    with pytest.raises(ValueError, match=r"episode_id: expected int64 values, shape \(2,\), got float64 shape \(3,\)"):
+        replay.add(
+            obs, np.array([0, 1]), np.ones(2), obs, np.zeros(2, bool), np.zeros(2, bool), 0, episode_id=np.ones(3)
+        )
+    store = RolloutStore(1, 2, OBS, spaces.Discrete(2))
+    with pytest.raises(ValueError, match=r"fallback: expected bool values, shape \(2,\)"):
+        store.add(
+            obs,
+            np.array([0, 1]),
+            np.ones(2),
+            obs,
+            np.zeros(2, bool),
+            np.zeros(2, bool),
+            0,
+            env_id=[0, 1],
+            fallback=[True],
+        )

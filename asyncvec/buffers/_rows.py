@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,32 +32,43 @@ from asyncvec.buffers._disk import (
     write_json_atomic,
 )
 from asyncvec.buffers._images import ImageCompression
-from asyncvec.buffers._spaces import SpaceCodec, as_column
+from asyncvec.buffers._spaces import SpaceCodec
+from asyncvec.buffers.transitions import NUMBERS, Number, Transitions
 
 __all__ = ["ReplayRows", "read_meta"]
 
 _FORMAT = "asyncvec.ReplayBuffer/1"
 _META, _COMMIT, _SPACES = "meta.json", "commit.bin", "spaces.pkl"
 
-# Per-sample metadata columns besides obs/action/next_obs.
-_SCALARS: dict[str, np.dtype] = {
-    "reward": np.dtype(np.float32),
-    "terminated": np.dtype(np.bool_),
-    "truncated": np.dtype(np.bool_),
-    "policy_version": np.dtype(np.int64),
-    "behavior_logp": np.dtype(np.float32),  # the last four are add()'s optional keywords (_DEFAULTS)
-    "env_id": np.dtype(np.int64),
-    "episode_id": np.dtype(np.int64),
-    "fallback": np.dtype(np.bool_),
-}
+# The per-transition numbers of `Transitions` a ReplayBuffer keeps, one column each: all but the
+# critic values (off-policy learners compute their own). In the order write() takes them (after
+# the space leaves): the required ones, then add()'s optional keywords, last, so that the values
+# of an add that omits them all can end early.
+_REQUIRED = tuple(number for number in NUMBERS if number.required)
+_OPTIONAL = tuple(number for number in NUMBERS if not number.required and number.name != "values")
+_KEPT = _REQUIRED + _OPTIONAL
+_ENV_ID = next(number for number in _KEPT if number.name == "env_id")  # checked first: row labels name it
+# quick_rows reads the required fields (add's positional parameters) by name: a loop over them
+# costs a tenth of an add. It handles the optional ones whatever they are.
+assert tuple(number.name for number in _REQUIRED) == ("reward", "terminated", "truncated", "policy_version")
+_REWARD, _TERMINATED, _TRUNCATED, _VERSION = _REQUIRED
+_optional_of = attrgetter(*(number.name for number in _OPTIONAL))  # (two or more: a tuple)
+_ALL_OPTIONAL = len(_OPTIONAL)
 
 
-# Metadata that add() takes as optional keywords, with the value a column holds when not given.
-_DEFAULTS: dict[str, Any] = {"behavior_logp": np.nan, "env_id": -1, "episode_id": -1, "fallback": False}
+def _defaults_test(group: tuple[Number, ...]) -> Callable[[Transitions], bool]:
+    """A test whether a record's fields of ``group`` are all their default objects (what ``add``
+    passes for omitted keywords). It is written out as code once, as `dataclasses` writes an
+    ``__init__``: a generic loop over the fields costs a twentieth of an add."""
+    test = " and ".join(f"t.{number.name} is defaults[{index}]" for index, number in enumerate(group))
+    function: Callable[[Transitions], bool] = eval(f"lambda t: {test}", {"defaults": [n.default for n in group]})
+    return function
+
+
+_all_omitted = _defaults_test(_OPTIONAL)
+
 _SKIP = object()  # in write()'s values: this column already holds the value everywhere, no write
-_NAN = _DEFAULTS["behavior_logp"]
 _FIVE_ARRAYS = (np.ndarray,) * 5
-assert list(_SCALARS)[-len(_DEFAULTS) :] == list(_DEFAULTS)  # quick_rows relies on this order
 
 _INT64, _FLOAT32, _BOOL = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.bool_)
 # Scalars stored without a conversion, by column dtype (exact types: a bool is no version).
@@ -66,10 +79,12 @@ _QUICK_SCALAR_TYPES: dict[np.dtype, tuple[type, ...]] = {
 }
 
 
-def _quick_metadata(value: Any, n: int, dtype: np.dtype, minimum: int | None, check_values: bool) -> Any:
-    """``value`` as stored if it needs no conversion, else None: a plain scalar of the column's
-    kind (checked against ``minimum``: a Python comparison) or an ``(n,)`` array of its dtype
-    (float64 is narrowed to float32; checked against ``minimum`` only with ``check_values``)."""
+def _quick_number(value: Any, n: int, number: Number, check_values: bool) -> Any:
+    """``value`` as stored if it needs no conversion, else None: an ``(n,)`` array of the column's
+    dtype (float64 is narrowed to float32; checked against ``minimum`` and ``finite`` only with
+    ``check_values``) or, unless the number is ``per_row``, a plain scalar of the column's kind
+    (checked against ``minimum``: a Python comparison)."""
+    dtype = number.dtype
     if type(value) is np.ndarray:
         if value.shape != (n,):
             return None
@@ -77,12 +92,17 @@ def _quick_metadata(value: Any, n: int, dtype: np.dtype, minimum: int | None, ch
             if not (dtype.kind == "f" and value.dtype.kind == "f"):
                 return None
             value = value.astype(dtype)
-        if check_values and minimum is not None and value.min() < minimum:
-            return None
+        if check_values:
+            if number.minimum is not None and value.min() < number.minimum:
+                return None
+            if number.finite and not np.isfinite(value).all():
+                return None
         return value
-    if type(value) not in _QUICK_SCALAR_TYPES[dtype]:
+    if number.per_row or type(value) not in _QUICK_SCALAR_TYPES[dtype]:
         return None
-    if minimum is not None and not value >= minimum:
+    if number.minimum is not None and not value >= number.minimum:
+        return None
+    if number.finite and not np.isfinite(value):
         return None
     return value
 
@@ -129,9 +149,10 @@ class ReplayRows:
             *self.obs.column_names(),
             *self.action.column_names(),
             *self.next_obs.column_names(),
-            *_SCALARS,
+            *(number.name for number in _KEPT),
         ]
         self._reward_index = self._write_names.index("reward")
+        self._fallback_index = self._write_names.index("fallback")
         self._validate_always = validate == "always"
         # Whether quick_rows checks values too: always, or until the first write (see validate).
         self._check_values = True
@@ -170,7 +191,6 @@ class ReplayRows:
                 self._dir_lock.release()
                 raise
         self._write_columns = [self.columns[name] for name in self._write_names]
-        self._full_width = len(self._write_columns)  # values end early when the optional metadata is skipped
         # By batch size B dividing the capacity: the write columns viewed as blocks of B rows.
         # Writes of B rows start at a multiple of B, and numpy assigns block k (an integer index)
         # faster than the slice [k B, (k + 1) B).
@@ -184,8 +204,8 @@ class ReplayRows:
         for codec in (self.obs, self.next_obs, self.action):
             for name, (shape, dtype) in zip(codec.column_names(), codec.storage()):
                 specs[name] = ((self.capacity, *shape), dtype)
-        for name, dtype in _SCALARS.items():
-            specs[name] = ((self.capacity,), dtype)
+        for number in _KEPT:
+            specs[number.name] = ((self.capacity,), number.dtype)
         if self.prioritized:
             specs["priority"] = ((self.capacity,), np.dtype(np.float64))  # stores p ** alpha
         return specs
@@ -228,9 +248,9 @@ class ReplayRows:
 
     def _fill_defaults(self, columns: dict[str, np.ndarray]) -> None:
         """Fill fresh metadata columns with their defaults (see ``_default_only``)."""
-        for name, value in _DEFAULTS.items():
-            columns[name].fill(value)
-        self._default_only = set(_DEFAULTS)
+        for number in _OPTIONAL:
+            columns[number.name].fill(number.default)
+        self._default_only = {number.name for number in _OPTIONAL}
 
     def _import_packed_blobs(self, directory: Path, columns: dict[str, Any]) -> None:
         """A directory written by :meth:`save` packs its blobs; an on-disk buffer keeps them in
@@ -333,8 +353,8 @@ class ReplayRows:
     # -- writing --------------------------------------------------------------------------
     def write(self, values: list[Any]) -> np.ndarray:
         """Write the rows of :meth:`quick_rows` or :meth:`checked_rows` after the newest ones
-        (only the newest ``capacity`` when more), retiring the oldest where the ring is full and
-        committing every ``commit_every`` writes. Returns the slots written, in order.
+        (only the newest ``capacity`` when more), retiring the oldest where the ring is full.
+        Returns the slots written, in order.
         """
         n = len(values[self._reward_index])
         capacity = self.capacity
@@ -376,7 +396,7 @@ class ReplayRows:
                     column[: kept - head] = value[head:] if is_array else value
             slots = np.concatenate((np.arange(position, capacity), np.arange(kept - head)))
         # Values may stop before the optional metadata columns (all at their defaults).
-        fallback_flags = values[-1] if len(values) == self._full_width else _SKIP
+        fallback_flags = values[self._fallback_index] if len(values) > self._fallback_index else _SKIP
         if fallback_flags is _SKIP:
             pass
         elif type(fallback_flags) is np.ndarray:
@@ -396,31 +416,19 @@ class ReplayRows:
             if self.commit_every and self._adds_since_commit >= self.commit_every:
                 self.commit()
 
-    def quick_rows(
-        self,
-        obs: Any,
-        action: Any,
-        reward: Any,
-        next_obs: Any,
-        terminated: Any,
-        truncated: Any,
-        policy_version: Any,
-        behavior_logp: Any,
-        env_id: Any,
-        episode_id: Any,
-        fallback: Any,
-    ) -> list[Any] | None:
-        """The values to write, in the order of ``_write_columns``, for a batch that needs no
-        conversion: ndarrays of the stored dtype and shape, and metadata given as one plain
-        scalar or one such array (a scalar stays a scalar: the column write broadcasts it).
-        ``_SKIP`` marks a column left as it is; the list ends early when all the optional
-        metadata columns are (they come last).
+    def quick_rows(self, t: Transitions) -> list[Any] | None:
+        """The values to write, in the order of ``_write_columns``, for a
+        batch that needs no conversion: ndarrays of the stored dtype and shape, and metadata
+        given as one plain scalar or one such array (a scalar stays a scalar: the column write
+        broadcasts it). ``_SKIP`` marks a column left as it is; the list ends early when all the
+        optional metadata columns are (they come last).
 
         With ``validate="always"``, or before the first add, the values are also checked with
         a few whole-batch numpy operations (within the spaces' bounds, finite rewards, versions
         >= 0). None when a check fails or the input needs conversion: :meth:`checked_rows`
         then converts it or names the field, the space and the row.
         """
+        reward = t.reward
         if type(reward) is not np.ndarray or reward.ndim != 1:
             return None
         n = reward.shape[0]
@@ -430,6 +438,7 @@ class ReplayRows:
         signature = self._plain_signatures.get(n) if not check_values else None
         if signature is None and self._plain_leaves is not None and not check_values:
             signature = self._plain_signatures[n] = self._plain_signature(n)
+        obs, action, next_obs, terminated, truncated = t.obs, t.action, t.next_obs, t.terminated, t.truncated
         if (
             signature is not None
             and (type(obs), type(action), type(next_obs), type(terminated), type(truncated)) == _FIVE_ARRAYS
@@ -437,89 +446,50 @@ class ReplayRows:
                  obs.shape, action.shape, next_obs.shape, terminated.shape, truncated.shape) == signature
         ):  # fmt: skip
             # Plain array spaces, arrays of the stored dtypes and shapes: one tuple comparison.
-            leaves: list[Any] | None = [obs, action, next_obs, reward, terminated, truncated]
+            values: list[Any] | None = [obs, action, next_obs, reward, terminated, truncated]
         else:
-            leaves = self._quick_arrays(obs, action, reward, next_obs, terminated, truncated, n, check_values)
-        if leaves is None:
+            values = self._quick_arrays(t, n, check_values)
+        if values is None:
             return None
-        if type(policy_version) is int and policy_version >= 0:
-            version = policy_version
-        else:
-            version = _quick_metadata(policy_version, n, _INT64, 0, check_values)
-        if version is None:
-            return None
+        version = t.policy_version
+        if type(version) is not int or version < 0:
+            version = _quick_number(version, n, _VERSION, check_values)
+            if version is None:
+                return None
+        values.append(version)
         # An omitted keyword is the default object itself (np.nan, -1, False): no write is
         # needed while its column holds only defaults.
         default_only = self._default_only
-        if (
-            len(default_only) == 4
-            and behavior_logp is _NAN
-            and fallback is False
-            and type(env_id) is int
-            and type(episode_id) is int
-            and env_id == -1
-            and episode_id == -1
-        ):  # the common case, all four omitted, in one test: their columns are not written
-            leaves.append(version)
-            return leaves
-        if default_only and behavior_logp is _NAN and "behavior_logp" in default_only:
-            logp = _SKIP
-        else:
-            logp = _quick_metadata(behavior_logp, n, _FLOAT32, None, check_values)
-        if default_only and type(env_id) is int and env_id == -1 and "env_id" in default_only:
-            env_ids = _SKIP
-        else:
-            env_ids = _quick_metadata(env_id, n, _INT64, -1, check_values)
-        if default_only and type(episode_id) is int and episode_id == -1 and "episode_id" in default_only:
-            episode_ids = _SKIP
-        else:
-            episode_ids = _quick_metadata(episode_id, n, _INT64, None, check_values)
-        if default_only and fallback is False and "fallback" in default_only:
-            fallback_flags = _SKIP
-        else:
-            fallback_flags = _quick_metadata(fallback, n, _BOOL, None, check_values)
-        if logp is None or env_ids is None or episode_ids is None or fallback_flags is None:
-            return None
-        if default_only:  # these columns are written from now on
-            for name, value in (
-                ("behavior_logp", logp),
-                ("env_id", env_ids),
-                ("episode_id", episode_ids),
-                ("fallback", fallback_flags),
-            ):
-                if value is not _SKIP:
-                    default_only.discard(name)
-        leaves += (version, logp, env_ids, episode_ids, fallback_flags)
-        return leaves
+        if len(default_only) == _ALL_OPTIONAL and _all_omitted(t):
+            return values  # the common case, all omitted: their columns are not written
+        optional = _optional_of(t)
+        for number, value in zip(_OPTIONAL, optional):
+            if default_only and value is number.default and number.name in default_only:
+                value = _SKIP
+            else:
+                value = _quick_number(value, n, number, check_values)
+                if value is None:
+                    return None
+            values.append(value)
+        if default_only:  # the columns given are written from now on
+            given = zip(_OPTIONAL, values[-_ALL_OPTIONAL:])
+            default_only.difference_update(number.name for number, value in given if value is not _SKIP)
+        return values
 
-    def _quick_arrays(
-        self,
-        obs: Any,
-        action: Any,
-        reward: Any,
-        next_obs: Any,
-        terminated: Any,
-        truncated: Any,
-        n: int,
-        check_values: bool,
-    ) -> list[Any] | None:
-        """The space leaves, reward, terminated and truncated of a batch that needs at most a
-        float narrowing, checked leaf by leaf (values too with ``check_values``); else None."""
-        obs_leaves = self.obs.quick_encode(obs, n, check_values)
-        action_leaves = self.action.quick_encode(action, n, check_values)
-        next_obs_leaves = self.next_obs.quick_encode(next_obs, n, check_values)
+    def _quick_arrays(self, t: Transitions, n: int, check_values: bool) -> list[Any] | None:
+        """The space leaves, reward, terminated and truncated of a batch that
+        needs at most a float narrowing, checked leaf by leaf (values too with ``check_values``);
+        else None."""
+        obs_leaves = self.obs.quick_encode(t.obs, n, check_values)
+        action_leaves = self.action.quick_encode(t.action, n, check_values)
+        next_obs_leaves = self.next_obs.quick_encode(t.next_obs, n, check_values)
         if obs_leaves is None or action_leaves is None or next_obs_leaves is None:
             return None
-        if reward.dtype != _FLOAT32:
-            if reward.dtype.kind != "f":
-                return None
-            reward = reward.astype(_FLOAT32)
-        if check_values and not np.isfinite(reward).all():
+        reward = _quick_number(t.reward, n, _REWARD, check_values)
+        terminated = _quick_number(t.terminated, n, _TERMINATED, check_values)
+        truncated = _quick_number(t.truncated, n, _TRUNCATED, check_values)
+        if reward is None or terminated is None or truncated is None:
             return None
-        shape = reward.shape
-        for flags in (terminated, truncated):
-            if type(flags) is not np.ndarray or flags.dtype != _BOOL or flags.shape != shape:
-                return None
         return [*obs_leaves, *action_leaves, *next_obs_leaves, reward, terminated, truncated]
 
     def _plain_signature(self, n: int) -> tuple[Any, ...]:
@@ -541,48 +511,26 @@ class ReplayRows:
             (n,),
         )
 
-    def checked_rows(
-        self,
-        obs: Any,
-        action: Any,
-        reward: Any,
-        next_obs: Any,
-        terminated: Any,
-        truncated: Any,
-        policy_version: Any,
-        behavior_logp: Any,
-        env_id: Any,
-        episode_id: Any,
-        fallback: Any,
-    ) -> list[np.ndarray]:
-        """The values to write as ``(n, ...)`` arrays (the order of ``_write_columns``):
-        converted where lossless, checked against the spaces, with errors that name the
-        field, the expected space and the row (and its env_id)."""
-        reward_array = np.asarray(reward)
-        if reward_array.ndim != 1:
-            raise ValueError(f"reward: expected a 1-D batch (leading dim = batch), got shape {reward_array.shape}")
-        n = reward_array.shape[0]
-        env_ids = as_column("env_id", env_id, n, np.int64, minimum=-1)
+    def checked_rows(self, t: Transitions) -> list[np.ndarray]:
+        """The values to write as ``(n, ...)`` arrays (the order of ``_write_columns``): converted
+        where lossless, checked against the spaces, with errors that name the field, the expected
+        space and the row (and its env_id)."""
+        reward = np.asarray(t.reward)
+        if reward.ndim != 1:
+            raise ValueError(f"reward: expected a 1-D batch (leading dim = batch), got shape {reward.shape}")
+        n = reward.shape[0]
+        env_ids = _ENV_ID.column(t.env_id, n)
 
         def row_label(row: int) -> str:
             return f"row {row}" if env_ids[row] < 0 else f"row {row} (env_id {env_ids[row]})"
 
-        leaves = []
-        for codec, value in ((self.obs, obs), (self.action, action), (self.next_obs, next_obs)):
-            leaves += codec.encode(value, n, row_label)
-        rows = [
-            *leaves,
-            as_column("reward", reward_array, n, np.float32, allow_scalar=False, finite=True),
-            as_column("terminated", terminated, n, np.bool_, allow_scalar=False),
-            as_column("truncated", truncated, n, np.bool_, allow_scalar=False),
-            as_column("policy_version", policy_version, n, np.int64, minimum=0),
-            as_column("behavior_logp", behavior_logp, n, np.float32),
-            env_ids,
-            as_column("episode_id", episode_id, n, np.int64),
-            as_column("fallback", fallback, n, np.bool_),
-        ]
+        values = []
+        for codec, value in ((self.obs, t.obs), (self.action, t.action), (self.next_obs, t.next_obs)):
+            values += codec.encode(value, n, row_label)
+        for number in _KEPT:
+            values.append(env_ids if number is _ENV_ID else number.column(getattr(t, number.name), n))
         self._default_only.clear()  # every column is written (only once the batch is known good)
-        return rows
+        return values
 
     def retire_before(self, serial: int) -> None:
         """Drop the samples older than ``serial`` because their slots are about to be reused."""

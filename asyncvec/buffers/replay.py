@@ -16,7 +16,7 @@ from asyncvec.buffers._images import ImageCompression, resolve_image_compression
 from asyncvec.buffers._rows import ReplayRows, read_meta
 from asyncvec.buffers._spaces import as_column
 from asyncvec.buffers.sum_tree import SumTree
-from asyncvec.buffers.transitions import Transitions
+from asyncvec.buffers.transitions import NUMBERS, Transitions, TransitionWriter
 
 __all__ = ["ReplayBatch", "ReplayBuffer"]
 
@@ -39,7 +39,7 @@ class ReplayBatch(Transitions):
     weights: np.ndarray
 
 
-class ReplayBuffer:
+class ReplayBuffer(TransitionWriter[np.ndarray]):
     """Preallocated ring buffer of transitions, each stamped with its policy version.
 
     Storage is one numpy column per field (per leaf for Dict/Tuple spaces), in RAM or, with
@@ -155,6 +155,10 @@ class ReplayBuffer:
             image_compression=self.image_compression,
         )
         self._columns = self._rows.columns  # read by sampling; the same arrays the rows write
+        self._on_disk = self.storage_dir is not None  # (in RAM an add has nothing to commit)
+        # The numbers of `Transitions` a sample reads from its columns, and those it fills in.
+        self._kept_numbers = [number.name for number in NUMBERS if number.name in self._columns]
+        self._numbers_not_kept = [number for number in NUMBERS if number.name not in self._columns]
         # add()'s three steps, bound once (an attribute lookup less per add on the hot path)
         self._quick_rows, self._checked_rows, self._write = (
             self._rows.quick_rows,
@@ -240,38 +244,9 @@ class ReplayBuffer:
             raise RuntimeError("ReplayBuffer is closed")
 
     # -- writing --------------------------------------------------------------------------
-    def add(
-        self,
-        obs: Any,
-        action: Any,
-        reward: Any,
-        next_obs: Any,
-        terminated: Any,
-        truncated: Any,
-        policy_version: Any,
-        *,
-        behavior_logp: Any = np.nan,
-        env_id: Any = -1,
-        episode_id: Any = -1,
-        fallback: Any = False,
-        values: Any = np.nan,
-    ) -> np.ndarray:
-        """Append a batch of transitions (leading dimension = batch).
-
-        The same signature as `RolloutStore.add`; the arguments are the fields of `Transitions`
-        (see :meth:`add_transitions`).
-
-        Args:
-            obs, next_obs: batched observations: an array ``(B, *shape)``, a dict/tuple of
-                them for Dict/Tuple spaces, a list of ``B`` str for Text.
-            action: batched actions, same conventions.
-            reward: ``(B,)`` floats. terminated, truncated: ``(B,)`` bools.
-            policy_version: version that produced each action, ``(B,)`` or one int.
-            behavior_logp: log-probability of each action under the behavior policy (NaN:
-                unknown). env_id, episode_id: ids for bookkeeping (-1: unknown).
-            fallback: whether the action was a deadline fallback rather than the policy's.
-            values: critic values; not kept (off-policy learners compute their own).
-            Every metadata argument may be one scalar for the whole batch.
+    def add_transitions(self, transitions: Transitions) -> np.ndarray:
+        """Append a `Transitions` record (what a collector writes to either buffer); :meth:`add`
+        takes its fields as arguments. ``values`` is not kept (off-policy learners compute their own).
 
         Returns:
             The slots written, in order.
@@ -280,45 +255,18 @@ class ReplayBuffer:
             ValueError: a field does not match its space or shape; the message names the
                 field, the expected space and the offending row (and its env_id).
         """
-        rows = self._quick_rows(
-            obs,
-            action,
-            reward,
-            next_obs,
-            terminated,
-            truncated,
-            policy_version,
-            behavior_logp,
-            env_id,
-            episode_id,
-            fallback,
-        )
+        rows = self._quick_rows(transitions)
         if rows is None:
-            rows = self._checked_rows(
-                obs,
-                action,
-                reward,
-                next_obs,
-                terminated,
-                truncated,
-                policy_version,
-                behavior_logp,
-                env_id,
-                episode_id,
-                fallback,
-            )
+            rows = self._checked_rows(transitions)
         with self._lock:
             if self._closed:
                 self._check_open()
             slots = self._write(rows)
             if self._tree is not None:
                 self._add_priorities(slots)
-            self._rows.commit_if_due()
+            if self._on_disk:
+                self._rows.commit_if_due()
         return slots
-
-    def add_transitions(self, transitions: Transitions) -> np.ndarray:
-        """:meth:`add` of a `Transitions` record (what a collector writes to either buffer)."""
-        return self.add(**transitions.add_arguments())
 
     def _add_priorities(self, slots: np.ndarray) -> None:
         """New samples get the largest priority seen so far, in the column and the sum-tree
@@ -410,22 +358,12 @@ class ReplayBuffer:
             codec.decode([gathered[name] for name in codec.column_names()])
             for codec in (self._rows.obs, self._rows.action, self._rows.next_obs)
         )
+        numbers = {name: gathered[name] for name in self._kept_numbers}
+        for number in self._numbers_not_kept:  # the critic values: NaN
+            numbers[number.name] = np.full(len(slots), number.default, number.dtype)
+        staleness = current_version - numbers["policy_version"]
         return ReplayBatch(
-            obs=obs,
-            action=action,
-            reward=gathered["reward"],
-            next_obs=next_obs,
-            terminated=gathered["terminated"],
-            truncated=gathered["truncated"],
-            behavior_logp=gathered["behavior_logp"],
-            policy_version=gathered["policy_version"],
-            env_id=gathered["env_id"],
-            episode_id=gathered["episode_id"],
-            fallback=gathered["fallback"],
-            values=np.full(len(slots), np.nan, np.float32),
-            staleness=current_version - gathered["policy_version"],
-            indices=slots,
-            weights=weights,
+            obs=obs, action=action, next_obs=next_obs, **numbers, staleness=staleness, indices=slots, weights=weights
         )
 
     def _choose(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -12,21 +12,10 @@ from gymnasium import spaces
 from asyncvec._threads import release_if_held
 from asyncvec.buffers._disk import column_nbytes
 from asyncvec.buffers._images import ImageCompression, resolve_image_compression
-from asyncvec.buffers._spaces import SpaceCodec, as_column
-from asyncvec.buffers.transitions import Transitions
+from asyncvec.buffers._spaces import SpaceCodec
+from asyncvec.buffers.transitions import NUMBERS, Transitions, TransitionWriter
 
 __all__ = ["RolloutStore", "Segment"]
-
-_SCALARS: dict[str, np.dtype] = {
-    "reward": np.dtype(np.float32),
-    "terminated": np.dtype(np.bool_),
-    "truncated": np.dtype(np.bool_),
-    "values": np.dtype(np.float32),
-    "behavior_logp": np.dtype(np.float32),
-    "policy_version": np.dtype(np.int64),
-    "fallback": np.dtype(np.bool_),
-    "has_next_obs": np.dtype(np.bool_),
-}
 
 
 @dataclass
@@ -70,7 +59,11 @@ class Segment:
         return current_version - self.policy_version
 
 
-class RolloutStore:
+# The per-transition numbers of `Transitions` a segment keeps (those `Segment` has), one column each.
+_KEPT = tuple(number for number in NUMBERS if number.name in {field.name for field in fields(Segment)})
+
+
+class RolloutStore(TransitionWriter[None]):
     """Collects fixed-length, time-major segments ``[T, N]`` for on-policy learners.
 
     Transitions arrive per env in any order and in partial batches (EnvPool style): ``add``
@@ -149,52 +142,30 @@ class RolloutStore:
         for codec in (self._obs, self._action, self._next_obs):
             for name, (shape, dtype) in zip(codec.column_names(), codec.storage()):
                 self._columns[name] = np.zeros((rows, self.num_envs, *shape), dtype)
-        for name, dtype in _SCALARS.items():
-            self._columns[name] = np.zeros((rows, self.num_envs), dtype)
+        for number in _KEPT:
+            self._columns[number.name] = np.zeros((rows, self.num_envs), number.dtype)
+        self._columns["has_next_obs"] = np.zeros((rows, self.num_envs), np.bool_)
         self._cursor = np.zeros(self.num_envs, dtype=np.int64)
         self._cond = threading.Condition()
         self._closed = False
 
-    def add(
-        self,
-        obs: Any,
-        action: Any,
-        reward: Any,
-        next_obs: Any,
-        terminated: Any,
-        truncated: Any,
-        policy_version: Any,
-        *,
-        behavior_logp: Any = np.nan,
-        env_id: Any = -1,
-        episode_id: Any = -1,
-        fallback: Any = False,
-        values: Any = np.nan,
-    ) -> None:
-        """Append one transition for each row at its env's cursor.
+    def add_transitions(self, transitions: Transitions) -> None:
+        """Append a `Transitions` record (what a collector writes to either buffer), one transition
+        for each row at its env's cursor; :meth:`add` takes its fields as arguments.
 
-        The same signature as `ReplayBuffer.add`; the arguments are the fields of `Transitions`
-        (see :meth:`add_transitions`). ``env_id`` is required here.
-
-        Args:
-            obs: the observation each action was chosen from, batched (leading dimension = batch).
-            action, reward, terminated, truncated: the step's outcome, batched.
-            next_obs: the observations after the step (the final observation where an episode
-                ended), or None; kept per step as ``Segment.next_obs``, and the latest one per env
-                serves as the bootstrap observation if the env has not started its next segment.
-            policy_version: the version that chose each action, ``(B,)`` or one int.
-            behavior_logp: ``(B,)`` log-probabilities of the actions under the acting policy.
-            env_id: ``(B,)`` env indices in ``[0, num_envs)`` (or one for every row), in any
-                order; an env may appear more than once (its transitions are appended in order).
-            episode_id: not kept (a segment is indexed by step and env).
-            fallback: ``(B,)`` bool or one bool: the action was a fallback (deadline miss).
-            values: optional ``(B,)`` critic values of ``obs``.
+        ``env_id`` is required here: ``(B,)`` env indices in ``[0, num_envs)`` (or one for every
+        row), in any order; an env may appear more than once (its transitions are appended in
+        order). ``next_obs`` may be None; it is kept per step as ``Segment.next_obs``, and the
+        latest one per env serves as the bootstrap observation if the env has not started its
+        next segment. ``episode_id`` is not kept (a segment is indexed by step and env).
 
         Raises:
             ValueError: a field does not match its space/shape (the message names the field,
                 the space and the env), ``env_id`` is missing or out of range, or an env is
                 already ``max_steps_ahead`` steps past the segment end.
         """
+        t = transitions
+        env_id, reward, next_obs = t.env_id, t.reward, t.next_obs
         if type(env_id) is int and env_id == -1:
             raise ValueError(
                 f"env_id: RolloutStore.add needs the env index of each row, in [0, {self.num_envs}); got the default -1"
@@ -213,15 +184,10 @@ class RolloutStore:
             return f"row {row} (env {env_ids[row]})"
 
         data: dict[str, np.ndarray] = {}
-        for codec, value in ((self._obs, obs), (self._action, action)):
+        for codec, value in ((self._obs, t.obs), (self._action, t.action)):
             data.update(zip(codec.column_names(), codec.encode(value, n, row_label)))
-        data["reward"] = as_column("reward", reward, n, np.float32, allow_scalar=False, finite=True)
-        data["terminated"] = as_column("terminated", terminated, n, np.bool_, allow_scalar=False)
-        data["truncated"] = as_column("truncated", truncated, n, np.bool_, allow_scalar=False)
-        data["values"] = as_column("values", values, n, np.float32)
-        data["behavior_logp"] = as_column("behavior_logp", behavior_logp, n, np.float32)
-        data["policy_version"] = as_column("policy_version", policy_version, n, np.int64, minimum=0)
-        data["fallback"] = as_column("fallback", fallback, n, np.bool_)
+        for number in _KEPT:
+            data[number.name] = number.column(getattr(t, number.name), n)
         next_columns = None if next_obs is None else self._next_obs.encode(next_obs, n, row_label)
         if next_columns is None:  # clear what an earlier segment left in these rows
             next_columns = [np.zeros((n, *shape), dtype) for shape, dtype in self._next_obs.storage()]
@@ -250,10 +216,6 @@ class RolloutStore:
             np.add.at(self._cursor, env_ids, 1)
             if self._ready_locked():
                 self._cond.notify_all()
-
-    def add_transitions(self, transitions: Transitions) -> None:
-        """:meth:`add` of a `Transitions` record (what a collector writes to either buffer)."""
-        self.add(**transitions.add_arguments())
 
     def ready(self) -> bool:
         """Whether every env holds at least ``num_steps`` steps."""
@@ -306,15 +268,9 @@ class RolloutStore:
         return Segment(
             obs=self._obs.decode([segment[name] for name in self._obs.column_names()]),
             action=self._action.decode([segment[name] for name in self._action.column_names()]),
-            reward=segment["reward"],
-            terminated=segment["terminated"],
-            truncated=segment["truncated"],
-            values=segment["values"],
-            behavior_logp=segment["behavior_logp"],
-            policy_version=segment["policy_version"],
             last_obs=self._obs.decode(last_obs),
             next_obs=self._next_obs.decode([segment[name] for name in self._next_obs.column_names()]),
-            fallback=segment["fallback"],
+            **{number.name: segment[number.name] for number in _KEPT},
         )
 
     @property
