@@ -5,8 +5,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import os
+import re
 import sys
+import tempfile
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +26,9 @@ from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.slow import SlowEnv
 from asyncvec.extras import MissingExtraError, missing_env_extra
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
-from asyncvec.lm.results import summary
+from asyncvec.lm.results import LMTrainResult, summary
 from asyncvec.runs import check_env_id
+from asyncvec.vector import WorkerError
 from asyncvec.versioning import LaggedWeights
 
 if TYPE_CHECKING:
@@ -33,17 +38,23 @@ if TYPE_CHECKING:
     from asyncvec.lm.training import LMAgent
 
 
-def env_spaces(env_id: str) -> tuple[gym.Space, gym.Space]:
-    """The single-env observation and action spaces of ``env_id``, from one env built and closed here
-    (so an agent can refuse unsupported spaces before it starts any worker)."""
+def env_spaces(env_id: str, env_kwargs: dict[str, Any] | None = None) -> tuple[gym.Space, gym.Space]:
+    """The single-env observation and action spaces of ``env_id`` (made with ``env_kwargs``), from one env built
+    and closed here (so an agent can refuse unsupported spaces before it starts any worker)."""
     check_env_id(env_id)
     try:
-        env = flat_observations(gym.make(env_id))
+        env = flat_observations(gym.make(env_id, **(env_kwargs or {})))
     except gym.error.DependencyNotInstalled as exc:
         missing = missing_env_extra(env_id, exc)
         if missing is None:
             raise
         raise missing from exc
+    except TypeError as exc:  # an env that takes none of --env-kwargs
+        if not env_kwargs:
+            raise
+        raise ValueError(
+            f"{env_id}: gym.make({env_id!r}, **{env_kwargs}) failed: {exc}; fix or leave out --env-kwargs"
+        ) from exc
     try:
         return env.observation_space, env.action_space
     finally:
@@ -96,12 +107,15 @@ def make_env_fn(
     distribution: str = "fixed",
     seed: int | None = None,
     normalize_obs: bool = False,
+    env_kwargs: dict[str, Any] | None = None,
 ) -> Callable[[], gym.Env]:
-    """A picklable function building ``env_id``, slowed by a sleeping SlowEnv when asked, its
-    observations normalized by running statistics (gymnasium's NormalizeObservation) when asked."""
+    """A picklable function building ``env_id`` (``gym.make(env_id, **env_kwargs)``), slowed by a sleeping
+    SlowEnv when asked, its observations normalized by running statistics (gymnasium's NormalizeObservation)
+    when asked."""
+    kwargs = dict(env_kwargs or {})
 
     def make() -> gym.Env:
-        env = flat_observations(gym.make(env_id))
+        env = flat_observations(gym.make(env_id, **kwargs))
         if normalize_obs:
             env = gym.wrappers.NormalizeObservation(env)
         if env_latency_ms > 0:
@@ -119,6 +133,8 @@ class EnvAgentArgs:
     env: str = "CartPole-v1"
     """gymnasium env id, or module:EnvId for your own env: module (a file in the current folder or an installed
     package) is imported first and registers EnvId (mymod:MyEnv-v0)"""
+    env_kwargs: str = "{}"
+    """keyword arguments of gym.make(--env) as JSON, e.g. '{"g": 9.81}'"""
     num_envs: int = 8
     """number of parallel envs"""
     mode: Literal["sync", "async"] = "async"
@@ -145,10 +161,10 @@ class EnvAgentArgs:
     """stop once the mean return of the recent episodes reaches this"""
     seed: int = 1
     """seed of torch, numpy and the envs"""
-    track: bool = False
-    """write TensorBoard logs to --log-dir"""
+    track: bool = True
+    """write TensorBoard logs to --log-dir/<run> (as CleanRL; --no-track writes none)"""
     log_dir: str = "runs"
-    """TensorBoard log root"""
+    """TensorBoard log root (a resumed run keeps writing to its own folder there)"""
     progress: bool = True
     """show a progress bar"""
     checkpoint_dir: str | None = None
@@ -174,6 +190,37 @@ class EnvAgentArgs:
         for name in ("policy_latency_ms", "env_latency_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (milliseconds), got {getattr(self, name)}")
+        self.env_kwargs_dict()
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir DIR, the folder of the checkpoint to continue from")
+
+    def env_kwargs_dict(self) -> dict[str, Any]:
+        """``--env-kwargs`` as a dict (a ValueError naming the flag when it is not a JSON object)."""
+        return parse_env_kwargs(self.env_kwargs)
+
+
+def parse_env_kwargs(text: str) -> dict[str, Any]:
+    """``--env-kwargs`` (JSON) as the keyword arguments of ``gym.make``.
+
+    Example:
+        >>> parse_env_kwargs('{"g": 9.81}')
+        {'g': 9.81}
+        >>> parse_env_kwargs("g=9.81")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: --env-kwargs must be a JSON object of gym.make keyword arguments, e.g. '{"g": 9.81}', got 'g=9.81'...
+    """
+    try:
+        kwargs: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        kwargs = exc
+    if not isinstance(kwargs, dict):
+        reason = f" ({kwargs})" if isinstance(kwargs, Exception) else ""
+        example = '{"g": 9.81}'
+        raise ValueError(
+            f"--env-kwargs must be a JSON object of gym.make keyword arguments, e.g. '{example}', got {text!r}{reason}"
+        )
+    return kwargs
 
 
 def make_vector_env(
@@ -185,12 +232,14 @@ def make_vector_env(
     normalize_obs: bool = False,
     max_restarts: int = 0,
     step_timeout: float | None = None,
+    env_kwargs: dict[str, Any] | None = None,
 ) -> AsyncLLMVectorEnv:
     """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes; ``max_restarts``
-    and ``step_timeout`` as ``AsyncLLMVectorEnv`` takes them (either keeps the envs in worker processes)."""
+    and ``step_timeout`` as ``AsyncLLMVectorEnv`` takes them (either keeps the envs in worker processes);
+    ``env_kwargs`` reach ``gym.make``."""
     check_env_id(env_id)
     return AsyncLLMVectorEnv(
-        [make_env_fn(env_id, env_latency_ms, distribution, i, normalize_obs) for i in range(num_envs)],
+        [make_env_fn(env_id, env_latency_ms, distribution, i, normalize_obs, env_kwargs) for i in range(num_envs)],
         batch_size=batch_size,
         autoreset_mode=AutoresetMode.SAME_STEP,
         max_restarts=max_restarts,
@@ -238,13 +287,15 @@ def make_ray_collectors(
     address: str | None = None,
     num_collectors: int = 2,
     normalize_obs: bool = False,
+    env_kwargs: dict[str, Any] | None = None,
 ) -> RayCollectors:
     """``--backend ray``: collector actors on a Ray cluster hosting the envs (SAME_STEP autoreset)."""
     from asyncvec.distributed import RayCollectors
 
     check_env_id(env_id)
     env_fns = [
-        make_env_fn(env_id, env_latency_ms, distribution, seed=i, normalize_obs=normalize_obs) for i in range(num_envs)
+        make_env_fn(env_id, env_latency_ms, distribution, seed=i, normalize_obs=normalize_obs, env_kwargs=env_kwargs)
+        for i in range(num_envs)
     ]
     return RayCollectors(
         env_fns, num_collectors=num_collectors, address=address, autoreset_mode=AutoresetMode.SAME_STEP
@@ -303,71 +354,213 @@ def final_return_text(final_return: float, last: int) -> str:
     return f"final return (last {last} episodes) {final_return:.1f}"
 
 
+TRACEBACK_VARIABLE = "ASYNCVEC_TRACEBACK"
+"""Set (``ASYNCVEC_TRACEBACK=1``), the agents' command lines let every error keep its full traceback."""
+
+
+def exit_on_version_flag(argv: list[str] | None = None) -> None:
+    """``--version`` anywhere on an agent's command line prints asyncvec's version and exits 0 (checked before tyro
+    parses, so it works whatever else is given)."""
+    import asyncvec
+
+    if "--version" in (sys.argv[1:] if argv is None else argv):
+        print(f"asyncvec {asyncvec.__version__}")
+        raise SystemExit(0)
+
+
+def parse_cli(args_cls: type[Any], argv: list[str] | None = None) -> Any:
+    """An agent's options from the command line: ``--version`` first (`exit_on_version_flag`), then tyro (which
+    prints its own one-line argument errors, exit 2); a value a field's check refuses (``__post_init__``'s
+    ValueError) ends the run in one line, exit 2."""
+    exit_on_version_flag(argv)
+    name = getattr(args_cls, "__module__", "agent").rpartition(".")[2]
+    with exit_on_setup_error(name):
+        return tyro.cli(args_cls, args=argv)
+
+
 @contextlib.contextmanager
 def exit_on_missing_extra(name: str) -> Iterator[None]:
     """The agents' command lines: a missing optional library (`MissingExtraError`) ends the run with
     its one-line message, ``{name}: ... install it with: pip install 'asyncvec[...]'``, and exit code
-    1, not a traceback."""
+    2 (a setting to fix, as every other setup error), not a traceback."""
     try:
         yield
     except MissingExtraError as exc:
+        if os.environ.get(TRACEBACK_VARIABLE):
+            raise
         print(f"{name}: {exc}", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise SystemExit(2) from None
 
 
 @contextlib.contextmanager
 def exit_on_setup_error(name: str) -> Iterator[None]:
     """The agents' command lines, around building the agent: what the settings or the env got wrong
-    (an unknown env id, spaces the agent cannot take, an env whose library is missing) ends the run
-    with its one-line message and exit code 2, not a traceback; a missing extra as in
-    `exit_on_missing_extra`. Errors once training runs keep their traceback, and so do these with
-    ``ASYNCVEC_TRACEBACK=1``."""
+    (an unknown env id, spaces the agent cannot take, an env whose library is missing, a checkpoint
+    ``--resume`` cannot continue) ends the run with its one-line message and exit code 2, not a
+    traceback; a missing extra as in `exit_on_missing_extra`. ``ASYNCVEC_TRACEBACK=1`` keeps the
+    traceback."""
     with exit_on_missing_extra(name):
         try:
             yield
         except (ValueError, gym.error.Error) as exc:
-            if os.environ.get("ASYNCVEC_TRACEBACK"):
+            if os.environ.get(TRACEBACK_VARIABLE):
                 raise
-            print(f"{name}: error: {exc}", file=sys.stderr)
+            print(f"{name}: error: {first_line(exc)}", file=sys.stderr)
             raise SystemExit(2) from None
 
 
-def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], log_path: Callable[[Any], Path],
-                 checkpoint_path: Callable[[Any], Path | None], saves: str, track: bool, log_dir: str,
-                 name: str) -> Any | None:  # fmt: skip
-    """The agents' command line: builds the agent, trains it, prints ``summary(result)`` and where the
-    logs and the checkpoint went. Ctrl-C stops the run cleanly (``train`` closes envs, workers and
-    threads) and says at which step and where its checkpoint is. ``saves`` says when a checkpoint is
-    written (e.g. "after every update"); a setup error ends it in one line (`exit_on_setup_error`)."""
+def first_line(exc: BaseException) -> str:
+    """``exc``'s message up to its first blank line, on one line (a worker's traceback follows a blank line)."""
+    text = str(exc).split("\n\n")[0]
+    return " ".join(text.split()) or type(exc).__name__
 
-    def checkpoint_line(agent: Any) -> str:
-        path = checkpoint_path(agent) if agent is not None else None
-        if path is None:
-            return f"none (--checkpoint-dir DIR saves one {saves})"
-        return str(path) if path.exists() else f"none yet ({path} is written {saves})"
 
+def worker_error_in(exc: BaseException) -> WorkerError | None:
+    """The `WorkerError` (an env that raised, died or hung in its worker) that ``exc`` is or wraps, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, WorkerError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def where_raised(worker_traceback: str) -> str:
+    r"""``file:line in function`` of the last frame of a formatted traceback ('' when there is none).
+
+    Example:
+        >>> where_raised('Traceback (most recent call last):\n  File "/x/my_env.py", line 12, in step\n    1/0\nZeroDivisionError')
+        'my_env.py:12 in step'
+    """
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', worker_traceback)
+    if not frames:
+        return ""
+    path, line, function = frames[-1]
+    return f"{Path(path).name}:{line} in {function}"
+
+
+def report_run_error(name: str, exc: BaseException, folder: Path | None) -> int:
+    """Prints an error that ended a training run as one line (what failed, where, where its full traceback
+    was written) and returns the exit code: 2 for an env that failed in its worker (the user's env to fix),
+    1 otherwise. The full traceback goes to ``folder/traceback.txt`` (or a temporary file), once."""
+    worker = worker_error_in(exc)
+    if worker is None:
+        text = "".join(traceback.format_exception(exc))
+    else:  # the worker's traceback once (the error's message and its chained cause repeat it)
+        text = (
+            f"{first_line(worker)}\n\nWhere the run met it (most recent call last):\n"
+            + "".join(traceback.format_tb(exc.__traceback__))
+            + f"\nTraceback in the worker process of env {worker.env_index}:\n{worker.worker_traceback}"
+        )
+    try:
+        if folder is None:
+            raise OSError
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "traceback.txt"
+        path.write_text(text)
+    except OSError:
+        with tempfile.NamedTemporaryFile("w", prefix="asyncvec-", suffix="-traceback.txt", delete=False) as file:
+            file.write(text)
+            path = Path(file.name)
+    tail = f"full traceback in {path} ({TRACEBACK_VARIABLE}=1 prints it)"
+    if worker is not None:
+        at = where_raised(worker.worker_traceback)
+        print(
+            f"{name}: error: your env failed: {first_line(worker)}{f' (at {at})' if at else ''}; fix the env "
+            f"(or let --max-restarts rebuild it); {tail}",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"{name}: error: {type(exc).__name__}: {first_line(exc)}; {tail}", file=sys.stderr)
+    return 1
+
+
+def _checkpoint_words(agent: Any, saves: str) -> str:
+    path = getattr(agent, "checkpoint_path", None)
+    if path is None:
+        return f"none (--checkpoint-dir DIR saves one {saves})" if saves else "none (this agent keeps none)"
+    return str(path) if Path(path).exists() else f"none yet ({path} is written {saves})"
+
+
+def where_line(agent: Any, saves: str, *, start: bool = False) -> str:
+    """Where a run writes (``start``) or wrote its results: TensorBoard logs (or how to have them), the model
+    (``output_path``, when the agent saves one) and the checkpoint."""
+    log_path = getattr(agent, "log_path", None)
+    if log_path is None:
+        logs = "not written (--track, the default, writes them; --no-track turned it off)"
+    else:
+        logs = f"{log_path} (TensorBoard{': tensorboard --logdir ' + str(Path(log_path).parent) if start else ''})"
+    parts = [f"logs: {logs}"]
+    output = getattr(agent, "output_path", None)
+    if output is not None:
+        parts.append(f"model: {output}")
+    if start:
+        path = getattr(agent, "checkpoint_path", None)
+        checkpoint = (
+            f"{path} (written {saves})"
+            if path is not None
+            else (f"none (--checkpoint-dir DIR saves one {saves})" if saves else "none (this agent keeps none)")
+        )
+    else:
+        checkpoint = _checkpoint_words(agent, saves)
+    parts.append(f"checkpoint: {checkpoint}")
+    return "; ".join(parts)
+
+
+def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], *, name: str,
+                 saves: str = "after every update") -> Any | None:  # fmt: skip
+    """Every agent's command line: builds the agent (a setup error ends the run in one line, exit 2:
+    `exit_on_setup_error`), says where its logs, model and checkpoint go, trains it, prints
+    ``summary(result)`` and where they went.
+
+    The agent tells the runner what it needs by attributes: ``log_path`` (its TensorBoard folder, None when
+    not written), ``checkpoint_path`` (None without one), ``output_path`` (optional: the model it saves),
+    ``position`` (where it is, e.g. ``"step 640"``), ``work_left`` (steps or prompts still to do: 0 after
+    ``--resume`` of a finished run, which then says so and exits 0 without training) and ``length_flag`` (the
+    option that sets the run's length, named in that message). ``saves`` says when
+    its checkpoint is written ('' for an agent without one).
+
+    Ctrl-C stops the run within a second (``train`` closes envs, workers and threads), says where it stopped
+    and where its checkpoint is (written after the last complete update), and exits 130. An error while
+    training is one line naming what failed, with where its full traceback was written (`report_run_error`;
+    ``ASYNCVEC_TRACEBACK=1`` raises it instead): exit 2 for an env failing in its worker, 1 otherwise."""
     agent = None
     try:
         with exit_on_setup_error(name):
             agent = build()
+        if getattr(agent, "work_left", 1) <= 0:
+            agent.close()
+            print(
+                f"{name}: nothing left to do: the checkpoint {agent.checkpoint_path} is already at {agent.position}, "
+                f"the end of this run; raise {getattr(agent, 'length_flag', 'the run length')} to train on"
+            )
+            return None
+        print(f"{name}: {where_line(agent, saves, start=True)}", flush=True)
         with exit_on_missing_extra(name):
-            result = agent.train()
+            try:
+                result = agent.train()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as exc:
+                if os.environ.get(TRACEBACK_VARIABLE):
+                    raise
+                raise SystemExit(report_run_error(name, exc, getattr(agent, "run_dir", None))) from None
     except KeyboardInterrupt:
-        step = agent.global_step if agent is not None else 0
-        print(f"\nstopped at step {step}, checkpoint at {checkpoint_line(agent)}")
-        return None
+        if agent is None:
+            print(f"\n{name}: stopped before training started", flush=True)
+        else:
+            print(f"\n{name}: stopped at {agent.position}, checkpoint at {_checkpoint_words(agent, saves)}", flush=True)
+        raise SystemExit(130) from None
     print(summary(result))
-    logs = f"{log_path(agent)} (TensorBoard)" if track else f"not written (--track writes them to {log_dir}/)"
-    print(f"logs: {logs}; checkpoint: {checkpoint_line(agent)}")
+    print(where_line(agent, saves))
     return result
 
 
-def lm_cli(agent_cls: type[LMAgent], args_cls: type[LMArgs]) -> None:
-    """The command line of a language-model agent: ``args_cls`` from ``sys.argv`` (tyro), the agent built
-    (a wrong setting ends the run in one line), trained, its summary printed."""
-    args = tyro.cli(args_cls)
+def lm_cli(agent_cls: type[LMAgent], args_cls: type[LMArgs], argv: list[str] | None = None) -> LMTrainResult | None:
+    """The command line of a language-model agent: ``args_cls`` from ``sys.argv`` (`parse_cli`), then
+    `run_from_cli` (the same runner as PPO's and SAC's: Ctrl-C, errors, where the results went)."""
+    args = parse_cli(args_cls, argv)
     label = agent_cls.run_label(args)
-    with exit_on_setup_error(label):
-        agent = agent_cls(args)
-    with exit_on_missing_extra(label):
-        print(summary(label, agent.train()))
+    return run_from_cli(lambda: agent_cls(args), lambda result: summary(label, result), name=label)

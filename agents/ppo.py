@@ -38,7 +38,6 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 from torch.distributions import Categorical, Normal
 
 from asyncvec import Collector, RolloutStore, VersionManager
@@ -53,13 +52,14 @@ from asyncvec.agents.common import (
     make_ray_collector,
     make_ray_collectors,
     make_vector_env,
+    parse_cli,
     run_from_cli,
     stored_action_space,
 )
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
-from asyncvec.runs import load_checkpoint, save_checkpoint, seed_everything
+from asyncvec.runs import check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
 from asyncvec.versioning import LaggedWeights, adapt_max_staleness
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
@@ -255,7 +255,8 @@ class PPO:
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
         # The spaces first, from one env here: a clear error before any worker starts.
-        obs_space, self.action_space = env_spaces(args.env)
+        env_kwargs = args.env_kwargs_dict()
+        obs_space, self.action_space = env_spaces(args.env, env_kwargs)
         flat_box = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
         if isinstance(obs_space, gym.spaces.Text) or isinstance(self.action_space, gym.spaces.Text):
             raise ValueError(
@@ -275,6 +276,7 @@ class PPO:
                 args.env_latency_dist,
                 address=args.ray_address,
                 num_collectors=args.ray_collectors,
+                env_kwargs=env_kwargs,
             )
         else:
             self.envs = make_vector_env(
@@ -285,6 +287,7 @@ class PPO:
                 distribution=args.env_latency_dist,
                 max_restarts=args.max_restarts,
                 step_timeout=args.step_timeout,
+                env_kwargs=env_kwargs,
             )
         obs_dim = obs_space.shape[0]
         self.actor = Actor(obs_dim, self.action_space, args.hidden, normalize_obs=args.normalize_obs)
@@ -301,18 +304,48 @@ class PPO:
         self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, stored_action_space(self.action_space))
         self.global_step = 0
         self.updates = 0
-        self.run_name = f"{args.env.replace('/', '_')}__ppo__{args.mode}__{args.seed}__{int(time.time())}"
-        self.log_path = Path(args.log_dir) / self.run_name
+        self.prior_returns: list[float] = []  # after --resume: the checkpoint's recent episode returns
+        self._recent_returns: list[float] = []
+        self.run_name = run_name(args.env, "ppo", args.mode, args.seed)  # --resume: the checkpoint's run
         self.checkpoint_path = Path(args.checkpoint_dir) / "ppo.pt" if args.checkpoint_dir else None
         if args.resume:
-            self._resume()
+            try:
+                self._resume()
+            except BaseException:
+                self.close()
+                raise
+
+    length_flag = "--total-timesteps"  # the option that sets the run's length (the command line names it)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's folder under ``--log-dir`` (its TensorBoard logs; a resumed run keeps its first one)."""
+        return Path(self.args.log_dir) / self.run_name
+
+    @property
+    def log_path(self) -> Path | None:
+        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
+        return self.run_dir if self.args.track else None
+
+    @property
+    def position(self) -> str:
+        """Where the run is, in words (the command line's Ctrl-C message)."""
+        return f"step {self.global_step}"
+
+    @property
+    def work_left(self) -> int:
+        """Env steps still to train for (0: a resumed run that had already finished)."""
+        return max(0, self.args.total_timesteps - self.global_step)
 
     # ------------------------------------------------------------------ checkpoints
 
     def _resume(self) -> None:
         if self.checkpoint_path is None:
-            raise ValueError("--resume needs --checkpoint-dir")
+            raise ValueError("--resume needs --checkpoint-dir DIR, the folder of the checkpoint to continue from")
         state = load_checkpoint(self.checkpoint_path)
+        check_resumable(state, self.checkpoint_path, env=self.args.env, env_kwargs=self.args.env_kwargs)
+        self.run_name = state.get("run_name", self.run_name)
+        self.prior_returns = list(state.get("recent_returns", []))
         self.actor.load_state_dict(state["actor"])
         self.critic.load_state_dict(state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -335,6 +368,8 @@ class PPO:
                 updates=self.updates,
                 reward_scaler=self.reward_scaler.state_dict() if self.reward_scaler is not None else None,
                 args=asdict(self.args),
+                run_name=self.run_name,
+                recent_returns=self._recent_returns[-100:],
             )
 
     def _actor_weights(self) -> dict[str, torch.Tensor]:
@@ -555,11 +590,12 @@ class PPO:
         """Trains until ``total_timesteps`` (or ``target_return``); closes envs and policy."""
         args = self.args
         logger = RunLogger(
-            Path(args.log_dir) / self.run_name,
+            self.run_dir,
             track=args.track,
             total_steps=args.total_timesteps,
             progress=args.progress,
             hparams=asdict(args),
+            initial_step=self.global_step,
         )
         history: list[dict] = []
         reached_at = None
@@ -568,6 +604,7 @@ class PPO:
         start_step = self.global_step  # after --resume: steps/s counts this run's steps only
         collector = None
         episodes = EpisodeStats(args.num_envs)
+        self._recent_returns = list(self.prior_returns)
         try:
             if args.mode == "async" and args.backend == "ray":
                 collector = make_ray_collector(
@@ -597,7 +634,9 @@ class PPO:
                     stats = self.update(segment)
                 with stages("publish"):
                     self.versions.publish(self._actor_weights())
-                returns = collector.recent_returns() if collector is not None else episodes.returns()
+                returns = self._recent_returns = self.prior_returns + (
+                    collector.recent_returns() if collector is not None else episodes.returns()
+                )
                 mean20 = float(np.mean(returns[-20:])) if returns else float("nan")
                 elapsed = time.monotonic() - start
                 row = {
@@ -641,7 +680,7 @@ class PPO:
             logger.close()
             self.close()
         wall = time.monotonic() - start
-        returns = collector.recent_returns() if collector is not None else episodes.returns()
+        returns = self.prior_returns + (collector.recent_returns() if collector is not None else episodes.returns())
         staleness = self.versions.staleness_stats()
         return TrainResult(
             global_step=self.global_step,
@@ -695,18 +734,14 @@ def main(args: Args) -> TrainResult | None:
             )
             + f"\ntime: {StageClock.words(result.stage_seconds)}"
         ),
-        log_path=lambda agent: agent.log_path,
-        checkpoint_path=lambda agent: agent.checkpoint_path,
-        saves="after every update",
-        track=args.track,
-        log_dir=args.log_dir,
         name="PPO",
+        saves="after every update",
     )
 
 
 def cli() -> None:
     """``asyncvec-ppo``, ``python -m asyncvec.agents.ppo`` or, in a clone, ``python agents/ppo.py``."""
-    main(tyro.cli(Args))
+    main(parse_cli(Args))
 
 
 if __name__ == "__main__":

@@ -52,22 +52,23 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-import tyro
 from gymnasium.vector import AutoresetMode
 
 from asyncvec import AsyncLLMVectorEnv
-from asyncvec.agents.common import anneal, exit_on_setup_error, layer_init
+from asyncvec.agents.common import anneal, layer_init, parse_cli, run_from_cli
 from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout, HashedInstruction
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import decoupled_ppo_loss, gae, masked_mean
-from asyncvec.runs import check_env_id, seed_everything
+from asyncvec.metrics import RunLogger
+from asyncvec.runs import check_env_id, run_name, seed_everything
 
 RESET = SOURCES.index("reset")
 
@@ -138,6 +139,13 @@ class Args:
     seed: int = 1
     """seed of torch, numpy and the envs"""
     torch_threads: int = 1
+    """torch CPU threads for the learner"""
+    track: bool = True
+    """write TensorBoard logs to --log-dir/<run> (as CleanRL; --no-track writes none)"""
+    log_dir: str = "runs"
+    """TensorBoard log root"""
+    progress: bool = True
+    """show a progress bar over the iterations"""
     """torch.set_num_threads"""
 
 
@@ -278,6 +286,36 @@ class PPOChunks:
         self.version = 0
         self.clip_coef = args.clip_coef
         self.policy: GaussianChunkPolicy | None = None
+        self.iteration = 0
+        self.run_name = run_name(args.env, "ppo_chunks", "sim" if args.latency_ticks is not None else "wall", args.seed)
+
+    # ------------------------------------------------------------------ where the run writes
+    checkpoint_path = None  # this agent keeps no checkpoint
+    length_flag = "--iterations"
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's folder under ``--log-dir`` (its TensorBoard logs)."""
+        return Path(self.args.log_dir) / self.run_name
+
+    @property
+    def log_path(self) -> Path | None:
+        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
+        return self.run_dir if self.args.track else None
+
+    @property
+    def position(self) -> str:
+        """Where the run is, in words (the command line's Ctrl-C message)."""
+        return f"iteration {self.iteration} of {self.args.iterations}"
+
+    @property
+    def work_left(self) -> int:
+        return self.args.iterations - self.iteration
+
+    def close(self) -> None:
+        """Closes the acting policy (``train`` does this itself when it ends)."""
+        if self.policy is not None:
+            self.policy.close()
 
     def make_env(self) -> gym.Env:
         """The env as the policy sees it: a Dict observation keeps its image and its instruction, hashed."""
@@ -475,6 +513,14 @@ class PPOChunks:
         )
         start = time.perf_counter()
         history: dict[str, Any] = {"episode_returns": [], "sources": dict.fromkeys(SOURCES, 0)}
+        logger = RunLogger(
+            self.run_dir,
+            track=args.track,
+            total_steps=args.iterations,
+            progress=args.progress,
+            hparams=asdict(args),
+            unit="iteration",
+        )
         try:
             history["eval_start"] = self.evaluate(executor, args.seed) if args.eval_rounds else float("nan")
             executor.reset(seed=args.seed)
@@ -502,10 +548,21 @@ class PPOChunks:
                 history["last_update"] = self.update(batch)
                 history["learn_seconds"] = history.get("learn_seconds", 0.0) + time.perf_counter() - tick
                 self.publish()
+                self.iteration = iteration + 1
+                logger.log(
+                    {
+                        **{f"losses/{key}": value for key, value in history["last_update"].items()},
+                        "charts/episodic_return": history["episode_returns"][-1],
+                        "charts/version": self.version,
+                        "time/wall_s": time.perf_counter() - start,
+                    },
+                    self.iteration,
+                )
             history["trained_fraction"] = trained / max(1, executed)
             history["stats"] = executor.stats()
             history["eval_end"] = self.evaluate(executor, args.seed) if args.eval_rounds else float("nan")
         finally:
+            logger.close()
             self.policy.close()
             envs.close()
         history["seconds"] = time.perf_counter() - start
@@ -529,10 +586,8 @@ def summary(args: Args, result: dict[str, Any]) -> str:
 
 def cli() -> None:
     """``asyncvec-ppo-chunks``, ``python -m asyncvec.agents.ppo_chunks``, in a clone ``python agents/ppo_chunks.py``."""
-    args = tyro.cli(Args)
-    with exit_on_setup_error("PPO on chunks"):
-        agent = PPOChunks(args)
-    print(summary(args, agent.train()))
+    args = parse_cli(Args)
+    run_from_cli(lambda: PPOChunks(args), lambda result: summary(args, result), name="PPO on chunks", saves="")
 
 
 if __name__ == "__main__":

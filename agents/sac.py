@@ -39,7 +39,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import tyro
 from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
 from asyncvec import Collector, ReplayBuffer, VersionManager
@@ -51,12 +50,13 @@ from asyncvec.agents.common import (
     make_ray_collector,
     make_ray_collectors,
     make_vector_env,
+    parse_cli,
     run_from_cli,
 )
 from asyncvec.buffers import Transitions
 from asyncvec.lifecycle import release_if_held
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
-from asyncvec.runs import load_checkpoint, save_checkpoint, seed_everything
+from asyncvec.runs import check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
 from asyncvec.versioning import LaggedWeights
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -234,6 +234,7 @@ class SAC:
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
+        env_kwargs = args.env_kwargs_dict()
         if args.backend == "ray":
             self.envs = make_ray_collectors(
                 args.env,
@@ -242,6 +243,7 @@ class SAC:
                 args.env_latency_dist,
                 address=args.ray_address,
                 num_collectors=args.ray_collectors,
+                env_kwargs=env_kwargs,
             )
         else:
             self.envs = make_vector_env(
@@ -252,6 +254,7 @@ class SAC:
                 distribution=args.env_latency_dist,
                 max_restarts=args.max_restarts,
                 step_timeout=args.step_timeout,
+                env_kwargs=env_kwargs,
             )
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(self.action_space, gym.spaces.Box):
@@ -284,10 +287,45 @@ class SAC:
         self._starved = False  # the last gradient step found too few eligible samples
         self._stopping = threading.Event()
         self._progress = threading.Condition()
-        self.run_name = f"{args.env.replace('/', '_')}__sac__{args.mode}__{args.seed}__{int(time.time())}"
+        self.prior_returns: list[float] = []  # after --resume: the checkpoint's recent episode returns
+        self._recent_returns: list[float] = []
+        self.run_name = run_name(args.env, "sac", args.mode, args.seed)  # --resume: the checkpoint's run
         self.checkpoint_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         if args.resume:
-            self._resume()
+            try:
+                self._resume()
+            except BaseException:
+                self.policy.close()
+                self.envs.close()
+                self.versions.close()
+                raise
+
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """The checkpoint file (the replay buffer sits beside it, in ``replay/``); None without ``--checkpoint-dir``."""
+        return self.checkpoint_dir / "sac.pt" if self.checkpoint_dir is not None else None
+
+    length_flag = "--total-timesteps"  # the option that sets the run's length (the command line names it)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's folder under ``--log-dir`` (its TensorBoard logs; a resumed run keeps its first one)."""
+        return Path(self.args.log_dir) / self.run_name
+
+    @property
+    def log_path(self) -> Path | None:
+        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
+        return self.run_dir if self.args.track else None
+
+    @property
+    def position(self) -> str:
+        """Where the run is, in words (the command line's Ctrl-C message)."""
+        return f"step {self.global_step}"
+
+    @property
+    def work_left(self) -> int:
+        """Env steps still to train for (0: a resumed run that had already finished)."""
+        return max(0, self.args.total_timesteps - self.global_step)
 
     # ------------------------------------------------------------------ data
 
@@ -468,12 +506,17 @@ class SAC:
             gradient_steps=self.gradient_steps,
             index=(self.index.next_slot, self.index.episode),
             args=asdict(self.args),
+            run_name=self.run_name,
+            recent_returns=self._recent_returns[-100:],
         )
 
     def _resume(self) -> None:
         if self.checkpoint_dir is None:
-            raise ValueError("--resume needs --checkpoint-dir")
+            raise ValueError("--resume needs --checkpoint-dir DIR, the folder of the checkpoint to continue from")
         state = load_checkpoint(self.checkpoint_dir / "sac.pt")
+        check_resumable(state, self.checkpoint_dir / "sac.pt", env=self.args.env, env_kwargs=self.args.env_kwargs)
+        self.run_name = state.get("run_name", self.run_name)
+        self.prior_returns = list(state.get("recent_returns", []))
         for name in ("actor", "qf1", "qf2", "qf1_target", "qf2_target"):
             getattr(self, name).load_state_dict(state[name])
         for name in ("q_optimizer", "actor_optimizer", "alpha_optimizer"):
@@ -492,11 +535,12 @@ class SAC:
         """Trains until ``total_timesteps`` (or ``target_return``); closes envs and policy."""
         args = self.args
         logger = RunLogger(
-            Path(args.log_dir) / self.run_name,
+            self.run_dir,
             track=args.track,
             total_steps=args.total_timesteps,
             progress=args.progress,
             hparams=asdict(args),
+            initial_step=self.global_step,
         )
         history: list[dict] = []
         start = time.monotonic()
@@ -506,6 +550,8 @@ class SAC:
         ids = np.arange(args.num_envs)
         next_log = next_checkpoint = start_step = self.global_step  # after --resume: steps/s counts this run's steps
         stats: dict[str, float] = {}
+        self._recent_returns = list(self.prior_returns)
+        interrupted = False
         try:
             if args.mode == "async" and args.backend == "ray":
                 collector = make_ray_collector(
@@ -570,7 +616,9 @@ class SAC:
                     self._progress.notify_all()
                 if self.global_step >= next_log:
                     next_log += 500
-                    returns = collector.recent_returns() if collector is not None else episodes.returns()
+                    returns = self._recent_returns = self.prior_returns + (
+                        collector.recent_returns() if collector is not None else episodes.returns()
+                    )
                     mean10 = float(np.mean(returns[-10:])) if returns else float("nan")
                     elapsed = time.monotonic() - start
                     row = {
@@ -599,6 +647,9 @@ class SAC:
                 if self.checkpoint_dir is not None and self.global_step >= next_checkpoint + args.checkpoint_every:
                     next_checkpoint = self.global_step
                     self.save()
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             self._stopping.set()
             if collector is not None:
@@ -607,10 +658,12 @@ class SAC:
             logger.close(final_step=self.global_step)
             self.policy.close()
             self.envs.close()
+            if interrupted and self.checkpoint_dir is not None:
+                self.save()  # Ctrl-C: the state of the last complete gradient step, for --resume
         if self.checkpoint_dir is not None:
             self.save()
         wall = time.monotonic() - start
-        returns = collector.recent_returns() if collector is not None else episodes.returns()
+        returns = self.prior_returns + (collector.recent_returns() if collector is not None else episodes.returns())
         staleness = self.versions.staleness_stats()
         self.versions.close()
         return TrainResult(
@@ -643,18 +696,14 @@ def main(args: Args) -> TrainResult | None:
             f"({result.env_steps_per_s:.0f} steps/s), {final_return_text(result.final_return, 10)}"
             f"\ntime: {StageClock.words(result.stage_seconds)}"
         ),
-        log_path=lambda agent: Path(args.log_dir) / agent.run_name,
-        checkpoint_path=lambda agent: agent.checkpoint_dir / "sac.pt" if agent.checkpoint_dir is not None else None,
-        saves="every --checkpoint-every env steps",
-        track=args.track,
-        log_dir=args.log_dir,
         name="SAC",
+        saves="every --checkpoint-every env steps, at the end and on Ctrl-C",
     )
 
 
 def cli() -> None:
     """``asyncvec-sac``, ``python -m asyncvec.agents.sac`` or, in a clone, ``python agents/sac.py``."""
-    main(tyro.cli(Args))
+    main(parse_cli(Args))
 
 
 if __name__ == "__main__":

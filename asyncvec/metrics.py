@@ -116,7 +116,9 @@ class StageClock:
 
 
 class RunLogger:
-    """TensorBoard writer (when ``track``) plus a tqdm progress bar over env steps.
+    """TensorBoard writer (when ``track``) plus a tqdm progress bar counting ``unit`` (env steps unless
+    told: an LM agent counts prompts). ``initial_step``: where a resumed run's bar starts (its step axis
+    goes on from the checkpoint's).
 
     Example:
         >>> logger = RunLogger("runs/example", track=False, total_steps=100, progress=False)
@@ -132,6 +134,8 @@ class RunLogger:
         total_steps: int | None = None,
         progress: bool = True,
         hparams: Mapping[str, Any] | None = None,
+        unit: str = "step",
+        initial_step: int = 0,
     ) -> None:
         self.writer = None
         if track:
@@ -145,8 +149,8 @@ class RunLogger:
         if progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, mininterval=1.0)
-        self._last_step = 0
+            self.bar = tqdm(total=total_steps, initial=initial_step, unit=unit, dynamic_ncols=True, mininterval=1.0)
+        self._last_step = initial_step
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
         """Writes finite scalars to TensorBoard and advances the progress bar to ``step`` (a step past

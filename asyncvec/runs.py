@@ -10,7 +10,9 @@ import difflib
 import importlib
 import os
 import random
+import re
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -76,6 +78,49 @@ def import_user_module(module: str, what: str) -> ModuleType:
         raise ValueError(f"{what} failed: {missing}") from exc
 
 
+def run_name(env_id: str, agent: str, mode: str, seed: int, started: float | None = None) -> str:
+    """A run's folder name under ``--log-dir``: ``<env>__<agent>__<mode>__<seed>__<unix time>``, every character
+    that a path or a shell would trip on (``/``, ``:``, spaces, ...) replaced by ``_``.
+
+    Example:
+        >>> run_name("mymod:Env-v0", "ppo", "async", 1, started=1700000000)
+        'mymod_Env-v0__ppo__async__1__1700000000'
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", env_id)
+    return f"{safe}__{agent}__{mode}__{seed}__{int(time.time() if started is None else started)}"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that ``--resume`` cannot continue from: written for another env or agent, or unreadable;
+    the message names the cause and the fix."""
+
+
+class CheckpointNotFoundError(FileNotFoundError, CheckpointError):
+    """``--resume`` with no checkpoint where it looks (a FileNotFoundError, as before, and a ValueError: a
+    setting to fix)."""
+
+
+def check_resumable(state: dict[str, Any], path: Path, **expected: Any) -> None:
+    """Raises :class:`CheckpointError` when ``state["args"]`` (a checkpoint's options) differs from ``expected`` in
+    one of its keys (e.g. ``env``), naming both values and the two ways on: the checkpoint's value, or another
+    ``--checkpoint-dir``.
+
+    Example:
+        >>> check_resumable({"args": {"env": "CartPole-v1"}}, Path("ckpt/ppo.pt"), env="Acrobot-v1")
+        Traceback (most recent call last):
+        ...
+        asyncvec.runs.CheckpointError: --resume: ckpt/ppo.pt was written by a run with --env CartPole-v1, not Acrobot-v1: pass --env CartPole-v1 to continue it, or another --checkpoint-dir to start a new run
+    """
+    saved = state.get("args") or {}
+    for key, value in expected.items():
+        if key in saved and saved[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(
+                f"--resume: {path} was written by a run with {flag} {saved[key]}, not {value}: pass {flag} "
+                f"{saved[key]} to continue it, or another --checkpoint-dir to start a new run"
+            )
+
+
 def seed_everything(seed: int) -> None:
     """Seeds Python's, NumPy's and torch's global random generators."""
     random.seed(seed)
@@ -109,7 +154,15 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Loads a checkpoint written by :func:`save_checkpoint` and restores the RNG states."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path} (--resume needs --checkpoint-dir of an earlier run)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+        raise CheckpointNotFoundError(
+            f"--resume: no checkpoint at {path}: pass the --checkpoint-dir of an earlier run, or leave out --resume "
+            "to start a new one"
+        )
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # a truncated or foreign file
+        raise CheckpointError(
+            f"--resume: {path} is not a readable checkpoint ({exc}): pass another --checkpoint-dir"
+        ) from exc
     set_rng_state(state["rng"])
     return state

@@ -74,13 +74,40 @@ def declared_multi_turn(env_id: str, env_kwargs: dict[str, Any]) -> bool | None:
         True
     """
     check_env_id(env_id)
-    with contextlib.closing(gym.make(env_id, **env_kwargs)) as env:
+    with contextlib.closing(make_text_env(env_id, env_kwargs)) as env:
         try:
             check_text_env(env, env_id)
         except TypeError as exc:
             raise ValueError(str(exc)) from None
         declared = env.metadata.get("multi_turn")
     return None if declared is None else bool(declared)
+
+
+def make_text_env(env_id: str, env_kwargs: dict[str, Any]) -> gym.Env:
+    """``gym.make(env_id, **env_kwargs)``, with a ValueError naming the fix when the id's entry point is not a
+    gymnasium env (a plain ``reset()``/``step(str)`` object: the StringEnv wrapper) or takes none of
+    ``env_kwargs`` (``--env-kwargs``)."""
+    try:
+        return gym.make(env_id, **env_kwargs)
+    except (TypeError, AttributeError) as exc:
+        entry = gym.spec(env_id.rpartition(":")[2]).entry_point
+        if isinstance(entry, str):
+            try:
+                entry = gym.envs.registration.load_env_creator(entry)
+            except Exception:
+                entry = None
+        if isinstance(entry, type) and not issubclass(entry, gym.Env):
+            name = entry.__name__
+            raise ValueError(
+                f"{env_id} is registered as {entry.__module__}.{name}, which is not a gymnasium env (no "
+                f"observation_space and action_space); a plain reset()/step(str) object that returns strings runs "
+                f"wrapped: register it with entry_point=lambda **kwargs: asyncvec.lm.StringEnv({name}(**kwargs))"
+            ) from None
+        if env_kwargs and isinstance(exc, TypeError):
+            raise ValueError(
+                f"{env_id}: gym.make({env_id!r}, **{env_kwargs}) failed: {exc}; fix or leave out --env-kwargs"
+            ) from None
+        raise
 
 
 def prepare_model(args: LMArgs, workdir: Path, multi_turn: bool = False) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,12 +38,16 @@ def quiet_model_libraries() -> None:
     """Silences transformers' progress bars and advisory warnings, and vLLM's info log (errors
     and, for vLLM, warnings still show; ``VLLM_LOGGING_LEVEL`` set by the user wins).
 
-    Training runs load and save models many times; their bars and notices (e.g. the pad
+    Training runs load and save models many times (and decode token by token); their bars and notices (e.g. the pad
     token chosen for ``generate``) would bury the run's own output. vLLM reads its level when
     it is first imported, so call this before.
     """
     import transformers
 
+    # Some transformers releases warn (FutureWarning) on every forward pass of a decoding loop that hands back
+    # the cache it returned (``past_key_values``); the backends pass the cache object the model returned, so the
+    # notice says nothing to fix: that one warning, from transformers only, is silenced.
+    warnings.filterwarnings("ignore", message=r".*past_key_values.*", category=FutureWarning, module=r"transformers\.")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

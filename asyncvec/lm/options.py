@@ -149,10 +149,14 @@ class LMArgs:
     """torch CPU threads (generation and learning already run on two threads)"""
     output_dir: str | None = None
     """save the trained model (save_pretrained) here"""
-    track: bool = False
-    """write TensorBoard logs to runs/"""
+    checkpoint_dir: str | None = None
+    """save a checkpoint here after every update (learner weights, optimizer, version, prompts done, RNG state)"""
+    resume: bool = False
+    """continue from the checkpoint in --checkpoint-dir (same TensorBoard run folder, same step axis)"""
+    track: bool = True
+    """write TensorBoard logs to --log-dir/<run> (as CleanRL; --no-track writes none)"""
     log_dir: str = "runs"
-    """TensorBoard log root"""
+    """TensorBoard log root (a resumed run keeps writing to its own folder there)"""
     progress: bool = True
     """show a progress bar"""
 
@@ -180,6 +184,8 @@ class LMArgs:
             _check_number("deadline_ms", self.deadline_ms, positive=True)
         if self.policy_inflight_batches is not None:
             _check_int("policy_inflight_batches", self.policy_inflight_batches, 1)
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("--resume needs --checkpoint-dir DIR, the folder of the checkpoint to continue from")
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"--gamma must be in [0, 1], got {self.gamma!r}")
         try:
@@ -271,5 +277,8 @@ def load_reward_plugin(spec: str) -> str:
             "f(prompt, completion, **info) -> float"
         )
     if spec not in rewards.available() or rewards.get(spec) is not plugin:
-        rewards.register(spec, replace=True)(plugin)
+        try:
+            rewards.register(spec, replace=True)(plugin)
+        except TypeError as exc:  # its signature: a reward is f(prompt, completion, **info)
+            raise ValueError(f"--reward {spec!r}: {exc}; change the function to take them") from None
     return spec

@@ -105,15 +105,33 @@ def eval_line(before: float, after: float) -> str:
     return f"eval reward before RL {shown[0]} -> after RL {shown[1]}"
 
 
+def reward_words(curve: list[float]) -> str:
+    """The training reward of a run in a few words: the mean of its first and of its last updates (a tenth of
+    them, at least one each); the whole curve is ``result.reward_curve`` and TensorBoard's ``charts/reward``.
+
+    Example:
+        >>> reward_words([0.1, 0.2, 0.5, 0.9])
+        'training reward 0.10 -> 0.90 (first -> last update)'
+        >>> reward_words([])
+        'no update'
+    """
+    finite = [r for r in curve if not math.isnan(r)]
+    if not finite:
+        return "no update"
+    k = max(1, len(finite) // 10)
+    first, last = sum(finite[:k]) / k, sum(finite[-k:]) / k
+    span = "first -> last update" if k == 1 else f"mean of the first {k} -> last {k} updates"
+    return f"training reward {first:.2f} -> {last:.2f} ({span})"
+
+
 def summary(name: str, result: LMTrainResult) -> str:
-    """A one-paragraph report of a run, printed by the agents' CLIs and the demo."""
-    curve = ", ".join(f"{r:.2f}" for r in result.reward_curve)
+    """A short report of a run, printed by the agents' CLIs and the demo: a line of speed and rewards, a line of
+    sample accounting (the curves are in TensorBoard)."""
     return (
         (
             f"{name}: {result.updates} updates, {result.samples} completions in {result.wall_time_s:.1f} s "
-            f"({result.samples_per_s:.0f} completions/s)\n"
-            f"  reward curve (per update): [{curve}]\n"
-            f"  {eval_line(result.eval_reward_before, result.eval_reward_after)}\n"
+            f"({result.samples_per_s:.0f} completions/s), {reward_words(result.reward_curve)}; "
+            f"{eval_line(result.eval_reward_before, result.eval_reward_after)}\n"
             f"  stale {result.stale_fraction:.1%}, IS-truncated {result.truncated_fraction:.1%}, "
             f"flagged {result.flagged_fraction:.1%}, unparsable {result.fallback_fraction:.1%}, "
             f"missed deadlines {result.missed_deadline_fraction:.1%}, "

@@ -36,7 +36,14 @@ from asyncvec.lm.options import LMArgs
 from asyncvec.lm.results import LMTrainResult
 from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger, StageClock
-from asyncvec.runs import seed_everything
+from asyncvec.runs import (
+    CheckpointError,
+    check_resumable,
+    load_checkpoint,
+    run_name,
+    save_checkpoint,
+    seed_everything,
+)
 
 LossAndStats = tuple[torch.Tensor, dict[str, float]]
 """What an agent's ``policy_loss`` returns: the loss (with grad) and its statistics."""
@@ -74,11 +81,89 @@ class LMAgent(ClosesOnExit):
         if LM_BACKENDS[args.backend].sets_torch_threads:
             torch.set_num_threads(args.torch_threads)
         quiet_model_libraries()
-        self.run_name = f"{args.env.replace('/', '_')}__{self.name}__{args.mode}__{args.seed}__{int(time.time())}"
+        self.run_name = run_name(args.env, self.name, args.mode, args.seed)
+        self.checkpoint_path = Path(args.checkpoint_dir) / f"{self.name}.pt" if args.checkpoint_dir else None
+        self.prompts_done = self.updates = 0
+        state = self._load_checkpoint() if args.resume else None  # before building: a wrong one fails fast
+        if state is not None:
+            self.run_name = state.get("run_name", self.run_name)
         self.parts = build_parts(args, self.run_name, policy)
         self.learner, self.tokenizer, self.reference = self.parts.learner, self.parts.tokenizer, self.parts.reference
         self.policy, self.versions, self.collector = self.parts.policy, self.parts.versions, self.parts.collector
         self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
+        if state is not None:
+            try:
+                self._restore(state)
+            except BaseException:
+                self.close()
+                raise
+
+    # ------------------------------------------------------------------ where the run writes
+    length_flag = "--total-prompts"  # the option that sets the run's length (the command line names it)
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's folder under ``--log-dir`` (its TensorBoard logs; a resumed run keeps its first one)."""
+        return Path(self.args.log_dir) / self.run_name
+
+    @property
+    def log_path(self) -> Path | None:
+        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
+        return self.run_dir if self.args.track else None
+
+    @property
+    def output_path(self) -> Path | None:
+        """Where the trained model is saved (``--output-dir``; None: not saved)."""
+        return Path(self.args.output_dir) if self.args.output_dir else None
+
+    @property
+    def position(self) -> str:
+        """Where the run is, in words (the command line's Ctrl-C message)."""
+        return f"prompt {self.prompts_done} of {self.args.total_prompts} ({self.updates} updates)"
+
+    @property
+    def work_left(self) -> int:
+        """Prompts still to train on (0: a resumed run that had already finished)."""
+        return max(0, self.args.total_prompts - self.prompts_done)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        """Writes the checkpoint (``--checkpoint-dir``): learner weights, optimizer, version, updates and prompts
+        done, the run's name (its TensorBoard folder) and the RNG states; atomically, after every update."""
+        if self.checkpoint_path is None:
+            return
+        save_checkpoint(
+            self.checkpoint_path,
+            learner=self.learner.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            version=self.versions.current_version,
+            updates=self.updates,
+            prompts_done=self.prompts_done,
+            run_name=self.run_name,
+            args=asdict(self.args),
+        )
+
+    def _load_checkpoint(self) -> dict[str, Any]:
+        if self.checkpoint_path is None:
+            raise ValueError("--resume needs --checkpoint-dir DIR, the folder of the checkpoint to continue from")
+        state = load_checkpoint(self.checkpoint_path)
+        check_resumable(state, self.checkpoint_path, env=self.args.env, env_kwargs=self.args.env_kwargs)
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """The checkpoint's learner, optimizer and counters; its version published to the policy."""
+        try:
+            self.learner.load_state_dict(state["learner"])
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"--resume: {self.checkpoint_path} holds another model than --model {self.args.model}: pass the "
+                f"--model of the run that wrote it, or another --checkpoint-dir ({str(exc).splitlines()[0]})"
+            ) from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.updates, self.prompts_done = int(state["updates"]), int(state["prompts_done"])
+        weights = self.learner_weights()
+        while self.versions.current_version < state["version"]:  # the policy samples with the restored weights
+            self.versions.publish(weights)
 
     # ------------------------------------------------------------------ what each agent defines
     def compute_advantages(
@@ -124,9 +209,11 @@ class LMAgent(ClosesOnExit):
     def train(self) -> LMTrainResult:
         """Trains on ``total_prompts`` prompts (or until ``target_reward``) and closes everything."""
         # TrainingRun: evaluation before and after, logging, generation started (--mode async) and stopped.
-        with TrainingRun(self.parts, self.args, self.run_name) as run:
+        with TrainingRun(self.parts, self.args, self.run_name, start_prompts=self.prompts_done) as run:
             for groups in run.batches():  # --prompts-per-update complete groups at a time
                 run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
+                self.prompts_done, self.updates = run.prompts_done, self.updates + 1
+                self.save()  # after every update: Ctrl-C or a crash loses at most the update in progress
         return run.result()
 
     # ------------------------------------------------------------------ weights and closing
@@ -261,12 +348,12 @@ class TrainingRun:
     agent's parts. :meth:`result` is the run's :class:`~asyncvec.lm.results.LMTrainResult`.
     """
 
-    def __init__(self, parts: LMParts, args: LMArgs, run_name: str) -> None:
+    def __init__(self, parts: LMParts, args: LMArgs, run_name: str, start_prompts: int = 0) -> None:
         self.parts, self.args, self.run_name = parts, args, run_name
         self.history: list[dict] = []
         self.confirmations: list[float] = []
         self.reached = False
-        self.prompts_done = 0
+        self.prompts_done = start_prompts  # after --resume: the checkpoint's (the step axis goes on from there)
         self.stages = StageClock()
         self._pending: Any = None  # a batch that failed to confirm the target, trained on next
         self._stop = False
@@ -280,12 +367,16 @@ class TrainingRun:
             total_steps=args.total_prompts,
             progress=args.progress,
             hparams=asdict(args),
+            unit="prompt",
+            initial_step=self.prompts_done,
         )
         try:
             self.evals = (self._evaluate(), math.nan)
             self.start = time.monotonic()
             if args.mode == "async":  # generation runs ahead while the learner trains
-                self.parts.collector.start(args.total_prompts, ahead=args.prefetch_updates * args.prompts_per_update)
+                self.parts.collector.start(
+                    args.total_prompts - self.prompts_done, ahead=args.prefetch_updates * args.prompts_per_update
+                )
         except BaseException:
             self.logger.close()
             self.parts.resources.close()
