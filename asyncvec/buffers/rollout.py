@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from asyncvec._threads import release_if_held
 from asyncvec.buffers._disk import column_nbytes
 from asyncvec.buffers._images import ImageCompression, resolve_image_compression
 from asyncvec.buffers._spaces import SpaceCodec
 from asyncvec.buffers.transitions import NUMBERS, Transitions, TransitionWriter
+from asyncvec.lifecycle import release_if_held
 
 __all__ = ["RolloutStore", "Segment"]
 
