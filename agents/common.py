@@ -441,10 +441,11 @@ def where_raised(worker_traceback: str) -> str:
     return f"{Path(path).name}:{line} in {function}"
 
 
-def report_run_error(name: str, exc: BaseException, folder: Path | None) -> int:
+def report_run_error(name: str, exc: BaseException, folder: Path | None, setup: bool = False) -> int:
     """Prints an error that ended a training run as one line (what failed, where, where its full traceback
-    was written) and returns the exit code: 2 for an env that failed in its worker (the user's env to fix),
-    1 otherwise. The full traceback goes to ``folder/traceback.txt`` (or a temporary file), once."""
+    was written) and returns the exit code: 2 for an env that failed in its worker (the user's env to fix) or
+    anything failing while the agent was built (``setup``: the env's or the model's code, a setting), 1
+    otherwise. The full traceback goes to ``folder/traceback.txt`` (or a temporary file), once."""
     worker = worker_error_in(exc)
     if worker is None:
         text = "".join(traceback.format_exception(exc))
@@ -473,8 +474,13 @@ def report_run_error(name: str, exc: BaseException, folder: Path | None) -> int:
             file=sys.stderr,
         )
         return 2
-    print(f"{name}: error: {type(exc).__name__}: {first_line(exc)}; {tail}", file=sys.stderr)
-    return 1
+    at = where_raised("".join(traceback.format_exception(exc)))
+    when = "while building the agent: its env, model or options" if setup else "while training"
+    print(
+        f"{name}: error: {type(exc).__name__}: {first_line(exc)} ({f'at {at}, ' if at else ''}{when}); {tail}",
+        file=sys.stderr,
+    )
+    return 2 if setup else 1
 
 
 def _checkpoint_words(agent: Any, saves: str) -> str:
@@ -529,7 +535,16 @@ def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], *, nam
     agent = None
     try:
         with exit_on_setup_error(name):
-            agent = build()
+            try:
+                agent = build()
+            except (KeyboardInterrupt, SystemExit, ValueError, gym.error.Error, MissingExtraError):
+                raise
+            except FileNotFoundError as exc:  # e.g. --model DIR that is not there: a setting to fix
+                raise ValueError(str(exc)) from exc
+            except Exception as exc:  # the env's or the model's own code failed while being built
+                if os.environ.get(TRACEBACK_VARIABLE):
+                    raise
+                raise SystemExit(report_run_error(name, exc, None, setup=True)) from None
         if getattr(agent, "work_left", 1) <= 0:
             agent.close()
             print(

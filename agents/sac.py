@@ -44,6 +44,7 @@ from torch.distributions import AffineTransform, Independent, Normal, TanhTransf
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec.agents.common import (
     EnvAgentArgs,
+    env_spaces,
     final_observations,
     final_return_text,
     make_policy,
@@ -235,6 +236,7 @@ class SAC:
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
         env_kwargs = args.env_kwargs_dict()
+        env_spaces(args.env, env_kwargs)  # one env built here first: its errors before any worker starts
         if args.backend == "ray":
             self.envs = make_ray_collectors(
                 args.env,

@@ -50,12 +50,18 @@ class LetterGame:
         return "", float(text == "a"), True
 
 
+class NeedsALicense(gym.Env):
+    def __init__(self):
+        raise RuntimeError("no license server")
+
+
 def reward_without_prompt(completion):
     return 1.0
 
 
 gym.register("FailsOnStep-v0", entry_point=FailsOnStep)
 gym.register("Letter-v0", entry_point=LetterGame)
+gym.register("NeedsALicense-v0", entry_point=NeedsALicense)
 '''
 
 LM_SHORT = ["--prompts-per-update", "2", "--group-size", "2", "--eval-prompts", "0", "--no-progress"]
@@ -292,8 +298,23 @@ def test_env_failing_in_its_worker_is_one_line_with_the_traceback_once(user_fold
         ),  # fmt: skip
         (["asyncvec-ppo", "--env-kwargs", '{"gravity": 1}'], ["PPO: error: CartPole-v1: gym.make(", "--env-kwargs"]),
         (["asyncvec-sac", "--env", "Pendulum-v1", "--env-kwargs", "g=2"], ["--env-kwargs must be a JSON object"]),
+        (
+            ["asyncvec-sac", "--env", "user_envs:NeedsALicense-v0"],
+            [
+                "SAC: error: RuntimeError: no license server (at user_envs.py:",
+                "while building the agent",
+                "full traceback in",
+            ],
+        ),  # fmt: skip
+        (["asyncvec-rloo", "--model", "no_such_model"], ["RLOO: error: --model no_such_model: no such folder"]),
     ],
-    ids=["text-env-without-spaces", "ppo-env-kwargs-refused", "sac-env-kwargs-not-json"],
+    ids=[
+        "text-env-without-spaces",
+        "ppo-env-kwargs-refused",
+        "sac-env-kwargs-not-json",
+        "env-constructor-fails",
+        "no-model-folder",
+    ],  # fmt: skip
 )
 def test_user_errors_are_one_line(user_folder, command, parts):
     one_line_error(run(command, user_folder), *parts)
