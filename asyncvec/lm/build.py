@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import tempfile
 from collections.abc import Callable
@@ -249,7 +251,7 @@ def version_manager(policy: Any, learner: torch.nn.Module, args: LMArgs, sync: b
     return versions
 
 
-def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
+def build_parts(args: LMArgs, run_name: str, policy: Any | None = None, start_prompts: int = 0) -> LMParts:
     """Prompts (``--env``), the model (``--model``, ``--sft-steps``), the learner and its reference,
     the reward service, the policy (``--backend``, unless ``policy`` is given), the version
     manager and the group collector; for a multi-turn env (:func:`is_multi_turn`) what
@@ -258,6 +260,9 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMPar
     A server (``--backend openai``) or a given policy may hold other weights than the learner's
     (another run's, or the model before the warm start), so the learner's starting weights are
     sent to it first, as its newest version + 1.
+
+    ``start_prompts`` (a resumed run's prompts done): a one-step env's prompt stream starts after them, so a
+    resumed run goes on with the prompts it had not reached.
     """
     env_kwargs = json.loads(args.env_kwargs)
     declared = declared_multi_turn(args.env, env_kwargs)
@@ -270,7 +275,7 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMPar
                 + "); a one-step env declares metadata['multi_turn'] = False to be scored by --reward"
             )
         return build_episode_parts(args, run_name, policy)
-    return _build(args, run_name, policy, _prompt_side)
+    return _build(args, run_name, policy, functools.partial(_prompt_side, skip=start_prompts))
 
 
 def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
@@ -298,9 +303,10 @@ class _EnvSide:
     eval_envs: Any = None
 
 
-def _prompt_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.ExitStack) -> _EnvSide:
+def _prompt_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.ExitStack, skip: int = 0) -> _EnvSide:
     """A one-step env: its reset observations are the prompts (the reward plugin is tried on the
-    first), scored on a reward service, k completions each by a ``GroupCollector``."""
+    first), scored on a reward service, k completions each by a ``GroupCollector``; the first ``skip``
+    prompts of the stream left out (a resumed run's)."""
     env = stack.enter_context(make_prompt_env(args.env, env_kwargs))
     eval_env = stack.enter_context(make_prompt_env(args.env, env_kwargs))
     check_reward_scores(args.reward, args.env, env.reset(seed=args.seed)[0])
@@ -314,7 +320,8 @@ def _prompt_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.Exi
     )
 
     def make_collector(policy: Any, tokenizer: Any) -> GroupCollector:
-        return GroupCollector(policy, rewarder, iter_prompts(env, args.seed), args.group_size)
+        prompts = itertools.islice(iter_prompts(env, args.seed), skip, None)
+        return GroupCollector(policy, rewarder, prompts, args.group_size)
 
     return _EnvSide(False, env.action_space, completion_with_answer, args, make_collector, rewarder, eval_env)
 

@@ -15,6 +15,7 @@ its ``Args``, its advantages and its loss; what every agent does the same way li
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -87,7 +88,10 @@ class LMAgent(ClosesOnExit):
         state = self._load_checkpoint() if args.resume else None  # before building: a wrong one fails fast
         if state is not None:
             self.run_name = state.get("run_name", self.run_name)
-        self.parts = build_parts(args, self.run_name, policy)
+        # A resumed run: no warm start (the checkpoint's weights replace it), its prompt stream goes on.
+        build_args = dataclasses.replace(args, sft_steps=0) if state is not None else args
+        start = int(state["prompts_done"]) if state is not None else 0
+        self.parts = build_parts(build_args, self.run_name, policy, start_prompts=start)
         self.learner, self.tokenizer, self.reference = self.parts.learner, self.parts.tokenizer, self.parts.reference
         self.policy, self.versions, self.collector = self.parts.policy, self.parts.versions, self.parts.collector
         self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
