@@ -357,3 +357,16 @@ def test_lm_run_is_quiet_and_counts_prompts(tmp_path):
     assert lines[-1].startswith("logs: runs/") and lines[-1].endswith(
         "checkpoint: none (--checkpoint-dir DIR saves one after every update)"
     ), lines
+
+
+def test_the_past_key_values_notice_alone_is_silenced():
+    import warnings
+
+    from asyncvec.lm.learner import quiet_model_libraries
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_model_libraries()
+        warnings.warn("Passing a tuple of `past_key_values` is deprecated and will be removed", FutureWarning)
+        warnings.warn("another deprecation", FutureWarning)
+    assert [str(w.message) for w in caught] == ["another deprecation"]

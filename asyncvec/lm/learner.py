@@ -46,8 +46,9 @@ def quiet_model_libraries() -> None:
 
     # Some transformers releases warn (FutureWarning) on every forward pass of a decoding loop that hands back
     # the cache it returned (``past_key_values``); the backends pass the cache object the model returned, so the
-    # notice says nothing to fix: that one warning, from transformers only, is silenced.
-    warnings.filterwarnings("ignore", message=r".*past_key_values.*", category=FutureWarning, module=r"transformers\.")
+    # notice says nothing to fix. That one deprecation notice is silenced (by its words: transformers attributes
+    # it to the caller's module), no other FutureWarning.
+    warnings.filterwarnings("ignore", message=r"(?s).*`?past_key_values`?.*deprecat", category=FutureWarning)
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
