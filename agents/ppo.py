@@ -245,6 +245,10 @@ class TrainResult:
     staleness_histogram: list[int] = field(default_factory=list)
     """``staleness_histogram[s]``: samples learned from at staleness ``s`` (the last bin counts the
     older ones; asyncvec.versioning.StalenessStats)"""
+    log_path: str | None = None
+    """the run's TensorBoard folder (None with ``track=False``)"""
+    checkpoint_path: str | None = None
+    """the checkpoint file (None without ``checkpoint_dir``)"""
 
 
 class PPO:
@@ -695,6 +699,8 @@ class PPO:
             history=history,
             stage_seconds=dict(stages.totals),
             staleness_histogram=staleness.histogram,
+            log_path=str(self.log_path) if self.log_path is not None else None,
+            checkpoint_path=str(self.checkpoint_path) if self.checkpoint_path is not None else None,
         )
 
     def close(self) -> None:

@@ -190,6 +190,10 @@ class TrainResult:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """wall seconds of the run per stage of the loop: collect (sync: act, step, store) or collect_wait (async:
     the learner waiting for samples), update (gradient steps), publish"""
+    log_path: str | None = None
+    """the run's TensorBoard folder (None with ``track=False``)"""
+    checkpoint_path: str | None = None
+    """the checkpoint file (None without ``checkpoint_dir``)"""
 
 
 class NStepIndex:
@@ -681,6 +685,8 @@ class SAC:
             history=history,
             starved_gradient_steps=self.starved_gradient_steps,
             stage_seconds=dict(self.stages.totals),
+            log_path=str(self.log_path) if self.log_path is not None else None,
+            checkpoint_path=str(self.checkpoint_path) if self.checkpoint_path is not None else None,
         )
 
 

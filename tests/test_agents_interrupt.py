@@ -370,3 +370,14 @@ def test_the_past_key_values_notice_alone_is_silenced():
         warnings.warn("Passing a tuple of `past_key_values` is deprecated and will be removed", FutureWarning)
         warnings.warn("another deprecation", FutureWarning)
     assert [str(w.message) for w in caught] == ["another deprecation"]
+
+
+def test_train_returns_where_its_results_went(tmp_path, no_leftover_children):
+    from asyncvec.agents.ppo import PPO, Args
+
+    args = Args(num_envs=2, num_steps=16, total_timesteps=32, progress=False, log_dir=str(tmp_path / "runs"),
+                checkpoint_dir=str(tmp_path / "ckpt"), env="gymnasium.envs.classic_control:CartPole-v1")  # fmt: skip
+    result = PPO(args).train()
+    assert result.checkpoint_path == str(tmp_path / "ckpt" / "ppo.pt")
+    assert result.log_path is not None and ":" not in Path(result.log_path).name
+    assert Path(result.log_path).parent == tmp_path / "runs" and any(Path(result.log_path).glob("events.*"))

@@ -52,6 +52,12 @@ class LMTrainResult:
     """``--target-reward``: the mean reward of each batch sampled by the final weights of the
     moment to confirm it (the last one confirmed it when ``reached_target``)"""
     spanning_fraction: float = 0.0
+    log_path: str | None = None
+    """the run's TensorBoard folder (None with ``--no-track``)"""
+    checkpoint_path: str | None = None
+    """the checkpoint file (None without ``--checkpoint-dir``)"""
+    output_path: str | None = None
+    """where the trained model was saved (``--output-dir``; None: not saved)"""
 
     @classmethod
     def from_run(

@@ -218,7 +218,13 @@ class LMAgent(ClosesOnExit):
                 run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
                 self.prompts_done, self.updates = run.prompts_done, self.updates + 1
                 self.save()  # after every update: Ctrl-C or a crash loses at most the update in progress
-        return run.result()
+        result = run.result()
+        result.log_path, result.output_path = (
+            None if self.log_path is None else str(self.log_path),
+            None if self.output_path is None else str(self.output_path),
+        )
+        result.checkpoint_path = None if self.checkpoint_path is None else str(self.checkpoint_path)
+        return result
 
     # ------------------------------------------------------------------ weights and closing
     def learner_weights(self) -> dict[str, torch.Tensor]:
