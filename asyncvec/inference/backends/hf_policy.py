@@ -222,16 +222,21 @@ class HFTextPolicy(TextPolicy):
         tokens: list[torch.Tensor] = []
         scores: list[torch.Tensor] = []
         versions: list[int] = []
-        past, step_ids, cache_version = None, input_ids, None
+        # A Cache object from the start (transformers' current API; tuples of tensors are deprecated)
+        past, step_ids, cache_version = transformers.DynamicCache(), input_ids, None
         with torch.no_grad():
             for _ in range(max_new_tokens):
                 with self._decoding_step() as version:
-                    if past is not None and version != cache_version:
+                    if cache_version is not None and version != cache_version:
                         # the cache holds keys/values of older weights: prompt + tokens so far, again
                         prefix = torch.cat([input_ids, torch.stack(tokens, dim=1)], dim=1)
                         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
                         out = self.model(
-                            input_ids=prefix, attention_mask=attention_mask, position_ids=position_ids, use_cache=True
+                            input_ids=prefix,
+                            attention_mask=attention_mask,
+                            position_ids=position_ids,
+                            past_key_values=transformers.DynamicCache(),
+                            use_cache=True,
                         )
                         self._count_inflight_swap()
                     else:
