@@ -75,6 +75,12 @@ def flat(text: str) -> str:
             "(No module named 'ray'); install it with: pip install 'asyncvec[ray]'",
         ),
         (
+            "ray",
+            "from asyncvec.distributed.cluster import local_cluster\nwith local_cluster(2):\n    pass\n",
+            "MissingExtraError: LocalCluster needs ray, which is not installed (No module named 'ray'); "
+            "install it with: pip install 'asyncvec[ray]'",
+        ),
+        (
             "matplotlib",
             "from asyncvec.cli import main\nsys.exit(main(['demo', '--total-timesteps', '64']))\n",
             "asyncvec demo: asyncvec demo (its plots) needs matplotlib, which is not installed",
@@ -92,6 +98,7 @@ def flat(text: str) -> str:
         "vllm",
         "openai-httpx",
         "vector-env-ray",
+        "local-cluster-ray",
         "demo-matplotlib",
         "ppo-box2d",
     ],

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from asyncvec.distributed.runtime import RayStateError
+from asyncvec.extras import check_installed
 
 __all__ = ["NODE_UNITS", "LocalCluster", "local_cluster"]
 
@@ -79,6 +80,7 @@ class LocalCluster:
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1 (the head counts), got {num_nodes}")
+        check_installed("ray", extra="ray", feature="LocalCluster")
         import ray
         from ray.cluster_utils import Cluster
 
