@@ -59,7 +59,7 @@ from asyncvec.agents.common import (
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
-from asyncvec.runs import check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
+from asyncvec.runs import RunFolder, check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
 from asyncvec.versioning import LaggedWeights, adapt_max_staleness
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
@@ -251,7 +251,7 @@ class TrainResult:
     """the checkpoint file (None without ``checkpoint_dir``)"""
 
 
-class PPO:
+class PPO(RunFolder):
     """Proximal Policy Optimization over an AsyncLLMVectorEnv, sync or async (see module doc)."""
 
     def __init__(self, args: Args) -> None:
@@ -320,16 +320,6 @@ class PPO:
                 raise
 
     length_flag = "--total-timesteps"  # the option that sets the run's length (the command line names it)
-
-    @property
-    def run_dir(self) -> Path:
-        """The run's folder under ``--log-dir`` (its TensorBoard logs; a resumed run keeps its first one)."""
-        return Path(self.args.log_dir) / self.run_name
-
-    @property
-    def log_path(self) -> Path | None:
-        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
-        return self.run_dir if self.args.track else None
 
     @property
     def position(self) -> str:

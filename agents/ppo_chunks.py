@@ -53,7 +53,6 @@ import copy
 import json
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import gymnasium as gym
@@ -68,7 +67,7 @@ from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout, HashedInstruc
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
 from asyncvec.losses import decoupled_ppo_loss, gae, masked_mean
 from asyncvec.metrics import RunLogger
-from asyncvec.runs import check_env_id, run_name, seed_everything
+from asyncvec.runs import RunFolder, check_env_id, run_name, seed_everything
 
 RESET = SOURCES.index("reset")
 
@@ -243,7 +242,7 @@ class ChunkBatch:
     value_mask: torch.Tensor  # an env transition (not a reset step)
 
 
-class PPOChunks:
+class PPOChunks(RunFolder):
     """PPO from executed chunk actions (module docstring). ``train()`` returns a history dict."""
 
     def __init__(self, args: Args) -> None:
@@ -292,16 +291,6 @@ class PPOChunks:
     # ------------------------------------------------------------------ where the run writes
     checkpoint_path = None  # this agent keeps no checkpoint
     length_flag = "--iterations"
-
-    @property
-    def run_dir(self) -> Path:
-        """The run's folder under ``--log-dir`` (its TensorBoard logs)."""
-        return Path(self.args.log_dir) / self.run_name
-
-    @property
-    def log_path(self) -> Path | None:
-        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
-        return self.run_dir if self.args.track else None
 
     @property
     def position(self) -> str:

@@ -57,7 +57,7 @@ from asyncvec.agents.common import (
 from asyncvec.buffers import Transitions
 from asyncvec.lifecycle import release_if_held
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
-from asyncvec.runs import check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
+from asyncvec.runs import RunFolder, check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
 from asyncvec.versioning import LaggedWeights
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -232,7 +232,7 @@ class NStepIndex:
             return out
 
 
-class SAC:
+class SAC(RunFolder):
     """SAC over an AsyncLLMVectorEnv, sync or async (see the module docstring)."""
 
     def __init__(self, args: Args) -> None:
@@ -312,16 +312,6 @@ class SAC:
         return self.checkpoint_dir / "sac.pt" if self.checkpoint_dir is not None else None
 
     length_flag = "--total-timesteps"  # the option that sets the run's length (the command line names it)
-
-    @property
-    def run_dir(self) -> Path:
-        """The run's folder under ``--log-dir`` (its TensorBoard logs; a resumed run keeps its first one)."""
-        return Path(self.args.log_dir) / self.run_name
-
-    @property
-    def log_path(self) -> Path | None:
-        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
-        return self.run_dir if self.args.track else None
 
     @property
     def position(self) -> str:

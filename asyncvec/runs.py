@@ -90,6 +90,24 @@ def run_name(env_id: str, agent: str, mode: str, seed: int, started: float | Non
     return f"{safe}__{agent}__{mode}__{seed}__{int(time.time() if started is None else started)}"
 
 
+class RunFolder:
+    """Mixin of the agents: where a run writes. ``run_dir`` is ``<args.log_dir>/<run_name>`` (a resumed run keeps
+    its first one), ``log_path`` the same folder when TensorBoard logs are written (``args.track``), else None."""
+
+    args: Any
+    run_name: str
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's folder under ``--log-dir`` (its TensorBoard logs; a resumed run keeps its first one)."""
+        return Path(self.args.log_dir) / self.run_name
+
+    @property
+    def log_path(self) -> Path | None:
+        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
+        return self.run_dir if self.args.track else None
+
+
 class CheckpointError(ValueError):
     """A checkpoint that ``--resume`` cannot continue from: written for another env or agent, or unreadable;
     the message names the cause and the fix."""

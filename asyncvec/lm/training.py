@@ -39,6 +39,7 @@ from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger, StageClock
 from asyncvec.runs import (
     CheckpointError,
+    RunFolder,
     check_resumable,
     load_checkpoint,
     run_name,
@@ -54,7 +55,7 @@ PolicyLoss = Callable[..., LossAndStats]
 rows (``row_inputs``: what :meth:`LearnerStep.minimize` was given, e.g. ``ref_logp``, on the same rows)."""
 
 
-class LMAgent(ClosesOnExit):
+class LMAgent(ClosesOnExit, RunFolder):
     """The skeleton of a language-model agent: its options (``args``), its parts (the learner and its
     frozen reference, the tokenizer, the policy, the version manager, the collector: see
     :class:`~asyncvec.lm.build.LMParts`), an Adam optimizer over the learner (``--learning-rate``),
@@ -104,16 +105,6 @@ class LMAgent(ClosesOnExit):
 
     # ------------------------------------------------------------------ where the run writes
     length_flag = "--total-prompts"  # the option that sets the run's length (the command line names it)
-
-    @property
-    def run_dir(self) -> Path:
-        """The run's folder under ``--log-dir`` (its TensorBoard logs; a resumed run keeps its first one)."""
-        return Path(self.args.log_dir) / self.run_name
-
-    @property
-    def log_path(self) -> Path | None:
-        """Where the run's TensorBoard logs go (None with ``--no-track``)."""
-        return self.run_dir if self.args.track else None
 
     @property
     def output_path(self) -> Path | None:
