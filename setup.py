@@ -56,7 +56,8 @@ setup(
     # agents/, envs/ and benchmarks/ sit at the top of the repository (python agents/ppo.py in a clone) but install
     # inside the package, as asyncvec.agents, asyncvec.envs and asyncvec.benchmarks (`asyncvec demo` runs one): a
     # library must not claim generic top-level names.
-    packages=find_packages(include=["asyncvec", "asyncvec.*"]) + ["asyncvec.agents", "asyncvec.envs", "asyncvec.benchmarks"],
+    packages=find_packages(include=["asyncvec", "asyncvec.*"])
+    + ["asyncvec.agents", "asyncvec.envs", "asyncvec.benchmarks"],
     package_dir={"asyncvec.agents": "agents", "asyncvec.envs": "envs", "asyncvec.benchmarks": "benchmarks"},
     install_requires=[
         "gymnasium>=1.0,<2",

@@ -41,4 +41,3 @@ def test_the_demos_are_listed_and_take_their_own_options(capsys):
 def test_a_wrong_demo_option_exits_2_without_a_traceback(argv):
     done = run(*argv)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
-
