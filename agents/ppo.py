@@ -337,7 +337,9 @@ class PPO(RunFolder):
         if self.checkpoint_path is None:
             raise ValueError("--resume needs --checkpoint-dir DIR, the folder of the checkpoint to continue from")
         state = load_checkpoint(self.checkpoint_path)
-        check_resumable(state, self.checkpoint_path, env=self.args.env, env_kwargs=self.args.env_kwargs)
+        check_resumable(
+            state, self.checkpoint_path, env=self.args.env, env_kwargs=self.args.env_kwargs, num_envs=self.args.num_envs
+        )
         self.run_name = state.get("run_name", self.run_name)
         self.prior_returns = list(state.get("recent_returns", []))
         self.actor.load_state_dict(state["actor"])

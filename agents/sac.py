@@ -510,7 +510,13 @@ class SAC(RunFolder):
         if self.checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir DIR, the folder of the checkpoint to continue from")
         state = load_checkpoint(self.checkpoint_dir / "sac.pt")
-        check_resumable(state, self.checkpoint_dir / "sac.pt", env=self.args.env, env_kwargs=self.args.env_kwargs)
+        check_resumable(
+            state,
+            self.checkpoint_dir / "sac.pt",
+            env=self.args.env,
+            env_kwargs=self.args.env_kwargs,
+            num_envs=self.args.num_envs,
+        )
         self.run_name = state.get("run_name", self.run_name)
         self.prior_returns = list(state.get("recent_returns", []))
         for name in ("actor", "qf1", "qf2", "qf1_target", "qf2_target"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 import os
 import random
 import re
@@ -131,12 +132,22 @@ def check_resumable(state: dict[str, Any], path: Path, **expected: Any) -> None:
     """
     saved = state.get("args") or {}
     for key, value in expected.items():
-        if key in saved and saved[key] != value:
+        if key in saved and _settings_differ(saved[key], value):
             flag = "--" + key.replace("_", "-")
             raise CheckpointError(
                 f"--resume: {path} was written by a run with {flag} {saved[key]}, not {value}: pass {flag} "
                 f"{saved[key]} to continue it, or another --checkpoint-dir to start a new run"
             )
+
+
+def _settings_differ(saved: Any, given: Any) -> bool:
+    """Whether two values of a run option differ; JSON options (``--env-kwargs``) compare as what they parse to."""
+    if isinstance(saved, str) and isinstance(given, str) and saved != given:
+        try:
+            return bool(json.loads(saved or "{}") != json.loads(given or "{}"))
+        except ValueError:
+            return True
+    return bool(saved != given)
 
 
 def seed_everything(seed: int) -> None:
