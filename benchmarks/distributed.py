@@ -182,6 +182,7 @@ def ppo_part(args: Args) -> tuple[str, object]:
             for backend in ("local", "ray"):
                 ppo_args = PPOArgs(
                     env="CartPole-v1",
+                    track=False,  # timed: no TensorBoard files
                     backend=backend,
                     num_envs=args.ppo_envs,
                     ray_collectors=3,

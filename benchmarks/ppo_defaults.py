@@ -85,7 +85,7 @@ def run_one(job: dict) -> dict:
 
     torch.set_num_threads(1)
     overrides = {"total_timesteps": job["budget"], **job["overrides"]}
-    args = ppo.Args(env=job["task"], mode=job["mode"], seed=job["seed"], progress=False, **overrides)
+    args = ppo.Args(env=job["task"], mode=job["mode"], seed=job["seed"], progress=False, track=False, **overrides)
     result = ppo.train(args)
     steps = [row["global_step"] for row in result.history]
     curve = [row["charts/episodic_return"] for row in result.history]

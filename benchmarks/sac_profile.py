@@ -65,6 +65,7 @@ class Args:
 def sac_args(args: Args, mode: str, env_latency_ms: float, total: int) -> sac.Args:
     return sac.Args(
         env=args.env,
+        track=False,  # timed: no TensorBoard files
         mode=mode,
         num_envs=args.num_envs,
         utd=args.utd,

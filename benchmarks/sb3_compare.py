@@ -101,6 +101,7 @@ def run_asyncvec(wait_ms: float, seed: int, target: float, budget: int) -> float
     result = train(
         PPOArgs(
             env="CartPole-v1",
+            track=False,  # timed: no TensorBoard files
             env_latency_ms=wait_ms,
             seed=seed,
             target_return=target,
