@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import abc
 import threading
 from typing import Any, Self
 
 __all__ = ["ClosesOnExit", "release_if_held"]
 
 
-class ClosesOnExit:
+class ClosesOnExit(abc.ABC):
     """Mixin: ``with obj:`` returns ``obj`` and calls its ``close()`` at the end, even after an error.
 
     Example:
@@ -20,8 +21,9 @@ class ClosesOnExit:
         closed
     """
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Releases what the object holds; safe to call twice."""
 
     def __enter__(self) -> Self:
         return self

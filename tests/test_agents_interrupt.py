@@ -317,7 +317,9 @@ def test_env_failing_in_its_worker_is_one_line_with_the_traceback_once(user_fold
     ],  # fmt: skip
 )
 def test_user_errors_are_one_line(user_folder, command, parts):
-    one_line_error(run(command, user_folder), *parts)
+    done = run(command, user_folder)
+    one_line_error(done, *parts)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
 
 
 def test_a_reward_with_the_wrong_signature_is_named(user_folder):

@@ -5,6 +5,7 @@ buffers), and the per-transition numbers among them say how a buffer stores and 
 
 from __future__ import annotations
 
+import abc
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
@@ -133,7 +134,7 @@ NUMBERS: tuple[Number, ...] = tuple(
 _Added = TypeVar("_Added")
 
 
-class TransitionWriter(Generic[_Added]):
+class TransitionWriter(abc.ABC, Generic[_Added]):
     """The base of both buffers: one ``add``, whose parameters are the fields of `Transitions`;
     a buffer implements :meth:`add_transitions`."""
 
@@ -188,9 +189,9 @@ class TransitionWriter(Generic[_Added]):
         )  # fmt: skip
         return self.add_transitions(record)
 
+    @abc.abstractmethod
     def add_transitions(self, transitions: Transitions) -> _Added:
         """Append a `Transitions` record (what a collector writes to either buffer)."""
-        raise NotImplementedError
 
 
 def _take_field(value: Any, rows: np.ndarray) -> Any:

@@ -44,7 +44,7 @@ FALLBACK_MODES = ("zero", "repeat")
 _delivery = threading.local()
 
 
-class BatchedPolicy(abc.ABC, ClosesOnExit):
+class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
     """Base of every backend: futures, dynamic batching, deadlines, retries, cache, versions.
 
     A subclass implements ``_forward_batch(obs_list) -> list[BackendResult]`` (one backend

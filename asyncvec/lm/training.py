@@ -15,6 +15,7 @@ its ``Args``, its advantages and its loss; what every agent does the same way li
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 import time
@@ -161,13 +162,14 @@ class LMAgent(ClosesOnExit, RunFolder):
             self.versions.publish(weights)
 
     # ------------------------------------------------------------------ what each agent defines
+    @abc.abstractmethod
     def compute_advantages(
         self, data: LMBatch | EpisodeBatch, logp: torch.Tensor, ref_logp: torch.Tensor | None
     ) -> torch.Tensor:
         """The advantages ``[N, L]`` of ``data``'s tokens (0 off the mask); ``logp``: ``pi_prox``'s
         log-probs, ``ref_logp``: the reference's (None without ``--kl-coef``)."""
-        raise NotImplementedError(f"{type(self).__name__} defines its advantages")
 
+    @abc.abstractmethod
     def policy_loss(
         self,
         logp: torch.Tensor,
@@ -180,7 +182,6 @@ class LMAgent(ClosesOnExit, RunFolder):
         """The loss of a minibatch's rows: ``logp`` (with grad) and ``prox_logp`` (``pi_prox``) per
         token, the advantages, the truncated IS weights, the mask, the reference's log-probs
         (None without ``--kl-coef``); returns ``(loss, stats)``."""
-        raise NotImplementedError(f"{type(self).__name__} defines its loss")
 
     @classmethod
     def run_label(cls, args: LMArgs) -> str:
