@@ -59,7 +59,7 @@ from asyncvec.agents.common import (
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
-from asyncvec.runs import RunFolder, check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
+from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
 from asyncvec.versioning import LaggedWeights, adapt_max_staleness
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
@@ -251,7 +251,7 @@ class TrainResult:
     """the checkpoint file (None without ``checkpoint_dir``)"""
 
 
-class PPO(RunFolder):
+class PPO(EnvStepsRun):
     """Proximal Policy Optimization over an AsyncLLMVectorEnv, sync or async (see module doc)."""
 
     def __init__(self, args: Args) -> None:
@@ -318,18 +318,6 @@ class PPO(RunFolder):
             except BaseException:
                 self.close()
                 raise
-
-    length_flag = "--total-timesteps"  # the option that sets the run's length (the command line names it)
-
-    @property
-    def position(self) -> str:
-        """Where the run is, in words (the command line's Ctrl-C message)."""
-        return f"step {self.global_step}"
-
-    @property
-    def work_left(self) -> int:
-        """Env steps still to train for (0: a resumed run that had already finished)."""
-        return max(0, self.args.total_timesteps - self.global_step)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -57,7 +57,7 @@ from asyncvec.agents.common import (
 from asyncvec.buffers import Transitions
 from asyncvec.lifecycle import release_if_held
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
-from asyncvec.runs import RunFolder, check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
+from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
 from asyncvec.versioning import LaggedWeights
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -232,7 +232,7 @@ class NStepIndex:
             return out
 
 
-class SAC(RunFolder):
+class SAC(EnvStepsRun):
     """SAC over an AsyncLLMVectorEnv, sync or async (see the module docstring)."""
 
     def __init__(self, args: Args) -> None:
@@ -310,18 +310,6 @@ class SAC(RunFolder):
     def checkpoint_path(self) -> Path | None:
         """The checkpoint file (the replay buffer sits beside it, in ``replay/``); None without ``--checkpoint-dir``."""
         return self.checkpoint_dir / "sac.pt" if self.checkpoint_dir is not None else None
-
-    length_flag = "--total-timesteps"  # the option that sets the run's length (the command line names it)
-
-    @property
-    def position(self) -> str:
-        """Where the run is, in words (the command line's Ctrl-C message)."""
-        return f"step {self.global_step}"
-
-    @property
-    def work_left(self) -> int:
-        """Env steps still to train for (0: a resumed run that had already finished)."""
-        return max(0, self.args.total_timesteps - self.global_step)
 
     # ------------------------------------------------------------------ data
 

@@ -109,6 +109,24 @@ class RunFolder:
         return self.run_dir if self.args.track else None
 
 
+class EnvStepsRun(RunFolder):
+    """Mixin of the agents whose length is ``--total-timesteps`` env steps (PPO, SAC): what the command line says of
+    where a run is and how much is left."""
+
+    global_step: int
+    length_flag = "--total-timesteps"  # the option that sets the run's length (the command line names it)
+
+    @property
+    def position(self) -> str:
+        """Where the run is, in words (the command line's Ctrl-C message)."""
+        return f"step {self.global_step}"
+
+    @property
+    def work_left(self) -> int:
+        """Env steps still to train for (0: a resumed run that had already finished)."""
+        return max(0, self.args.total_timesteps - self.global_step)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that ``--resume`` cannot continue from: written for another env or agent, or unreadable;
     the message names the cause and the fix."""
