@@ -181,13 +181,16 @@ class VersionManager(ClosesOnExit):
         with self._backends_lock:
             self._backends.remove(backend)
 
-    def publish(self, weights: Any) -> int:
+    def publish(self, weights: Any, version: int | None = None) -> int:
         """Load ``weights`` into every registered backend, then bump and return the version.
 
         Backends receive the new version before waiters see it, so a collector woken by the
-        new version finds its backend already updated.
+        new version finds its backend already updated. ``version``: publish as this version
+        instead of the next one (a resumed run goes on with its checkpoint's version in one
+        publish); it must be greater than the current one.
 
         Raises:
+            ValueError: ``version`` is not greater than the current version.
             RuntimeError: the manager is closed.
             Exception: whatever a backend's ``load_weights`` raises. The version is bumped
                 anyway: earlier backends may hold these weights, and a version number must
@@ -197,6 +200,9 @@ class VersionManager(ClosesOnExit):
             with self._cond:
                 self._raise_if_closed()
                 new_version = int(self._version.value) + 1
+                if version is not None:
+                    version = _check_int("version", version, minimum=new_version)
+                    new_version = version
             with self._backends_lock:
                 backends = list(self._backends)
             try:

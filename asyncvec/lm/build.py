@@ -274,17 +274,29 @@ def build_parts(args: LMArgs, run_name: str, policy: Any | None = None, start_pr
                 + ("it declares metadata['multi_turn'] = True" if declared else "it declares no metadata['multi_turn']")
                 + "); a one-step env declares metadata['multi_turn'] = False to be scored by --reward"
             )
-        return build_episode_parts(args, run_name, policy)
-    return _build(args, run_name, policy, functools.partial(_prompt_side, skip=start_prompts))
+        return build_episode_parts(args, run_name, policy, start_prompts)
+    return _build(args, run_name, policy, functools.partial(_prompt_side, skip=start_prompts), start_prompts)
 
 
-def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None) -> LMParts:
+def build_episode_parts(args: LMArgs, run_name: str, policy: Any | None = None, start_groups: int = 0) -> LMParts:
     """:func:`build_parts` for a multi-turn env: an ``AsyncLLMVectorEnv`` of ``--num-envs`` envs
     and an ``EpisodeCollector`` (``--group-size`` episodes per reset seed) instead of prompts,
-    a reward service and a ``GroupCollector``. The rewards are the env's."""
+    a reward service and a ``GroupCollector``. The rewards are the env's. ``start_groups`` (a resumed
+    run's groups done): the reset seeds go on after the ones they used."""
     if args.is_level == "sequence":
         raise ValueError("--is-level sequence weighs whole completions; multi-turn episodes use --is-level token")
-    return _build(args, run_name, policy, _episode_side)
+    return _build(args, run_name, policy, functools.partial(_episode_side, skip=start_groups), start_groups)
+
+
+def sampling_seed(seed: int, prompts_done: int) -> int:
+    """The seed of the policy's sampling: ``--seed``, and another one for a run resumed after
+    ``prompts_done`` prompts, so that it does not draw the first run's samples again.
+
+    Example:
+        >>> sampling_seed(3, 0), sampling_seed(3, 0) == sampling_seed(3, 64)
+        (3, False)
+    """
+    return seed if not prompts_done else (seed * 1_000_003 + prompts_done) % 2**31
 
 
 @dataclass
@@ -326,9 +338,10 @@ def _prompt_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.Exi
     return _EnvSide(False, env.action_space, completion_with_answer, args, make_collector, rewarder, eval_env)
 
 
-def _episode_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.ExitStack) -> _EnvSide:
+def _episode_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.ExitStack, skip: int = 0) -> _EnvSide:
     """A multi-turn env: ``--num-envs`` of them (and up to 8 for evaluation) in vector envs, played
-    by an ``EpisodeCollector``, k episodes per reset seed, rewarded by the env."""
+    by an ``EpisodeCollector``, k episodes per reset seed, rewarded by the env; the first ``skip``
+    groups' reset seeds left out (a resumed run's)."""
     envs = stack.enter_context(make_text_vector_env(args.env, args.num_envs, env_kwargs=env_kwargs))
     eval_envs = stack.enter_context(make_text_vector_env(args.env, min(args.num_envs, 8), env_kwargs=env_kwargs))
     # Each env waits for one turn at a time, so at most --num-envs requests queue: a larger
@@ -338,7 +351,7 @@ def _episode_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.Ex
     def make_collector(policy: Any, tokenizer: Any) -> EpisodeCollector:
         return EpisodeCollector(
             envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
-            max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003, on_overflow=args.on_overflow,
+            max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003 + skip, on_overflow=args.on_overflow,
         )  # fmt: skip
 
     return _EnvSide(True, text_space(), str, batching, make_collector, eval_envs=eval_envs)
@@ -349,9 +362,11 @@ def _build(
     run_name: str,
     policy: Any | None,
     env_side: Callable[[LMArgs, dict[str, Any], contextlib.ExitStack], _EnvSide],
+    start_prompts: int,
 ) -> LMParts:
     """The one path of :func:`build_parts` and :func:`build_episode_parts`: the env's side, the model,
-    the learner and its reference, the policy, the version manager, the collector."""
+    the learner and its reference, the policy (sampling with :func:`sampling_seed`), the version manager,
+    the collector."""
     with contextlib.ExitStack() as stack:
         side = env_side(args, json.loads(args.env_kwargs), stack)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"asyncvec-{run_name}-")))
@@ -364,7 +379,11 @@ def _build(
         else:
             policy = stack.enter_context(
                 make_text_policy(
-                    side.policy_args, model_dir, side.action_space, workdir / "weights", side.action_parser
+                    dataclasses.replace(side.policy_args, seed=sampling_seed(args.seed, start_prompts)),
+                    model_dir,
+                    side.action_space,
+                    workdir / "weights",
+                    side.action_parser,
                 )
             )
         versions = stack.enter_context(version_manager(policy, learner, args, sync))

@@ -97,6 +97,8 @@ class LMAgent(ClosesOnExit, RunFolder):
         self.learner, self.tokenizer, self.reference = self.parts.learner, self.parts.tokenizer, self.parts.reference
         self.policy, self.versions, self.collector = self.parts.policy, self.parts.versions, self.parts.collector
         self.optimizer = torch.optim.Adam(self.learner.parameters(), lr=args.learning_rate)
+        # the KL reference is then the warm-started model, which a resumed run does not rebuild: checkpoints keep it
+        self._reference_is_warm_started = self.reference is not None and bool(args.sft_steps)
         if state is not None:
             try:
                 self._restore(state)
@@ -137,6 +139,7 @@ class LMAgent(ClosesOnExit, RunFolder):
             prompts_done=self.prompts_done,
             run_name=self.run_name,
             args=asdict(self.args),
+            reference=self.reference.state_dict() if self._reference_is_warm_started else None,
         )
 
     def _load_checkpoint(self) -> dict[str, Any]:
@@ -156,10 +159,23 @@ class LMAgent(ClosesOnExit, RunFolder):
                 f"--model of the run that wrote it, or another --checkpoint-dir ({str(exc).splitlines()[0]})"
             ) from None
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.reference is not None:
+            self._restore_reference(state)
         self.updates, self.prompts_done = int(state["updates"]), int(state["prompts_done"])
-        weights = self.learner_weights()
-        while self.versions.current_version < state["version"]:  # the policy samples with the restored weights
-            self.versions.publish(weights)
+        # one publish (one load on a server) whatever the version: the policy samples with the restored weights
+        self.versions.publish(self.learner_weights(), version=max(state["version"], self.versions.current_version + 1))
+
+    def _restore_reference(self, state: dict[str, Any]) -> None:
+        """The KL reference of the run that wrote ``state``: its warm-started model when it had one
+        (saved in the checkpoint), else the ``--model`` folder's, which :meth:`__init__` loaded."""
+        if state.get("reference") is not None:
+            self.reference.load_state_dict(state["reference"])
+            self._reference_is_warm_started = True
+        elif state["args"].get("sft_steps"):
+            raise CheckpointError(
+                f"--resume: {self.checkpoint_path} was written without its KL reference (its run warm-started "
+                f"for {state['args']['sft_steps']} --sft-steps): pass --kl-coef 0, or start a new run"
+            )
 
     # ------------------------------------------------------------------ what each agent defines
     @abc.abstractmethod
