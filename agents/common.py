@@ -487,7 +487,10 @@ def _checkpoint_words(agent: Any, saves: str) -> str:
     path = getattr(agent, "checkpoint_path", None)
     if path is None:
         return f"none (--checkpoint-dir DIR saves one {saves})" if saves else "none (this agent keeps none)"
-    return str(path) if Path(path).exists() else f"none yet ({path} is written {saves})"
+    if not Path(path).exists():
+        return f"none yet ({path} is written {saves})"
+    saved = getattr(agent, "saved_position", None)
+    return str(path) if saved is None else f"{path} (at {saved}, the last complete update)"
 
 
 def where_line(agent: Any, saves: str, *, start: bool = False) -> str:

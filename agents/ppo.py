@@ -59,7 +59,7 @@ from asyncvec.agents.common import (
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
-from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
+from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, seed_everything
 from asyncvec.versioning import LaggedWeights, adapt_max_staleness
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
@@ -336,14 +336,13 @@ class PPO(EnvStepsRun):
         self.global_step, self.updates = state["global_step"], state["updates"]
         if self.reward_scaler is not None and state.get("reward_scaler") is not None:
             self.reward_scaler.load_state_dict(state["reward_scaler"])
-        # Bring the version counter and the actors' weights to the checkpoint's version.
-        while self.versions.current_version < state["version"]:
-            self.versions.publish(self._actor_weights())
+        # Bring the version counter and the actors' weights to the checkpoint's version, in one publish.
+        if self.versions.current_version < state["version"]:
+            self.versions.publish(self._actor_weights(), version=state["version"])
 
     def save(self) -> None:
         if self.checkpoint_path is not None:
-            save_checkpoint(
-                self.checkpoint_path,
+            self.write_checkpoint(
                 actor=self.actor.state_dict(),
                 critic=self.critic.state_dict(),
                 optimizer=self.optimizer.state_dict(),

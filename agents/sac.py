@@ -57,7 +57,7 @@ from asyncvec.agents.common import (
 from asyncvec.buffers import Transitions
 from asyncvec.lifecycle import release_if_held
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
-from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, save_checkpoint, seed_everything
+from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, seed_everything
 from asyncvec.versioning import LaggedWeights
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -474,8 +474,7 @@ class SAC(EnvStepsRun):
         if self.checkpoint_dir is None:
             return
         self.buffer.save(self.checkpoint_dir / "replay")
-        save_checkpoint(
-            self.checkpoint_dir / "sac.pt",
+        self.write_checkpoint(
             actor=self.actor.state_dict(),
             qf1=self.qf1.state_dict(),
             qf2=self.qf2.state_dict(),
@@ -516,8 +515,10 @@ class SAC(EnvStepsRun):
         self.buffer = ReplayBuffer.load(self.checkpoint_dir / "replay", seed=self.args.seed)
         self.index.next_slot[:], self.index.episode[:] = state["index"]
         self.global_step, self.gradient_steps = state["global_step"], state["gradient_steps"]
-        while self.versions.current_version < state["version"]:
-            self.versions.publish({k: v.detach().clone() for k, v in self.actor.state_dict().items()})
+        if self.versions.current_version < state["version"]:  # one publish, not one per gradient step
+            self.versions.publish(
+                {k: v.detach().clone() for k, v in self.actor.state_dict().items()}, version=state["version"]
+            )
 
     # ------------------------------------------------------------------ the loop
 

@@ -97,6 +97,17 @@ class RunFolder:
 
     args: Any
     run_name: str
+    checkpoint_path: Path | None = None
+    saved_position: str | None = None
+    """where the run was when this process last wrote its checkpoint (None: not yet)"""
+
+    def write_checkpoint(self, **state: Any) -> None:
+        """:func:`save_checkpoint` of ``state`` to ``checkpoint_path``, remembering the run's ``position`` then (the
+        command line's Ctrl-C message says which point the checkpoint holds)."""
+        if self.checkpoint_path is None:
+            raise ValueError("write_checkpoint: the run has no checkpoint_path (--checkpoint-dir)")
+        save_checkpoint(self.checkpoint_path, **state)
+        self.saved_position = getattr(self, "position", None)
 
     @property
     def run_dir(self) -> Path:

@@ -258,6 +258,9 @@ def test_ppo_ctrl_c_stops_cleanly_with_the_step_and_checkpoint(tmp_path):
     assert f"checkpoint at {checkpoint}" in out and "stopped at step " in out, out
     step = int(out.split("stopped at step ")[1].split(",")[0])
     assert step >= 32 and step % 32 == 0, out
+    # the line names the step the checkpoint holds (the last complete update), which may be before the stop
+    saved = int(out.split(f"checkpoint at {checkpoint} (at step ")[1].split(",")[0])
+    assert saved <= step and saved == torch.load(checkpoint, weights_only=False)["global_step"], out
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:

@@ -183,7 +183,8 @@ def test_ctrl_c_stops_every_agent_with_130_and_its_checkpoint(agent, tmp_path):
     stopped = [line for line in out.splitlines() if "stopped at" in line]
     assert len(stopped) == 1, out
     if checkpoint:
-        assert checkpoint.exists() and f"checkpoint at {checkpoint}" in stopped[0], stopped[0]
+        assert checkpoint.exists() and f"checkpoint at {checkpoint} (at " in stopped[0], stopped[0]
+        assert stopped[0].endswith(", the last complete update)"), stopped[0]
     else:
         assert "checkpoint at none (this agent keeps none)" in stopped[0], stopped[0]
     assert took < 30, f"{agent} took {took:.1f} s to stop after Ctrl-C (2 loaded cores; alone it takes about 1 s)"

@@ -44,7 +44,6 @@ from asyncvec.runs import (
     check_resumable,
     load_checkpoint,
     run_name,
-    save_checkpoint,
     seed_everything,
 )
 
@@ -130,8 +129,7 @@ class LMAgent(ClosesOnExit, RunFolder):
         done, the run's name (its TensorBoard folder) and the RNG states; atomically, after every update."""
         if self.checkpoint_path is None:
             return
-        save_checkpoint(
-            self.checkpoint_path,
+        self.write_checkpoint(
             learner=self.learner.state_dict(),
             optimizer=self.optimizer.state_dict(),
             version=self.versions.current_version,
