@@ -485,3 +485,68 @@ class LaggedWeights:
         self._queue.append((weights, version))
         while len(self._queue) > self.lag:
             self.backend.load_weights(*self._queue.popleft())
+
+
+class AdmissionControl:
+    """Bounds staleness when a sample starts instead of dropping it when trained on (AReaL's rule).
+
+    The learner takes samples in the order they were admitted, ``per_update`` per update, so sample
+    ``i`` (0-based) enters update ``i // per_update``. It may start once ``i // per_update -
+    max_staleness + lag`` updates are done: at most ``max_staleness`` versions are then published
+    between its start and its update, however long it takes (``lag``: the policy receives each
+    version that many updates late). Nothing is generated only to be dropped, long samples
+    included; with ``max_staleness=0`` each update's samples start after the previous update, as in
+    a synchronous loop.
+
+    Example:
+        >>> gate = AdmissionControl(per_update=2, max_staleness=0)
+        >>> [gate.admitted(i) for i in range(4)]
+        [True, True, False, False]
+        >>> gate.update_done()
+        >>> [gate.admitted(i) for i in range(4)]
+        [True, True, True, True]
+    """
+
+    def __init__(self, per_update: int, max_staleness: int, lag: int = 0) -> None:
+        self.per_update = _check_int("per_update", per_update, minimum=1)
+        self.max_staleness = _check_int("max_staleness", max_staleness, minimum=0)
+        self.lag = _check_int("lag", lag, minimum=0)
+        if self.lag > self.max_staleness:
+            raise ValueError(
+                f"lag {self.lag} exceeds max_staleness {self.max_staleness}: every sample would be too stale "
+                "when trained on, so none could start"
+            )
+        self._updates_done = 0
+        self._cond = threading.Condition()
+
+    @property
+    def updates_done(self) -> int:
+        """Updates the learner finished (:meth:`update_done` calls)."""
+        with self._cond:
+            return self._updates_done
+
+    def admitted(self, index: int) -> bool:
+        """Whether sample ``index`` may start now."""
+        with self._cond:
+            return self._admits(_check_int("index", index, minimum=0))
+
+    def wait(self, index: int, timeout: float | None = None) -> bool:
+        """Blocks until sample ``index`` may start (True) or ``timeout`` seconds passed (False)."""
+        index = _check_int("index", index, minimum=0)
+        with self._cond:
+            return self._cond.wait_for(lambda: self._admits(index), timeout)
+
+    def update_done(self) -> None:
+        """The learner finished an update (published a version or not): admits the next samples."""
+        with self._cond:
+            self._updates_done += 1
+            self._cond.notify_all()
+
+    def _admits(self, index: int) -> bool:
+        return self._updates_done >= index // self.per_update - self.max_staleness + self.lag
+
+    def __repr__(self) -> str:
+        return (
+            f"AdmissionControl(per_update={self.per_update}, max_staleness={self.max_staleness}, lag={self.lag}, "
+            f"updates_done={self.updates_done})"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Hashable
@@ -21,7 +22,7 @@ class GroupBatch:
     """Complete groups, ``G`` prompts by ``k`` completions.
 
     Attributes:
-        prompt_ids: ``G`` prompt ids, in the order their groups completed.
+        prompt_ids: ``G`` prompt ids, in the order their groups completed (``pop(keys=...)``: in that order).
         completions: ``[G][k]`` completions as given to ``add``.
         rewards: ``[G, k]`` float32, ready for ``asyncvec.losses.rloo_advantages``.
         logps: ``[G, k, L]`` float32 per-token behavior log-probs, zero-padded to the
@@ -48,6 +49,7 @@ class GroupBatch:
 
 @dataclass
 class _Pending:
+    positions: list[int] = field(default_factory=list)
     completions: list[Any] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     logps: list[np.ndarray] = field(default_factory=list)
@@ -95,6 +97,7 @@ class CompletionGroups:
         logps: Any,
         version: int,
         token_versions: Any = None,
+        position: int | None = None,
     ) -> bool:
         """Add one completion; returns True when it completes its prompt's group.
 
@@ -107,6 +110,8 @@ class CompletionGroups:
             version: the policy version that generated it: its oldest token's.
             token_versions: the version that sampled each token (one per entry of ``logps``,
                 never decreasing, the first equal to ``version``); None: every token has ``version``.
+            position: the completion's place in its group (0 to k-1); a complete group lists its
+                completions in this order whatever order they arrived in. None: arrival order.
         """
         try:
             hash(prompt_id)
@@ -125,6 +130,10 @@ class CompletionGroups:
         versions = per_token_versions(version_value, token_versions, len(token_logps))
         with self._cond:
             group = self._pending.setdefault(prompt_id, _Pending())
+            place = len(group.completions) if position is None else int(position)
+            if place in group.positions:
+                raise ValueError(f"position: prompt {prompt_id!r} already has a completion at position {place}")
+            group.positions.append(place)
             group.completions.append(completion)
             group.rewards.append(reward_value)
             group.logps.append(token_logps.astype(np.float32))
@@ -133,7 +142,7 @@ class CompletionGroups:
             if len(group.completions) < self.group_size:
                 return False
             del self._pending[prompt_id]
-            self._complete.append((prompt_id, group))
+            self._complete.append((prompt_id, _in_position_order(group)))
             self._cond.notify_all()
             return True
 
@@ -149,16 +158,22 @@ class CompletionGroups:
         with self._cond:
             return len(self._pending)
 
-    def pop(self, num_groups: int | None = None, timeout: float | None = None) -> GroupBatch:
+    def pop(
+        self, num_groups: int | None = None, timeout: float | None = None, keys: list[Hashable] | None = None
+    ) -> GroupBatch:
         """Remove and return complete groups, oldest first.
 
         Args:
             num_groups: exactly this many groups; None: every complete group (at least one).
             timeout: seconds to wait for them; 0 checks once; None waits indefinitely.
+            keys: instead of the oldest complete groups, these prompts' groups, in this order (waiting
+                for each to complete): a batch that does not depend on which finished first.
 
         Raises:
             TimeoutError: not enough complete groups in time.
         """
+        if keys is not None:
+            return self._pop_keys(list(keys), timeout)
         if num_groups is not None and (
             isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1
         ):
@@ -173,6 +188,32 @@ class CompletionGroups:
             count = len(self._complete) if num_groups is None else num_groups
             taken = [self._complete.popleft() for _ in range(count)]
         return _to_batch(taken, self.group_size)
+
+    def _pop_keys(self, keys: list[Hashable], timeout: float | None) -> GroupBatch:
+        if not keys:
+            raise ValueError("keys: expected at least one prompt id")
+        with self._cond:
+
+            def all_complete() -> bool:
+                complete = {key for key, _ in self._complete}
+                return all(key in complete for key in keys)
+
+            if not self._cond.wait_for(all_complete, timeout):
+                missing = [key for key in keys if key not in {k for k, _ in self._complete}]
+                raise TimeoutError(
+                    f"pop: the groups of {missing[:8]} still incomplete after {timeout}s "
+                    f"({len(self._pending)} prompts incomplete)"
+                )
+            by_key = {key: group for key, group in self._complete}
+            self._complete = deque((key, group) for key, group in self._complete if key not in set(keys))
+            taken = [(key, by_key[key]) for key in keys]
+        return _to_batch(taken, self.group_size)
+
+
+def _in_position_order(group: _Pending) -> _Pending:
+    order = sorted(range(len(group.positions)), key=group.positions.__getitem__)
+    columns = (getattr(group, column.name) for column in dataclasses.fields(group))
+    return _Pending(*([values[i] for i in order] for values in columns))
 
 
 def _to_batch(taken: list[tuple[Hashable, _Pending]], k: int) -> GroupBatch:

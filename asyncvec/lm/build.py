@@ -333,7 +333,7 @@ def _prompt_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.Exi
 
     def make_collector(policy: Any, tokenizer: Any) -> GroupCollector:
         prompts = itertools.islice(iter_prompts(env, args.seed), skip, None)
-        return GroupCollector(policy, rewarder, prompts, args.group_size)
+        return GroupCollector(policy, rewarder, prompts, args.group_size, seed=args.seed, first_prompt=skip)
 
     return _EnvSide(False, env.action_space, completion_with_answer, args, make_collector, rewarder, eval_env)
 

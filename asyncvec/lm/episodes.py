@@ -53,7 +53,7 @@ from asyncvec.collection.base import BackgroundCollector
 from asyncvec.inference.types import PolicyOutput, TextPrompt
 from asyncvec.lm.chat import Conversation, PlainChatFormat
 from asyncvec.lm.text_env import check_text_env
-from asyncvec.versioning import per_token_versions
+from asyncvec.versioning import AdmissionControl, per_token_versions
 
 __all__ = ["Episode", "EpisodeCollector", "EpisodeGroups", "Turn", "make_text_vector_env"]
 
@@ -341,6 +341,9 @@ class EpisodeCollector(BackgroundCollector):
         self._next_group = 0
         self._complete: deque[_Group] = deque()  # guarded by self._cond (the base's), as the quota below
         self._quota = 0
+        self._admission: AdmissionControl | None = None
+        self._in_order = True  # pop the groups in the order they started (see pop)
+        self._next_pop = 0
         self._total: int | None = None
         self._refill = False
         self._ahead = 0
@@ -371,19 +374,23 @@ class EpisodeCollector(BackgroundCollector):
         self.submit(num_groups)
         return self.pop(num_groups, timeout)
 
-    def start(self, total_groups: int, ahead: int) -> EpisodeCollector:
-        """Async mode: keeps ``ahead`` groups started but not popped, ``total_groups`` in all."""
+    def start(self, total_groups: int, ahead: int, admission: AdmissionControl | None = None) -> EpisodeCollector:
+        """Async mode: keeps ``ahead`` groups started but not popped, ``total_groups`` in all; with
+        ``admission``, a group starts once the control admits it (its index: groups started since the
+        start), and :meth:`pop` then takes groups in the order they started."""
         self._refuse_second_start()  # also after submit(), which started the thread
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead: expected an int >= 1 (groups collected ahead of the learner), got {ahead!r}")
         with self._cond:
             self._total, self._refill, self._ahead = total_groups, True, ahead
             self._quota = min(ahead, total_groups)
+            self._admission, self._in_order = admission, admission is not None
         self._start_thread()
         return self
 
     def pop(self, num_groups: int, timeout: float) -> EpisodeGroups:
-        """Waits (at most ``timeout`` s) for ``num_groups`` complete groups, in the order they completed."""
+        """Waits (at most ``timeout`` s) for ``num_groups`` complete groups: the next ones in the order
+        they started (sync mode, or async under an admission control), else the first to complete."""
         if self._refill and num_groups > self._ahead:
             raise ValueError(
                 f"pop({num_groups}): at most ahead={self._ahead} groups run before a pop returns; "
@@ -391,7 +398,8 @@ class EpisodeCollector(BackgroundCollector):
             )
         deadline = time.monotonic() + timeout
         with self._cond:
-            while len(self._complete) < num_groups:
+            wanted = range(self._next_pop, self._next_pop + num_groups)
+            while not self._poppable(wanted):
                 self.check()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -400,13 +408,24 @@ class EpisodeCollector(BackgroundCollector):
                         f"{len(self._open)} open; collector stats {self.stats()}, policy stats {self.policy.stats()})"
                     )
                 self._cond.wait(min(remaining, 0.25))
-            groups = [self._complete.popleft() for _ in range(num_groups)]
+            if self._in_order:
+                by_index = {group.index: group for group in self._complete}
+                groups = [by_index[index] for index in wanted]
+                self._complete = deque(group for group in self._complete if group.index not in wanted)
+                self._next_pop += num_groups
+            else:
+                groups = [self._complete.popleft() for _ in range(num_groups)]
             if self._refill:
                 started = self._next_group + self._quota
                 self._quota += max(0, min(num_groups, self._total - started))
                 self._cond.notify_all()
             self._wake()  # idle envs may start their next groups now
         return EpisodeGroups([g.episodes for g in groups], [g.seed for g in groups])
+
+    def _poppable(self, wanted: range) -> bool:
+        if not self._in_order:
+            return len(self._complete) >= len(wanted)
+        return {group.index for group in self._complete} >= set(wanted)
 
     def stats(self) -> dict[str, float]:
         """Counters: groups, episodes, turns, terminated, truncated, context_overflows, dropped_turns, env_errors,
@@ -436,7 +455,7 @@ class EpisodeCollector(BackgroundCollector):
                 while self._open and self._open[0].unassigned == 0:
                     self._open.popleft()
                 if not self._open:
-                    if self._quota <= 0:
+                    if self._quota <= 0 or not (self._admission is None or self._admission.admitted(self._next_group)):
                         break
                     self._quota -= 1
                     self._open.append(_Group(self._next_group, self.seed + self._next_group, self.group_size))

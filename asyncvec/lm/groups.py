@@ -18,6 +18,7 @@ its group marked :attr:`ScoredCompletion.missed_deadline`, and the learner must 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -31,8 +32,9 @@ import numpy as np
 
 from asyncvec.buffers import CompletionGroups, GroupBatch
 from asyncvec.collection.base import BackgroundCollector
-from asyncvec.inference.types import PolicyOutput
+from asyncvec.inference.types import PolicyOutput, TextPrompt
 from asyncvec.lm.rewards import RewardService
+from asyncvec.versioning import AdmissionControl
 
 __all__ = ["GroupCollector", "ScoredCompletion", "score_completions"]
 
@@ -79,10 +81,15 @@ class GroupCollector(BackgroundCollector):
     prompt's group in a :class:`CompletionGroups`. Two ways to drive it:
 
     * **sync**: :meth:`collect` (or :meth:`submit` then :meth:`pop`) generates exactly the
-      groups the learner takes next;
+      groups the learner takes next, in prompt order;
     * **async**: :meth:`start` runs a thread that keeps ``ahead`` prompts requested but not
       yet popped, so generation goes on while the learner trains; :meth:`pop` takes the
-      oldest complete groups.
+      first complete groups, or, under an ``admission`` control, the next groups in prompt order
+      (the control starts a prompt only when it cannot be too stale by its turn).
+
+    With a ``seed``, completion ``j`` of prompt ``i`` is sampled with its own seed (from ``seed``,
+    ``i`` and ``j``), and each group lists its completions in request order: what is generated does
+    not depend on how requests met in batches or which finished first, so a run repeats exactly.
 
     Errors of the policy, the reward service or the callbacks are re-raised (as
     :class:`~asyncvec.CollectorError` with the original chained) by :meth:`check`, :meth:`pop` and :meth:`collect`; a pop that
@@ -95,6 +102,9 @@ class GroupCollector(BackgroundCollector):
         reward_service: scores ``(prompt, completion text)``.
         prompts: the prompts, in order (an endless iterator is fine).
         group_size: ``k``, completions per prompt.
+        seed: seeds each prompt's sampling (None: the policy's own random stream).
+        first_prompt: the index of the first prompt (a resumed run's prompts done): prompt ids, and
+            so the seeds, go on from there.
 
     Example:
         >>> import tempfile, gymnasium as gym
@@ -112,16 +122,29 @@ class GroupCollector(BackgroundCollector):
     failure_message = "generation failed"
     stop_timeout_s = 10.0
 
-    def __init__(self, policy: Any, reward_service: RewardService, prompts: Iterable[str], group_size: int) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        reward_service: RewardService,
+        prompts: Iterable[str],
+        group_size: int,
+        *,
+        seed: int | None = None,
+        first_prompt: int = 0,
+    ) -> None:
         super().__init__()
         self.policy = policy
         self.reward_service = reward_service
         self.prompts: Iterator[str] = iter(prompts)
         self.groups = CompletionGroups(group_size)
         self.group_size = self.groups.group_size
-        self._ids = itertools.count()
+        self.seed = seed
+        self._ids = itertools.count(first_prompt)
+        self._next_pop = first_prompt  # pops in prompt order take the groups from here on
+        self._in_order = True
         self._lock = threading.Lock()
         self._slots: threading.Semaphore | None = None
+        self._admission: AdmissionControl | None = None
         self.submitted_prompts = 0
         self.samples = 0
         """completions received (scored, flagged or missed)"""
@@ -137,8 +160,15 @@ class GroupCollector(BackgroundCollector):
         """Requests ``group_size`` completions for each of the next ``num_prompts`` prompts."""
         for prompt in itertools.islice(self.prompts, num_prompts):
             prompt_id = next(self._ids)
-            for future in self.policy.submit_group(prompt, self.group_size):  # one engine request with n = k
-                future.add_done_callback(partial(self._on_completion, prompt_id, prompt))
+            if self.seed is None:
+                futures = self.policy.submit_group(prompt, self.group_size)  # one engine request with n = k
+            else:  # each completion its own seed: what it samples does not depend on the batch it meets
+                futures = [
+                    self.policy.submit(_seeded(prompt, request_seed(self.seed, prompt_id, position)))
+                    for position in range(self.group_size)
+                ]
+            for position, future in enumerate(futures):
+                future.add_done_callback(partial(self._on_completion, prompt_id, prompt, position))
             with self._lock:
                 self.submitted_prompts += 1
 
@@ -147,20 +177,27 @@ class GroupCollector(BackgroundCollector):
         self.submit(num_prompts)
         return self.pop(num_prompts, timeout)
 
-    def start(self, total_prompts: int, ahead: int) -> GroupCollector:
+    def start(self, total_prompts: int, ahead: int, admission: AdmissionControl | None = None) -> GroupCollector:
         """Async mode: a thread requests prompts (``total_prompts`` in all) while fewer than
-        ``ahead`` are requested and not yet popped."""
+        ``ahead`` are requested and not yet popped; with ``admission``, each once the control
+        admits it (its index: prompts requested since the start), and :meth:`pop` then takes groups
+        in prompt order. Without, :meth:`pop` takes the first complete groups."""
         self._refuse_second_start()
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 1:
             raise ValueError(f"ahead: expected an int >= 1 (prompts generated ahead of the learner), got {ahead!r}")
         self._slots = threading.Semaphore(ahead)
+        self._admission, self._in_order = admission, admission is not None
         self._start_thread(total_prompts)
         return self
 
     def _loop(self, total_prompts: int) -> None:
         while not self._stopping.is_set() and self.submitted_prompts < total_prompts:
-            if self._slots.acquire(timeout=0.1):
-                self.submit(1)
+            if not self._slots.acquire(timeout=0.1):
+                continue
+            while self._admission is not None and not self._admission.wait(self.submitted_prompts, timeout=0.1):
+                if self._stopping.is_set():
+                    return
+            self.submit(1)
 
     def pop(self, num_groups: int, timeout: float) -> GroupBatch:
         """Waits (at most ``timeout`` seconds) for ``num_groups`` complete groups, oldest first."""
@@ -168,7 +205,9 @@ class GroupCollector(BackgroundCollector):
         while True:
             self.check()
             try:
-                batch = self.groups.pop(num_groups, timeout=min(0.25, max(deadline - time.monotonic(), 0.0)))
+                keys = list(range(self._next_pop, self._next_pop + num_groups)) if self._in_order else None
+                batch = self.groups.pop(num_groups, timeout=min(0.25, max(deadline - time.monotonic(), 0.0)), keys=keys)
+                self._next_pop += num_groups
                 break
             except TimeoutError:
                 if time.monotonic() >= deadline:
@@ -196,11 +235,11 @@ class GroupCollector(BackgroundCollector):
     """Stops requesting; completions still in flight are ignored from now on (also :meth:`stop`)."""
 
     # Callbacks run on the policy's and the reward service's threads: quick, never raising (errors go to _fail).
-    def _on_completion(self, prompt_id: int, prompt: str, future: Future) -> None:
+    def _on_completion(self, prompt_id: int, prompt: str, position: int, future: Future) -> None:
         try:
             output: PolicyOutput = future.result()
             if output.fallback and output.text is None:  # deadline miss: nothing sampled, nothing to score
-                self._add(prompt_id, ScoredCompletion(prompt, output, 0.0, False))
+                self._add(prompt_id, position, ScoredCompletion(prompt, output, 0.0, False))
                 return
             if not output.token_ids:
                 raise ValueError(
@@ -208,18 +247,18 @@ class GroupCollector(BackgroundCollector):
                     "(OpenAIPolicy: return_token_ids=True against vLLM or asyncvec serve)"
                 )
             scored = self.reward_service.submit(prompt, output.text or "")
-            scored.add_done_callback(partial(self._on_reward, prompt_id, prompt, output))
+            scored.add_done_callback(partial(self._on_reward, prompt_id, prompt, position, output))
         except Exception as exc:
             self._fail(exc)
 
-    def _on_reward(self, prompt_id: int, prompt: str, output: PolicyOutput, future: Future) -> None:
+    def _on_reward(self, prompt_id: int, prompt: str, position: int, output: PolicyOutput, future: Future) -> None:
         try:
             result = future.result()
-            self._add(prompt_id, ScoredCompletion(prompt, output, result.reward, result.flagged))
+            self._add(prompt_id, position, ScoredCompletion(prompt, output, result.reward, result.flagged))
         except Exception as exc:
             self._fail(exc)
 
-    def _add(self, prompt_id: int, sample: ScoredCompletion) -> None:
+    def _add(self, prompt_id: int, position: int, sample: ScoredCompletion) -> None:
         with self._lock:
             self.samples += 1
             self.flagged += sample.flagged
@@ -227,7 +266,22 @@ class GroupCollector(BackgroundCollector):
             self.rejected += sample.output.fallback and not sample.missed_deadline
         logps = np.asarray(sample.output.token_logps or (), dtype=np.float32)
         output = sample.output
-        self.groups.add(prompt_id, sample, sample.reward, logps, output.policy_version, output.token_versions)
+        self.groups.add(prompt_id, sample, sample.reward, logps, output.policy_version, output.token_versions, position)
+
+
+def request_seed(seed: int, *index: int) -> int:
+    """The sampling seed of the request at ``index`` (e.g. prompt, completion) of a run seeded with
+    ``seed``: well mixed, so runs with neighbouring seeds share no request seeds.
+
+    Example:
+        >>> request_seed(0, 1, 0) == request_seed(0, 1, 0), request_seed(0, 1, 0) == request_seed(1, 0, 0)
+        (True, False)
+    """
+    return int(np.random.SeedSequence([seed, *index]).generate_state(1)[0] >> 1)
+
+
+def _seeded(prompt: Any, seed: int) -> TextPrompt:
+    return dataclasses.replace(prompt, seed=seed) if isinstance(prompt, TextPrompt) else TextPrompt(prompt, seed=seed)
 
 
 def score_completions(policy: Any, reward_service: RewardService, prompts: list[str], timeout: float) -> list[float]:

@@ -99,6 +99,12 @@ class LMArgs:
     max_staleness: int = 2
     """groups with a completion more than this many versions older than the learner are dropped (its oldest token's
     version: with in-flight weight updates a completion may span versions; multi-turn: such turns are masked out)"""
+    staleness_control: Literal["admission", "drop"] = "admission"
+    """async mode: "admission" starts a prompt (a multi-turn group) only once it cannot be more than --max-staleness
+    versions old when trained on, and trains on groups in the order they started (AReaL's rule: nothing is generated
+    to be dropped, long completions included; at --max-staleness 0 async is sync); "drop" generates
+    --prefetch-updates ahead, trains on groups as they complete and drops the too stale (biased toward short
+    completions, docs/lm_agents.md)"""
     policy_lag: int = 0
     """the policy receives each new version this many updates late (a slow weight broadcast)"""
     is_cap: float = 2.0
@@ -175,6 +181,12 @@ class LMArgs:
             _check_int(name, getattr(self, name), 1)
         for name in ("sft_steps", "max_staleness", "policy_lag", "eval_prompts"):
             _check_int(name, getattr(self, name), 0)
+        if self.mode == "async" and self.staleness_control == "admission" and self.policy_lag > self.max_staleness:
+            raise ValueError(
+                f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}: under --staleness-control "
+                "admission no prompt could start; raise --max-staleness, or pass --staleness-control drop to generate "
+                "anyway and count what is dropped"
+            )
         _check_int("group_size", self.group_size, 2)
         for name in ("is_cap", "reward_timeout_s", "timeout_s", "learning_rate", "max_grad_norm"):
             _check_number(name, getattr(self, name), positive=True)

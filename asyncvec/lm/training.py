@@ -46,6 +46,7 @@ from asyncvec.runs import (
     run_name,
     seed_everything,
 )
+from asyncvec.versioning import AdmissionControl
 
 LossAndStats = tuple[torch.Tensor, dict[str, float]]
 """What an agent's ``policy_loss`` returns: the loss (with grad) and its statistics."""
@@ -374,6 +375,11 @@ class TrainingRun:
         self._pending: Any = None  # a batch that failed to confirm the target, trained on next
         self._stop = False
         self.evals = (math.nan, math.nan)
+        self.admission = (
+            AdmissionControl(args.prompts_per_update, args.max_staleness, args.policy_lag)
+            if args.mode == "async" and args.staleness_control == "admission"
+            else None
+        )
 
     def __enter__(self) -> TrainingRun:
         args = self.args
@@ -391,7 +397,9 @@ class TrainingRun:
             self.start = time.monotonic()
             if args.mode == "async":  # generation runs ahead while the learner trains
                 self.parts.collector.start(
-                    args.total_prompts - self.prompts_done, ahead=args.prefetch_updates * args.prompts_per_update
+                    args.total_prompts - self.prompts_done,
+                    ahead=args.prefetch_updates * args.prompts_per_update,
+                    admission=self.admission,
                 )
         except BaseException:
             self.logger.close()
@@ -428,6 +436,8 @@ class TrainingRun:
         with self.stages("publish"):
             if stats["samples_used"]:
                 publish()
+        if self.admission is not None:
+            self.admission.update_done()
         elapsed = time.monotonic() - self.start
         policy_stats = parts.policy.stats()
         row = {
