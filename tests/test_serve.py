@@ -2,6 +2,7 @@
 HTTP: completions with log-probs, n > 1, stop, seed and token-id prompts, OpenAI error bodies,
 weight updates and their guards, bad input, a port already in use, a server that is down."""
 
+import json
 import subprocess
 import sys
 import time
@@ -117,7 +118,8 @@ def test_weight_updates_are_guarded(server, tmp_path):
         (b'{"model": "tiny", "prompt": ""}', 400, "prompts must be non-empty", "prompt"),
         (b'{"model": "tiny", "prompt": "1+1=", "max_tokens": 0}', 400, "max_tokens", "max_tokens"),
         (b'{"model": "tiny", "prompt": "1+1=", "n": 65}', 400, "n: Input should be less than or equal to 64", "n"),
-        (b'{"model": "tiny", "prompt": "1+1=", "stream": true}', 400, "not supported", "stream"),
+        (b'{"model": "tiny", "prompt": "1+1=", "echo": true}', 400, "not supported", "echo"),
+        (b'{"model": "tiny", "prompt": "1+1=", "stream": true, "seed": 1}', 400, "cannot be combined", "stream"),
         (b'{"model": "tiny", "prompt": "1+1=", "bogus": 1}', 400, "bogus: Extra inputs are not permitted", "bogus"),
         (b'{"model": "tiny", "prompt": "1+1=", "stop": ["a","b","c","d","e"]}', 400, "at most 4", "stop"),
         (b'{"model": "tiny", "prompt": "1+1=", "max_tokens": 100000}', 400, "max_tokens must be <= 256", "max_tokens"),
@@ -174,6 +176,33 @@ def test_raw_completion_response_shape(server):
         for logp, top in zip(logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True):
             assert len(top) == 2 and max(top.values()) == pytest.approx(logp)  # greedy: the top token
     assert data["usage"]["prompt_tokens"] == 8
+
+
+def test_a_streamed_completion_sends_each_token_then_the_whole_choice(server, client):
+    """``"stream": true``: one event per sampled token (id, log-prob, version), then each choice
+    whole; the tokens streamed start the choice (a stop string may cut the last ones)."""
+    body = {"model": MODEL, "prompt": ["3+4=", "5+5="], "n": 2, "max_tokens": 6, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "stream": True}  # fmt: skip
+    streamed, finals = {}, {}
+    with httpx.stream("POST", server["url"] + "/v1/completions", json=body, timeout=30) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        (choice,) = json.loads(line[len("data:") :])["choices"]
+        if "completion" in choice:
+            finals[choice["index"]] = choice["completion"]
+            continue
+        assert choice["finish_reason"] is None and choice["policy_version"] >= 0
+        tokens, logps = choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]
+        streamed.setdefault(choice["index"], []).extend(zip(tokens, logps, strict=True))
+    assert sorted(finals) == sorted(streamed) == [0, 1, 2, 3]
+    for index, final in finals.items():
+        whole = list(zip(final["logprobs"]["tokens"], final["logprobs"]["token_logprobs"], strict=True))
+        assert whole and streamed[index][: len(whole)] == whole
+    # the openai client reads the stream too
+    chunks = list(client.completions.create(model=MODEL, prompt="3+4=", max_tokens=4, stream=True))
+    assert chunks and all(len(chunk.choices) == 1 for chunk in chunks)
 
 
 def test_server_down_gives_an_error_not_a_hang():

@@ -36,6 +36,8 @@ _LAZY = {
     "BackendError": "asyncvec.inference.types",
     "BackendRejectedError": "asyncvec.inference.types",
     "TransientBackendError": "asyncvec.inference.types",
+    "PartialBatchError": "asyncvec.inference.types",
+    "GeneratedPrefix": "asyncvec.inference.types",
     "DynamicBatcher": "asyncvec.inference.batcher",
     "adaptive_threshold": "asyncvec.inference.batcher",
     "fit_batch_cost": "asyncvec.inference.batcher",

@@ -210,9 +210,14 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
     def _forward_batch(self, obs_list: list[Any]) -> list[BackendResult]:
         """One backend call: one `BackendResult` per checked observation, in order."""
 
+    def _prepare_weights(self, weights: Any, version: int) -> Any:
+        """What `load_weights` can do before it holds batches back (e.g. write and check a
+        checkpoint); its result goes to `_apply_weights`."""
+        return weights
+
     @abc.abstractmethod
     def _apply_weights(self, weights: Any, version: int) -> None:
-        """Swap in new weights; called with no batch running."""
+        """Swap in new weights (from `_prepare_weights`); called with no batch running."""
 
     def _close_backend(self) -> None:
         """Release backend resources (clients, engines); called once by `close`."""
@@ -243,6 +248,20 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
     def _is_transient(self, exc: BaseException) -> bool:
         """Whether a backend error is worth retrying."""
         return not isinstance(exc, (ValueError, TypeError))
+
+    def _attempt_obs(self, request: Request) -> Any:
+        """What an attempt sends the backend for ``request`` (text policies: the prompt continued by
+        what a failed attempt had generated)."""
+        return request.obs
+
+    def _keep_partial(self, requests: list[Request], error: BaseException) -> list[tuple[Request, BackendResult]]:
+        """After a failed attempt: keep what ``error`` says each request had generated; returns the
+        requests that are complete already, with their results (delivered at once)."""
+        return []
+
+    def _finish(self, request: Request, result: BackendResult, version: int) -> BackendResult:
+        """An attempt's result for ``request`` (text policies: joined to what earlier attempts generated)."""
+        return result
 
     # ------------------------------------------------------------------------- public API
     @property
@@ -366,8 +385,9 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
             raise PolicyClosedError(f"{self._label} is closed")
         with self._update_mutex:
             self._check_version(version, self._version)
+            prepared = self._prepare_weights(weights, int(version))  # batches still run meanwhile
             with self._version_lock.write(timeout_s):
-                self._apply_weights(weights, int(version))
+                self._apply_weights(prepared, int(version))
                 with self._publish_mutex:
                     self._version = int(version)
             if self._cache is not None:
@@ -472,11 +492,15 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
                 version = self._version
                 started = time.perf_counter()
                 try:
-                    results = self._forward_checked([request.obs for request in live])
+                    results = self._forward_checked([self._attempt_obs(request) for request in live])
                 except Exception as exc:  # every backend failure is either retried or reported on the futures
                     error = exc
+                    ready = self._keep_partial(live, exc)  # what the next attempt continues from
+                    if ready:
+                        self._deliver_batch([request for request, _ in ready], [result for _, result in ready], version)
                 else:
                     elapsed = time.perf_counter() - started
+                    results = [self._finish(request, result, version) for request, result in zip(live, results)]
                     self._deliver_batch(live, results, version)
                     return elapsed
             if not self._is_transient(error) or attempt == self.max_attempts:

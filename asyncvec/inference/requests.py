@@ -185,6 +185,7 @@ class Request:
     future: Future
     cache_key: bytes | None = None
     completed: bool = False
+    prefix: Any = None  # a GeneratedPrefix: what a failed attempt had generated, continued by the next one
 
 
 def split_batch(obs_batch: Any) -> list[Any]:

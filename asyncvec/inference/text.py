@@ -9,6 +9,7 @@ token ids and log-probs are kept, and ``behavior_logp`` is the completion's log-
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -16,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from asyncvec.inference.base import BatchedPolicy
-from asyncvec.inference.types import BackendResult, TextPrompt
+from asyncvec.inference.requests import Request
+from asyncvec.inference.types import BackendResult, GeneratedPrefix, PartialBatchError, TextPrompt
 
 REJECTING_ERRORS = (ValueError, TypeError, KeyError, IndexError)
 MAX_STOP_STRINGS = 4
@@ -95,8 +97,20 @@ class TextPolicy(BatchedPolicy):
         max_new_tokens: default completion length limit.
         temperature: default sampling temperature; 0 means greedy decoding.
         top_p: default nucleus mass (None: no nucleus filtering).
+        resume_from_prefix: when an attempt fails while generating and the backend reports what
+            each completion had generated (`PartialBatchError`: a server killed mid-stream, an
+            in-process engine that failed mid-batch), the retry continues each completion from
+            there: prompt + the tokens so far as its prompt, ``max_new_tokens`` less those tokens.
+            The prefix keeps its log-probs and versions, the continuation's tokens carry the
+            version that sampled them (``token_versions`` when they differ). False: the retry
+            starts each completion again (its tokens are counted in ``regenerated_tokens``).
         **kwargs: `BatchedPolicy` options. ``action_space`` (or a ``fallback`` function) is
             required, since rejected completions need a fallback action.
+
+    `stats` adds ``resumed_requests`` (completions delivered after being continued from a
+    prefix), ``resumed_tokens`` (prefix tokens kept, not sampled again) and
+    ``regenerated_tokens`` (tokens generated before a failure and sampled again: the prompt
+    could not be turned into token ids, or ``resume_from_prefix=False``).
     """
 
     _can_reject = True
@@ -108,12 +122,17 @@ class TextPolicy(BatchedPolicy):
         max_new_tokens: int = 16,
         temperature: float = 1.0,
         top_p: float | None = None,
+        resume_from_prefix: bool = True,
         **kwargs: Any,
     ) -> None:
+        label = kwargs.get("name") or type(self).__name__
         if not callable(action_parser):
-            label = kwargs.get("name") or type(self).__name__
             raise TypeError(f"{label}: action_parser must be callable, got {type(action_parser).__name__}")
+        if not isinstance(resume_from_prefix, bool):
+            raise TypeError(f"{label}: resume_from_prefix must be a bool, got {type(resume_from_prefix).__name__}")
         super().__init__(**kwargs)
+        self.resume_from_prefix = resume_from_prefix
+        self._resume_counts = {"resumed_requests": 0, "resumed_tokens": 0, "regenerated_tokens": 0}
         self.action_parser = action_parser
         self.defaults = self._check_sampling(TextPrompt("-", max_new_tokens, float(temperature), top_p), "")
 
@@ -243,6 +262,97 @@ class TextPolicy(BatchedPolicy):
             raise ValueError(f"{self._label}: n must be an int >= 1, got {n!r}")
         return [self.submit(prompt, env_id=env_id, priority=priority) for _ in range(n)]
 
+    def stats(self) -> dict[str, float]:
+        """`BatchedPolicy.stats` plus ``resumed_requests``, ``resumed_tokens`` and ``regenerated_tokens``
+        (see the class docstring)."""
+        stats = super().stats()
+        with self._stats_lock:
+            stats.update(self._resume_counts)
+        return stats
+
+    # ------------------------------------------------------------------ resume from a prefix
+    def _prompt_ids(self, prompt: TextPrompt) -> tuple[int, ...] | None:
+        """The prompt's token ids as the engine sees them (None: they cannot be known here)."""
+        return prompt.prompt if isinstance(prompt.prompt, tuple) else None
+
+    def _decode_ids(self, token_ids: Sequence[int]) -> str | None:
+        """Text of ``token_ids`` as the engine decodes a completion (None: no tokenizer here)."""
+        return None
+
+    def _attempt_obs(self, request: Request) -> Any:
+        prefix: GeneratedPrefix | None = request.prefix
+        if prefix is None:
+            return request.obs
+        prompt: TextPrompt = request.obs
+        ids = self._prompt_ids(prompt)
+        assert ids is not None  # _keep_partial keeps a prefix only when the prompt's ids are known
+        return dataclasses.replace(
+            prompt,
+            prompt=ids + prefix.token_ids,
+            max_new_tokens=prompt.max_new_tokens - len(prefix.token_ids),  # type: ignore[operator]
+        )
+
+    def _keep_partial(self, requests: list[Request], error: BaseException) -> list[tuple[Request, BackendResult]]:
+        if not isinstance(error, PartialBatchError) or len(error.prefixes) != len(requests):
+            return []
+        ready = []
+        for request, prefix in zip(requests, error.prefixes, strict=True):
+            if prefix is None or (not prefix.token_ids and not prefix.finished):
+                continue
+            keep = prefix.finished or (self.resume_from_prefix and self._prompt_ids(request.obs) is not None)
+            if not keep:
+                with self._stats_lock:
+                    self._resume_counts["regenerated_tokens"] += len(prefix.token_ids)
+                continue
+            joined = prefix if request.prefix is None else join_prefixes(request.prefix, prefix)
+            if not joined.finished and len(joined.token_ids) >= request.obs.max_new_tokens:
+                joined = dataclasses.replace(joined, finished=True)  # its length is reached
+            request.prefix = joined
+            if joined.finished:
+                ready.append((request, self._joined_result(request, None)))
+        return ready
+
+    def _finish(self, request: Request, result: BackendResult, version: int) -> BackendResult:
+        if request.prefix is None:
+            return result
+        return self._joined_result(request, result, version)
+
+    def _joined_result(self, request: Request, result: BackendResult | None, version: int = 0) -> BackendResult:
+        """``request``'s prefix followed by ``result`` (None: the prefix is the whole completion)."""
+        prefix: GeneratedPrefix = request.prefix
+        prompt: TextPrompt = request.obs
+        ids, logps, versions = list(prefix.token_ids), list(prefix.token_logps), list(prefix.token_versions)
+        top = None if prefix.top_logprobs is None else list(prefix.top_logprobs)
+        text = prefix.text
+        if result is not None:
+            new_ids = list(result.token_ids or ())
+            ids += new_ids
+            logps += list(result.token_logps or ())
+            own = result.policy_version if result.policy_version is not None else version
+            versions += list(result.token_versions or [own] * len(new_ids))
+            top = None if top is None or result.top_logprobs is None else top + list(result.top_logprobs)
+            text += result.text or ""
+        decoded = self._decode_ids(ids)
+        if decoded is not None:
+            kept, text, _ = truncate_at_stop(ids, self._decode_ids, prompt.stop)  # a stop string across the seam
+            ids, logps, versions = ids[:kept], logps[:kept], versions[:kept]
+            top = None if top is None else top[:kept]
+        else:
+            cuts = [text.find(stop) for stop in prompt.stop if stop in text]
+            text = text[: min(cuts)] if cuts else text
+        with self._stats_lock:
+            self._resume_counts["resumed_requests"] += 1
+            self._resume_counts["resumed_tokens"] += len(prefix.token_ids)
+        spanning = len(set(versions)) > 1
+        return self._text_result(
+            text,
+            ids,
+            logps,
+            top,
+            policy_version=min(versions) if versions else version,
+            token_versions=versions if (spanning or self.inflight_updates) else None,
+        )
+
     def parse(self, text: str) -> tuple[Any, bool]:
         """Run the action parser: ``(action, False)``, or ``(None, True)`` when rejected."""
         try:
@@ -277,3 +387,24 @@ class TextPolicy(BatchedPolicy):
             policy_version=policy_version,
             token_versions=None if token_versions is None else tuple(int(v) for v in token_versions),
         )
+
+
+def join_prefixes(first: GeneratedPrefix, then: GeneratedPrefix) -> GeneratedPrefix:
+    """``first`` followed by ``then`` (what an attempt that continued ``first`` generated before it failed too).
+
+    Example:
+        >>> a = GeneratedPrefix((1,), (-0.5,), (2,), "a")
+        >>> join_prefixes(a, GeneratedPrefix((5, 6), (-1.0, -2.0), (3, 3), "bc", finished=True)).token_versions
+        (2, 3, 3)
+    """
+    top = None
+    if first.top_logprobs is not None and then.top_logprobs is not None:
+        top = first.top_logprobs + then.top_logprobs
+    return GeneratedPrefix(
+        first.token_ids + then.token_ids,
+        first.token_logps + then.token_logps,
+        first.token_versions + then.token_versions,
+        first.text + then.text,
+        top,
+        then.finished,
+    )

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncvec.inference.text import TextPolicy, group_by_sampling, truncate_at_stop
-from asyncvec.inference.types import BackendResult, TextPrompt
+from asyncvec.inference.types import BackendResult, GeneratedPrefix, PartialBatchError, TextPrompt
 from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
 
 
@@ -106,6 +108,8 @@ class HFTextPolicy(TextPolicy):
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         # Fast tokenizers are not safe to share between threads (padding state, "Already borrowed").
         self._tokenizer_lock = threading.Lock()
+        self._registering = threading.local()  # `submit_streamed` -> `_check_obs`: the request's token callback
+        self._token_callbacks: dict[int, tuple[TextPrompt, Callable[[int, float, int], None]]] = {}
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
 
     def count_tokens(self, text: str | tuple[int, ...]) -> int:
@@ -133,13 +137,65 @@ class HFTextPolicy(TextPolicy):
         context = {"count_tokens": self.count_tokens, "vocab_size": self.model.config.vocab_size}
         self._check_fits_context(prompt, where, context=self.max_positions, **context)
 
+    def _prompt_ids(self, prompt: TextPrompt) -> tuple[int, ...]:
+        return tuple(self.encode(prompt.prompt))
+
+    def _decode_ids(self, token_ids: Any) -> str:
+        return self.decode(token_ids)
+
+    def submit_streamed(
+        self, prompt: str | TextPrompt, n: int, on_token: Callable[[int, int, float, int], None]
+    ) -> list[Future]:
+        """`submit_group` that also calls ``on_token(copy, token_id, logp, version)`` on the batch
+        thread for each token of copy ``copy`` as it is sampled (e.g. to stream it to a client).
+        The futures' outputs are what counts: a stop string cuts a completion after sampling, so
+        the last tokens streamed may not be in it."""
+        futures = []
+        for copy in range(n):
+            self._registering.callback = functools.partial(on_token, copy)
+            try:
+                future = self.submit(prompt)
+            finally:
+                self._registering.callback = None
+            key = self._registering.__dict__.pop("key", None)
+            if key is not None:
+                future.add_done_callback(lambda _, key=key: self._token_callbacks.pop(key, None))
+            futures.append(future)
+        return futures
+
+    def _check_obs(self, obs: Any, env_id: int | None) -> TextPrompt:
+        checked = super()._check_obs(obs, env_id)
+        callback = getattr(self._registering, "callback", None)
+        if callback is not None:  # `submit_streamed`: this request's tokens go to callback
+            self._token_callbacks[id(checked)] = (checked, callback)
+            self._registering.key = id(checked)
+        return checked
+
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         results: list[BackendResult | None] = [None] * len(prompts)
-        for (max_new_tokens, temperature, top_p, top_k, stop, seed), indices in group_by_sampling(prompts).items():
+        groups = list(group_by_sampling(prompts).items())
+        for position, ((max_new_tokens, temperature, top_p, top_k, stop, seed), indices) in enumerate(groups):
             encoded = [self.encode(prompts[i].prompt) for i in indices]
             # a prompt's seed: reproducible for the same prompts in the same group (e.g. one server request)
             generator = self._generator if seed is None else self._seeded_generator(seed)
-            generated = self._generate(encoded, max_new_tokens, temperature, top_p, top_k, stop, generator)
+            callbacks = [self._token_callbacks.get(id(prompts[i]), (None, None))[1] for i in indices]
+            try:
+                generated = self._generate(
+                    encoded, max_new_tokens, temperature, top_p, top_k, stop, generator, callbacks
+                )
+            except _Interrupted as interrupted:
+                # what every prompt had: the groups before, complete; this one, its tokens so far; the rest, nothing
+                prefixes: list[GeneratedPrefix | None] = [
+                    None if result is None else _finished_prefix(result, self.policy_version) for result in results
+                ]
+                for index, prefix in zip(indices, interrupted.prefixes, strict=True):
+                    prefixes[index] = prefix
+                cause = interrupted.__cause__
+                raise PartialBatchError(
+                    f"{self._label}: generation failed after {interrupted.steps} step(s) of group {position + 1} of "
+                    f"{len(groups)}: {type(cause).__name__}: {cause}",
+                    prefixes,
+                ) from cause
             for index, result in zip(indices, generated, strict=True):
                 results[index] = result
         return results  # type: ignore[return-value]
@@ -153,45 +209,74 @@ class HFTextPolicy(TextPolicy):
         top_k: int,
         stop: tuple[str, ...] = (),
         generator: torch.Generator | None = None,
+        on_token: list[Callable[[int, float, int], None] | None] | None = None,
     ) -> list[BackendResult]:
+        """Sample completions of ``encoded`` (``on_token[row]``: called with each token of that row as it
+        is sampled). Raises `_Interrupted` with each row's tokens so far if a step fails."""
         pad = self.tokenizer.pad_token_id
         width = max(len(ids) for ids in encoded)
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=self.model.device)
         attention_mask = torch.tensor(
             [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.model.device
         )
-        generated, scores, versions = self._sample(
-            input_ids, attention_mask, max_new_tokens, temperature, top_p, generator
-        )
+        steps: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (tokens, processed logits, version) per step
+        try:
+            self._sample(input_ids, attention_mask, max_new_tokens, temperature, top_p, generator, steps, on_token)
+        except Exception as exc:
+            if not steps or not self._is_transient(exc):
+                raise
+            rows = self._rows(steps, top_k, stop)
+            current = self.policy_version
+            prefixes = [
+                GeneratedPrefix(
+                    tuple(ids), tuple(logps), tuple(versions if self.inflight_updates else [current] * len(ids)),
+                    text, None if top_rows is None else tuple(top_rows), finished=ended or len(ids) >= max_new_tokens,
+                )
+                for ids, logps, top_rows, versions, text, ended in rows
+            ]  # fmt: skip
+            raise _Interrupted(prefixes, len(steps)) from exc
+        results = []
+        for ids, logps, top_rows, versions, text, _ in self._rows(steps, top_k, stop):
+            results.append(
+                self._text_result(
+                    text,
+                    ids,
+                    logps,
+                    top_rows,
+                    policy_version=versions[0] if self.inflight_updates else None,
+                    token_versions=versions if self.inflight_updates else None,
+                )
+            )
+        return results
+
+    def _rows(
+        self, steps: list[tuple[torch.Tensor, torch.Tensor, int]], top_k: int, stop: tuple[str, ...]
+    ) -> list[tuple[list[int], list[float], list[dict[int, float]] | None, list[int], str, bool]]:
+        """Each row's completion from the sampled steps: ``(token_ids, logps, top rows, versions,
+        text, ended)``, cut after eos or the token that completed a stop string (``ended``)."""
+        generated = torch.stack([tokens for tokens, _, _ in steps], dim=1)
+        scores = torch.stack([logits for _, logits, _ in steps], dim=1)
+        versions = [version for _, _, version in steps]
         # scores are the processed logits the sampler drew from: log-softmax gives the sampled distribution
         logps_all = torch.log_softmax(scores, dim=-1)
         token_logps = logps_all.gather(-1, generated.unsqueeze(-1)).squeeze(-1)
         top = torch.topk(logps_all, top_k, dim=-1) if top_k else None
         eos = self.tokenizer.eos_token_id
-        results = []
+        rows = []
         for row in range(generated.shape[0]):
             ids = generated[row].tolist()
-            length = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
-            length, text, _ = truncate_at_stop(ids[:length], self.decode, stop)
-            ids = ids[:length]
+            ended = eos is not None and eos in ids
+            length = ids.index(eos) + 1 if ended else len(ids)
+            length, text, stopped = truncate_at_stop(ids[:length], self.decode, stop)
             top_rows = None
             if top is not None:
                 top_rows = [
                     dict(zip(top.indices[row, step].tolist(), top.values[row, step].tolist(), strict=True))
                     for step in range(length)
                 ]
-            token_versions = versions[:length] if self.inflight_updates else None
-            results.append(
-                self._text_result(
-                    text,
-                    ids,
-                    token_logps[row, :length].tolist(),
-                    top_rows,
-                    policy_version=versions[0] if self.inflight_updates else None,
-                    token_versions=token_versions,
-                )
-            )
-        return results
+            logps = token_logps[row, :length].tolist()
+            rows.append((ids[:length], logps, top_rows, versions[:length], text, ended or stopped))
+        return rows
 
     def _sample(
         self,
@@ -200,12 +285,15 @@ class HFTextPolicy(TextPolicy):
         max_new_tokens: int,
         temperature: float,
         top_p: float | None,
-        generator: torch.Generator | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Samples up to ``max_new_tokens`` per row with the KV cache: ``(tokens [B, n], scores [B, n, V],
-        versions [n])``, ``scores`` the processed float32 logits each token was drawn from
-        (``temperature``, then ``top_p``: transformers' own warpers), ``versions`` the weights'
-        version at each step. It is ``model.generate``'s sampling loop (the same positions for left
+        generator: torch.Generator | None,
+        steps: list[tuple[torch.Tensor, torch.Tensor, int]],
+        on_token: list[Callable[[int, float, int], None] | None] | None = None,
+    ) -> None:
+        """Samples up to ``max_new_tokens`` per row with the KV cache, appending ``(tokens [B],
+        scores [B, V], version)`` to ``steps`` after each step (what a failed step leaves is what
+        was sampled), ``scores`` the processed float32 logits each token was drawn from
+        (``temperature``, then ``top_p``: transformers' own warpers), ``version`` the weights'
+        version at that step. It is ``model.generate``'s sampling loop (the same positions for left
         padding, draws, pad after eos, stop when every row has ended) without the set-up ``generate``
         does on every call, which cost a small model more than its forward passes. A step that finds
         newer weights than those that filled the KV cache (in-flight updates) re-runs the prefix."""
@@ -220,8 +308,7 @@ class HFTextPolicy(TextPolicy):
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         tokens: list[torch.Tensor] = []
-        scores: list[torch.Tensor] = []
-        versions: list[int] = []
+        streamed = [] if on_token is None else [(row, call) for row, call in enumerate(on_token) if call is not None]
         # A Cache object from the start (transformers' current API; tuples of tensors are deprecated)
         past, step_ids, cache_version = transformers.DynamicCache(), input_ids, None
         with torch.no_grad():
@@ -246,7 +333,6 @@ class HFTextPolicy(TextPolicy):
                         )  # fmt: skip
                     cache_version = version
                 past = out.past_key_values
-                versions.append(version)
                 logits = warpers(step_ids, out.logits[:, -1].float())
                 if temperature > 0:
                     next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
@@ -254,7 +340,12 @@ class HFTextPolicy(TextPolicy):
                     next_tokens = logits.argmax(dim=-1)
                 next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
                 tokens.append(next_tokens)
-                scores.append(logits)
+                steps.append((next_tokens, logits, version))
+                if streamed:
+                    chosen = torch.log_softmax(logits, dim=-1).gather(-1, next_tokens.unsqueeze(-1)).squeeze(-1)
+                    for row, call in streamed:
+                        if unfinished[row]:
+                            call(int(next_tokens[row]), float(chosen[row]), version)
                 if eos is not None:
                     unfinished &= next_tokens != eos
                 if not unfinished.any():
@@ -262,10 +353,26 @@ class HFTextPolicy(TextPolicy):
                 step_ids = next_tokens.unsqueeze(-1)
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], -1)
                 position_ids = position_ids[:, -1:] + 1
-        return torch.stack(tokens, dim=1), torch.stack(scores, dim=1), versions
 
     def _seeded_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.model.device).manual_seed(seed)
 
     def _apply_weights(self, weights: WeightsSource, version: int) -> None:
         apply_state_dict(self.model, load_state_dict_source(weights))
+
+
+class _Interrupted(Exception):
+    """A group's sampling failed after ``steps`` steps; ``prefixes``: each row's completion so far."""
+
+    def __init__(self, prefixes: list[GeneratedPrefix], steps: int) -> None:
+        super().__init__(f"sampling failed after {steps} step(s)")
+        self.prefixes, self.steps = prefixes, steps
+
+
+def _finished_prefix(result: BackendResult, version: int) -> GeneratedPrefix:
+    """A group's complete result as a finished prefix (a later group of its batch failed)."""
+    ids = result.token_ids or ()
+    versions = result.token_versions or (
+        result.policy_version if result.policy_version is not None else version,
+    ) * len(ids)
+    return GeneratedPrefix(ids, result.token_logps or (), tuple(versions), result.text or "", result.top_logprobs, True)

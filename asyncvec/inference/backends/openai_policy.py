@@ -23,6 +23,8 @@ from asyncvec.inference.types import (
     BackendError,
     BackendRejectedError,
     BackendResult,
+    GeneratedPrefix,
+    PartialBatchError,
     TextPrompt,
     TransientBackendError,
 )
@@ -57,6 +59,17 @@ class OpenAIPolicy(TextPolicy):
     fail are answered with the flagged fallback (``fallback_on_error`` defaults to True here):
     ``fallback=True`` and no text, which learners leave out. A publish that meets a dead
     server is repeated once after the restart. `stats` adds the supervisor's counts.
+
+    **Resume from the prefix** (with a supervisor, ``return_token_ids`` and not
+    ``inflight_updates``): completions are streamed (``"stream": true``), so the policy holds each
+    completion's tokens, log-probs and versions as they are sampled. When the server dies
+    mid-generation, the retry sends each unfinished completion as prompt + its tokens so far
+    (token ids: a text prompt needs ``model_dir``'s tokenizer) with ``max_tokens`` less those
+    tokens; completions that had finished are delivered as they were. No token is sampled twice
+    (``stats()["resumed_tokens"]``; ``regenerated_tokens`` stays 0); the prefix keeps its
+    versions and the continuation's tokens carry the restarted server's (``token_versions`` when
+    they differ). A completion whose request finally fails is never delivered in part: it gets
+    the flagged fallback. See `TextPolicy` (``resume_from_prefix``).
 
     **Versions.** Every answer carries the version of the weights that produced it:
 
@@ -240,6 +253,7 @@ class OpenAIPolicy(TextPolicy):
         self._tokenizer_lock = threading.Lock()
         self._initial_version = self.policy_version
         self._http_requests = 0
+        self._streamed_tokens = 0
         self._client = ServerClient(
             base_url,
             api_key=api_key,
@@ -252,6 +266,8 @@ class OpenAIPolicy(TextPolicy):
         self._routes = ROUTES[server_kind](
             self._client, label=self._label, initial_version=self._initial_version, inflight=self.inflight_updates
         )
+        #: completions are streamed, so that a server dying mid-generation leaves their prefix here
+        self.streams = supervisor is not None and self.return_token_ids and not self.inflight_updates
         self._publisher = WeightPublisher(
             self._routes,
             model=model,
@@ -272,8 +288,23 @@ class OpenAIPolicy(TextPolicy):
         with self._tokenizer_lock:
             return len(self._tokenizer(text).input_ids)
 
+    def _prompt_ids(self, prompt: TextPrompt) -> tuple[int, ...] | None:
+        if isinstance(prompt.prompt, tuple):
+            return prompt.prompt
+        if self._tokenizer is None:
+            return None
+        with self._tokenizer_lock:
+            return tuple(self._tokenizer(prompt.prompt).input_ids)
+
+    def _decode_ids(self, token_ids: Any) -> str | None:
+        if self._tokenizer is None:
+            return None
+        with self._tokenizer_lock:
+            return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
     def stats(self) -> dict[str, float]:
-        """`BatchedPolicy.stats` plus ``http_requests`` (completion requests sent, retries included).
+        """`TextPolicy.stats` plus ``http_requests`` (completion requests sent, retries included) and
+        ``streamed_tokens`` (tokens received in streamed answers so far, see "Resume from the prefix").
 
         With a supervisor also: ``engine_failures``, ``engine_restarts``,
         ``engine_restart_failures``, ``engine_gave_up`` (`EngineSupervisor.stats`),
@@ -281,7 +312,7 @@ class OpenAIPolicy(TextPolicy):
         hung) and ``failed_requests`` (requests of such batches answered with the flagged
         fallback or an error instead of a completion).
         """
-        stats = {**super().stats(), "http_requests": self._http_requests}
+        stats = {**super().stats(), "http_requests": self._http_requests, "streamed_tokens": self._streamed_tokens}
         if self.supervisor is not None:
             with self._stats_lock:
                 stats.update(self._engine_counts)
@@ -346,7 +377,14 @@ class OpenAIPolicy(TextPolicy):
             if any(len(set(result.token_versions or ())) > 1 for result in answered.values()):
                 self._count_inflight_swap()
             return [answered[index] for index in range(len(prompts))]
-        parts = await asyncio.gather(*(self._complete_group(prompts, indices) for indices in groups))
+        parts = await asyncio.gather(
+            *(self._complete_group(prompts, indices, before) for indices in groups), return_exceptions=True
+        )
+        failed = [part for part in parts if isinstance(part, BaseException)]
+        if failed:
+            if self.streams and all(is_transient(part) for part in failed):
+                raise _partial_batch(prompts, parts, before)  # a retry continues what each completion had
+            raise next((part for part in failed if not is_transient(part)), failed[0])
         after = await self._routes.batch_version()
         if before != after:
             raise TransientBackendError(
@@ -359,7 +397,9 @@ class OpenAIPolicy(TextPolicy):
                 results[index] = result if result.policy_version is not None or before is None else _tag(result, before)
         return results  # type: ignore[return-value]
 
-    async def _complete_group(self, prompts: list[TextPrompt], indices: list[int]) -> list[tuple[int, BackendResult]]:
+    async def _complete_group(
+        self, prompts: list[TextPrompt], indices: list[int], version: int | None = None
+    ) -> list[tuple[int, BackendResult]]:
         copies = list(group_identical(prompts, indices).values())
         n = reduce(math.gcd, (len(group) for group in copies))
         entries = [group[start : start + n] for group in copies for start in range(0, len(group), n)]
@@ -372,6 +412,8 @@ class OpenAIPolicy(TextPolicy):
         if self.return_token_ids:
             body["return_tokens_as_token_ids"] = True
         self._http_requests += 1  # one event-loop thread: no lock needed
+        if self.streams:
+            return await self._stream_group(prompts, body, entries, n, version)
         data = await self._client.request("POST", "/v1/completions", json=body)
         try:
             choices = sorted(data["choices"], key=lambda choice: choice["index"])
@@ -387,6 +429,40 @@ class OpenAIPolicy(TextPolicy):
         for position, choice in enumerate(choices):
             index = entries[position // n][position % n]
             out.append((index, self._choice_result(choice, prompts[index].top_logprobs, response_version)))
+        return out
+
+    async def _stream_group(
+        self, prompts: list[TextPrompt], body: dict[str, Any], entries: list[list[int]], n: int, version: int | None
+    ) -> list[tuple[int, BackendResult]]:
+        """`_complete_group` streamed: each choice's tokens are kept as they arrive, so that a stream
+        cut off by a dying server raises `_GroupInterrupted` with every completion's prefix."""
+        streamed = [_Streamed() for _ in range(len(entries) * n)]
+        where = f"{self.base_url}/v1/completions"
+
+        def on_event(event: dict[str, Any]) -> None:
+            for choice in event.get("choices") or ():
+                try:
+                    self._streamed_tokens += streamed[int(choice["index"])].add(choice, version)
+                except (KeyError, IndexError, TypeError, ValueError) as exc:
+                    raise BackendRejectedError(f"{where} streamed a choice this policy cannot read ({exc!r})") from exc
+
+        try:
+            await self._client.stream("/v1/completions", json={**body, "stream": True}, on_event=on_event)
+        except TransientBackendError as exc:
+            prefixes = {
+                entries[position // n][position % n]: each.prefix(version) for position, each in enumerate(streamed)
+            }
+            raise _GroupInterrupted(prefixes) from exc
+        out = []
+        for position, each in enumerate(streamed):
+            index = entries[position // n][position % n]
+            if each.final is not None:  # asyncvec serve: the whole choice at the end of its stream
+                result = self._choice_result(each.final, prompts[index].top_logprobs, None)
+            else:
+                result = self._text_result(
+                    each.text, each.token_ids, each.token_logps, each.top_rows(prompts[index].top_logprobs)
+                )
+            out.append((index, result))
         return out
 
     async def _generate_group(
@@ -498,11 +574,103 @@ class OpenAIPolicy(TextPolicy):
         """The weight version the server reports now (None: it has none yet, e.g. vLLM's "default")."""
         return self._publisher.server_version()
 
-    def _apply_weights(self, weights: Any, version: int) -> None:
-        self._publisher.publish(weights, version)
+    def _prepare_weights(self, weights: Any, version: int) -> str:
+        return self._publisher.prepare(weights, version)
+
+    def _apply_weights(self, weights: str, version: int) -> None:
+        self._publisher.send(weights, version)
 
     def _close_backend(self) -> None:
         self._client.close()
+
+
+class _Streamed:
+    """One choice of a streamed completion, as its chunks arrive."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.token_logps: list[float] = []
+        self.versions: list[int | None] = []
+        self.tops: list[dict[int, float]] | None = []
+        self.text = ""
+        self.finished = False
+        self.final: dict[str, Any] | None = None
+
+    def add(self, choice: dict[str, Any], version: int | None) -> int:
+        """Take one streamed chunk of this choice; returns how many tokens it brought."""
+        if "completion" in choice:
+            self.final, self.finished = choice["completion"], True
+            return 0
+        logprobs = choice.get("logprobs") or {}
+        tokens = logprobs.get("tokens") or []
+        self.token_ids += [_token_id(token) for token in tokens]
+        self.token_logps += [float(value) for value in logprobs.get("token_logprobs") or []]
+        self.versions += [choice.get("policy_version", version)] * len(tokens)
+        top = logprobs.get("top_logprobs")
+        if top is None or self.tops is None:
+            self.tops = None
+        else:
+            self.tops += [{_token_id(key): float(value) for key, value in row.items()} for row in top]
+        self.text += choice.get("text") or ""
+        self.finished = self.finished or choice.get("finish_reason") is not None
+        return len(tokens)
+
+    def top_rows(self, top_k: int) -> list[dict[int, float]] | None:
+        return self.tops if top_k and self.tops else None
+
+    def prefix(self, version: int | None) -> GeneratedPrefix | None:
+        """What this choice had when its stream broke off (None: nothing usable)."""
+        if self.final is not None:
+            final = self.final
+            logprobs = final.get("logprobs") or {}
+            ids = tuple(_token_id(token) for token in logprobs.get("tokens") or ())
+            own = final.get("policy_version", version)
+            if own is None:
+                return None
+            logps = tuple(float(value) for value in logprobs.get("token_logprobs") or ())
+            return GeneratedPrefix(ids, logps, (int(own),) * len(ids), final.get("text") or "", finished=True)
+        if len(self.token_ids) != len(self.token_logps) or any(v is None for v in self.versions):
+            return None
+        tops = tuple(self.tops) if self.tops else None
+        return GeneratedPrefix(
+            tuple(self.token_ids), tuple(self.token_logps), tuple(int(v) for v in self.versions), self.text, tops,  # type: ignore[arg-type]
+            finished=self.finished,
+        )  # fmt: skip
+
+
+class _GroupInterrupted(TransientBackendError):
+    """One streamed request broke off; ``prefixes``: each of its completions' prefix by batch index."""
+
+    def __init__(self, prefixes: dict[int, GeneratedPrefix | None]) -> None:
+        super().__init__("a streamed request broke off")
+        self.prefixes = prefixes
+
+
+def _partial_batch(prompts: list[TextPrompt], parts: list[Any], version: int | None) -> PartialBatchError:
+    """The failure of a streamed batch some of whose requests broke off: each prompt's prefix (a
+    request that was answered: its completions, finished; one that broke off: what it had)."""
+    prefixes: list[GeneratedPrefix | None] = [None] * len(prompts)
+    causes = []
+    for part in parts:
+        if isinstance(part, _GroupInterrupted):
+            causes.append(part.__cause__ or part)
+            for index, prefix in part.prefixes.items():
+                prefixes[index] = prefix
+        elif isinstance(part, BaseException):
+            causes.append(part)
+        else:
+            for index, result in part:
+                own = result.policy_version if result.policy_version is not None else version
+                if own is not None and result.token_ids is not None:
+                    ids = result.token_ids
+                    prefixes[index] = GeneratedPrefix(
+                        ids, result.token_logps or (), (own,) * len(ids), result.text or "", result.top_logprobs, True
+                    )
+    cause = causes[0]
+    kept = sum(len(prefix.token_ids) for prefix in prefixes if prefix is not None)
+    error = PartialBatchError(f"{cause} ({kept} tokens were generated before; a retry continues from them)", prefixes)
+    error.__cause__ = cause
+    return error
 
 
 def _not_answered(future: concurrent.futures.Future) -> bool:

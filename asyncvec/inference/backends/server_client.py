@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json as _json
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from asyncvec.inference.types import BackendRejectedError, TransientBackendError
@@ -118,12 +119,7 @@ class ServerClient:
             raise TransientBackendError(f"{url}: timed out after {timeout_s or self.request_timeout_s} s") from exc
         except httpx.TransportError as exc:
             raise TransientBackendError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
-        if response.status_code == 429 or response.status_code >= 500:
-            raise TransientBackendError(f"{url} answered {response.status_code}: {_detail(response)}")
-        if response.status_code in (401, 403):
-            raise PermissionError(f"{url} refused the request ({response.status_code}): {_detail(response)}")
-        if response.status_code >= 400:
-            raise BackendRejectedError(f"{url} answered {response.status_code}: {_detail(response)}")
+        self._check_status(url, response)
         if not response.content:
             return None
         try:
@@ -132,6 +128,50 @@ class ServerClient:
             raise BackendRejectedError(
                 f"{url} answered {response.status_code} with a body that is not JSON: {response.text[:200]!r}"
             ) from exc
+
+    async def stream(
+        self, route: str, *, json: Any, on_event: Callable[[dict[str, Any]], None], timeout_s: float | None = None
+    ) -> None:
+        """``POST`` ``json`` (with ``"stream": true``) to ``base_url + route`` and call ``on_event`` with each
+        server-sent event's JSON, in order, until ``data: [DONE]``. Errors as in `request`; a stream
+        cut off before ``[DONE]`` (the server died) raises `TransientBackendError` after the events
+        that did arrive were handled."""
+        httpx = self._httpx
+        url = self.base_url + route
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        timeout = httpx.Timeout(timeout_s) if timeout_s is not None else httpx.USE_CLIENT_DEFAULT
+        try:
+            async with self._client.stream("POST", url, json=json, headers=headers, timeout=timeout) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    self._check_status(url, response)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        return
+                    try:
+                        event = _json.loads(data)
+                    except ValueError as exc:
+                        raise BackendRejectedError(f"{url} streamed an event that is not JSON: {data[:200]!r}") from exc
+                    if isinstance(event, dict) and "error" in event and "choices" not in event:
+                        raise TransientBackendError(f"{url} streamed an error: {event['error']}")
+                    on_event(event)
+        except httpx.TimeoutException as exc:
+            raise TransientBackendError(f"{url}: timed out after {timeout_s or self.request_timeout_s} s") from exc
+        except httpx.TransportError as exc:
+            raise TransientBackendError(f"{url}: the stream broke off: {type(exc).__name__}: {exc}") from exc
+        raise TransientBackendError(f"{url}: the stream ended without data: [DONE]")
+
+    @staticmethod
+    def _check_status(url: str, response: Any) -> None:
+        if response.status_code == 429 or response.status_code >= 500:
+            raise TransientBackendError(f"{url} answered {response.status_code}: {_detail(response)}")
+        if response.status_code in (401, 403):
+            raise PermissionError(f"{url} refused the request ({response.status_code}): {_detail(response)}")
+        if response.status_code >= 400:
+            raise BackendRejectedError(f"{url} answered {response.status_code}: {_detail(response)}")
 
     def close(self) -> None:
         """Close the connections and end the loop thread."""

@@ -1,6 +1,6 @@
 """The ``asyncvec serve`` app: an OpenAI-compatible completions server around `HFTextPolicy`.
 
-Routes: ``POST /v1/completions`` (text or token-id prompts, ``n``, ``stop``, ``seed``,
+Routes: ``POST /v1/completions`` (text or token-id prompts, ``n``, ``stop``, ``seed``, ``stream``,
 log-probs), ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /update_weights`` (json
 ``{"path", "version"}``), ``GET /weight_info`` (vLLM's route: ``{"weight_version": "N"}``),
 ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus text). Every body is
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import math
 import socket
 import time
@@ -29,7 +30,7 @@ hide_unloadable_torch_libraries()
 
 from fastapi import FastAPI, Request  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 from fastapi.exceptions import RequestValidationError  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
-from fastapi.responses import JSONResponse, PlainTextResponse  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 from pydantic import BaseModel, ConfigDict, Field, field_validator  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402  (after check_installed: a missing extra is named, not an ImportError)
 
@@ -57,7 +58,7 @@ class CompletionRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = Field(False, description="streaming is not supported")
+    stream: bool = Field(False, description="stream each token as it is sampled (server-sent events)")
     echo: bool = Field(False, description="echo is not supported")
     return_tokens_as_token_ids: bool = False
     user: str | None = None
@@ -82,7 +83,7 @@ class CompletionRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} non-empty stop strings")
         return value
 
-    @field_validator("stream", "echo")
+    @field_validator("echo")
     @classmethod
     def _unsupported(cls, value: bool) -> bool:
         if value:
@@ -240,6 +241,8 @@ def create_app(
             return _error(400, f"max_tokens must be <= {max_tokens_limit}, got {body.max_tokens}", param="max_tokens")
         prompts = prompt_list(body.prompt)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if body.stream and body.seed is not None:
+            return _error(400, "stream and seed cannot be combined (a seeded request is its own batch)", param="stream")
         requests = []
         for index, prompt in enumerate(prompts):
             request = TextPrompt(
@@ -256,6 +259,13 @@ def create_app(
             except (ValueError, TypeError) as exc:
                 where = f"prompt {index}: " if len(prompts) > 1 else ""
                 return _error(400, where + str(exc), param="prompt")
+        if body.stream:
+            stream = _stream_completions(policy, requests, body, stop, model_name)
+            try:
+                await stream.__anext__()  # queues the requests: a closed policy refuses them here
+            except PolicyError as exc:
+                return _error(503, str(exc))
+            return StreamingResponse(stream, media_type="text/event-stream")
         if body.seed is not None:
             # a seeded request is one backend call of its own: the same request gives the same completions
             # whatever else the server is doing (in the shared batcher, other requests would change its batch)
@@ -319,6 +329,61 @@ def create_app(
         return {"version": policy.policy_version, "path": str(target)}
 
     return app
+
+
+async def _stream_completions(
+    policy: HFTextPolicy, requests: list[TextPrompt], body: CompletionRequest, stop: tuple[str, ...], model_name: str
+) -> AsyncIterator[str]:
+    """Server-sent events of a streamed request. The first item is "" once the requests are queued
+    (a closed policy raises before any event). Then one event per sampled token: ``text`` its
+    piece, ``logprobs`` its token and log-prob, ``policy_version`` the weights that sampled it;
+    then per choice a last event with ``finish_reason`` and the whole choice under
+    ``"completion"`` (as ``"stream": false`` answers it: a stop string cuts the completion after
+    sampling, so it is what counts); then ``data: [DONE]``."""
+    loop = asyncio.get_running_loop()
+    tokens: asyncio.Queue[tuple[int, int, float, int]] = asyncio.Queue()
+    futures = []
+    for position, request in enumerate(requests):
+
+        def on_token(copy: int, token: int, logp: float, version: int, first: int = position * body.n) -> None:
+            loop.call_soon_threadsafe(tokens.put_nowait, (first + copy, token, logp, version))
+
+        futures += policy.submit_streamed(request, body.n, on_token)
+    yield ""
+    identity, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def event(choice: dict[str, Any]) -> str:
+        data = {"id": identity, "object": "text_completion", "created": created, "model": model_name}
+        return f"data: {json.dumps({**data, 'choices': [choice]})}\n\n"
+
+    def token_event(index: int, token: int, logp: float, version: int) -> str:
+        piece = policy.token_texts([token])[0]
+        name = f"token_id:{token}" if body.return_tokens_as_token_ids else piece
+        logprobs = {"tokens": [name], "token_logprobs": [logp], "top_logprobs": None, "text_offset": None}
+        return event(
+            {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": None, "policy_version": version}
+        )
+
+    done = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(future) for future in futures)))
+    while True:
+        waiting = asyncio.ensure_future(tokens.get())
+        finished, _ = await asyncio.wait({waiting, done}, return_when=asyncio.FIRST_COMPLETED)
+        if waiting in finished:
+            yield token_event(*waiting.result())
+            continue
+        waiting.cancel()
+        break
+    while not tokens.empty():
+        yield token_event(*tokens.get_nowait())
+    try:
+        outputs = done.result()
+    except PolicyError as exc:
+        yield f"data: {json.dumps({'error': {'message': f'the model failed: {exc}', 'type': 'server_error'}})}\n\n"
+        return
+    for index, output in enumerate(outputs):
+        choice = _choice(policy, index, output, body, stop)
+        yield event({"index": index, "text": "", "finish_reason": choice["finish_reason"], "completion": choice})
+    yield "data: [DONE]\n\n"
 
 
 def _choice(
