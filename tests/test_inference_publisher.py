@@ -28,8 +28,10 @@ class RecordingRoutes:
     def __init__(self, fail=()):
         self.client = RecordingClient()
         self.sent: list[tuple[str, int]] = []
+        self.checked: list[bool] = []  # per publish: was the version checked before (in prepare)?
         self.identified = 0
         self.fail = list(fail)  # errors the next publishes raise, in order
+        self.last_publish = {}
 
     async def identify(self):
         self.identified += 1
@@ -38,9 +40,14 @@ class RecordingRoutes:
     async def read_version(self):
         return self.sent[-1][1] if self.sent else None
 
-    async def publish(self, path, version):
+    async def check_newer(self, version):
+        if self.sent and version <= self.sent[-1][1]:
+            raise ValueError(f"version must be newer than the server's current weight version {self.sent[-1][1]}")
+
+    async def publish(self, path, version, *, checked=False):
         if self.fail:
             raise self.fail.pop(0)
+        self.checked.append(checked)
         self.sent.append((path, version))
 
 
@@ -76,7 +83,11 @@ def test_a_publish_identifies_once_sends_the_folder_and_remembers_it():
     assert publisher.latest == ("/ckpt/v2", 2) and publisher.server_version() == 2
     publisher.republish()
     assert routes.sent[-1] == ("/ckpt/v2", 2)
+    # the version was checked by prepare, before the send paused anything; a republish checks it itself
+    assert routes.checked == [True, True, False]
     assert publisher.recover(TransientBackendError("x"), 0) is False  # no supervisor: nothing restarted
+    with pytest.raises(ValueError, match="must be newer"):
+        publisher.prepare("/ckpt/v1", 1)
 
 
 def test_a_publish_that_meets_a_dead_server_restarts_it_republishes_then_publishes():

@@ -5,6 +5,7 @@ talks to the server through a `ServerClient`; used by `OpenAIPolicy` and its `We
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,10 @@ class ServerRoutes(abc.ABC):
         self.label = label
         self.initial_version = initial_version
         self.inflight = inflight
+        self.last_publish: dict[str, float] = {}
+        """seconds each step of the last `publish` took; ``frozen_s``: from the pause request sent to the
+        resume answered (generation of running requests stands still meanwhile; servers without a pause:
+        the whole update)"""
 
     @abc.abstractmethod
     async def identify(self) -> dict[str, Any]:
@@ -64,8 +69,13 @@ class ServerRoutes(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def publish(self, path: str, version: int) -> None:
-        """Load the checkpoint folder ``path`` into the server as ``version``."""
+    async def publish(self, path: str, version: int, *, checked: bool = False) -> None:
+        """Load the checkpoint folder ``path`` into the server as ``version`` (``checked``: `check_newer`
+        was done already, before the caller held generation back)."""
+
+    async def check_newer(self, version: int) -> None:
+        """Raise ValueError if the server's weight version is not older than ``version``."""
+        await self._check_newer(version)
 
     async def _check_newer(self, version: int) -> None:
         current = await self.read_version()
@@ -96,8 +106,9 @@ class _AsyncvecRoutes(ServerRoutes):
     def response_version(self, data: dict[str, Any]) -> int | None:
         return parse_version((data.get("metadata") or {}).get("weight_version"))
 
-    async def publish(self, path: str, version: int) -> None:
-        await self._check_newer(version)
+    async def publish(self, path: str, version: int, *, checked: bool = False) -> None:
+        if not checked:
+            await self._check_newer(version)
         body = {"path": path, "version": version}
         client = self.client
         answer = await client.request(
@@ -141,16 +152,23 @@ class _VLLMRoutes(ServerRoutes):
             ) from None
         return self.initial_version if version is None else version
 
-    async def publish(self, path: str, version: int) -> None:
+    async def publish(self, path: str, version: int, *, checked: bool = False) -> None:
         """Pause (``wait``: requests finish; in flight ``keep``: they stay frozen), reload, preempt
         the frozen requests (in flight: their prefix is recomputed with the new weights), set the
         version, resume."""
         client = self.client
-        await self._check_newer(version)
+        timings: dict[str, float] = {}
+        if not checked:
+            began = time.perf_counter()
+            await self._check_newer(version)
+            timings["check_s"] = time.perf_counter() - began
         inflight = self.inflight
+        paused = time.perf_counter()
         await client.request("POST", "/pause", params={"mode": "keep" if inflight else "wait"}, update=True)
+        timings["pause_s"] = time.perf_counter() - paused
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path, "is_checkpoint_format": True}}
+            began = time.perf_counter()
             try:
                 await client.request(
                     "POST", "/collective_rpc", json=rpc, update=True, timeout_s=client.update_timeout_s
@@ -160,6 +178,7 @@ class _VLLMRoutes(ServerRoutes):
                     f"vLLM at {client.base_url} failed to reload weights from {path!r}: {exc} "
                     "(a failed reload stops vLLM's engine: check its /health)"
                 ) from exc
+            timings["reload_s"] = time.perf_counter() - began
             if inflight:
                 reset = await client.request(
                     "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}, update=True
@@ -176,7 +195,11 @@ class _VLLMRoutes(ServerRoutes):
                 await client.request("POST", "/resume", update=True)
             except (TransientBackendError, BackendRejectedError):
                 pass  # the error that stopped the update is the one to report
+            timings["frozen_s"] = time.perf_counter() - paused
+            self.last_publish = timings
+        began = time.perf_counter()
         await self._confirm(version)
+        timings["confirm_s"] = time.perf_counter() - began
 
 
 class _SGLangRoutes(ServerRoutes):
@@ -201,9 +224,10 @@ class _SGLangRoutes(ServerRoutes):
         version = parse_version((data.get("metadata") or {}).get("weight_version"))
         return self.initial_version if version is None else version
 
-    async def publish(self, path: str, version: int) -> None:
+    async def publish(self, path: str, version: int, *, checked: bool = False) -> None:
         client = self.client
-        await self._check_newer(version)
+        if not checked:
+            await self._check_newer(version)
         await client.request("POST", "/pause_generation", update=True)
         try:
             body = {"model_path": path, "weight_version": str(version)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,10 @@ class WeightPublisher:
         self._latest: tuple[str, int] | None = None
         self._identified = False
         self._written: list[Path] = []
+        self._checked: tuple[str, int] | None = None  # the (folder, version) whose version `prepare` checked
+        self._prepare_s: dict[str, float] = {}
+        self.frozen_s: list[float] = []
+        """per publish: how long the server held generation still (`ServerRoutes.last_publish` ``frozen_s``)"""
 
     @property
     def latest(self) -> tuple[str, int] | None:
@@ -83,14 +88,33 @@ class WeightPublisher:
 
     def publish(self, weights: Any, version: int) -> None:
         """Load ``weights`` (a checkpoint folder the server can read, or a state dict / module
-        written to ``checkpoint_dir``) into the server as ``version``.
+        written to ``checkpoint_dir``) into the server as ``version``: `prepare`, then `send`."""
+        self.send(self.prepare(weights, version), version)
 
-        The server is identified before the first publish. With a supervisor, a server found
-        dead is restarted (and given the latest weights) and the publish is sent once more.
-        """
+    def prepare(self, weights: Any, version: int) -> str:
+        """The part of a publish that holds nothing back, done before generation is paused: the server
+        is identified (the first time), the checkpoint written and checked, and the server's version
+        read (it must be older than ``version``; if the server cannot be reached, `send` reads it).
+        Returns the folder to `send`."""
         if not self._identified:
             self.identify()
+        began = time.perf_counter()
         path = self.checkpoint_path(weights, version)
+        self._prepare_s = {"checkpoint_s": time.perf_counter() - began}
+        began = time.perf_counter()
+        try:
+            self.client.run(self.routes.check_newer(version))
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+        else:
+            self._checked = (path, version)
+            self._prepare_s["check_s"] = time.perf_counter() - began
+        return path
+
+    def send(self, path: str, version: int) -> None:
+        """Load the folder ``path`` (from `prepare`) into the server as ``version``. With a supervisor,
+        a server found dead is restarted (and given the latest weights) and the publish sent once more."""
         supervisor = self.supervisor
         if supervisor is None:
             self._send(path, version)
@@ -103,7 +127,9 @@ class WeightPublisher:
                 # a dead server: restart it (with the latest weights), then publish these once more
                 if not is_transient(exc) or not self.recover(exc, generation):
                     raise
+                self._checked = None
                 self._send(path, version)
+        self.routes.last_publish.update(self._prepare_s)
         self._latest = (path, version)
         self._prune_checkpoints()
 
@@ -121,7 +147,11 @@ class WeightPublisher:
         return self.supervisor.recover(error, generation, reload=self.republish)
 
     def _send(self, path: str, version: int) -> None:
-        self.client.run(self.routes.publish(path, version), timeout_s=self._timeout_s)
+        self.routes.last_publish = {}
+        checked, self._checked = self._checked == (path, version), None
+        self.client.run(self.routes.publish(path, version, checked=checked), timeout_s=self._timeout_s)
+        if "frozen_s" in self.routes.last_publish:
+            self.frozen_s.append(self.routes.last_publish["frozen_s"])
 
     # ----------------------------------------------------------------------- checkpoints
     def checkpoint_path(self, weights: Any, version: int) -> str:
