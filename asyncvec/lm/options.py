@@ -107,6 +107,12 @@ class LMArgs:
     completions, docs/lm_agents.md)"""
     policy_lag: int = 0
     """the policy receives each new version this many updates late (a slow weight broadcast)"""
+    record_schedule: bool = False
+    """write each update's groups (samples with their behaviour log-probs and versions), the learner's version and the
+    RNG states into <log-dir>/<run>/schedule, for --replay"""
+    replay: str | None = None
+    """re-run the learner on the schedule recorded in this folder (--record-schedule): the same batches in the same
+    order, nothing generated; ends with the recorded run's parameters, bit for bit"""
     is_cap: float = 2.0
     """truncation C of the importance weights min(pi/mu, C)"""
     is_level: Literal["token", "sequence"] = "token"
@@ -181,6 +187,10 @@ class LMArgs:
             _check_int(name, getattr(self, name), 1)
         for name in ("sft_steps", "max_staleness", "policy_lag", "eval_prompts"):
             _check_int(name, getattr(self, name), 0)
+        if self.replay and (self.resume or self.record_schedule):
+            raise ValueError(
+                f"--replay re-runs a recorded schedule from the start: leave out --{'resume' if self.resume else 'record-schedule'}"
+            )
         if self.mode == "async" and self.staleness_control == "admission" and self.policy_lag > self.max_staleness:
             raise ValueError(
                 f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}: under --staleness-control "

@@ -36,6 +36,7 @@ from asyncvec.lm.evaluation import confirm_target, mean_reward, target_reached
 from asyncvec.lm.learner import EpisodeBatch, LMBatch, minibatch_updates, quiet_model_libraries
 from asyncvec.lm.options import LMArgs
 from asyncvec.lm.results import LMTrainResult
+from asyncvec.lm.schedule import RecordedUpdate, ScheduleError, ScheduleWriter, read_schedule
 from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger, StageClock
 from asyncvec.runs import (
@@ -45,6 +46,7 @@ from asyncvec.runs import (
     load_checkpoint,
     run_name,
     seed_everything,
+    set_rng_state,
 )
 from asyncvec.versioning import AdmissionControl
 
@@ -88,6 +90,8 @@ class LMAgent(ClosesOnExit, RunFolder):
         self.checkpoint_path = Path(args.checkpoint_dir) / f"{self.name}.pt" if args.checkpoint_dir else None
         self.prompts_done = self.updates = 0
         state = self._load_checkpoint() if args.resume else None  # before building: a wrong one fails fast
+        # --replay: the recorded updates (checked before building, so a wrong folder fails fast)
+        self._replay = read_schedule(args.replay, self.name, args) if args.replay else None
         if state is not None:
             self.run_name = state.get("run_name", self.run_name)
         # A resumed run: no warm start (the checkpoint's weights replace it), its prompt stream goes on.
@@ -220,7 +224,11 @@ class LMAgent(ClosesOnExit, RunFolder):
     def train(self) -> LMTrainResult:
         """Trains on ``total_prompts`` prompts (or until ``target_reward``) and closes everything."""
         # TrainingRun: evaluation before and after, logging, generation started (--mode async) and stopped.
-        with TrainingRun(self.parts, self.args, self.run_name, start_prompts=self.prompts_done) as run:
+        recorder = (
+            ScheduleWriter(self.run_dir / "schedule", self.name, self.args) if self.args.record_schedule else None
+        )
+        training = TrainingRun(self.parts, self.args, self.run_name, self.prompts_done, recorder, self._replay)
+        with training as run:
             for groups in run.batches():  # --prompts-per-update complete groups at a time
                 run.record(self.update(groups), publish=self.publish)  # publishes, checks --target-reward
                 self.prompts_done, self.updates = run.prompts_done, self.updates + 1
@@ -365,8 +373,17 @@ class TrainingRun:
     agent's parts. :meth:`result` is the run's :class:`~asyncvec.lm.results.LMTrainResult`.
     """
 
-    def __init__(self, parts: LMParts, args: LMArgs, run_name: str, start_prompts: int = 0) -> None:
+    def __init__(
+        self,
+        parts: LMParts,
+        args: LMArgs,
+        run_name: str,
+        start_prompts: int = 0,
+        recorder: ScheduleWriter | None = None,
+        replay: Iterator[RecordedUpdate] | None = None,
+    ) -> None:
         self.parts, self.args, self.run_name = parts, args, run_name
+        self.recorder, self.replay = recorder, replay
         self.history: list[dict] = []
         self.confirmations: list[float] = []
         self.reached = False
@@ -395,7 +412,7 @@ class TrainingRun:
         try:
             self.evals = (self._evaluate(), math.nan)
             self.start = time.monotonic()
-            if args.mode == "async":  # generation runs ahead while the learner trains
+            if args.mode == "async" and self.replay is None:  # generation runs ahead while the learner trains
                 self.parts.collector.start(
                     args.total_prompts - self.prompts_done,
                     ahead=args.prefetch_updates * args.prompts_per_update,
@@ -412,7 +429,11 @@ class TrainingRun:
 
     def batches(self) -> Iterator[GroupBatch | EpisodeGroups]:
         """Complete groups, ``--prompts-per-update`` at a time (sync mode: generated on request),
-        until ``--total-prompts`` are done or :meth:`record` confirmed the target."""
+        until ``--total-prompts`` are done or :meth:`record` confirmed the target; with ``--replay``,
+        the recorded ones (:meth:`_replayed`); with ``--record-schedule``, each written down first."""
+        if self.replay is not None:
+            yield from self._replayed(self.replay)
+            return
         args, collector = self.args, self.parts.collector
         while not self._stop and (self.prompts_done < args.total_prompts or self._pending is not None):
             with self.stages("wait"):
@@ -424,8 +445,26 @@ class TrainingRun:
                     self.prompts_done += num
                 else:
                     groups, self._pending = self._pending, None
+            if self.recorder is not None:
+                version = self.parts.versions.current_version - self.parts.start_version
+                self.recorder.write(groups, version, self.prompts_done)
             self._learn_start = time.perf_counter()
             yield groups
+
+    def _replayed(self, updates: Iterator[RecordedUpdate]) -> Iterator[GroupBatch | EpisodeGroups]:
+        """The recorded updates' groups, each met with the version and RNG states it met when recorded."""
+        versions = self.parts.versions
+        for index, update in enumerate(updates):
+            if versions.current_version - self.parts.start_version != update.version:
+                raise ScheduleError(
+                    f"--replay: update {index} met version {update.version} when recorded, "
+                    f"{versions.current_version - self.parts.start_version} now: the replay diverged (another "
+                    "torch, or a model folder that changed since)"
+                )
+            set_rng_state(update.rng)
+            self.prompts_done = update.prompts_done
+            self._learn_start = time.perf_counter()
+            yield update.groups
 
     def record(self, stats: dict[str, float], publish: Callable[[], int]) -> None:
         """After an update: ``publish()`` the learner's weights when it trained on something (no
@@ -453,7 +492,7 @@ class TrainingRun:
         }
         self.history.append(row)
         self.logger.log(row, self.prompts_done)
-        if target_reached([r["reward"] for r in self.history], args.target_reward):
+        if self.replay is None and target_reached([r["reward"] for r in self.history], args.target_reward):
             check = confirm_target(parts, args, args.total_prompts - self.prompts_done)
             self.prompts_done += check.popped
             self.confirmations.append(check.reward)
