@@ -283,6 +283,8 @@ class LMBatch:
             token_versions[i, : len(versions)] = torch.tensor(versions, dtype=torch.long)
             spanning += len(set(versions)) > 1
         info.update(_token_staleness(token_versions, mask, current_version, spanning))
+        generated = [len(s.output.token_ids or ()) for s in samples if not s.missed_deadline]
+        info.update(length_stats(generated, [len(s.output.token_ids) for _, s in rows]))
         encoded = {prompt: tokenizer(prompt).input_ids for prompt in {s.prompt for _, s in rows}}
         return cls(
             prompt_ids=[encoded[s.prompt] for _, s in rows],
@@ -472,6 +474,15 @@ class EpisodeBatch:
             "samples_used": float(used),
             "staleness_mean": float(np.mean([current_version - t.policy_version for t in sampled])) if sampled else 0.0,
             **_token_staleness(token_versions, mask, current_version, spanning),
+            **length_stats(
+                [len(t.completion_ids) for t in sampled],
+                [
+                    len(turn.completion_ids)
+                    for _, e in rows
+                    for turn in e.turns
+                    if turn.trainable and current_version - turn.policy_version <= max_staleness
+                ],
+            ),
         }
         return cls(
             sequences=sequences,
@@ -539,6 +550,25 @@ class EpisodeBatch:
             per_turn.gather(1, self.turn_ids.clamp(min=0)) if per_turn.numel() else torch.zeros_like(self.behavior_logp)
         )
         return torch.where(self.mask, gathered, torch.zeros_like(gathered))
+
+
+def length_stats(generated: list[int], trained: list[int]) -> dict[str, float]:
+    """Completion lengths (tokens) of what was generated and of what was trained on: sums, counts and
+    90th percentiles, the ``length/`` curves in TensorBoard. Dropping stale samples trains on fewer
+    long ones when long completions finish late (``--staleness-control drop``); the two then part.
+
+    Example:
+        >>> stats = length_stats([2, 4, 30], [2, 4])
+        >>> stats["length/generated_mean"], stats["length/trained_mean"], stats["length/trained_samples"]
+        (12.0, 3.0, 2.0)
+    """
+    stats = {}
+    for name, lengths in (("generated", generated), ("trained", trained)):
+        stats[f"length/{name}_mean"] = float(np.mean(lengths)) if lengths else float("nan")
+        stats[f"length/{name}_p90"] = float(np.percentile(lengths, 90)) if lengths else float("nan")
+        stats[f"length/{name}_tokens"] = float(sum(lengths))
+        stats[f"length/{name}_samples"] = float(len(lengths))
+    return stats
 
 
 def _token_staleness(token_versions: torch.Tensor, mask: torch.Tensor, current: int, spanning: int) -> dict[str, float]:
