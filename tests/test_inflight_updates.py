@@ -129,6 +129,23 @@ def test_three_updates_land_mid_generation_and_every_token_matches_its_version(m
     assert single > 100 * LOGP_TOLERANCE
 
 
+def test_an_update_that_reaches_two_running_batches_counts_as_one_inflight_swap(model_dir):
+    """``inflight_swaps`` counts updates that landed while generation ran (the meaning every backend
+    shares), not the batches they reached."""
+    reference = VersionedReference(model_dir)
+    weights = perturbed(reference.models[0], seed=1)
+    reference.add(1, weights)
+    with new_policy(model_dir, inflight_updates=True, max_batch_size=2, max_inflight_batches=2) as policy:
+        swaps = SwapAtSteps(policy, [8], [(weights, 1)])
+        outputs = [future.result(timeout=120) for future in [policy.submit(prompt) for prompt in PROMPTS]]
+        swaps.finish()
+        stats = policy.stats()
+    assert stats["batches"] == 2
+    assert all(1 in output.token_versions and output.policy_version == 0 for output in outputs)  # both reached
+    assert stats["inflight_swaps"] == 1
+    assert max(reference.error(p, o) for p, o in zip(PROMPTS, outputs, strict=True)) <= LOGP_TOLERANCE
+
+
 def test_inflight_log_probs_follow_temperature_and_top_p(model_dir):
     reference = VersionedReference(model_dir)
     weights = perturbed(reference.models[0], seed=1)

@@ -237,7 +237,8 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
             yield self._version
 
     def _count_inflight_swap(self) -> None:
-        """Count one running batch that went on under newer weights (``stats()["inflight_swaps"]``)."""
+        """Count one weight update that landed while generation was running (``stats()["inflight_swaps"]``):
+        once per update, however many batches or requests it reached."""
         with self._stats_lock:
             self._counts["inflight_swaps"] += 1
 
@@ -406,8 +407,9 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
 
         Keys: requests, answered, errors, timeouts (deadline fallbacks), error_fallbacks (backend
         failures answered with the fallback, ``fallback_on_error``), parse_failures,
-        fallbacks (both), late_dropped, retries, cache_hits, cache_misses, inflight_swaps (running
-        batches that went on under newer weights, ``inflight_updates``), batches,
+        fallbacks (both), late_dropped, retries, cache_hits, cache_misses, inflight_swaps (weight
+        updates that landed while a batch was generating, which went on under the new weights:
+        one per update, however many batches or requests it reached; ``inflight_updates``), batches,
         mean_batch_size, queue_depth, inflight_batches, latency_p50_ms, latency_p99_ms,
         policy_version, and the batcher's batch_threshold / arrival_rate_hz / fit_a_ms /
         fit_b_ms.

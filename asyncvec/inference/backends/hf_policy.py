@@ -52,7 +52,8 @@ class HFTextPolicy(TextPolicy):
     that cache. A token's log-prob is therefore exactly what the version it claims gives it
     teacher-forced on the full prefix. Each answer carries ``token_versions`` (the version of
     the weights that sampled each token) and its ``policy_version`` is its first (oldest)
-    token's; ``stats()["inflight_swaps"]`` counts the prefix re-runs. Off by default: the
+    token's; ``stats()["inflight_swaps"]`` counts the updates that landed while a batch was
+    generating (one per update, however many batches it reached). Off by default: the
     update then waits for the running batch and a completion has one version.
 
     Example:
@@ -110,6 +111,7 @@ class HFTextPolicy(TextPolicy):
         self._tokenizer_lock = threading.Lock()
         self._registering = threading.local()  # `submit_streamed` -> `_check_obs`: the request's token callback
         self._token_callbacks: dict[int, tuple[TextPrompt, Callable[[int, float, int], None]]] = {}
+        self._batches_sampling = 0  # batches between two decoding steps (an update then lands in flight)
         super().__init__(action_parser, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, **kwargs)
 
     def count_tokens(self, text: str | tuple[int, ...]) -> int:
@@ -220,6 +222,8 @@ class HFTextPolicy(TextPolicy):
             [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=self.model.device
         )
         steps: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (tokens, processed logits, version) per step
+        with self._stats_lock:
+            self._batches_sampling += 1
         try:
             self._sample(input_ids, attention_mask, max_new_tokens, temperature, top_p, generator, steps, on_token)
         except Exception as exc:
@@ -235,6 +239,9 @@ class HFTextPolicy(TextPolicy):
                 for ids, logps, top_rows, versions, text, ended in rows
             ]  # fmt: skip
             raise _Interrupted(prefixes, len(steps)) from exc
+        finally:
+            with self._stats_lock:
+                self._batches_sampling -= 1
         results = []
         for ids, logps, top_rows, versions, text, _ in self._rows(steps, top_k, stop):
             results.append(
@@ -325,7 +332,6 @@ class HFTextPolicy(TextPolicy):
                             past_key_values=transformers.DynamicCache(),
                             use_cache=True,
                         )
-                        self._count_inflight_swap()
                     else:
                         out = self.model(
                             input_ids=step_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -359,6 +365,8 @@ class HFTextPolicy(TextPolicy):
 
     def _apply_weights(self, weights: WeightsSource, version: int) -> None:
         apply_state_dict(self.model, load_state_dict_source(weights))
+        if self._batches_sampling:  # in flight: running batches re-run their prefix at their next step
+            self._count_inflight_swap()
 
 
 class _Interrupted(Exception):

@@ -254,6 +254,7 @@ class OpenAIPolicy(TextPolicy):
         self._initial_version = self.policy_version
         self._http_requests = 0
         self._streamed_tokens = 0
+        self._batches_generating = 0
         self._client = ServerClient(
             base_url,
             api_key=api_key,
@@ -372,10 +373,12 @@ class OpenAIPolicy(TextPolicy):
         before = await self._routes.batch_version()
         if self.inflight_updates:  # tokens carry their own versions: a version change is no reason to discard
             start = self._initial_version if before is None else before
-            parts = await asyncio.gather(*(self._generate_group(prompts, indices, start) for indices in groups))
+            self._batches_generating += 1  # this event-loop thread only
+            try:
+                parts = await asyncio.gather(*(self._generate_group(prompts, indices, start) for indices in groups))
+            finally:
+                self._batches_generating -= 1
             answered = dict(item for part in parts for item in part)
-            if any(len(set(result.token_versions or ())) > 1 for result in answered.values()):
-                self._count_inflight_swap()
             return [answered[index] for index in range(len(prompts))]
         parts = await asyncio.gather(
             *(self._complete_group(prompts, indices, before) for indices in groups), return_exceptions=True
@@ -578,7 +581,10 @@ class OpenAIPolicy(TextPolicy):
         return self._publisher.prepare(weights, version)
 
     def _apply_weights(self, weights: str, version: int) -> None:
+        generating = self._batches_generating > 0  # in flight: the update lands inside them
         self._publisher.send(weights, version)
+        if self.inflight_updates and generating:
+            self._count_inflight_swap()
 
     def _close_backend(self) -> None:
         self._client.close()

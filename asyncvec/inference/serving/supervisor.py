@@ -14,10 +14,11 @@ Then it kills what is left of the server, starts it again on the same port, and 
 policy's `WeightPublisher` load the last weights it published (it remembers the folder and the
 version of the last `OpenAIPolicy.load_weights`; ``recover(..., reload=publisher.republish)``),
 so the restarted server serves that version and its answers report it.
-The batch that failed is sent again by `BatchedPolicy`'s own retry (``max_attempts``); what
+The batch that failed is sent again by `BatchedPolicy`'s own retry (``max_attempts``), each
+completion continued from the tokens it had streamed before the crash (prompt + prefix as the
+new prompt: none is sampled twice, see `OpenAIPolicy`, "Resume from the prefix"); what
 still fails is delivered as a flagged fallback (``fallback=True``, no text: learners never
-train on it). A completion cut off by the crash never reaches anyone: a completion request
-answers in one piece or fails. More than ``max_restarts`` restarts within
+train on it, nor on the part of it generated before the crash). More than ``max_restarts`` restarts within
 ``restart_window_s`` means the server cannot be kept alive: the supervisor gives up and every
 request fails at once (flagged fallbacks), so nothing waits forever.
 """
