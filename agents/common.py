@@ -248,14 +248,22 @@ def make_vector_env(
 
 
 def make_policy(
-    module: torch.nn.Module, action_space: gym.Space, num_envs: int, policy_latency_ms: float = 0.0
+    module: torch.nn.Module,
+    action_space: gym.Space,
+    num_envs: int,
+    policy_latency_ms: float = 0.0,
+    whole_steps: bool = False,
 ) -> BatchedPolicy:
     """A TorchPolicy, behind a LatencyModel playing a remote model server when latency > 0.
 
     The server takes batches of up to ``num_envs``, waits up to 2 ms to fill one, and serves
     several batches at once, as an inference engine with continuous batching does.
+    ``whole_steps``: every call brings all ``num_envs`` observations together (a sync loop, a lockstep
+    collector), so the local policy waits up to 100 ms (not 1 ms) to fill its batch: a thread switch
+    in the middle of the submissions never splits it, and a split batch may round differently (a
+    ``Linear`` of one row takes another kernel than one of eight).
     """
-    local = TorchPolicy(module, action_space, max_batch_size=num_envs, max_wait_ms=1.0)
+    local = TorchPolicy(module, action_space, max_batch_size=num_envs, max_wait_ms=100.0 if whole_steps else 1.0)
     if policy_latency_ms <= 0:
         return local
     return LatencyModel(

@@ -56,6 +56,7 @@ from asyncvec.agents.common import (
     run_from_cli,
     stored_action_space,
 )
+from asyncvec.collection import publish_pace
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
@@ -101,7 +102,8 @@ class Args(EnvAgentArgs):
     """PPO's options: those every env agent has (asyncvec.agents.common.EnvAgentArgs), then its own."""
 
     max_staleness: int = 4
-    """samples more than this many versions older than the learner are masked out"""
+    """samples more than this many versions older than the learner are masked out (0, async: the envs step
+    together and wait for each update's publish, so the run is the sync run, bitwise: docs/agents.md)"""
     adaptive_staleness: bool = False
     """lower max_staleness while the importance weights of recent updates degenerate, raise it back
     (up to --max-staleness) while they are healthy (rule: asyncvec.versioning.adapt_max_staleness)"""
@@ -300,7 +302,12 @@ class PPO(EnvStepsRun):
             [*self.actor.parameters(), *self.critic.parameters()], lr=args.learning_rate, eps=1e-5
         )
         self.reward_scaler = RewardScaler(args.num_envs, args.gamma) if args.normalize_rewards else None
-        self.policy = make_policy(copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms)
+        self.lockstep = args.mode == "async" and args.backend == "local" and args.max_staleness == 0  # lag 0 is sync
+        whole_steps = args.mode == "sync" or self.lockstep  # every policy call brings all the envs
+        self.policy = make_policy(
+            copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, whole_steps
+        )
+        self.learner_rng = torch.Generator().manual_seed(args.seed)  # minibatch order: the acting threads never draw
         self.max_staleness = args.max_staleness  # lowered and raised by --adaptive-staleness
         self.versions = VersionManager(max_lag=args.max_staleness)
         self.stages = StageClock()  # wall and CPU seconds per stage of the loop (train starts a fresh one)
@@ -333,6 +340,8 @@ class PPO(EnvStepsRun):
         self.actor.load_state_dict(state["actor"])
         self.critic.load_state_dict(state["critic"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if "learner_rng" in state:
+            self.learner_rng.set_state(state["learner_rng"])
         self.global_step, self.updates = state["global_step"], state["updates"]
         if self.reward_scaler is not None and state.get("reward_scaler") is not None:
             self.reward_scaler.load_state_dict(state["reward_scaler"])
@@ -353,6 +362,7 @@ class PPO(EnvStepsRun):
                 args=asdict(self.args),
                 run_name=self.run_name,
                 recent_returns=self._recent_returns[-100:],
+                learner_rng=self.learner_rng.get_state(),
             )
 
     def _actor_weights(self) -> dict[str, torch.Tensor]:
@@ -449,7 +459,7 @@ class PPO(EnvStepsRun):
         epochs = 0
         stopped_early = False
         for _ in range(args.update_epochs):
-            order = torch.randperm(batch_size)
+            order = torch.randperm(batch_size, generator=self.learner_rng)
             for start in range(0, batch_size, minibatch):
                 idx = order[start : start + minibatch]
                 mask = b["valid"][idx]
@@ -601,7 +611,13 @@ class PPO(EnvStepsRun):
                 ).start()
             elif args.mode == "async":
                 collector = Collector(
-                    self.envs, self.policy, self.store, version_manager=self.versions, seed=args.seed
+                    self.envs,
+                    self.policy,
+                    self.store,
+                    version_manager=self.versions,
+                    seed=args.seed,
+                    pace=publish_pace(self.versions, args.num_steps * args.num_envs) if self.lockstep else None,
+                    lockstep=self.lockstep,
                 ).start()
             else:
                 obs, _ = self.envs.reset(seed=args.seed)
@@ -658,6 +674,7 @@ class PPO(EnvStepsRun):
                     break
         finally:
             if collector is not None:
+                self.versions.close()  # (ends a lockstep collector's wait for a publish)
                 self.store.release_after_interrupt()  # a Ctrl-C inside store.get can leave its lock held
                 collector.stop()
             logger.close()

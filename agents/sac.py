@@ -86,6 +86,10 @@ class Args(EnvAgentArgs):
     """truncation of the trace importance weights"""
     policy_lag: int = 0
     """actors receive each new version this many publications late"""
+    lockstep: bool = False
+    """async at lag 0: the envs step together and each step waits for the gradient steps (and the publish) due on
+    the data before it, so the actors act with the learner's current version and the run is the sync run,
+    bitwise (a check of the async path, not a speed-up: docs/agents.md)"""
     publish_every: int | None = None
     """publish the actor's weights (a new version) every this many gradient steps (None: num_envs * utd,
     so that one version is one step of every env)"""
@@ -126,6 +130,8 @@ class Args(EnvAgentArgs):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.utd <= 0:
             raise ValueError(f"--utd must be > 0, got {self.utd}")
+        if self.lockstep and (self.mode != "async" or self.backend != "local" or self.policy_lag):
+            raise ValueError("--lockstep is async at lag 0: it needs --mode async, --backend local, --policy-lag 0")
         if self.max_staleness is not None and self.policy_lag > self.max_staleness:
             raise ValueError(f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}")
 
@@ -281,7 +287,10 @@ class SAC(EnvStepsRun):
         self.target_entropy = -float(act_dim)
         self.log_alpha = torch.tensor(np.log(args.alpha), dtype=torch.float32, requires_grad=True)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=args.q_lr)
-        self.policy = make_policy(copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms)
+        whole_steps = args.mode == "sync" or args.lockstep
+        self.policy = make_policy(
+            copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, whole_steps
+        )
         self.versions = VersionManager(max_lag=None)
         self.versions.register(LaggedWeights(self.policy, args.policy_lag))
         self.buffer = ReplayBuffer(args.buffer_size, obs_space, self.action_space, seed=args.seed)
@@ -331,6 +340,13 @@ class SAC(EnvStepsRun):
     def _pace(self, written: int) -> None:
         """Holds the collector back while it is too far ahead of the learner's update-to-data ratio."""
         args = self.args
+        if args.lockstep:
+            with self._progress:
+                while not self._stopping.is_set() and (
+                    self._learner_behind() or self.global_step >= args.total_timesteps
+                ):
+                    self._progress.wait(0.1)
+            return
         slack = max(args.batch_size, 4 * args.num_envs)
         with self._progress:
             while (
@@ -340,6 +356,13 @@ class SAC(EnvStepsRun):
                 and self.global_step > args.learning_starts + self.gradient_steps / args.utd + slack
             ):
                 self._progress.wait(0.1)
+
+    def _learner_behind(self) -> bool:
+        """--lockstep: gradient steps are due on the stored data (and can be taken), or the last one's publish is
+        under way (it bumps the version after the step count)."""
+        args = self.args
+        published = self._first_version + self.gradient_steps // args.publish_every - self._first_publishes
+        return (self._gradient_steps_due() > 0 and not self._starved) or self.versions.current_version < published
 
     def _gather(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
         """The transitions at ``slots`` ([B, k]; -1 entries read slot 0 and must be masked), as tensors."""
@@ -556,11 +579,16 @@ class SAC(EnvStepsRun):
                     pace=self._pace,
                 ).start()
             elif args.mode == "async":
-                collector = Collector(self.envs, self.policy, self.store, seed=args.seed, pace=self._pace).start()
+                self._first_version = self.versions.current_version
+                self._first_publishes = self.gradient_steps // args.publish_every
+                collector = Collector(
+                    self.envs, self.policy, self.store, seed=args.seed, pace=self._pace, lockstep=args.lockstep
+                ).start()
             else:
                 obs, _ = self.envs.reset(seed=args.seed)
                 episode_ids = ids.copy()
-            while self.global_step < args.total_timesteps:
+            # (--lockstep: the gradient steps due on the last env step too, as the sync loop takes them)
+            while self.global_step < args.total_timesteps or (args.lockstep and self._learner_behind()):
                 if collector is None:
                     with self.stages("collect"):
                         outputs = self.policy.act(obs, env_ids=ids, timeout=60)

@@ -403,6 +403,7 @@ def learner():
             RewardScaler(agent.args.num_envs, agent.args.gamma) if agent.args.normalize_rewards else None
         )
         torch.manual_seed(0)
+        agent.learner_rng.manual_seed(0)  # the minibatch order
         return agent
 
     yield reset

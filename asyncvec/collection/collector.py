@@ -30,7 +30,7 @@ from asyncvec.metrics import EpisodeStats
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 from asyncvec.versioning import VersionManager
 
-__all__ = ["Collector", "Sink"]
+__all__ = ["Collector", "Sink", "publish_pace"]
 
 
 Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
@@ -49,6 +49,27 @@ def check_sink(sink: Any, num_envs: int, source: str) -> None:
         raise ValueError(f"RolloutStore has num_envs={sink.num_envs}, {source} {num_envs}")
     if not isinstance(sink, (RolloutStore, ReplayBuffer)) and not callable(sink):
         raise TypeError(f"sink must be a RolloutStore, a ReplayBuffer or a callable, got {type(sink).__name__}")
+
+
+def publish_pace(versions: VersionManager, steps_per_version: int) -> Callable[[int], None]:
+    """A ``pace`` for a lockstep :class:`Collector` whose learner publishes once per ``steps_per_version`` env steps
+    (PPO: once per segment): after each such block of steps it waits for that publish (until ``versions`` closes),
+    so the next block is acted on by the new version only.
+
+    Example:
+        >>> versions = VersionManager(max_lag=0)
+        >>> pace = publish_pace(versions, steps_per_version=4)
+        >>> pace(3)  # within the first block: no wait
+        >>> _ = versions.publish({}); pace(4)  # the block is full: the learner has published version 1
+        >>> versions.current_version
+        1
+    """
+    first = versions.current_version
+
+    def pace(written: int) -> None:
+        versions.wait_for_version(first + written // steps_per_version)
+
+    return pace
 
 
 def _write(sink: Sink, t: Transitions) -> None:
@@ -84,6 +105,12 @@ class Collector(BackgroundCollector):
         pace: called with the number of env steps written so far after each write; it may
             block to hold the collector back (e.g. to keep an update-to-data ratio).
         episode_window: how many recent episodes the return/length statistics cover.
+        lockstep: every env steps together, as a sync loop does: the collector waits until
+            every env has its next observation, writes that step's transitions in env order as
+            one record, calls ``pace`` (which may wait for the learner's publish), then asks the
+            policy for all the actions in env order, one batch. With ``max_lag=0`` and a ``pace``
+            that waits for the learner, the data is a sync loop's, sample for sample (a check
+            of the asynchronous path, not a speed-up: docs/agents.md, "Lag 0 is sync").
 
     The max-lag rule (with a ``version_manager`` whose ``max_lag`` is set): an action is sent to
     its env only if ``current_version - action_version <= max_lag`` at that moment (checked
@@ -121,6 +148,7 @@ class Collector(BackgroundCollector):
         seed: int | None = None,
         pace: Callable[[int], None] | None = None,
         episode_window: int = 100,
+        lockstep: bool = False,
     ) -> None:
         if not isinstance(env, AsyncLLMVectorEnv):
             raise TypeError(f"Collector needs an AsyncLLMVectorEnv (send/recv), got {type(env).__name__}")
@@ -136,6 +164,7 @@ class Collector(BackgroundCollector):
         self.version_manager = version_manager
         self.seed = seed
         self.pace = pace
+        self.lockstep = lockstep
         n = env.num_envs
         self._space = env.single_observation_space
         self._action_space = env.single_action_space
@@ -148,6 +177,7 @@ class Collector(BackgroundCollector):
         self._parked: dict[int, PolicyOutput] = {}  # answers held back by the sink's capacity
         self._gated: dict[int, Any] = {}  # observations held back by the max-lag gate, in arrival order
         self._sent: dict[int, PolicyOutput] = {}  # the answer each stepping env is executing
+        self._step_rows: list[tuple[Any, ...]] = []  # lockstep: the step's rows, written once every env is in
         self._episodes = EpisodeStats(n, episode_window)
         self._episode_id = np.arange(n, dtype=np.int64)
         self._next_episode_id = n
@@ -220,7 +250,7 @@ class Collector(BackgroundCollector):
                 try:
                     # Short waits while answers may come back; the policy side needs us too.
                     # A vector env that wake() reaches is woken by each policy answer; others are polled.
-                    busy = self._waiting_policy.any() or self._parked or self._gated
+                    busy = self._waiting_policy.any() or self._parked or (self._gated and not self.lockstep)
                     # at_least=1: the policy batches the requests; an env that finished is not held
                     # back until batch_size - 1 others finish too
                     result = self.env.recv(timeout=0.002 if busy and not self._wakeable else 0.1, at_least=1)
@@ -229,7 +259,7 @@ class Collector(BackgroundCollector):
                 self._handle_results(*result)
             elif wait_for_gate:
                 vm = self.version_manager
-                if vm.closed:  # no publish will come: only the policy's own version can move
+                if vm is None or vm.closed:  # no publish will come: only the policy's own version can move
                     self._stopping.wait(0.1)
                 else:
                     vm.wait_for_lag(lambda: self.policy.policy_version, timeout=0.1)
@@ -307,19 +337,29 @@ class Collector(BackgroundCollector):
         return vm is None or vm.within_lag(self.policy.policy_version)
 
     def _submit_gated(self) -> None:
-        """Submits the observations the gate held back, once the policy is within the lag."""
+        """Submits the observations the gate held back, once the policy is within the lag (lockstep: once
+        every env is in, after writing the step's transitions, in env order)."""
+        if self.lockstep:
+            if len(self._gated) < self.env.num_envs:
+                return
+            self._write_step()  # pace runs here, and may wait for the learner's publish
         if self._gated and self._gate_open():
             gated, self._gated = self._gated, {}
-            for env_id, obs in gated.items():
-                self._submit(env_id, obs)
+            for env_id in sorted(gated) if self.lockstep else gated:
+                self._ask_policy(env_id, gated[env_id])
 
     def _submit(self, env_id: int, obs: Any) -> None:
-        """Asks the policy for env ``env_id``'s next action, or holds ``obs`` while the gate is closed."""
-        if not self._gate_open():
-            with self._lock:
-                self._counts["gate_waits"] += 1
+        """Asks the policy for env ``env_id``'s next action, or holds ``obs`` while the gate is closed
+        (lockstep: until every env has its observation)."""
+        if self.lockstep or not self._gate_open():
+            if not self.lockstep:
+                with self._lock:
+                    self._counts["gate_waits"] += 1
             self._gated[env_id] = obs
             return
+        self._ask_policy(env_id, obs)
+
+    def _ask_policy(self, env_id: int, obs: Any) -> None:
         self._obs[env_id] = obs
         self._waiting_policy[env_id] = True
         future = self.policy.submit(obs, env_id=env_id)
@@ -357,10 +397,29 @@ class Collector(BackgroundCollector):
                 reset_sends.append(env_id)
             else:
                 self._submit(env_id, observation)
-        if rows:
+        if rows and self.lockstep:
+            self._step_rows += [
+                (env_id, output, row_obs, final, rewards[k], terminated[k], truncated[k])
+                for (k, env_id, output, row_obs), final in zip(rows, next_obs)
+            ]
+        elif rows:
             self._write_rows(rows, next_obs, rewards, terminated, truncated)
         if reset_sends:
             self.env.send(self._batch_actions([self._noop] * len(reset_sends)), np.array(reset_sends))
+
+    def _write_step(self) -> None:
+        """Lockstep: writes the step's transitions in env order, as one record (the order a sync loop adds them)."""
+        if not self._step_rows:
+            return
+        step, self._step_rows = sorted(self._step_rows, key=lambda row: row[0]), []
+        columns = list(zip(*step))
+        self._write_rows(
+            [(k, env_id, output, row_obs) for k, (env_id, output, row_obs, *_) in enumerate(step)],
+            list(columns[3]),
+            np.array(columns[4]),
+            np.array(columns[5]),
+            np.array(columns[6]),
+        )
 
     def _write_rows(self, rows: list, next_obs: list, rewards, terminated, truncated) -> None:
         ks = np.array([row[0] for row in rows])

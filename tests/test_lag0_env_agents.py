@@ -1,0 +1,73 @@
+"""Lag 0 is sync: PPO's and SAC's async paths at lag 0 end with the sync path's parameters, bitwise.
+
+Each pair of runs uses real env worker processes (AsyncLLMVectorEnv, partial batches in async) and real
+gymnasium envs; every parameter and buffer of every network is compared with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncvec.agents import ppo, sac
+
+
+def state(agent, *names: str) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the agent's networks ``names`` (and SAC's ``log_alpha``), by qualified name."""
+    tensors = {f"{name}.{key}": value for name in names for key, value in getattr(agent, name).state_dict().items()}
+    if hasattr(agent, "log_alpha"):
+        tensors["log_alpha"] = agent.log_alpha.detach()
+    return tensors
+
+
+def assert_same_tensors(sync: dict[str, torch.Tensor], lag0: dict[str, torch.Tensor], initial: dict) -> None:
+    assert sync.keys() == lag0.keys()
+    different = {
+        k: float((sync[k].double() - lag0[k].double()).abs().max()) for k in sync if not torch.equal(sync[k], lag0[k])
+    }
+    assert not different, f"async at lag 0 differs from sync (max abs difference per tensor): {different}"
+    assert any(not torch.equal(sync[k], initial[k]) for k in sync), "the runs did not train"
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "Pendulum-v1"])
+def test_ppo_async_at_max_staleness_0_is_the_sync_run(env, no_leftover_children):
+    def run(mode: str):
+        args = ppo.Args(
+            env=env, mode=mode, num_envs=4, num_steps=8, total_timesteps=96, max_staleness=0, hidden=16,
+            update_epochs=3, num_minibatches=2, seed=3, track=False, progress=False,
+        )  # fmt: skip
+        agent = ppo.PPO(args)
+        initial = {k: v.clone() for k, v in state(agent, "actor", "critic").items()}
+        result = agent.train()
+        return state(agent, "actor", "critic"), initial, result
+
+    sync, initial, _ = run("sync")
+    lag0, _, result = run("async")
+    assert result.updates == 3 and result.dropped_samples == 0 and result.staleness_mean == 0.0
+    assert_same_tensors(sync, lag0, initial)
+
+
+@pytest.mark.parametrize("n_step", [1, 3])
+def test_sac_async_in_lockstep_is_the_sync_run(n_step, no_leftover_children):
+    def run(mode: str):
+        args = sac.Args(
+            mode=mode, lockstep=mode == "async", num_envs=2, total_timesteps=80, learning_starts=32, batch_size=16,
+            hidden=16, buffer_size=1000, n_step=n_step, seed=3, track=False, progress=False,
+        )  # fmt: skip
+        agent = sac.SAC(args)
+        names = ("actor", "qf1", "qf2", "qf1_target", "qf2_target")
+        initial = {k: v.clone() for k, v in state(agent, *names).items()}
+        agent.train()
+        return state(agent, *names), initial, agent.gradient_steps
+
+    sync, initial, sync_steps = run("sync")
+    lag0, _, lag0_steps = run("async")
+    assert sync_steps == lag0_steps == 48  # utd 1 on the 80 - 32 steps after learning_starts, the last ones included
+    assert_same_tensors(sync, lag0, initial)
+
+
+def test_sac_lockstep_needs_async_at_lag_0():
+    with pytest.raises(ValueError, match="--lockstep is async at lag 0"):
+        sac.Args(mode="sync", lockstep=True)
+    with pytest.raises(ValueError, match="--lockstep is async at lag 0"):
+        sac.Args(lockstep=True, policy_lag=1, max_staleness=2)
