@@ -173,6 +173,12 @@ class EnvAgentArgs:
     """continue from the checkpoint in --checkpoint-dir"""
     torch_threads: int = 1
     """torch CPU threads for the learner (small nets run faster on one)"""
+    record_schedule: bool = False
+    """write each update's data (the samples with their behaviour versions and log-probs, as timing gathered them)
+    and the learner's version into <log-dir>/<run>/schedule, for --replay (PPO)"""
+    replay: str | None = None
+    """re-run the learner on the schedule recorded in this folder (--record-schedule): the same segments in the same
+    order, no env stepped; ends with the recorded run's parameters, bit for bit (PPO; docs/agents.md)"""
 
     def __post_init__(self) -> None:
         """Refuses run options out of range with one line naming the flag."""
@@ -191,6 +197,9 @@ class EnvAgentArgs:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (milliseconds), got {getattr(self, name)}")
         self.env_kwargs_dict()
+        if self.replay and (self.resume or self.record_schedule or self.backend == "ray"):
+            flag = "--resume" if self.resume else "--record-schedule" if self.record_schedule else "--backend ray"
+            raise ValueError(f"--replay re-runs a recorded schedule from the start, here: leave out {flag}")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("--resume needs --checkpoint-dir DIR, the folder of the checkpoint to continue from")
 
@@ -269,6 +278,19 @@ def make_policy(
     return LatencyModel(
         local, a_ms=policy_latency_ms, b_ms=0.0, max_batch_size=num_envs, max_wait_ms=2.0, max_inflight_batches=4
     )
+
+
+def collector_charts(collector: Any) -> dict[str, float]:
+    """The collector's numbers an env agent logs each row: policy latency p50/p99 (ms), the policy's mean batch
+    size and queue depth (NaN where the policy keeps none), and the fallback rate."""
+    m = collector.metrics()
+    return {
+        "charts/policy_latency_p50_ms": m["policy_latency_p50_ms"],
+        "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
+        "charts/policy_batch_size": m.get("policy/mean_batch_size", float("nan")),
+        "charts/policy_queue_depth": m.get("policy/queue_depth", float("nan")),
+        "charts/fallback_rate": m["fallback_rate"],
+    }
 
 
 def final_observations(next_obs: np.ndarray, done: np.ndarray, info: dict[str, Any]) -> np.ndarray:

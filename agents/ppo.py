@@ -44,6 +44,7 @@ from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.agents.common import (
     EnvAgentArgs,
     anneal,
+    collector_charts,
     env_spaces,
     final_observations,
     final_return_text,
@@ -56,7 +57,8 @@ from asyncvec.agents.common import (
     run_from_cli,
     stored_action_space,
 )
-from asyncvec.collection import publish_pace
+from asyncvec.collection import next_segment, publish_pace
+from asyncvec.lm.schedule import ScheduleError, ScheduleWriter, read_schedule
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
@@ -260,6 +262,9 @@ class PPO(EnvStepsRun):
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
+        self.replay = list(read_schedule(args.replay, "ppo", args)) if args.replay else None  # (read through now)
+        if self.replay and [r.version for r in self.replay] != list(range(len(self.replay))):
+            raise ScheduleError(f"--replay {args.replay}: the updates' versions are not 0, 1, 2...: not from the start")
         # The spaces first, from one env here: a clear error before any worker starts.
         env_kwargs = args.env_kwargs_dict()
         obs_space, self.action_space = env_spaces(args.env, env_kwargs)
@@ -317,7 +322,7 @@ class PPO(EnvStepsRun):
         self.updates = 0
         self.prior_returns: list[float] = []  # after --resume: the checkpoint's recent episode returns
         self._recent_returns: list[float] = []
-        self.run_name = run_name(args.env, "ppo", args.mode, args.seed)  # --resume: the checkpoint's run
+        self.run_name = run_name(args.env, "ppo", "replay" if args.replay else args.mode, args.seed)
         self.checkpoint_path = Path(args.checkpoint_dir) / "ppo.pt" if args.checkpoint_dir else None
         if args.resume:
             try:
@@ -598,6 +603,7 @@ class PPO(EnvStepsRun):
         collector = None
         episodes = EpisodeStats(args.num_envs)
         self._recent_returns = list(self.prior_returns)
+        schedule = ScheduleWriter(self.run_dir / "schedule", "ppo", args) if args.record_schedule else None
         try:
             if args.mode == "async" and args.backend == "ray":
                 collector = make_ray_collector(
@@ -609,7 +615,7 @@ class PPO(EnvStepsRun):
                     policy_lag=args.policy_lag,
                     seed=args.seed,
                 ).start()
-            elif args.mode == "async":
+            elif args.mode == "async" and not args.replay:
                 collector = Collector(
                     self.envs,
                     self.policy,
@@ -624,18 +630,25 @@ class PPO(EnvStepsRun):
             while self.global_step < args.total_timesteps:
                 with stages("collect_wait"):
                     if collector is not None:
-                        segment = self._next_segment(collector)
+                        segment = next_segment(self.store, collector)
+                    elif self.replay is not None:  # the recorded segments, in order, and no more
+                        if self.updates == len(self.replay):
+                            break
+                        segment = self.replay[self.updates].groups
                     else:
                         obs = self._sync_segment(episodes, obs)
                         segment = self.store.get(timeout=0)
                 self.global_step += segment.reward.size
                 with stages("update"):
                     stats = self.update(segment)
-                with stages("publish"):
-                    self.versions.publish(self._actor_weights())
+                if schedule is not None:  # (after the update: the record holds the complete ones)
+                    schedule.write(groups=segment, version=self.versions.current_version, prompts_done=self.global_step)
+                # (read before the publish, which releases a lockstep collector: the returns of this segment's steps)
                 returns = self._recent_returns = self.prior_returns + (
                     collector.recent_returns() if collector is not None else episodes.returns()
                 )
+                with stages("publish"):
+                    self.versions.publish(self._actor_weights())
                 mean20 = float(np.mean(returns[-20:])) if returns else float("nan")
                 elapsed = time.monotonic() - start
                 row = {
@@ -648,16 +661,7 @@ class PPO(EnvStepsRun):
                     **stages.scalars(),
                 }
                 if collector is not None:
-                    m = collector.metrics()
-                    row.update(
-                        {
-                            "charts/policy_latency_p50_ms": m["policy_latency_p50_ms"],
-                            "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
-                            "charts/policy_batch_size": m.get("policy/mean_batch_size", float("nan")),
-                            "charts/policy_queue_depth": m.get("policy/queue_depth", float("nan")),
-                            "charts/fallback_rate": m["fallback_rate"],
-                        }
-                    )
+                    row.update(collector_charts(collector))
                 history.append(row)
                 logger.log(row, self.global_step)
                 if self.updates % 10 == 0:
@@ -705,16 +709,6 @@ class PPO(EnvStepsRun):
         self.envs.close()
         self.store.close()
         self.versions.close()
-
-    def _next_segment(self, collector: Collector):
-        while True:
-            try:
-                return self.store.get(timeout=1.0)
-            except TimeoutError:
-                collector.check()
-            except RuntimeError:
-                collector.check()
-                raise
 
 
 def train(args: Args) -> TrainResult:

@@ -44,6 +44,7 @@ from torch.distributions import AffineTransform, Independent, Normal, TanhTransf
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec.agents.common import (
     EnvAgentArgs,
+    collector_charts,
     env_spaces,
     final_observations,
     final_return_text,
@@ -130,6 +131,11 @@ class Args(EnvAgentArgs):
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.utd <= 0:
             raise ValueError(f"--utd must be > 0, got {self.utd}")
+        if self.record_schedule or self.replay:
+            raise ValueError(
+                "SAC records no schedule (--record-schedule and --replay are PPO's): its gradient steps meet the "
+                "collector's writes at times a record per update does not keep (docs/agents.md, Record and replay)"
+            )
         if self.lockstep and (self.mode != "async" or self.backend != "local" or self.policy_lag):
             raise ValueError("--lockstep is async at lag 0: it needs --mode async, --backend local, --policy-lag 0")
         if self.max_staleness is not None and self.policy_lag > self.max_staleness:
@@ -650,14 +656,7 @@ class SAC(EnvStepsRun):
                         "global_step": self.global_step,
                     }
                     if collector is not None:
-                        m = collector.metrics()
-                        row.update(
-                            {
-                                "charts/policy_latency_p50_ms": m["policy_latency_p50_ms"],
-                                "charts/policy_latency_p99_ms": m["policy_latency_p99_ms"],
-                                "charts/fallback_rate": m["fallback_rate"],
-                            }
-                        )
+                        row.update(collector_charts(collector))
                     history.append(row)
                     logger.log(row, self.global_step)
                     if args.target_return is not None and len(returns) >= 10 and mean10 >= args.target_return:

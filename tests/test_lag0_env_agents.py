@@ -41,9 +41,10 @@ def test_ppo_async_at_max_staleness_0_is_the_sync_run(env, no_leftover_children)
         result = agent.train()
         return state(agent, "actor", "critic"), initial, result
 
-    sync, initial, _ = run("sync")
+    sync, initial, sync_result = run("sync")
     lag0, _, result = run("async")
     assert result.updates == 3 and result.dropped_samples == 0 and result.staleness_mean == 0.0
+    assert result.episodic_returns == sync_result.episodic_returns  # the same episodes, in the same order
     assert_same_tensors(sync, lag0, initial)
 
 

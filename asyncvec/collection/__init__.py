@@ -3,8 +3,8 @@
 * :mod:`asyncvec.collection.base`: ``BackgroundCollector`` (start, stop, check, one error
   type) and ``CollectorError``;
 * :mod:`asyncvec.collection.collector`: ``Collector`` (an ``AsyncLLMVectorEnv`` x a ``Policy``
-  -> a buffer, writing :class:`asyncvec.buffers.Transitions` records) and ``publish_pace`` (a lockstep
-  collector waiting for each publish).
+  -> a buffer, writing :class:`asyncvec.buffers.Transitions` records) ``next_segment`` (a learner's wait
+  for a segment) and ``publish_pace`` (a lockstep collector waiting for each publish).
 
 The language-model collectors (:mod:`asyncvec.lm.episodes`, :mod:`asyncvec.lm.groups`) and the
 distributed one (:mod:`asyncvec.distributed.collection`) subclass ``BackgroundCollector``.
@@ -26,6 +26,7 @@ _LAZY = {
     "BackgroundCollector": "asyncvec.collection.base",
     "CollectorError": "asyncvec.collection.base",
     "Collector": "asyncvec.collection.collector",
+    "next_segment": "asyncvec.collection.collector",
     "publish_pace": "asyncvec.collection.collector",
 }
 

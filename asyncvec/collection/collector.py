@@ -23,6 +23,7 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions
+from asyncvec.buffers.rollout import Segment
 from asyncvec.collection.base import BackgroundCollector
 from asyncvec.inference.requests import zero_action
 from asyncvec.inference.types import Policy, PolicyOutput
@@ -30,7 +31,7 @@ from asyncvec.metrics import EpisodeStats
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
 from asyncvec.versioning import VersionManager
 
-__all__ = ["Collector", "Sink", "publish_pace"]
+__all__ = ["Collector", "Sink", "next_segment", "publish_pace"]
 
 
 Sink = RolloutStore | ReplayBuffer | Callable[[Transitions], None]
@@ -70,6 +71,19 @@ def publish_pace(versions: VersionManager, steps_per_version: int) -> Callable[[
         versions.wait_for_version(first + written // steps_per_version)
 
     return pace
+
+
+def next_segment(store: RolloutStore, collector: BackgroundCollector) -> Segment:
+    """``store``'s next segment, waited for as long as it takes while ``collector`` fills it; a failure of the
+    collector meanwhile is raised (:meth:`BackgroundCollector.check`), so a learner never waits on a dead one."""
+    while True:
+        try:
+            return store.get(timeout=1.0)
+        except TimeoutError:
+            collector.check()
+        except RuntimeError:  # the store was closed: by the collector's failure, if it failed
+            collector.check()
+            raise
 
 
 def _write(sink: Sink, t: Transitions) -> None:
