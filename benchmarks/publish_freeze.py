@@ -65,6 +65,8 @@ class Args:
     """completion length (the tiny random model rarely samples eos)"""
     poll_ms: float = 25.0
     """how often vLLM's token counter is read"""
+    warm_up: bool = True
+    """start the servers with `VLLMServer`'s warm-up batch (the library's default)"""
     modes: tuple[str, ...] = tuple(MODES)
     """which modes to run"""
     out_dir: Path = RESULTS_DIR
@@ -91,13 +93,18 @@ class TokenCounter(threading.Thread):
             self.done.wait(self.poll_s)
 
     def stalls(self) -> list[tuple[float, float]]:
-        """Stretches with no new token: (from the last increase, to the next one)."""
-        out, last_change = [], self.samples[0][0]
+        """Stretches with no new token, from the first token on: (from the last increase, to the next one)."""
+        out, last_change = [], None
         for (_, before), (now, count) in zip(self.samples, self.samples[1:], strict=False):
             if count > before:
-                out.append((last_change, now))
+                if last_change is not None:
+                    out.append((last_change, now))
                 last_change = now
         return out
+
+    def first_token_at(self) -> float:
+        start = self.samples[0][1]
+        return next((now for now, count in self.samples if count > start), float("nan"))
 
 
 def longest_stall(stalls: list[tuple[float, float]], start: float, end: float) -> float:
@@ -106,7 +113,10 @@ def longest_stall(stalls: list[tuple[float, float]], start: float, end: float) -
 
 def one_server(args: Args, model_dir: Path, work: Path, inflight: bool) -> list[dict[str, float]]:
     weights = {version: random_weights(model_dir, version) for version in range(1, args.publishes + 1)}
-    with VLLMServer(model_dir, served_model_name="tiny", max_model_len=128, enable_scale_out=inflight) as server:
+    options = {} if args.warm_up else {"warm_up": False}
+    with VLLMServer(
+        model_dir, served_model_name="tiny", max_model_len=128, enable_scale_out=inflight, **options
+    ) as server:
         with OpenAIPolicy(
             server.url, "tiny", str, server_kind="vllm", inflight_updates=inflight, model_dir=model_dir,
             checkpoint_dir=work / "checkpoints", fallback=lambda obs, env_id: "", max_new_tokens=args.max_new_tokens,
@@ -130,6 +140,7 @@ def one_server(args: Args, model_dir: Path, work: Path, inflight: bool) -> list[
 
             threads = [threading.Thread(target=submitter, args=(i,), daemon=True) for i in range(args.submitters)]
             counter = TokenCounter(server.url, args.poll_ms / 1000)
+            started = time.perf_counter()
             for thread in [counter, *threads]:
                 thread.start()
             windows = []
@@ -152,6 +163,9 @@ def one_server(args: Args, model_dir: Path, work: Path, inflight: bool) -> list[
     for (began, ended, steps), hold in zip(windows, held, strict=True):
         out.append(
             {
+                "warm_up_s": getattr(server, "warm_up_s", None) or 0.0,
+                "publish_at_s": began - started,
+                "first_token_at_s": counter.first_token_at() - started,
                 "engine_stall_s": longest_stall(stalls, began, ended),
                 "normal_gap_s": normal,
                 "pause_to_resume_s": steps.get("frozen_s", float("nan")),
@@ -202,7 +216,7 @@ def main(args: Args) -> dict[str, Any]:
                "load_weights ms"]  # fmt: skip
     text = (
         "# Frozen generation per weight publish, vLLM server (median (min-max))\n\n"
-        f"{machine_line()}; {args.submitters} submitters, {args.max_new_tokens} tokens per completion, "
+        f"{machine_line()}; warm-up batch at server start: {args.warm_up}; {args.submitters} submitters, {args.max_new_tokens} tokens per completion, "
         f"{args.publishes} publishes per server, {args.repeats} servers per mode, counter read every "
         f"{args.poll_ms:g} ms\n\n{markdown_table(headers, rows)}\n"
     )

@@ -31,6 +31,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(model_dir):
     with VLLMServer(model_dir, served_model_name=MODEL, max_model_len=128, startup_timeout_s=600) as server:
+        # ready only after its warm-up batch: the first generation's cold forward passes are behind it
+        assert server.warm_up and server.warm_up_s is not None and server.warm_up_s > 0
         yield server
     assert not server.running
 
