@@ -268,15 +268,16 @@ def make_policy(
     The server takes batches of up to ``num_envs``, waits up to 2 ms to fill one, and serves
     several batches at once, as an inference engine with continuous batching does.
     ``whole_steps``: every call brings all ``num_envs`` observations together (a sync loop, a lockstep
-    collector), so the local policy waits up to 100 ms (not 1 ms) to fill its batch: a thread switch
+    collector), so the policy waits up to 100 ms (not 1 or 2 ms) to fill its batch: a thread switch
     in the middle of the submissions never splits it, and a split batch may round differently (a
     ``Linear`` of one row takes another kernel than one of eight).
     """
     local = TorchPolicy(module, action_space, max_batch_size=num_envs, max_wait_ms=100.0 if whole_steps else 1.0)
     if policy_latency_ms <= 0:
         return local
+    wait_ms = 100.0 if whole_steps else 2.0
     return LatencyModel(
-        local, a_ms=policy_latency_ms, b_ms=0.0, max_batch_size=num_envs, max_wait_ms=2.0, max_inflight_batches=4
+        local, a_ms=policy_latency_ms, b_ms=0.0, max_batch_size=num_envs, max_wait_ms=wait_ms, max_inflight_batches=4
     )
 
 

@@ -1,7 +1,8 @@
 """Lag 0 is sync: PPO's and SAC's async paths at lag 0 end with the sync path's parameters, bitwise.
 
 Each pair of runs uses real env worker processes (AsyncLLMVectorEnv, partial batches in async) and real
-gymnasium envs; every parameter and buffer of every network is compared with ``torch.equal``.
+gymnasium envs (PPO also behind a 3 ms LatencyModel, the remote-server path); every parameter and buffer of
+every network is compared with ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ def assert_same_tensors(sync: dict[str, torch.Tensor], lag0: dict[str, torch.Ten
     assert any(not torch.equal(sync[k], initial[k]) for k in sync), "the runs did not train"
 
 
-@pytest.mark.parametrize("env", ["CartPole-v1", "Pendulum-v1"])
-def test_ppo_async_at_max_staleness_0_is_the_sync_run(env, no_leftover_children):
+@pytest.mark.parametrize("env, policy_latency_ms", [("CartPole-v1", 0.0), ("Pendulum-v1", 0.0), ("CartPole-v1", 3.0)])
+def test_ppo_async_at_max_staleness_0_is_the_sync_run(env, policy_latency_ms, no_leftover_children):
     def run(mode: str):
         args = ppo.Args(
             env=env, mode=mode, num_envs=4, num_steps=8, total_timesteps=96, max_staleness=0, hidden=16,
-            update_epochs=3, num_minibatches=2, seed=3, track=False, progress=False,
+            update_epochs=3, num_minibatches=2, seed=3, policy_latency_ms=policy_latency_ms, track=False,
+            progress=False,
         )  # fmt: skip
         agent = ppo.PPO(args)
         initial = {k: v.clone() for k, v in state(agent, "actor", "critic").items()}
