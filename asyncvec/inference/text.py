@@ -34,8 +34,10 @@ def sampling_key(prompt: TextPrompt) -> tuple[Any, ...]:
     return (prompt.max_new_tokens, prompt.temperature, prompt.top_p, prompt.top_logprobs, prompt.stop, prompt.seed)
 
 
-def group_by_sampling(prompts: Sequence[TextPrompt]) -> dict[tuple[Any, ...], list[int]]:
-    """Indices of prompts that share sampling settings (one backend call per group).
+def group_by_sampling(prompts: Sequence[TextPrompt], seeds: bool = True) -> dict[tuple[Any, ...], list[int]]:
+    """Indices of prompts that share sampling settings (one backend call per group); ``seeds=False``:
+    prompts of different seeds share a group too (a backend that samples each seed's rows with
+    their own generator in one call), the key's seed is then None.
 
     Example:
         >>> groups = group_by_sampling([TextPrompt("a", 4, 1.0), TextPrompt("b", 4, 1.0), TextPrompt("c", 2, 1.0)])
@@ -44,7 +46,8 @@ def group_by_sampling(prompts: Sequence[TextPrompt]) -> dict[tuple[Any, ...], li
     """
     groups: dict[tuple[Any, ...], list[int]] = {}
     for index, prompt in enumerate(prompts):
-        groups.setdefault(sampling_key(prompt), []).append(index)
+        key = sampling_key(prompt)
+        groups.setdefault(key if seeds else (*key[:-1], None), []).append(index)
     return groups
 
 

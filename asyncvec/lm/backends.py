@@ -73,7 +73,13 @@ def make_hf_policy(
 
     model, tokenizer = load_causal_lm(model_dir, args.device)
     return HFTextPolicy(
-        model, tokenizer, action_parser, seed=args.seed, inflight_updates=args.inflight_updates, **options
+        model,
+        tokenizer,
+        action_parser,
+        seed=args.seed,
+        bitwise_seeds=args.bitwise_sampling,
+        inflight_updates=args.inflight_updates,
+        **options,
     )
 
 

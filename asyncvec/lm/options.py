@@ -107,6 +107,11 @@ class LMArgs:
     completions, docs/lm_agents.md)"""
     policy_lag: int = 0
     """the policy receives each new version this many updates late (a slow weight broadcast)"""
+    bitwise_sampling: bool = False
+    """--backend hf: each completion (sampled with its own seed) gets an engine call of its own, so its log-probs do
+    not depend on which requests shared its batch: runs repeat bit for bit, async at --max-staleness 0 ends with sync's
+    parameters bit for bit (slower: completions are not batched). Default: batched; the tokens are the same, the
+    log-probs may differ in the last bits (docs/lm_agents.md)"""
     record_schedule: bool = False
     """write each update's groups (samples with their behaviour log-probs and versions), the learner's version and the
     RNG states into <log-dir>/<run>/schedule, for --replay"""
@@ -187,6 +192,10 @@ class LMArgs:
             _check_int(name, getattr(self, name), 1)
         for name in ("sft_steps", "max_staleness", "policy_lag", "eval_prompts"):
             _check_int(name, getattr(self, name), 0)
+        if self.bitwise_sampling and self.backend != "hf":
+            raise ValueError(
+                f"--bitwise-sampling needs --backend hf: {self.backend} batches requests as its engine decides"
+            )
         if self.replay and (self.resume or self.record_schedule):
             raise ValueError(
                 f"--replay re-runs a recorded schedule from the start: leave out --{'resume' if self.resume else 'record-schedule'}"

@@ -34,6 +34,7 @@ NOT_REPLAYED = frozenset(
     {
         "mode",
         "staleness_control",
+        "bitwise_sampling",
         "prefetch_updates",
         "policy_batch_size",
         "policy_wait_ms",

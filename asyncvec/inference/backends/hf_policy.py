@@ -38,7 +38,12 @@ class HFTextPolicy(TextPolicy):
         max_new_tokens, temperature, top_p: default sampling settings.
         seed: seeds the policy's own sampling generator, so the same batches draw the same
             completions run after run (default None: torch's global generator). A prompt's own
-            ``seed`` takes precedence for its request.
+            ``seed`` takes precedence for its request: its rows draw from a generator of that seed,
+            so they sample the same tokens whatever else shares their batch.
+        bitwise_seeds: a seeded request gets an engine call of its own (with the other requests
+            of its seed), so its log-probs too are the same bit for bit whatever else was submitted
+            (a batch's shape changes the last bits of a matmul: up to ~5e-7 here); slower: seeded
+            requests are not batched together. Default False: they share batches.
         **kwargs: `BatchedPolicy` options (``action_space`` or a ``fallback`` function is
             required for rejected completions; ``inflight_updates=True`` for the above).
 
@@ -79,6 +84,7 @@ class HFTextPolicy(TextPolicy):
         temperature: float = 1.0,
         top_p: float | None = None,
         seed: int | None = None,
+        bitwise_seeds: bool = False,
         **kwargs: Any,
     ) -> None:
         import transformers
@@ -106,6 +112,7 @@ class HFTextPolicy(TextPolicy):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self._generator = None if seed is None else self._seeded_generator(seed)
+        self.bitwise_seeds = bool(bitwise_seeds)
         self.max_positions: int | None = getattr(model.config, "max_position_embeddings", None)
         # Fast tokenizers are not safe to share between threads (padding state, "Already borrowed").
         self._tokenizer_lock = threading.Lock()
@@ -175,11 +182,11 @@ class HFTextPolicy(TextPolicy):
 
     def _forward_batch(self, prompts: list[TextPrompt]) -> list[BackendResult]:
         results: list[BackendResult | None] = [None] * len(prompts)
-        groups = list(group_by_sampling(prompts).items())
-        for position, ((max_new_tokens, temperature, top_p, top_k, stop, seed), indices) in enumerate(groups):
+        # prompts of different seeds share a call (unless bitwise_seeds): each seed's rows draw from their generator
+        groups = list(group_by_sampling(prompts, seeds=self.bitwise_seeds).items())
+        for position, ((max_new_tokens, temperature, top_p, top_k, stop, _), indices) in enumerate(groups):
             encoded = [self.encode(prompts[i].prompt) for i in indices]
-            # a prompt's seed: reproducible for the same prompts in the same group (e.g. one server request)
-            generator = self._generator if seed is None else self._seeded_generator(seed)
+            generator = self._row_generators([prompts[i].seed for i in indices])
             callbacks = [self._token_callbacks.get(id(prompts[i]), (None, None))[1] for i in indices]
             try:
                 generated = self._generate(
@@ -210,7 +217,7 @@ class HFTextPolicy(TextPolicy):
         top_p: float | None,
         top_k: int,
         stop: tuple[str, ...] = (),
-        generator: torch.Generator | None = None,
+        generator: RowGenerators | torch.Generator | None = None,
         on_token: list[Callable[[int, float, int], None] | None] | None = None,
     ) -> list[BackendResult]:
         """Sample completions of ``encoded`` (``on_token[row]``: called with each token of that row as it
@@ -292,7 +299,7 @@ class HFTextPolicy(TextPolicy):
         max_new_tokens: int,
         temperature: float,
         top_p: float | None,
-        generator: torch.Generator | None,
+        generator: RowGenerators | torch.Generator | None,
         steps: list[tuple[torch.Tensor, torch.Tensor, int]],
         on_token: list[Callable[[int, float, int], None] | None] | None = None,
     ) -> None:
@@ -314,12 +321,14 @@ class HFTextPolicy(TextPolicy):
             warpers.append(transformers.TopPLogitsWarper(top_p))
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        # every draw of the batch at once: a row's come from its own generator whatever the batch holds
+        draws = _uniforms(generator, input_ids.shape[0], max_new_tokens, input_ids.device) if temperature > 0 else None
         tokens: list[torch.Tensor] = []
         streamed = [] if on_token is None else [(row, call) for row, call in enumerate(on_token) if call is not None]
         # A Cache object from the start (transformers' current API; tuples of tensors are deprecated)
         past, step_ids, cache_version = transformers.DynamicCache(), input_ids, None
         with torch.no_grad():
-            for _ in range(max_new_tokens):
+            for step in range(max_new_tokens):
                 with self._decoding_step() as version:
                     if cache_version is not None and version != cache_version:
                         # the cache holds keys/values of older weights: prompt + tokens so far, again
@@ -341,7 +350,7 @@ class HFTextPolicy(TextPolicy):
                 past = out.past_key_values
                 logits = warpers(step_ids, out.logits[:, -1].float())
                 if temperature > 0:
-                    next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(1)
+                    next_tokens = _inverse_cdf(torch.softmax(logits, dim=-1), draws[:, step])
                 else:
                     next_tokens = logits.argmax(dim=-1)
                 next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
@@ -363,10 +372,46 @@ class HFTextPolicy(TextPolicy):
     def _seeded_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.model.device).manual_seed(seed)
 
+    def _row_generators(self, seeds: list[int | None]) -> RowGenerators:
+        """Which rows draw from which generator: the rows of one seed from a generator of that seed,
+        together (a server request's ``n`` copies: reproducible as one request), whatever else shares
+        the batch; the unseeded rows from the policy's own generator."""
+        rows: dict[int | None, list[int]] = {}
+        for row, seed in enumerate(seeds):
+            rows.setdefault(seed, []).append(row)
+        return [
+            (torch.tensor(members), self._generator if seed is None else self._seeded_generator(seed))
+            for seed, members in rows.items()
+        ]
+
     def _apply_weights(self, weights: WeightsSource, version: int) -> None:
         apply_state_dict(self.model, load_state_dict_source(weights))
         if self._batches_sampling:  # in flight: running batches re-run their prefix at their next step
             self._count_inflight_swap()
+
+
+RowGenerators = list[tuple[torch.Tensor, "torch.Generator | None"]]
+"""Rows of a batch (indices) and the generator each set draws its tokens from."""
+
+
+def _uniforms(
+    generator: RowGenerators | torch.Generator | None, rows: int, steps: int, device: torch.device
+) -> torch.Tensor:
+    """``[rows, steps]`` uniform draws in [0, 1): each set of rows' from its generator (None: torch's)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(rows, steps, generator=generator, device=device)
+    draws = torch.empty(rows, steps, device=device)
+    for members, row_generator in generator:
+        draws[members] = torch.rand(len(members), steps, generator=row_generator, device=device)
+    return draws
+
+
+def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] for the uniform ``draws`` [B]: the first whose cumulative
+    probability reaches ``(1 - u)`` of the row's total (never a token of probability 0)."""
+    cumulative = probs.cumsum(dim=-1)
+    targets = (1.0 - draws).unsqueeze(-1) * cumulative[:, -1:]
+    return torch.searchsorted(cumulative, targets).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 class _Interrupted(Exception):
