@@ -106,7 +106,8 @@ class TextPolicy(BatchedPolicy):
             there: prompt + the tokens so far as its prompt, ``max_new_tokens`` less those tokens.
             The prefix keeps its log-probs and versions, the continuation's tokens carry the
             version that sampled them (``token_versions`` when they differ). False: the retry
-            starts each completion again (its tokens are counted in ``regenerated_tokens``).
+            starts each completion again, finished ones too (as before this option; their tokens
+            are counted in ``regenerated_tokens``).
         **kwargs: `BatchedPolicy` options. ``action_space`` (or a ``fallback`` function) is
             required, since rejected completions need a fallback action.
 
@@ -302,7 +303,7 @@ class TextPolicy(BatchedPolicy):
         for request, prefix in zip(requests, error.prefixes, strict=True):
             if prefix is None or (not prefix.token_ids and not prefix.finished):
                 continue
-            keep = prefix.finished or (self.resume_from_prefix and self._prompt_ids(request.obs) is not None)
+            keep = self.resume_from_prefix and (prefix.finished or self._prompt_ids(request.obs) is not None)
             if not keep:
                 with self._stats_lock:
                     self._resume_counts["regenerated_tokens"] += len(prefix.token_ids)
