@@ -144,3 +144,35 @@ def test_seeded_groups_do_not_depend_on_batching_or_arrival_order(warm_dir):
     assert len({ids for group in tokens(together) for ids in group}) > 1, "every completion alike: nothing sampled"
     # bitwise_seeds: the log-probs too, bit for bit
     assert completions(64, bitwise=True) == completions(1, bitwise=True)
+
+
+def test_multi_turn_lag_0_plays_the_episodes_sync_does(warm_dir, tmp_path):
+    # Each turn has its own seed and a group lists its episodes in place order: the same episodes
+    # (turns, rewards, versions) whichever env played them and whichever ended first.
+    options = {
+        **RUN,
+        "env": "asyncvec/GuessNumber-v0",
+        "env_kwargs": '{"max_number": 8, "max_turns": 3, "transcript": false}',
+        "num_envs": 3,
+        "max_new_tokens": 4,
+        "total_prompts": 8,
+        "prompts_per_update": 2,
+        "group_size": 2,
+        "record_schedule": True,
+    }
+    played = {}
+    for mode, extra in {"sync": {}, "async": {"max_staleness": 0}}.items():
+        args = rloo.Args(model=str(warm_dir), mode=mode, log_dir=str(tmp_path / mode), **{**options, **extra})
+        with rloo.RLOO(args) as agent:
+            agent.train()
+            played[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args))
+
+    def episodes(updates):
+        return [
+            [[(e.seed, e.member, [(t.completion_ids, t.reward, t.policy_version) for t in e.turns]) for e in group]
+             for group in update.groups.episodes]
+            for update in updates
+        ]  # fmt: skip
+
+    assert len(played["sync"]) == 4
+    assert episodes(played["sync"]) == episodes(played["async"])

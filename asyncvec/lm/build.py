@@ -351,7 +351,8 @@ def _episode_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.Ex
     def make_collector(policy: Any, tokenizer: Any) -> EpisodeCollector:
         return EpisodeCollector(
             envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
-            max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003 + skip, on_overflow=args.on_overflow,
+            max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003 + skip, sampling_seed=args.seed,
+            on_overflow=args.on_overflow,
         )  # fmt: skip
 
     return _EnvSide(True, text_space(), str, batching, make_collector, eval_envs=eval_envs)

@@ -52,6 +52,7 @@ import numpy as np
 from asyncvec.collection.base import BackgroundCollector
 from asyncvec.inference.types import PolicyOutput, TextPrompt
 from asyncvec.lm.chat import Conversation, PlainChatFormat
+from asyncvec.lm.groups import request_seed
 from asyncvec.lm.text_env import check_text_env
 from asyncvec.versioning import AdmissionControl, per_token_versions
 
@@ -121,6 +122,7 @@ class Episode:
 
     Attributes:
         env_id, seed, group: where it ran, its reset seed, its group's index.
+        member: its place in its group (0 to k-1): a group lists its episodes in this order.
         turns: the assistant turns in order.
         terminated, truncated: how the episode ended (``truncated`` also for context overflow and env errors).
         context_overflow: the next prompt would not fit the context: the episode was cut there.
@@ -132,6 +134,7 @@ class Episode:
     seed: int
     group: int
     turns: list[Turn] = field(default_factory=list)
+    member: int = 0
     terminated: bool = False
     truncated: bool = False
     context_overflow: bool = False
@@ -249,6 +252,9 @@ class EpisodeCollector(BackgroundCollector):
         max_context_tokens: prompt + ``max_new_tokens`` must fit (default: the policy's
             ``max_positions``/``max_model_len`` when it has one).
         seed: group ``g``'s episodes reset with seed ``seed + g``.
+        sampling_seed: each turn is sampled with its own seed (from this one, the episode's reset seed,
+            its place in its group and the turn's number): what it samples does not depend on the
+            batch it meets, and a group lists its episodes in place order (None: the policy's stream).
         lockstep: turn-level lockstep instead of per-env turns (see the module docstring).
         on_overflow: a prompt over the context: ``"truncate"`` (default) ends the episode,
             ``"drop_oldest"`` drops the oldest whole turns from the prompt (see the module docstring).
@@ -288,6 +294,7 @@ class EpisodeCollector(BackgroundCollector):
         max_new_tokens: int | None = None,
         max_context_tokens: int | None = None,
         seed: int = 0,
+        sampling_seed: int | None = None,
         lockstep: bool = False,
         on_overflow: Literal["truncate", "drop_oldest"] = "truncate",
         use_chat_template: bool | None = None,
@@ -312,6 +319,7 @@ class EpisodeCollector(BackgroundCollector):
             max_context_tokens or getattr(policy, "max_positions", None) or getattr(policy, "max_model_len", None)
         )
         self.seed = int(seed)
+        self.sampling_seed = sampling_seed
         self.lockstep = bool(lockstep)
         if on_overflow not in ("truncate", "drop_oldest"):
             raise ValueError(f"on_overflow: expected 'truncate' or 'drop_oldest', got {on_overflow!r}")
@@ -449,7 +457,7 @@ class EpisodeCollector(BackgroundCollector):
 
     def _assign(self, env_ids: list[int]) -> list[int]:
         """Gives each env the next episode slot (opening groups while the quota allows); resets them."""
-        assigned, seeds = [], []
+        assigned, seeds, members = [], [], []
         with self._cond:
             for env_id in env_ids:
                 while self._open and self._open[0].unassigned == 0:
@@ -462,14 +470,15 @@ class EpisodeCollector(BackgroundCollector):
                     self._next_group += 1
                     self._counts["groups"] += 1
                 group = self._open[0]
+                members.append(self.group_size - group.unassigned)
                 group.unassigned -= 1
                 self._env_group[env_id] = group
                 assigned.append(env_id)
                 seeds.append(group.seed)
         if assigned:
             now = time.monotonic()
-            for env_id, seed in zip(assigned, seeds):
-                self._episodes[env_id] = Episode(env_id, seed, self._env_group[env_id].index)
+            for env_id, seed, member in zip(assigned, seeds, members):
+                self._episodes[env_id] = Episode(env_id, seed, self._env_group[env_id].index, member=member)
                 self._conversations[env_id] = None
                 self._segments[env_id] = 0
                 self._sent_at[env_id] = now
@@ -499,7 +508,12 @@ class EpisodeCollector(BackgroundCollector):
             self._segments[env_id] += 1
             conversation = self._conversations[env_id] = shorter
         prompt_ids = self._prompts[env_id] = tuple(conversation.ids)
-        future = self.policy.submit(TextPrompt(prompt_ids, max_new_tokens=self.max_new_tokens), env_id=env_id)
+        episode = self._episodes[env_id]
+        seed = None
+        if self.sampling_seed is not None:  # the turn's own seed: its sample does not depend on the batch it meets
+            seed = request_seed(self.sampling_seed, episode.seed, episode.member, len(episode.turns))
+        request = TextPrompt(prompt_ids, max_new_tokens=self.max_new_tokens, seed=seed)
+        future = self.policy.submit(request, env_id=env_id)
         self._waiting_policy += 1
         future.add_done_callback(lambda f, e=env_id: self._answer_ready(e, f))
         return True
@@ -604,6 +618,7 @@ class EpisodeCollector(BackgroundCollector):
         with self._cond:
             group.episodes.append(episode)
             if len(group.episodes) == self.group_size:
+                group.episodes.sort(key=lambda done: done.member)  # in member order, whichever ended first
                 self._complete.append(group)
                 self._cond.notify_all()
 
