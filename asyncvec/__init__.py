@@ -39,6 +39,7 @@ _LAZY = {
     "check_vector_env": "asyncvec.vector.checker",
     "VectorEnvCheckError": "asyncvec.vector.checker",
     "VersionManager": "asyncvec.versioning",
+    "AdmissionControl": "asyncvec.versioning",
     "ReplayBuffer": "asyncvec.buffers",
     "RolloutStore": "asyncvec.buffers",
     "CompletionGroups": "asyncvec.buffers",
