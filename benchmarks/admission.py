@@ -32,6 +32,7 @@ smaller model, a few updates, no target) into ``--out-dir``.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -66,7 +67,7 @@ MODES = ("drop", "admission")
 """``--staleness-control`` of the two runs per seed, in the table's order."""
 COLUMNS = [
     "mode", "generated mean", "trained mean", "trained/generated", "generated p90", "trained p90",
-    "discarded stale", "time to target s", "updates to target", "reached", "wall s", "final reward",
+    "discarded stale", "time to target s", "updates to target", "reached", "s/update", "final reward",
 ]  # fmt: skip
 """The columns of the summary table (tests/test_benchmarks_admission.py checks them)."""
 DIGITS = "1234567890"
@@ -236,6 +237,26 @@ class LengthRecordingRLOO(rloo.RLOO):
         return super().compute_advantages(data, logp, ref_logp)
 
 
+def command_line(args: Args) -> str:
+    """The command that reruns ``args``: the script and the options that differ from the defaults
+    (``--out-dir`` left out).
+
+    Example:
+        >>> command_line(Args(prefetch_updates=1, seeds=[1, 2], quick=True, out_dir="/tmp/x"))
+        'python benchmarks/admission.py --seeds 1 2 --prefetch-updates 1 --quick'
+    """
+    defaults, words = Args(), ["python benchmarks/admission.py"]
+    for name, value in asdict(args).items():
+        if name == "out_dir" or value == getattr(defaults, name):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + flag[2:])
+        else:
+            words.append(f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}")
+    return " ".join(words)
+
+
 def run_args(args: Args, seed: int, model: Path, mode: str) -> rloo.Args:
     """The RLOO options of one run: the two modes differ in ``staleness_control`` only."""
     updates = 4 if args.quick else args.max_updates
@@ -290,18 +311,40 @@ def run_one(args: Args, seed: int, model: Path, mode: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def median_range(values: list[float], digits: int = 1) -> str:
-    """``median (min-max)`` of ``values``; ``n/a`` when empty.
+def without_lengths(run: dict[str, Any]) -> dict[str, Any]:
+    """A run's record without its per-sample length lists."""
+    return {key: value for key, value in run.items() if key not in ("generated_lengths", "trained_lengths")}
+
+
+def length_counts(run: dict[str, Any]) -> dict[str, list[int]]:
+    """How many samples of each length (index: tokens) a run generated and trained on (the JSON keeps these).
 
     Example:
-        >>> median_range([3.0, 1.0, 2.0]), median_range([])
-        ('2.0 (1.0-3.0)', 'n/a')
+        >>> length_counts({"generated_lengths": [1, 3, 3], "trained_lengths": [1]})
+        {'generated': [0, 1, 0, 2], 'trained': [0, 1]}
     """
+    return {
+        name: np.bincount(np.asarray(run[f"{name}_lengths"], dtype=int)).tolist() for name in ("generated", "trained")
+    }
+
+
+def median_range(values: list[float], digits: int = 1) -> str:
+    """``median (min-max)`` of ``values``; ``n/a`` when empty. An infinite value (a run that never reached
+    the target) counts as the largest and shows as ``not reached``.
+
+    Example:
+        >>> median_range([3.0, 1.0, 2.0]), median_range([]), median_range([1.0, 2.0, math.inf])
+        ('2.0 (1.0-3.0)', 'n/a', '2.0 (1.0-not reached)')
+    """
+
+    def shown(value: float) -> str:
+        return "not reached" if math.isinf(value) else f"{value:.{digits}f}"
+
     if not values:
         return "n/a"
     if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+        return shown(values[0])
+    return f"{shown(statistics.median(values))} ({shown(min(values))}-{shown(max(values))})"
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[list[Any]]:
@@ -310,7 +353,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[list[Any]]:
     Example:
         >>> run = {"generated_mean": 5.0, "trained_mean": 4.0, "generated_p90": 12.0, "trained_p90": 9.0,
         ...        "discarded_stale": 0.2, "reached": True, "time_to_target_s": 30.0, "updates_to_target": 40,
-        ...        "wall_s": 30.0, "final_reward": 0.7}
+        ...        "wall_s": 30.0, "updates": 40, "final_reward": 0.7}
         >>> rows = summarize([{**run, "mode": mode} for mode in MODES])
         >>> [row[0] for row in rows], rows[0][3]
         (['drop', 'admission'], '0.800')
@@ -327,9 +370,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[list[Any]]:
             median_range([run["trained_mean"] for run in mine], 2), median_range(ratio, 3),
             median_range([run["generated_p90"] for run in mine]), median_range([run["trained_p90"] for run in mine]),
             median_range([100 * run["discarded_stale"] for run in mine]) + " %",
-            median_range([run["time_to_target_s"] for run in reached]),
-            median_range([float(run["updates_to_target"]) for run in reached], 0), f"{len(reached)}/{len(mine)}",
-            median_range([run["wall_s"] for run in mine]), median_range([run["final_reward"] for run in mine], 2),
+            median_range([run["time_to_target_s"] if run["reached"] else math.inf for run in mine]),
+            median_range([run["updates_to_target"] if run["reached"] else math.inf for run in mine], 0),
+            f"{len(reached)}/{len(mine)}",
+            median_range([run["wall_s"] / max(run["updates"], 1) for run in mine], 2),
+            median_range([run["final_reward"] for run in mine], 2),
         ])  # fmt: skip
     return rows
 
@@ -337,13 +382,13 @@ def summarize(runs: list[dict[str, Any]]) -> list[list[Any]]:
 def per_seed_table(runs: list[dict[str, Any]]) -> str:
     """Every run on its own row."""
     headers = ["mode", "seed", "generated mean", "trained mean", "generated p90", "trained p90", "discarded stale",
-               "time to target s", "updates to target", "wall s", "updates", "final reward"]  # fmt: skip
+               "time to target s", "updates to target", "wall s", "updates", "s/update", "final reward"]  # fmt: skip
     rows = [
         [run["mode"], run["seed"], run["generated_mean"], run["trained_mean"], run["generated_p90"],
          run["trained_p90"], f"{100 * run['discarded_stale']:.1f} %",
          "n/a" if run["time_to_target_s"] is None else f"{run['time_to_target_s']:.1f}",
          "n/a" if run["updates_to_target"] is None else run["updates_to_target"], run["wall_s"], run["updates"],
-         run["final_reward"]]
+         run["wall_s"] / max(run["updates"], 1), run["final_reward"]]
         for run in sorted(runs, key=lambda run: (MODES.index(run["mode"]), run["seed"]))
     ]  # fmt: skip
     return markdown_table(headers, rows)
@@ -400,7 +445,7 @@ def main(args: Args) -> dict[str, Any]:
     table = markdown_table(COLUMNS, rows)
     per_seed = per_seed_table(runs)
     print(table, "\n", per_seed, sep="\n")
-    command = "python benchmarks/admission.py" + (" --quick" if args.quick else "")
+    command = command_line(args)
     setting = (
         f"RLOO (async, lr {args.learning_rate:g}) on the prompt 'k:' -> the first k digits of 1234567890..., "
         f"P(k) ~ k^-{args.zipf_exponent:g} on 1..{args.max_length}, exact match; scoring sleeps "
@@ -410,15 +455,15 @@ def main(args: Args) -> dict[str, Any]:
         f"({'1 x 32' if args.quick else '2 x 64'}) after {20 if args.quick else args.sft_steps} supervised steps per seed; "
         f"seeds {seeds}. Lengths in tokens (eos included). Means: sum of tokens / sum of samples over the run; p90 "
         "over all of a run's samples; 'generated': what reached the learner. Target: 10-update mean training "
-        f"reward {args.target_reward:g}, confirmed by a fresh batch; time and updates counted for the runs that "
-        "reached it (the run's wall time: from the start of generation to the confirming batch). Cells: median (range) over seeds."
+        f"reward {args.target_reward:g}, confirmed by a fresh batch; time to target: the run's wall time (from the "
+        "start of generation to the confirming batch); a run that did not reach it counts as slower than all that "
+        "did. Cells: median (range) over seeds."
     )
     notes = f"{setting}\n\nPer run:\n\n{per_seed}"
     out_dir = Path(args.out_dir) if args.out_dir is not None else RESULTS_DIR
     save_report(args.name, table, plot(runs, args.target_reward), out_dir=out_dir, command=command, notes=notes)
-    (out_dir / f"{args.name}.json").write_text(
-        json.dumps({"args": asdict(args), "runs": runs}, indent=1), encoding="utf-8"
-    )
+    saved = [{**without_lengths(run), "length_counts": length_counts(run)} for run in runs]
+    (out_dir / f"{args.name}.json").write_text(json.dumps({"args": asdict(args), "runs": saved}), encoding="utf-8")
     return {"rows": rows, "table": table, "per_seed": per_seed, "runs": runs}
 
 

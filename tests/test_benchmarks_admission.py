@@ -28,7 +28,11 @@ def test_quick_run_compares_both_modes(tmp_path) -> None:
     assert [cell.strip() for cell in header.strip("|").split("|")] == admission.COLUMNS
     for name in ("admission.md", "admission.png", "admission.json"):
         assert (tmp_path / name).stat().st_size > 0
-    runs = {run["mode"]: run for run in json.loads((tmp_path / "admission.json").read_text())["runs"]}
+    saved = json.loads((tmp_path / "admission.json").read_text())["runs"]
+    assert [(run["mode"], sum(run["length_counts"]["trained"])) for run in saved] == [
+        (run["mode"], len(run["trained_lengths"])) for run in out["runs"]
+    ]
+    runs = {run["mode"]: run for run in out["runs"]}
     assert set(runs) == set(admission.MODES)
     for run in runs.values():
         assert run["updates"] == 4 and run["generated_lengths"], run["mode"]
