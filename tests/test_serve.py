@@ -119,7 +119,6 @@ def test_weight_updates_are_guarded(server, tmp_path):
         (b'{"model": "tiny", "prompt": "1+1=", "max_tokens": 0}', 400, "max_tokens", "max_tokens"),
         (b'{"model": "tiny", "prompt": "1+1=", "n": 65}', 400, "n: Input should be less than or equal to 64", "n"),
         (b'{"model": "tiny", "prompt": "1+1=", "echo": true}', 400, "not supported", "echo"),
-        (b'{"model": "tiny", "prompt": "1+1=", "stream": true, "seed": 1}', 400, "cannot be combined", "stream"),
         (b'{"model": "tiny", "prompt": "1+1=", "bogus": 1}', 400, "bogus: Extra inputs are not permitted", "bogus"),
         (b'{"model": "tiny", "prompt": "1+1=", "stop": ["a","b","c","d","e"]}', 400, "at most 4", "stop"),
         (b'{"model": "tiny", "prompt": "1+1=", "max_tokens": 100000}', 400, "max_tokens must be <= 256", "max_tokens"),
@@ -200,9 +199,12 @@ def test_a_streamed_completion_sends_each_token_then_the_whole_choice(server, cl
     for index, final in finals.items():
         whole = list(zip(final["logprobs"]["tokens"], final["logprobs"]["token_logprobs"], strict=True))
         assert whole and streamed[index][: len(whole)] == whole
-    # the openai client reads the stream too
-    chunks = list(client.completions.create(model=MODEL, prompt="3+4=", max_tokens=4, stream=True))
+    # the openai client reads the stream too; a seeded stream (through the batcher) samples what the seeded request does
+    chunks = list(client.completions.create(model=MODEL, prompt="3+4=", max_tokens=4, stream=True, seed=3))
     assert chunks and all(len(chunk.choices) == 1 for chunk in chunks)
+    seeded = client.completions.create(model=MODEL, prompt="3+4=", max_tokens=4, seed=3)
+    assert chunks[-1].choices[0].model_extra["completion"]["text"] == seeded.choices[0].text
+    assert "".join(chunk.choices[0].text for chunk in chunks) == seeded.choices[0].text
 
 
 def test_server_down_gives_an_error_not_a_hang():

@@ -241,8 +241,6 @@ def create_app(
             return _error(400, f"max_tokens must be <= {max_tokens_limit}, got {body.max_tokens}", param="max_tokens")
         prompts = prompt_list(body.prompt)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-        if body.stream and body.seed is not None:
-            return _error(400, "stream and seed cannot be combined (a seeded request is its own batch)", param="stream")
         requests = []
         for index, prompt in enumerate(prompts):
             request = TextPrompt(
