@@ -116,6 +116,17 @@ def test_completions_that_ended_before_the_failure_are_delivered_as_they_were(re
         assert reference.error(text, output) <= LOGP_TOLERANCE
 
 
+def test_without_a_retry_the_finished_completions_are_delivered_and_the_rest_flagged(reference):
+    prompts = [TextPrompt(prompt, max_new_tokens=3) for prompt in PROMPTS[:2]] + list(PROMPTS[2:])
+    with make_policy(reference, max_attempts=1, fallback_on_error=True) as policy:
+        FailingForward(policy.model, 3 + FAIL_AT)
+        outputs = policy.act(prompts, timeout=120)
+        stats = policy.stats()
+    assert [len(output.token_ids) for output in outputs[:2]] == [3, 3] and not any(o.fallback for o in outputs[:2])
+    assert all(output.fallback and output.token_ids is None for output in outputs[2:])
+    assert stats["error_fallbacks"] == 2 and stats["late_dropped"] == 0 and stats["answered"] == len(prompts)
+
+
 def test_a_request_that_keeps_failing_gets_the_flagged_fallback_not_its_prefix(reference):
     with make_policy(reference, max_attempts=2, fallback_on_error=True) as policy:
         FailingForward(policy.model, FAIL_AT, failures=100)

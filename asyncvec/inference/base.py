@@ -502,7 +502,9 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
                         self._deliver_batch([request for request, _ in ready], [result for _, result in ready], version)
                 else:
                     elapsed = time.perf_counter() - started
-                    results = [self._finish(request, result, version) for request, result in zip(live, results)]
+                    results = [
+                        self._finish(request, result, version) for request, result in zip(live, results, strict=True)
+                    ]
                     self._deliver_batch(live, results, version)
                     return elapsed
             if not self._is_transient(error) or attempt == self.max_attempts:
@@ -513,6 +515,7 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
             if self._closing.wait(min(self._retry_backoff_s * 2 ** (attempt - 1), 2.0)):
                 break
             live = [request for request in live if not request.completed]
+        live = [request for request in live if not request.completed]  # e.g. delivered from a finished prefix
         if live and error is not None:
             failure = BackendError(
                 f"{self._label}: backend failed after {attempt} attempt(s) on a batch of {len(live)}: "
