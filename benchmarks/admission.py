@@ -208,7 +208,7 @@ class Args:
     """share of the warm start's answers that are right (the others 1 or 2 characters off)"""
     target_reward: float = 0.75
     """stop once the 10-update mean training reward reaches this and a fresh batch confirms it"""
-    max_updates: int = 120
+    max_updates: int = 200
     """updates at most per run"""
     quick: bool = False
     """a short smoke run: one seed, a 1-layer model after 20 supervised steps, 4 updates per mode, no target"""
@@ -307,6 +307,7 @@ def run_one(args: Args, seed: int, model: Path, mode: str) -> dict[str, Any]:
         "discarded_stale": sum(row["stale_samples"] for row in history) / max(received, 1),
         "samples_received": received, "final_reward": float(np.mean(rewards_seen[-10:])),
         "curve": [(row["time/wall_s"], row["reward"]) for row in history],
+        "length_curve": [(row["length/generated_mean"], row["length/trained_mean"]) for row in history],
         "generated_lengths": generated, "trained_lengths": trained,
     }  # fmt: skip
 
@@ -395,9 +396,10 @@ def per_seed_table(runs: list[dict[str, Any]]) -> str:
 
 
 def plot(runs: list[dict[str, Any]], target: float) -> Any:
-    """Left: the length distributions generated vs trained on per mode; right: reward over time."""
-    fig, axes = new_figure(ncols=2, width=6.0)
-    lengths_ax, reward_ax = axes[0]
+    """Left: the length distributions generated vs trained on per mode; middle: reward over time; right:
+    the mean length generated per update (what the policy writes as it learns)."""
+    fig, axes = new_figure(ncols=3, width=5.0)
+    lengths_ax, reward_ax, drift_ax = axes[0]
     colors = {"drop": "tab:orange", "admission": "tab:blue"}
     for mode in MODES:
         generated = [n for run in runs if run["mode"] == mode for n in run["generated_lengths"]]
@@ -422,6 +424,17 @@ def plot(runs: list[dict[str, Any]], target: float) -> Any:
     reward_ax.set_xlabel("wall-clock s")
     reward_ax.set_ylabel(f"training reward (mean of {TARGET_WINDOW} updates)")
     reward_ax.legend()
+    for index, run in enumerate(runs):
+        if len(run["length_curve"]) >= TARGET_WINDOW:
+            generated = [mean for mean, _ in run["length_curve"]]
+            smooth = np.convolve(generated, np.ones(TARGET_WINDOW) / TARGET_WINDOW, mode="valid")
+            first = all(other["mode"] != run["mode"] for other in runs[:index])
+            drift_ax.plot(np.arange(TARGET_WINDOW, len(generated) + 1), smooth, color=colors[run["mode"]],
+                          alpha=0.8, label=run["mode"] if first else None)  # fmt: skip
+    drift_ax.set_xlabel("update")
+    drift_ax.set_ylabel(f"generated mean tokens (mean of {TARGET_WINDOW} updates)")
+    if drift_ax.get_legend_handles_labels()[0]:  # a quick run has fewer updates than the window
+        drift_ax.legend()
     return fig
 
 
