@@ -311,37 +311,41 @@ def test_a_supervised_policy_needs_its_server_and_a_retry():
 
 # ---------------------------------------------------------------------------------- a vLLM server
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # two vLLM server starts: one to three minutes each on a loaded 2-core machine
+@pytest.mark.timeout(1200)  # three vLLM server starts: about a minute each on a loaded 2-core machine
 def test_a_vllm_server_killed_mid_stream_is_restarted_and_continues_each_completion(tmp_path):
-    """Killed while it streams: the restarted server reloads the published weights and continues
+    """Killed while it streams, through /v1/completions and then through the in-flight route
+    (/inference/v1/generate): the restarted server reloads the published weights and continues
     every completion from the tokens it had (none sampled again), each token honest."""
     from asyncvec.inference import VLLMServer
     from asyncvec.testing.checks import LOGP_TOLERANCE, VersionedReference
 
     model_dir = build_tiny_lm(tmp_path / MODEL, arch="gpt2", seed=0)
     reference = VersionedReference(model_dir)
-    with VLLMServer(model_dir, served_model_name=MODEL, max_model_len=128, startup_timeout_s=600) as process:
-        supervisor = EngineSupervisor(process)
-        with OpenAIPolicy(
-            process.url, MODEL, str, server_kind="vllm", fallback=lambda obs, env_id: "", max_new_tokens=100,
-            request_timeout_s=120, checkpoint_dir=tmp_path / "checkpoints", model_dir=model_dir, supervisor=supervisor,
-        ) as policy:  # fmt: skip
-            version = max(policy.server_version() or 0, policy.policy_version) + 1
-            policy.load_weights(reference.weights(version), version)
-            futures = [policy.submit(prompt) for prompt in PROMPTS]
-            wait_until(lambda: policy.stats()["streamed_tokens"] >= len(PROMPTS), timeout=300)
-            old_pid = crash(process)  # mid-stream: the dead server is found, restarted, given version's weights
-            outputs = [future.result(timeout=900) for future in futures]
-            error = reference.max_logp_error(PROMPTS, outputs)
-            stats = policy.stats()
-            print(
-                f"vLLM server killed mid-stream: {stats['resumed_tokens']} prefix tokens kept over "
-                f"{stats['resumed_requests']} completions, {stats['regenerated_tokens']} sampled again; "
-                f"max |logp - teacher-forced at v{version}| = {error:.2e}"
-            )
-            assert all(out.policy_version == version and out.token_ids and not out.fallback for out in outputs)
-            assert error <= LOGP_TOLERANCE and stats["engine_restarts"] == 1 and stats["failed_requests"] == 0
-            assert stats["resumed_tokens"] >= len(PROMPTS) and stats["regenerated_tokens"] == 0
-            assert process.running and not psutil.pid_exists(old_pid)
-            assert policy.server_version() == version
+    with VLLMServer(
+        model_dir, served_model_name=MODEL, max_model_len=128, enable_scale_out=True, startup_timeout_s=600
+    ) as process:
+        for inflight in (False, True):
+            with OpenAIPolicy(
+                process.url, MODEL, str, server_kind="vllm", fallback=lambda obs, env_id: "", max_new_tokens=100,
+                request_timeout_s=120, checkpoint_dir=tmp_path / "checkpoints", model_dir=model_dir,
+                supervisor=EngineSupervisor(process), inflight_updates=inflight,
+            ) as policy:  # fmt: skip
+                version = max(policy.server_version() or 0, policy.policy_version) + 1
+                policy.load_weights(reference.weights(version), version)
+                futures = [policy.submit(prompt) for prompt in PROMPTS]
+                wait_until(lambda: policy.stats()["streamed_tokens"] >= len(PROMPTS), timeout=300)
+                old_pid = crash(process)  # mid-stream: the dead server is found, restarted, given version's weights
+                outputs = [future.result(timeout=900) for future in futures]
+                error = reference.max_logp_error(PROMPTS, outputs)
+                stats = policy.stats()
+                print(
+                    f"vLLM server killed mid-stream (inflight_updates={inflight}): {stats['resumed_tokens']} prefix "
+                    f"tokens kept over {stats['resumed_requests']} completions, {stats['regenerated_tokens']} sampled "
+                    f"again; max |logp - teacher-forced at v{version}| = {error:.2e}"
+                )
+                assert all(out.policy_version == version and out.token_ids and not out.fallback for out in outputs)
+                assert error <= LOGP_TOLERANCE and stats["engine_restarts"] == 1 and stats["failed_requests"] == 0
+                assert stats["resumed_tokens"] >= len(PROMPTS) and stats["regenerated_tokens"] == 0
+                assert process.running and not psutil.pid_exists(old_pid)
+                assert policy.server_version() == version
     assert not process.running

@@ -60,16 +60,20 @@ class OpenAIPolicy(TextPolicy):
     ``fallback=True`` and no text, which learners leave out. A publish that meets a dead
     server is repeated once after the restart. `stats` adds the supervisor's counts.
 
-    **Resume from the prefix** (with a supervisor, ``return_token_ids`` and not
-    ``inflight_updates``): completions are streamed (``"stream": true``), so the policy holds each
-    completion's tokens, log-probs and versions as they are sampled. When the server dies
+    **Resume from the prefix** (with a supervisor and ``return_token_ids``): completions are
+    streamed (``"stream": true``, also through ``/inference/v1/generate`` with
+    ``inflight_updates``), so the policy holds each completion's tokens, log-probs and versions
+    as they are sampled. When the server dies
     mid-generation, the retry sends each unfinished completion as prompt + its tokens so far
     (token ids: a text prompt needs ``model_dir``'s tokenizer) with ``max_tokens`` less those
     tokens; completions that had finished are delivered as they were. No token is sampled twice
     (``stats()["resumed_tokens"]``; ``regenerated_tokens`` stays 0); the prefix keeps its
     versions and the continuation's tokens carry the restarted server's (``token_versions`` when
-    they differ). A completion whose request finally fails is never delivered in part: it gets
-    the flagged fallback. See `TextPolicy` (``resume_from_prefix``).
+    they differ). In flight, vLLM streams the tokens' versions only with a completion's last
+    chunk: an unfinished completion's prefix has the batch's start version if no publish of this
+    policy began since the batch read it, else it is sampled again (``regenerated_tokens``). A
+    completion whose request finally fails is never delivered in part: it gets the flagged
+    fallback. See `TextPolicy` (``resume_from_prefix``).
 
     **Versions.** Every answer carries the version of the weights that produced it:
 
@@ -255,6 +259,7 @@ class OpenAIPolicy(TextPolicy):
         self._http_requests = 0
         self._streamed_tokens = 0
         self._batches_generating = 0
+        self._publishes_begun = 0  # in flight: a stream's prefix has its start version if none began meanwhile
         self._client = ServerClient(
             base_url,
             api_key=api_key,
@@ -268,7 +273,7 @@ class OpenAIPolicy(TextPolicy):
             self._client, label=self._label, initial_version=self._initial_version, inflight=self.inflight_updates
         )
         #: completions are streamed, so that a server dying mid-generation leaves their prefix here
-        self.streams = supervisor is not None and self.return_token_ids and not self.inflight_updates
+        self.streams = supervisor is not None and self.return_token_ids
         self._publisher = WeightPublisher(
             self._routes,
             model=model,
@@ -370,24 +375,25 @@ class OpenAIPolicy(TextPolicy):
             groups = list(group_by_sampling(prompts).values())
         else:
             groups = [[index] for index in range(len(prompts))]
+        publishes = self._publishes_begun  # read before the version: a publish after it changes the count
         before = await self._routes.batch_version()
         if self.inflight_updates:  # tokens carry their own versions: a version change is no reason to discard
             start = self._initial_version if before is None else before
             self._batches_generating += 1  # this event-loop thread only
             try:
-                parts = await asyncio.gather(*(self._generate_group(prompts, indices, start) for indices in groups))
+                parts = await asyncio.gather(
+                    *(self._generate_group(prompts, indices, start, publishes) for indices in groups),
+                    return_exceptions=True,
+                )
             finally:
                 self._batches_generating -= 1
+            _raise_failures(parts, self.streams, prompts, start)
             answered = dict(item for part in parts for item in part)
             return [answered[index] for index in range(len(prompts))]
         parts = await asyncio.gather(
             *(self._complete_group(prompts, indices, before) for indices in groups), return_exceptions=True
         )
-        failed = [part for part in parts if isinstance(part, BaseException)]
-        if failed:
-            if self.streams and all(is_transient(part) for part in failed):
-                raise _partial_batch(prompts, parts, before)  # a retry continues what each completion had
-            raise next((part for part in failed if not is_transient(part)), failed[0])
+        _raise_failures(parts, self.streams, prompts, before)
         after = await self._routes.batch_version()
         if before != after:
             raise TransientBackendError(
@@ -469,15 +475,30 @@ class OpenAIPolicy(TextPolicy):
         return out
 
     async def _generate_group(
-        self, prompts: list[TextPrompt], indices: list[int], start: int
+        self, prompts: list[TextPrompt], indices: list[int], start: int, publishes: int = 0
     ) -> list[tuple[int, BackendResult]]:
         """In-flight updates: one ``POST /inference/v1/generate`` per distinct prompt (``n`` copies),
         each answer with the version of each of its tokens (vLLM's weight-version spans)."""
-        requests = [self._generate_one(prompts, copies, start) for copies in group_identical(prompts, indices).values()]
-        return [item for part in await asyncio.gather(*requests) for item in part]
+        requests = [
+            self._generate_one(prompts, copies, start, publishes)
+            for copies in group_identical(prompts, indices).values()
+        ]
+        parts = await asyncio.gather(*requests, return_exceptions=True)
+        failed = [part for part in parts if isinstance(part, BaseException)]
+        if failed and self.streams and all(is_transient(part) for part in failed):
+            prefixes: dict[int, GeneratedPrefix | None] = {}
+            for part in parts:
+                if isinstance(part, _GroupInterrupted):
+                    prefixes.update(part.prefixes)
+                elif not isinstance(part, BaseException):
+                    prefixes.update((index, _finished_prefix(result, start)) for index, result in part)
+            raise _GroupInterrupted(prefixes) from failed[0]
+        if failed:
+            raise next((part for part in failed if not is_transient(part)), failed[0])
+        return [item for part in parts for item in part]  # type: ignore[union-attr]
 
     async def _generate_one(
-        self, prompts: list[TextPrompt], copies: list[int], start: int
+        self, prompts: list[TextPrompt], copies: list[int], start: int, publishes: int = 0
     ) -> list[tuple[int, BackendResult]]:
         first = prompts[copies[0]]
         if isinstance(first.prompt, str):
@@ -488,8 +509,11 @@ class OpenAIPolicy(TextPolicy):
         sampling = _sampling_fields(first, len(copies))
         body = {"model": self.model, "token_ids": token_ids, "sampling_params": sampling, "output_mode": "tokens"}
         self._http_requests += 1  # one event-loop thread: no lock needed
-        data = await self._client.request("POST", GENERATE_ROUTE, json=body)
         where = f"{self.base_url}{GENERATE_ROUTE}"
+        if self.streams:
+            data = await self._stream_generate(body, copies, first, start, publishes, where)
+        else:
+            data = await self._client.request("POST", GENERATE_ROUTE, json=body)
         try:
             choices = sorted(data["choices"], key=lambda choice: choice["index"])
         except (KeyError, TypeError) as exc:
@@ -500,6 +524,44 @@ class OpenAIPolicy(TextPolicy):
             (index, self._generated_result(choice, first, start, where))
             for index, choice in zip(copies, choices, strict=True)
         ]
+
+    async def _stream_generate(
+        self, body: dict[str, Any], copies: list[int], prompt: TextPrompt, start: int, publishes: int, where: str
+    ) -> dict[str, Any]:
+        """``/inference/v1/generate`` streamed: the answer as the route gives it unstreamed (each choice's
+        tokens, log-probs and, from its last chunk, weight-version spans). A stream that breaks off
+        raises `_GroupInterrupted`: a finished choice whole; an unfinished one its tokens so far, at
+        ``start`` if no publish began since the batch read its version (vLLM sends the spans only at
+        the end), else none (they are sampled again, counted in ``regenerated_tokens``)."""
+        choices = [{"index": i, "token_ids": [], "logprobs": {"content": []}} for i in range(len(copies))]
+
+        def on_event(event: dict[str, Any]) -> None:
+            for chunk in event.get("choices") or ():
+                choice = choices[int(chunk["index"])]
+                tokens = [int(token) for token in chunk.get("token_ids") or ()]
+                choice["token_ids"] += tokens
+                choice["logprobs"]["content"] += (chunk.get("logprobs") or {}).get("content") or []
+                for key in ("weight_versions", "finish_reason"):
+                    if chunk.get(key) is not None:
+                        choice[key] = chunk[key]
+                self._streamed_tokens += len(tokens)
+
+        try:
+            await self._client.stream(GENERATE_ROUTE, json={**body, "stream": True}, on_event=on_event)
+        except TransientBackendError as exc:
+            prefixes: dict[int, GeneratedPrefix | None] = {}
+            for index, choice in zip(copies, choices, strict=True):
+                ids, content = choice["token_ids"], choice["logprobs"]["content"]
+                if "weight_versions" in choice:  # finished: its last chunk came
+                    prefixes[index] = _finished_prefix(self._generated_result(choice, prompt, start, where), start)
+                elif len(content) == len(ids) and self._publishes_begun == publishes:
+                    logps = tuple(float(entry["logprob"]) for entry in content)
+                    prefixes[index] = GeneratedPrefix(tuple(ids), logps, (start,) * len(ids))
+                else:
+                    with self._stats_lock:
+                        self._resume_counts["regenerated_tokens"] += len(ids)
+            raise _GroupInterrupted(prefixes) from exc
+        return {"choices": choices}
 
     def _generated_result(self, choice: dict[str, Any], prompt: TextPrompt, start: int, where: str) -> BackendResult:
         """A ``/inference/v1/generate`` choice as a result: text decoded here (cut before the first
@@ -581,6 +643,7 @@ class OpenAIPolicy(TextPolicy):
         return self._publisher.prepare(weights, version)
 
     def _apply_weights(self, weights: str, version: int) -> None:
+        self._publishes_begun += 1  # only this thread writes it (load_weights holds its update mutex)
         generating = self._batches_generating > 0  # in flight: the update lands inside them
         self._publisher.send(weights, version)
         if self.inflight_updates and generating:
@@ -652,6 +715,28 @@ class _GroupInterrupted(TransientBackendError):
         self.prefixes = prefixes
 
 
+def _finished_prefix(result: BackendResult, version: int | None) -> GeneratedPrefix | None:
+    """A completion that was answered, as a finished prefix (None: its versions are unknown)."""
+    own = result.policy_version if result.policy_version is not None else version
+    if result.token_ids is None or (own is None and result.token_versions is None):
+        return None
+    ids = result.token_ids
+    versions = result.token_versions or (own,) * len(ids)
+    return GeneratedPrefix(ids, result.token_logps or (), versions, result.text or "", result.top_logprobs, True)  # type: ignore[arg-type]
+
+
+def _raise_failures(parts: list[Any], streams: bool, prompts: list[TextPrompt], version: int | None) -> None:
+    """Raise what failed in a batch's requests (``parts``: results or exceptions): with ``streams``
+    and only retryable failures, a `PartialBatchError` with each prompt's prefix; else the first
+    failure that is not retryable (or the first one)."""
+    failed = [part for part in parts if isinstance(part, BaseException)]
+    if not failed:
+        return
+    if streams and all(is_transient(part) for part in failed):
+        raise _partial_batch(prompts, parts, version)  # a retry continues what each completion had
+    raise next((part for part in failed if not is_transient(part)), failed[0])
+
+
 def _partial_batch(prompts: list[TextPrompt], parts: list[Any], version: int | None) -> PartialBatchError:
     """The failure of a streamed batch some of whose requests broke off: each prompt's prefix (a
     request that was answered: its completions, finished; one that broke off: what it had)."""
@@ -666,12 +751,7 @@ def _partial_batch(prompts: list[TextPrompt], parts: list[Any], version: int | N
             causes.append(part)
         else:
             for index, result in part:
-                own = result.policy_version if result.policy_version is not None else version
-                if own is not None and result.token_ids is not None:
-                    ids = result.token_ids
-                    prefixes[index] = GeneratedPrefix(
-                        ids, result.token_logps or (), (own,) * len(ids), result.text or "", result.top_logprobs, True
-                    )
+                prefixes[index] = _finished_prefix(result, version)
     cause = causes[0]
     kept = sum(len(prefix.token_ids) for prefix in prefixes if prefix is not None)
     error = PartialBatchError(f"{cause} ({kept} tokens were generated before; a retry continues from them)", prefixes)
