@@ -358,7 +358,15 @@ class LearnerStep:
         return stats
 
 
-_ENGINE_COUNTS = ("engine_restarts", "resubmitted_requests", "failed_requests", "inflight_swaps")
+_ENGINE_COUNTS = (
+    "engine_restarts",
+    "resubmitted_requests",
+    "failed_requests",
+    "inflight_swaps",
+    "resumed_requests",  # a dead engine's completions continued from their prefix (docs/inference.md)
+    "resumed_tokens",
+    "regenerated_tokens",
+)
 
 
 class TrainingRun:
