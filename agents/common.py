@@ -514,14 +514,15 @@ def report_run_error(name: str, exc: BaseException, folder: Path | None, setup: 
     return 2 if setup else 1
 
 
-def _checkpoint_words(agent: Any, saves: str) -> str:
+def _checkpoint_words(agent: Any, saves: str, stopped: bool = False) -> str:
     path = getattr(agent, "checkpoint_path", None)
     if path is None:
         return f"none (--checkpoint-dir DIR saves one {saves})" if saves else "none (this agent keeps none)"
     if not Path(path).exists():
         return f"none yet ({path} is written {saves})"
     saved = getattr(agent, "saved_position", None)
-    return str(path) if saved is None else f"{path} (at {saved}, the last complete update)"
+    # stopped mid-update: the checkpoint holds an earlier point than where the run stopped
+    return f"{path} (at {saved}, the last complete update)" if stopped and saved is not None else str(path)
 
 
 def where_line(agent: Any, saves: str, *, start: bool = False) -> str:
@@ -600,7 +601,10 @@ def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], *, nam
         if agent is None:
             print(f"\n{name}: stopped before training started", flush=True)
         else:
-            print(f"\n{name}: stopped at {agent.position}, checkpoint at {_checkpoint_words(agent, saves)}", flush=True)
+            print(
+                f"\n{name}: stopped at {agent.position}, checkpoint at {_checkpoint_words(agent, saves, stopped=True)}",
+                flush=True,
+            )
         raise SystemExit(130) from None
     print(summary(result))
     print(where_line(agent, saves))
