@@ -1,26 +1,27 @@
-"""Record and replay an LM run's schedule: which samples, of which versions, entered which update.
+"""Record and replay a run's schedule: which samples, of which versions, entered which update.
 
-An async run's batches are decided by timing (which completion finished first, which version was
-current when it started); ``--record-schedule`` keeps them, so ``--replay DIR`` can re-run the
-learner on exactly those batches, in order, without generating: the same updates from the same
-state give the same parameters, bit for bit. What a replay needs of each update: the groups the
-learner took (completions with their behaviour log-probs, per-token versions and rewards), the
-learner's version then, the prompts done after it, and the RNG states (minibatch order).
+An async run's batches are decided by timing (which env or completion finished first, which
+version was current when it acted); ``--record-schedule`` keeps them, so ``--replay DIR`` can re-run
+the learner on exactly those batches, in order, without acting: the same updates from the same
+state give the same parameters, bit for bit. What a replay needs of each update: the batch the
+learner took (samples with their behaviour log-probs and versions), the learner's version then,
+where the run was after it (prompts or env steps), and the RNG states. The LM agents and PPO use it.
 
 Example:
     >>> import tempfile
-    >>> from asyncvec.lm.options import LMArgs
+    >>> from dataclasses import dataclass
+    >>> @dataclass
+    ... class Args: seed: int = 0; mode: str = "async"
     >>> folder = tempfile.mkdtemp()
-    >>> writer = ScheduleWriter(folder, "rloo", LMArgs(mode="async"))
-    >>> writer.write(groups=["a batch"], version=3, prompts_done=8)
-    >>> [(u.version, u.prompts_done, u.groups) for u in read_schedule(folder, "rloo", LMArgs(mode="sync"))]
+    >>> ScheduleWriter(folder, "rloo", Args()).write(batch=["a batch"], version=3, position=8)
+    >>> [(u.version, u.position, u.batch) for u in read_schedule(folder, "rloo", Args(mode="sync"), {"mode"})]
     [(3, 8, ['a batch'])]
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -29,42 +30,6 @@ import torch
 
 from asyncvec.runs import rng_state
 
-# Options that do not change what the learner computes from a batch: a replay may differ in them.
-NOT_REPLAYED = frozenset(
-    {
-        "mode",
-        "staleness_control",
-        "bitwise_sampling",
-        "prefetch_updates",
-        "policy_batch_size",
-        "policy_wait_ms",
-        "policy_inflight_batches",
-        "deadline_ms",
-        "inflight_updates",
-        "backend",
-        "base_url",
-        "served_model",
-        "server_kind",
-        "update_token",
-        "vllm_engine",
-        "reward_workers",
-        "reward_timeout_s",
-        "reward_cache_size",
-        "total_prompts",
-        "target_reward",
-        "eval_prompts",
-        "timeout_s",
-        "output_dir",
-        "checkpoint_dir",
-        "resume",
-        "track",
-        "log_dir",
-        "progress",
-        "record_schedule",
-        "replay",
-    }
-)
-
 
 class ScheduleError(ValueError):
     """A ``--replay`` folder that cannot be replayed: missing, of another agent or options, or cut short."""
@@ -72,12 +37,12 @@ class ScheduleError(ValueError):
 
 @dataclass
 class RecordedUpdate:
-    """One update of a recorded run: the groups it took, the learner's version when it took them,
-    the prompts done after them, and the RNG states at its start."""
+    """One update of a recorded run: the batch it took, the learner's version when it took it, where
+    the run was after it (prompts or env steps done), and the RNG states at its start."""
 
-    groups: Any
+    batch: Any
     version: int
-    prompts_done: int
+    position: int
     rng: dict[str, Any]
 
 
@@ -92,18 +57,20 @@ class ScheduleWriter:
         meta = {"agent": agent, "args": asdict(args)}
         (self.folder / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
 
-    def write(self, groups: Any, version: int, prompts_done: int) -> None:
-        """Keeps the groups the next update takes, the version they meet and the RNG states now."""
+    def write(self, batch: Any, version: int, position: int) -> None:
+        """Keeps the batch of an update, the version it meets, the run's position after it and the RNG
+        states now."""
         path = self.folder / f"update_{self.updates:06d}.pt"
-        record = {"groups": groups, "version": version, "prompts_done": prompts_done, "rng": rng_state()}
+        record = {"batch": batch, "version": version, "position": position, "rng": rng_state()}
         torch.save(record, path.with_suffix(".tmp"))
         path.with_suffix(".tmp").replace(path)
         self.updates += 1
 
 
-def read_schedule(folder: str | Path, agent: str, args: Any) -> Iterator[RecordedUpdate]:
+def read_schedule(folder: str | Path, agent: str, args: Any, not_replayed: Collection[str]) -> Iterator[RecordedUpdate]:
     """The updates recorded in ``folder``, in order, after checking they were recorded by ``agent``
-    with the options in ``args`` that change what the learner computes (all but ``NOT_REPLAYED``).
+    with the options in ``args`` that change what the learner computes (all but ``not_replayed``:
+    how samples were collected, logged or how long the run was).
 
     Raises:
         ScheduleError: no schedule there, another agent's, other options, or a gap in the updates.
@@ -122,7 +89,7 @@ def read_schedule(folder: str | Path, agent: str, args: Any) -> Iterator[Recorde
         )
     current = json.loads(json.dumps(asdict(args), default=str))
     for name, value in meta.get("args", {}).items():
-        if name not in NOT_REPLAYED and current.get(name) != value:
+        if name not in not_replayed and current.get(name) != value:
             raise ScheduleError(
                 f"--replay {folder}: recorded with --{name.replace('_', '-')} {value}, not {current.get(name)}: pass "
                 f"the recorded run's options ({meta_path})"
@@ -144,4 +111,4 @@ def _records(folder: Path, paths: list[Path]) -> Iterator[RecordedUpdate]:
             record = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as exc:  # a truncated file
             raise ScheduleError(f"--replay {folder}: {path.name} is unreadable ({exc})") from exc
-        yield RecordedUpdate(record["groups"], int(record["version"]), int(record["prompts_done"]), record["rng"])
+        yield RecordedUpdate(record["batch"], int(record["version"]), int(record["position"]), record["rng"])
