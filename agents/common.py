@@ -125,6 +125,29 @@ def make_env_fn(
     return make
 
 
+NOT_REPLAYED = frozenset(  # options that do not change what PPO's learner computes from a segment (--replay)
+    {
+        "mode",
+        "backend",
+        "ray_address",
+        "ray_collectors",
+        "policy_latency_ms",
+        "env_latency_ms",
+        "env_latency_dist",
+        "max_restarts",
+        "step_timeout",
+        "target_return",
+        "track",
+        "log_dir",
+        "progress",
+        "checkpoint_dir",
+        "resume",
+        "record_schedule",
+        "replay",
+    }
+)
+
+
 @dataclass
 class EnvAgentArgs:
     """The options PPO and SAC share (where the envs run, how they fail, seeds, logs, checkpoints); each agent's

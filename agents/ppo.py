@@ -42,6 +42,7 @@ from torch.distributions import Categorical, Normal
 
 from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.agents.common import (
+    NOT_REPLAYED,
     EnvAgentArgs,
     anneal,
     collector_charts,
@@ -58,11 +59,11 @@ from asyncvec.agents.common import (
     stored_action_space,
 )
 from asyncvec.collection import next_segment, publish_pace
-from asyncvec.lm.schedule import ScheduleError, ScheduleWriter, read_schedule
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, seed_everything
+from asyncvec.schedule import ScheduleError, ScheduleWriter, read_schedule
 from asyncvec.versioning import LaggedWeights, adapt_max_staleness
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
@@ -262,7 +263,9 @@ class PPO(EnvStepsRun):
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
-        self.replay = list(read_schedule(args.replay, "ppo", args)) if args.replay else None  # (read through now)
+        self.replay = (
+            list(read_schedule(args.replay, "ppo", args, NOT_REPLAYED)) if args.replay else None
+        )  # (read through now)
         if self.replay and [r.version for r in self.replay] != list(range(len(self.replay))):
             raise ScheduleError(f"--replay {args.replay}: the updates' versions are not 0, 1, 2...: not from the start")
         # The spaces first, from one env here: a clear error before any worker starts.
@@ -634,7 +637,7 @@ class PPO(EnvStepsRun):
                     elif self.replay is not None:  # the recorded segments, in order, and no more
                         if self.updates == len(self.replay):
                             break
-                        segment = self.replay[self.updates].groups
+                        segment = self.replay[self.updates].batch
                     else:
                         obs = self._sync_segment(episodes, obs)
                         segment = self.store.get(timeout=0)
@@ -642,7 +645,7 @@ class PPO(EnvStepsRun):
                 with stages("update"):
                     stats = self.update(segment)
                 if schedule is not None:  # (after the update: the record holds the complete ones)
-                    schedule.write(groups=segment, version=self.versions.current_version, prompts_done=self.global_step)
+                    schedule.write(batch=segment, version=self.versions.current_version, position=self.global_step)
                 # (read before the publish, which releases a lockstep collector: the returns of this segment's steps)
                 returns = self._recent_returns = self.prior_returns + (
                     collector.recent_returns() if collector is not None else episodes.returns()

@@ -149,7 +149,9 @@ def one_server(args: Args, model_dir: Path, work: Path, inflight: bool) -> list[
                 began = time.perf_counter()
                 policy.load_weights(state, version, timeout_s=120)
                 ended = time.perf_counter()
-                windows.append((began, ended, dict(getattr(policy._publisher.routes, "last_publish", {}))))  # noqa: SLF001
+                # the publish's own timings (pause sent to resume answered), which no public attribute gives
+                timings = getattr(policy._publisher.routes, "last_publish", {})  # noqa: SLF001 - read-only, for the table
+                windows.append((began, ended, dict(timings)))
             time.sleep(args.gap_s)
             stop.set()
             for thread in threads:

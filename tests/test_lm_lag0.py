@@ -15,9 +15,10 @@ from asyncvec.agents import grpo, reinforce_pp, rloo
 from asyncvec.inference import HFTextPolicy, build_tiny_lm
 from asyncvec.lm import load_causal_lm, sft_warm_start
 from asyncvec.lm.groups import GroupCollector
+from asyncvec.lm.options import NOT_REPLAYED
 from asyncvec.lm.prompts import solved_prompts
 from asyncvec.lm.rewards import RewardService
-from asyncvec.lm.schedule import read_schedule
+from asyncvec.schedule import read_schedule
 from asyncvec.versioning import AdmissionControl
 
 # policy_wait_ms=0: the next batch's generation starts while the learner trains (async really runs ahead)
@@ -74,17 +75,17 @@ def test_with_batched_sampling_lag_0_trains_on_the_same_samples_up_to_the_engine
         args = args_cls(model=str(warm_dir), mode=mode, log_dir=str(logs), record_schedule=True, **{**RUN, **options})
         with agent_cls(args) as agent:
             agent.train()
-            updates[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args))
+            updates[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args, NOT_REPLAYED))
     assert len(updates["sync"]) == len(updates["async"]) == 4
     largest = 0.0
     for sync, async_ in zip(updates["sync"], updates["async"], strict=True):
-        assert (sync.version, sync.prompts_done) == (async_.version, async_.prompts_done)
-        assert sync.groups.prompt_ids == async_.groups.prompt_ids
-        assert np.array_equal(sync.groups.rewards, async_.groups.rewards)
-        assert np.array_equal(sync.groups.policy_version, async_.groups.policy_version)
-        for group, other in zip(sync.groups.completions, async_.groups.completions, strict=True):
+        assert (sync.version, sync.position) == (async_.version, async_.position)
+        assert sync.batch.prompt_ids == async_.batch.prompt_ids
+        assert np.array_equal(sync.batch.rewards, async_.batch.rewards)
+        assert np.array_equal(sync.batch.policy_version, async_.batch.policy_version)
+        for group, other in zip(sync.batch.completions, async_.batch.completions, strict=True):
             assert [s.output.token_ids for s in group] == [s.output.token_ids for s in other]
-        largest = max(largest, float(np.abs(sync.groups.logps - async_.groups.logps).max()))
+        largest = max(largest, float(np.abs(sync.batch.logps - async_.batch.logps).max()))
     assert largest <= 1e-6, f"behaviour log-probs {largest:.1e} apart"
 
 
@@ -165,12 +166,12 @@ def test_multi_turn_lag_0_plays_the_episodes_sync_does(warm_dir, tmp_path):
         args = rloo.Args(model=str(warm_dir), mode=mode, log_dir=str(tmp_path / mode), **{**options, **extra})
         with rloo.RLOO(args) as agent:
             agent.train()
-            played[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args))
+            played[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args, NOT_REPLAYED))
 
     def episodes(updates):
         return [
             [[(e.seed, e.member, [(t.completion_ids, t.reward, t.policy_version) for t in e.turns]) for e in group]
-             for group in update.groups.episodes]
+             for group in update.batch.episodes]
             for update in updates
         ]  # fmt: skip
 

@@ -11,7 +11,7 @@ from asyncvec.agents import grpo, rloo
 from asyncvec.inference import build_tiny_lm
 from asyncvec.lm import sft_warm_start
 from asyncvec.lm.prompts import solved_prompts
-from asyncvec.lm.schedule import ScheduleError
+from asyncvec.schedule import ScheduleError
 
 # policy_wait_ms=0 and one version of staleness allowed: generation runs ahead, so batches mix versions
 RUN = {

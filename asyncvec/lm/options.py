@@ -30,6 +30,42 @@ else:  # --backend's choices: the names in the table of backends (tyro reads the
     BackendName = Literal[tuple(LM_BACKENDS)]
 
 
+NOT_REPLAYED = frozenset(  # options that do not change what the learner computes from a batch (--replay)
+    {
+        "mode",
+        "staleness_control",
+        "bitwise_sampling",
+        "prefetch_updates",
+        "policy_batch_size",
+        "policy_wait_ms",
+        "policy_inflight_batches",
+        "deadline_ms",
+        "inflight_updates",
+        "backend",
+        "base_url",
+        "served_model",
+        "server_kind",
+        "update_token",
+        "vllm_engine",
+        "reward_workers",
+        "reward_timeout_s",
+        "reward_cache_size",
+        "total_prompts",
+        "target_reward",
+        "eval_prompts",
+        "timeout_s",
+        "output_dir",
+        "checkpoint_dir",
+        "resume",
+        "track",
+        "log_dir",
+        "progress",
+        "record_schedule",
+        "replay",
+    }
+)
+
+
 @dataclass
 class LMArgs:
     """Options shared by the language-model agents (each agent's ``Args`` adds its own)."""

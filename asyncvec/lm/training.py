@@ -34,9 +34,8 @@ from asyncvec.lm.build import LMParts, build_parts
 from asyncvec.lm.episodes import EpisodeGroups
 from asyncvec.lm.evaluation import confirm_target, mean_reward, target_reached
 from asyncvec.lm.learner import EpisodeBatch, LMBatch, minibatch_updates, quiet_model_libraries
-from asyncvec.lm.options import LMArgs
+from asyncvec.lm.options import NOT_REPLAYED, LMArgs
 from asyncvec.lm.results import LMTrainResult
-from asyncvec.lm.schedule import RecordedUpdate, ScheduleError, ScheduleWriter, read_schedule
 from asyncvec.losses import truncated_importance_weights
 from asyncvec.metrics import RunLogger, StageClock
 from asyncvec.runs import (
@@ -48,6 +47,7 @@ from asyncvec.runs import (
     seed_everything,
     set_rng_state,
 )
+from asyncvec.schedule import RecordedUpdate, ScheduleError, ScheduleWriter, read_schedule
 from asyncvec.versioning import AdmissionControl
 
 LossAndStats = tuple[torch.Tensor, dict[str, float]]
@@ -91,7 +91,7 @@ class LMAgent(ClosesOnExit, RunFolder):
         self.prompts_done = self.updates = 0
         state = self._load_checkpoint() if args.resume else None  # before building: a wrong one fails fast
         # --replay: the recorded updates (checked before building, so a wrong folder fails fast)
-        self._replay = read_schedule(args.replay, self.name, args) if args.replay else None
+        self._replay = read_schedule(args.replay, self.name, args, NOT_REPLAYED) if args.replay else None
         if state is not None:
             self.run_name = state.get("run_name", self.run_name)
         # A resumed run: no warm start (the checkpoint's weights replace it), its prompt stream goes on.
@@ -470,9 +470,9 @@ class TrainingRun:
                     "torch, or a model folder that changed since)"
                 )
             set_rng_state(update.rng)
-            self.prompts_done = update.prompts_done
+            self.prompts_done = update.position
             self._learn_start = time.perf_counter()
-            yield update.groups
+            yield update.batch
 
     def record(self, stats: dict[str, float], publish: Callable[[], int]) -> None:
         """After an update: ``publish()`` the learner's weights when it trained on something (no
