@@ -46,6 +46,15 @@ class LMBackend:
     """the policy talks to a server at ``--base-url`` (required), which no other backend takes"""
     inflight_server_kinds: tuple[str, ...] | None = None
     """``--inflight-updates``: None, always supported; else only with these ``--server-kind`` values"""
+    seeded_server_kinds: tuple[str, ...] | None = None
+    """per-request sampling seeds (what makes LM runs repeat and async at lag 0 sync): None, always; else only with
+    these ``--server-kind`` values (vLLM 0.32 on the CPU kills its engine when a seeded request's prefill is
+    chunked: "CPU Generator does not use offset"; its requests are not seeded)"""
+
+    def seeds_requests(self, args: Any) -> bool:
+        """Whether the collectors give each request of a run with these ``args`` its own sampling seed."""
+        kinds = self.seeded_server_kinds
+        return kinds is None or (self.needs_base_url and args.server_kind in kinds)
 
     def check(self, args: Any) -> None:
         """Raises ValueError when ``args`` ask this backend for what it cannot do (naming the flag)."""
@@ -150,8 +159,15 @@ LM_BACKENDS: dict[str, LMBackend] = {
     backend.name: backend
     for backend in (
         LMBackend("hf", make_hf_policy),
-        LMBackend("openai", make_openai_policy, needs_sync=True, needs_base_url=True, inflight_server_kinds=("vllm",)),
-        LMBackend("vllm", make_vllm_policy, sets_torch_threads=False),
+        LMBackend(
+            "openai",
+            make_openai_policy,
+            needs_sync=True,
+            needs_base_url=True,
+            inflight_server_kinds=("vllm",),
+            seeded_server_kinds=("asyncvec",),
+        ),
+        LMBackend("vllm", make_vllm_policy, sets_torch_threads=False, seeded_server_kinds=()),
     )
 }
 """``--backend`` name -> :class:`LMBackend` (``--help`` lists them in this order)."""

@@ -333,7 +333,8 @@ def _prompt_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.Exi
 
     def make_collector(policy: Any, tokenizer: Any) -> GroupCollector:
         prompts = itertools.islice(iter_prompts(env, args.seed), skip, None)
-        return GroupCollector(policy, rewarder, prompts, args.group_size, seed=args.seed, first_prompt=skip)
+        seed = args.seed if LM_BACKENDS[args.backend].seeds_requests(args) else None
+        return GroupCollector(policy, rewarder, prompts, args.group_size, seed=seed, first_prompt=skip)
 
     return _EnvSide(False, env.action_space, completion_with_answer, args, make_collector, rewarder, eval_env)
 
@@ -351,7 +352,8 @@ def _episode_side(args: LMArgs, env_kwargs: dict[str, Any], stack: contextlib.Ex
     def make_collector(policy: Any, tokenizer: Any) -> EpisodeCollector:
         return EpisodeCollector(
             envs, policy, args.group_size, tokenizer=tokenizer, system_prompt=args.system_prompt,
-            max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003 + skip, sampling_seed=args.seed,
+            max_new_tokens=args.max_new_tokens, seed=args.seed * 1_000_003 + skip,
+            sampling_seed=args.seed if LM_BACKENDS[args.backend].seeds_requests(args) else None,
             on_overflow=args.on_overflow,
         )  # fmt: skip
 
