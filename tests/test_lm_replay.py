@@ -52,7 +52,8 @@ def test_a_replay_ends_with_the_recorded_runs_parameters_bitwise(warm_dir, recor
     assert result.updates == 5 and result.prompts == 20
     assert all(torch.equal(replayed[name], parameters[name]) for name in parameters)
     # a fresh async run of the same options is another run: the schedule is what made the replay exact
-    start = {k: v.clone() for k, v in rloo.RLOO(rloo.Args(model=str(warm_dir), **options)).learner.state_dict().items()}
+    with rloo.RLOO(rloo.Args(model=str(warm_dir), **options)) as fresh:  # closed: no thread left behind
+        start = {k: v.clone() for k, v in fresh.learner.state_dict().items()}
     assert any(not torch.equal(start[name], parameters[name]) for name in parameters), "training changed nothing"
 
 
