@@ -85,4 +85,5 @@ def test_a_schedule_that_cannot_be_replayed_is_one_clear_error(warm_dir, recorde
 
 def test_replay_of_a_missing_folder_on_the_command_line_is_one_line(tmp_path):
     done = run([script("rloo"), "--replay", "nowhere", "--no-progress", "--eval-prompts", "0"], tmp_path)
-    one_line_error(done, "RLOO: error: --replay nowhere: no recorded schedule there")
+    line = one_line_error(done, "RLOO: error: --replay nowhere: no recorded schedule there")
+    assert done.returncode == 2 and "--record-schedule" in line, line  # the line names the fix too

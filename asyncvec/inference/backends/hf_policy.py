@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from asyncvec.inference.backends.streamed import finished_prefix
 from asyncvec.inference.text import TextPolicy, group_by_sampling, truncate_at_stop
 from asyncvec.inference.types import BackendResult, GeneratedPrefix, PartialBatchError, TextPrompt
 from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
@@ -195,7 +196,7 @@ class HFTextPolicy(TextPolicy):
             except _Interrupted as interrupted:
                 # what every prompt had: the groups before, complete; this one, its tokens so far; the rest, nothing
                 prefixes: list[GeneratedPrefix | None] = [
-                    None if result is None else _finished_prefix(result, self.policy_version) for result in results
+                    None if result is None else finished_prefix(result, self.policy_version) for result in results
                 ]
                 for index, prefix in zip(indices, interrupted.prefixes, strict=True):
                     prefixes[index] = prefix
@@ -420,12 +421,3 @@ class _Interrupted(Exception):
     def __init__(self, prefixes: list[GeneratedPrefix], steps: int) -> None:
         super().__init__(f"sampling failed after {steps} step(s)")
         self.prefixes, self.steps = prefixes, steps
-
-
-def _finished_prefix(result: BackendResult, version: int) -> GeneratedPrefix:
-    """A group's complete result as a finished prefix (a later group of its batch failed)."""
-    ids = result.token_ids or ()
-    versions = result.token_versions or (
-        result.policy_version if result.policy_version is not None else version,
-    ) * len(ids)
-    return GeneratedPrefix(ids, result.token_logps or (), tuple(versions), result.text or "", result.top_logprobs, True)

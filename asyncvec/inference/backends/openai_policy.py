@@ -16,6 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 from asyncvec.inference.backends.server_client import ServerClient, is_transient
 from asyncvec.inference.backends.server_routes import GENERATE_ROUTE, ROUTES, SERVER_KINDS, parse_version
+from asyncvec.inference.backends.streamed import (
+    GroupInterrupted,
+    StreamedChoice,
+    finished_prefix,
+    raise_failures,
+    token_id,
+)
 from asyncvec.inference.backends.vllm_policy import token_versions_of
 from asyncvec.inference.backends.weight_publisher import WeightPublisher
 from asyncvec.inference.text import TextPolicy, group_by_sampling, group_identical
@@ -24,15 +31,12 @@ from asyncvec.inference.types import (
     BackendRejectedError,
     BackendResult,
     GeneratedPrefix,
-    PartialBatchError,
     TextPrompt,
     TransientBackendError,
 )
 
 if TYPE_CHECKING:
     from asyncvec.inference.serving.supervisor import EngineSupervisor
-
-TOKEN_ID_PREFIX = "token_id:"
 
 
 class OpenAIPolicy(TextPolicy):
@@ -387,13 +391,13 @@ class OpenAIPolicy(TextPolicy):
                 )
             finally:
                 self._batches_generating -= 1
-            _raise_failures(parts, self.streams, prompts, start)
+            raise_failures(parts, self.streams, prompts, start)
             answered = dict(item for part in parts for item in part)
             return [answered[index] for index in range(len(prompts))]
         parts = await asyncio.gather(
             *(self._complete_group(prompts, indices, before) for indices in groups), return_exceptions=True
         )
-        _raise_failures(parts, self.streams, prompts, before)
+        raise_failures(parts, self.streams, prompts, before)
         after = await self._routes.batch_version()
         if before != after:
             raise TransientBackendError(
@@ -444,8 +448,8 @@ class OpenAIPolicy(TextPolicy):
         self, prompts: list[TextPrompt], body: dict[str, Any], entries: list[list[int]], n: int, version: int | None
     ) -> list[tuple[int, BackendResult]]:
         """`_complete_group` streamed: each choice's tokens are kept as they arrive, so that a stream
-        cut off by a dying server raises `_GroupInterrupted` with every completion's prefix."""
-        streamed = [_Streamed() for _ in range(len(entries) * n)]
+        cut off by a dying server raises `GroupInterrupted` with every completion's prefix."""
+        streamed = [StreamedChoice() for _ in range(len(entries) * n)]
         where = f"{self.base_url}/v1/completions"
 
         def on_event(event: dict[str, Any]) -> None:
@@ -461,7 +465,7 @@ class OpenAIPolicy(TextPolicy):
             prefixes = {
                 entries[position // n][position % n]: each.prefix(version) for position, each in enumerate(streamed)
             }
-            raise _GroupInterrupted(prefixes) from exc
+            raise GroupInterrupted(prefixes) from exc
         out = []
         for position, each in enumerate(streamed):
             index = entries[position // n][position % n]
@@ -488,11 +492,11 @@ class OpenAIPolicy(TextPolicy):
         if failed and self.streams and all(is_transient(part) for part in failed):
             prefixes: dict[int, GeneratedPrefix | None] = {}
             for part in parts:
-                if isinstance(part, _GroupInterrupted):
+                if isinstance(part, GroupInterrupted):
                     prefixes.update(part.prefixes)
                 elif not isinstance(part, BaseException):
-                    prefixes.update((index, _finished_prefix(result, start)) for index, result in part)
-            raise _GroupInterrupted(prefixes) from failed[0]
+                    prefixes.update((index, finished_prefix(result, start)) for index, result in part)
+            raise GroupInterrupted(prefixes) from failed[0]
         if failed:
             raise next((part for part in failed if not is_transient(part)), failed[0])
         return [item for part in parts for item in part]  # type: ignore[union-attr]
@@ -530,7 +534,7 @@ class OpenAIPolicy(TextPolicy):
     ) -> dict[str, Any]:
         """``/inference/v1/generate`` streamed: the answer as the route gives it unstreamed (each choice's
         tokens, log-probs and, from its last chunk, weight-version spans). A stream that breaks off
-        raises `_GroupInterrupted`: a finished choice whole; an unfinished one its tokens so far, at
+        raises `GroupInterrupted`: a finished choice whole; an unfinished one its tokens so far, at
         ``start`` if no publish began since the batch read its version (vLLM sends the spans only at
         the end), else none (they are sampled again, counted in ``regenerated_tokens``)."""
         choices = [{"index": i, "token_ids": [], "logprobs": {"content": []}} for i in range(len(copies))]
@@ -553,14 +557,14 @@ class OpenAIPolicy(TextPolicy):
             for index, choice in zip(copies, choices, strict=True):
                 ids, content = choice["token_ids"], choice["logprobs"]["content"]
                 if "weight_versions" in choice:  # finished: its last chunk came
-                    prefixes[index] = _finished_prefix(self._generated_result(choice, prompt, start, where), start)
+                    prefixes[index] = finished_prefix(self._generated_result(choice, prompt, start, where), start)
                 elif len(content) == len(ids) and self._publishes_begun == publishes:
                     logps = tuple(float(entry["logprob"]) for entry in content)
                     prefixes[index] = GeneratedPrefix(tuple(ids), logps, (start,) * len(ids))
                 else:
                     with self._stats_lock:
                         self._resume_counts["regenerated_tokens"] += len(ids)
-            raise _GroupInterrupted(prefixes) from exc
+            raise GroupInterrupted(prefixes) from exc
         return {"choices": choices}
 
     def _generated_result(self, choice: dict[str, Any], prompt: TextPrompt, start: int, where: str) -> BackendResult:
@@ -618,11 +622,11 @@ class OpenAIPolicy(TextPolicy):
                 f"{self.base_url}/v1/completions: a choice lacks text/logprobs.token_logprobs ({exc!r}); "
                 "does the server support logprobs?"
             ) from exc
-        token_ids = [_token_id(token) for token in tokens] if self.return_token_ids and tokens is not None else None
+        token_ids = [token_id(token) for token in tokens] if self.return_token_ids and tokens is not None else None
         top_rows = None
         if top_k and top is not None:
             top_rows = [
-                {_token_id(key) if self.return_token_ids else key: value for key, value in row.items()} for row in top
+                {token_id(key) if self.return_token_ids else key: value for key, value in row.items()} for row in top
             ]
         version = choice.get("policy_version", response_version)
         return self._text_result(text, token_ids, token_logps, top_rows, policy_version=version)
@@ -651,112 +655,6 @@ class OpenAIPolicy(TextPolicy):
 
     def _close_backend(self) -> None:
         self._client.close()
-
-
-class _Streamed:
-    """One choice of a streamed completion, as its chunks arrive."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.token_logps: list[float] = []
-        self.versions: list[int | None] = []
-        self.tops: list[dict[int, float]] | None = []
-        self.text = ""
-        self.finished = False
-        self.final: dict[str, Any] | None = None
-
-    def add(self, choice: dict[str, Any], version: int | None) -> int:
-        """Take one streamed chunk of this choice; returns how many tokens it brought."""
-        if "completion" in choice:
-            self.final, self.finished = choice["completion"], True
-            return 0
-        logprobs = choice.get("logprobs") or {}
-        tokens = logprobs.get("tokens") or []
-        self.token_ids += [_token_id(token) for token in tokens]
-        self.token_logps += [float(value) for value in logprobs.get("token_logprobs") or []]
-        self.versions += [choice.get("policy_version", version)] * len(tokens)
-        top = logprobs.get("top_logprobs")
-        if top is None or self.tops is None:
-            self.tops = None
-        else:
-            self.tops += [{_token_id(key): float(value) for key, value in row.items()} for row in top]
-        self.text += choice.get("text") or ""
-        self.finished = self.finished or choice.get("finish_reason") is not None
-        return len(tokens)
-
-    def top_rows(self, top_k: int) -> list[dict[int, float]] | None:
-        return self.tops if top_k and self.tops else None
-
-    def prefix(self, version: int | None) -> GeneratedPrefix | None:
-        """What this choice had when its stream broke off (None: nothing usable)."""
-        if self.final is not None:
-            final = self.final
-            logprobs = final.get("logprobs") or {}
-            ids = tuple(_token_id(token) for token in logprobs.get("tokens") or ())
-            own = final.get("policy_version", version)
-            if own is None:
-                return None
-            logps = tuple(float(value) for value in logprobs.get("token_logprobs") or ())
-            return GeneratedPrefix(ids, logps, (int(own),) * len(ids), final.get("text") or "", finished=True)
-        if len(self.token_ids) != len(self.token_logps) or any(v is None for v in self.versions):
-            return None
-        tops = tuple(self.tops) if self.tops else None
-        return GeneratedPrefix(
-            tuple(self.token_ids), tuple(self.token_logps), tuple(int(v) for v in self.versions), self.text, tops,  # type: ignore[arg-type]
-            finished=self.finished,
-        )  # fmt: skip
-
-
-class _GroupInterrupted(TransientBackendError):
-    """One streamed request broke off; ``prefixes``: each of its completions' prefix by batch index."""
-
-    def __init__(self, prefixes: dict[int, GeneratedPrefix | None]) -> None:
-        super().__init__("a streamed request broke off")
-        self.prefixes = prefixes
-
-
-def _finished_prefix(result: BackendResult, version: int | None) -> GeneratedPrefix | None:
-    """A completion that was answered, as a finished prefix (None: its versions are unknown)."""
-    own = result.policy_version if result.policy_version is not None else version
-    if result.token_ids is None or (own is None and result.token_versions is None):
-        return None
-    ids = result.token_ids
-    versions = result.token_versions or (own,) * len(ids)
-    return GeneratedPrefix(ids, result.token_logps or (), versions, result.text or "", result.top_logprobs, True)  # type: ignore[arg-type]
-
-
-def _raise_failures(parts: list[Any], streams: bool, prompts: list[TextPrompt], version: int | None) -> None:
-    """Raise what failed in a batch's requests (``parts``: results or exceptions): with ``streams``
-    and only retryable failures, a `PartialBatchError` with each prompt's prefix; else the first
-    failure that is not retryable (or the first one)."""
-    failed = [part for part in parts if isinstance(part, BaseException)]
-    if not failed:
-        return
-    if streams and all(is_transient(part) for part in failed):
-        raise _partial_batch(prompts, parts, version)  # a retry continues what each completion had
-    raise next((part for part in failed if not is_transient(part)), failed[0])
-
-
-def _partial_batch(prompts: list[TextPrompt], parts: list[Any], version: int | None) -> PartialBatchError:
-    """The failure of a streamed batch some of whose requests broke off: each prompt's prefix (a
-    request that was answered: its completions, finished; one that broke off: what it had)."""
-    prefixes: list[GeneratedPrefix | None] = [None] * len(prompts)
-    causes = []
-    for part in parts:
-        if isinstance(part, _GroupInterrupted):
-            causes.append(part.__cause__ or part)
-            for index, prefix in part.prefixes.items():
-                prefixes[index] = prefix
-        elif isinstance(part, BaseException):
-            causes.append(part)
-        else:
-            for index, result in part:
-                prefixes[index] = _finished_prefix(result, version)
-    cause = causes[0]
-    kept = sum(len(prefix.token_ids) for prefix in prefixes if prefix is not None)
-    error = PartialBatchError(f"{cause} ({kept} tokens were generated before; a retry continues from them)", prefixes)
-    error.__cause__ = cause
-    return error
 
 
 def _not_answered(future: concurrent.futures.Future) -> bool:
@@ -792,9 +690,3 @@ def _sampling_fields(prompt: TextPrompt, n: int) -> dict[str, Any]:
 
 def _wire_prompt(prompt: str | tuple[int, ...]) -> str | list[int]:
     return prompt if isinstance(prompt, str) else list(prompt)
-
-
-def _token_id(token: Any) -> int:
-    if isinstance(token, str) and token.startswith(TOKEN_ID_PREFIX):
-        return int(token[len(TOKEN_ID_PREFIX) :])
-    raise BackendRejectedError(f"expected tokens as '{TOKEN_ID_PREFIX}N' (return_tokens_as_token_ids), got {token!r}")
