@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -304,6 +305,9 @@ class DistributedCollector(BackgroundCollector):
         self._lock = threading.Lock()
         self._started_at = 0.0
         self._policy_ref: Any = None
+        # names this collector's run to the actors: a late stop, pull or sync of an earlier
+        # DistributedCollector on the same RayCollectors must not reach this one's run
+        self._run = uuid.uuid4().hex
 
     # ------------------------------------------------------------------ control
     def start(self) -> DistributedCollector:
@@ -323,8 +327,12 @@ class DistributedCollector(BackgroundCollector):
         import ray
 
         super().stop(timeout)
-        stopping = [a.stop.remote() for i, a in enumerate(self.collectors.actors) if i not in self.collectors.lost]
-        ray.wait(stopping, num_returns=len(stopping), timeout=self.stop_timeout_s if timeout is None else timeout)
+        actors = [a for i, a in enumerate(self.collectors.actors) if i not in self.collectors.lost]
+        stopping = [actor.stop.remote(self._run) for actor in actors]
+        timeout = self.stop_timeout_s if timeout is None else timeout
+        _, waiting = ray.wait(stopping, num_returns=len(stopping), timeout=timeout)
+        if waiting:
+            logger.warning("%d of %d collectors did not stop within %s s", len(waiting), len(stopping), timeout)
 
     def __enter__(self) -> DistributedCollector:
         return self.start()
@@ -340,7 +348,7 @@ class DistributedCollector(BackgroundCollector):
             self._latest = (ref, int(version))
             self._learner_sent = max(self._learner_sent, int(version))
         for actor in self.collectors.actors:
-            actor.sync.remote(ref, int(version), int(version))
+            actor.sync.remote(ref, int(version), int(version), self._run)
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
@@ -417,9 +425,13 @@ class DistributedCollector(BackgroundCollector):
         learner = self.version_manager.current_version if self.version_manager is not None else version
         actor = self.collectors.actors[index]
         self._incarnation[index] = ray.get(
-            actor.start.remote(self._policy_ref, self._config(index), weights, version, learner),
+            actor.start.remote(self._policy_ref, self._config(index), weights, version, learner, self._run),
             timeout=self.collectors.start_timeout_s,
         )
+        with self._lock:
+            latest = self._latest
+        if latest is not None and latest[1] > version:  # published while the actor started
+            actor.sync.remote(latest[0], latest[1], latest[1], self._run)
 
     def _loop(self) -> None:
         import ray
@@ -431,7 +443,7 @@ class DistributedCollector(BackgroundCollector):
             busy = set(pulls.values())
             for index, actor in enumerate(self.collectors.actors):
                 if index not in busy and not self._all_envs_full(index):
-                    pulls[actor.take.remote(0.2)] = index
+                    pulls[actor.take.remote(0.2, self._run)] = index
             if not pulls:
                 self._stopping.wait(0.01)
                 continue
@@ -446,6 +458,11 @@ class DistributedCollector(BackgroundCollector):
                 if not reply["started"] or reply["incarnation"] != self._incarnation[index]:
                     self._recover(index, None)  # rebuilt since the last pull
                     continue
+                if reply["run"] != self._run:
+                    raise CollectorError(
+                        f"collector {index} was started by another DistributedCollector: one RayCollectors "
+                        "serves one DistributedCollector at a time (stop the first before starting the next)"
+                    )
                 self._commit(index, reply)
 
     def _on_failure(self) -> None:
@@ -463,7 +480,7 @@ class DistributedCollector(BackgroundCollector):
             latest = self._latest
         weights, weights_version = latest if latest is not None else (None, 0)
         for actor in self.collectors.actors:
-            actor.sync.remote(None if weights is None else weights, weights_version, version)
+            actor.sync.remote(None if weights is None else weights, weights_version, version, self._run)
 
     def _commit(self, index: int, reply: dict[str, Any]) -> None:
         with self._lock:
