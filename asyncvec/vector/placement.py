@@ -94,8 +94,10 @@ class StepProfile:
 
     Attributes:
         step_s: median wall seconds of one ``step``.
-        cpu_share: CPU seconds used per wall second of stepping (about 1 for a simulator, about
-            0 for an env that sleeps or waits).
+        cpu_share: CPU seconds used per wall second of stepping that had a CPU or did not want
+            one (about 1 for a simulator, about 0 for an env that sleeps or waits; the time a step
+            sat ready while other processes held the cores does not count, so load does not make
+            a simulator look like a waiting env).
         round_trip_s: (the probe only) median overhead of one step message to a worker process and
             back, less the step itself; ``None`` if not measured.
         steps: how many steps were timed.
@@ -107,10 +109,17 @@ class StepProfile:
     steps: int = 0
 
     @staticmethod
-    def from_timings(walls: Sequence[float], cpus: Sequence[float], round_trip_s: float | None = None) -> StepProfile:
-        """The profile of timed steps: median wall, and the median step's CPU share (on a loaded
-        machine some steps of a CPU-bound env are preempted; the median still shows what it needs)."""
-        cpu_share = min(1.0, statistics.median(cpu / max(wall, 1e-9) for cpu, wall in zip(cpus, walls)))
+    def from_timings(
+        walls: Sequence[float],
+        cpus: Sequence[float],
+        round_trip_s: float | None = None,
+        ready_waits: Sequence[float] | None = None,
+    ) -> StepProfile:
+        """The profile of timed steps: median wall, and the median step's CPU share of the wall
+        time less ``ready_waits`` (seconds each step sat ready for a CPU; see `StepProfile`)."""
+        waits = ready_waits if ready_waits is not None else [0.0] * len(walls)
+        shares = (cpu / max(wall - wait, 1e-9) for cpu, wall, wait in zip(cpus, walls, waits, strict=True))
+        cpu_share = min(1.0, statistics.median(shares))
         return StepProfile(statistics.median(walls), cpu_share, round_trip_s, len(walls))
 
     @property
@@ -514,7 +523,7 @@ def profile_env(
         if skip is not None:
             raise RuntimeError(f"not measured: {skip}")
         timings = _ask(transport, (0, "probe", None))
-        profile = StepProfile.from_timings(timings["step_s"], timings["cpu_s"])
+        profile = StepProfile.from_timings(timings["step_s"], timings["cpu_s"], ready_waits=timings["ready_s"])
         round_trip_s = None
         if profile.step_s < PROBE_ROUND_TRIP_MAX_STEP_S:  # for slower steps the round trip does not change the choice
             space = copy.deepcopy(_ask(transport, (0, "call", ("action_space", (), {}))))

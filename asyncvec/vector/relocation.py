@@ -264,7 +264,11 @@ class Relocator:
 
 def _profiles(timings: list[Any]) -> tuple[StepProfile, ...]:
     """One profile per env from its timed steps; an env never stepped costs the median of the others."""
-    measured = {i: StepProfile.from_timings([w for w, _ in t], [c for _, c in t]) for i, t in enumerate(timings) if t}
+    measured = {
+        i: StepProfile.from_timings([w for w, _, _ in t], [c for _, c, _ in t], ready_waits=[r for _, _, r in t])
+        for i, t in enumerate(timings)
+        if t
+    }
     typical = StepProfile(
         statistics.median(p.step_s for p in measured.values()),
         statistics.median(p.cpu_share for p in measured.values()),

@@ -23,7 +23,7 @@ Commands (per env):
   ``"check_spaces"`` ``(observation_mode, observation_space, action_space)``,
   ``"spaces"`` (answers the env's spaces, metadata and render mode), ``"probe"`` (times random
   steps: :func:`time_steps`; only for ``placement="probe"``, which the user opts into).
-* Placement (:mod:`~asyncvec.vector.relocation`): ``"timings"`` answers the wall and CPU seconds
+* Placement (:mod:`~asyncvec.vector.relocation`): ``"timings"`` answers the wall, CPU and ready-wait seconds
   of the env's first steps (the user's own steps, timed as they run), ``"export"`` the env's
   whole state as bytes (cloudpickle: the env object, its autoreset flag and pending seed),
   ``"detach"`` drops the env without closing it (its copy lives on elsewhere).
@@ -149,13 +149,34 @@ def error_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
     return type(exc).__name__, str(exc), traceback.format_exc(), pickled
 
 
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def ready_wait_s() -> float:
+    """Seconds this thread has spent ready to run but waiting for a CPU (Linux schedstat's run
+    delay), 0.0 where the kernel does not say. A step's CPU share is measured against the time it
+    had a CPU or did not want one: on a loaded machine a CPU-bound env is preempted, and its
+    share of wall time alone would look like an env that waits (placement's test)."""
+    try:
+        with open(_SCHEDSTAT, "rb") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def step_clock() -> tuple[float, float, float]:
+    """(wall, process CPU, ready-wait) seconds now; differences of two readings time a step."""
+    return time.perf_counter(), time.process_time(), ready_wait_s()
+
+
 def time_steps(
     env: Env[Any, Any], budget_s: float = PROBE_BUDGET_S, max_steps: int = PROBE_MAX_STEPS
 ) -> dict[str, Any]:
     """Steps ``env`` with random actions (a seeded copy of its action space) and times each step.
 
     Runs in the probe's worker process (the ``"probe"`` command, ``placement="probe"`` only). Returns
-    ``{"step_s": [...], "cpu_s": [...]}``, wall and process-CPU seconds per step; a reset after an
+    ``{"step_s": [...], "cpu_s": [...], "ready_s": [...]}``, wall, process-CPU and ready-wait seconds
+    per step (`step_clock`); a reset after an
     episode's end is not timed. Stops after ``budget_s`` of stepping, ``max_steps`` steps, or one
     step longer than ``PROBE_SLOW_STEP_S``.
     """
@@ -164,20 +185,22 @@ def time_steps(
     env.reset(seed=0)
     walls: list[float] = []
     cpus: list[float] = []
+    readies: list[float] = []
     spent = 0.0
     while len(walls) < max_steps and spent < budget_s:
         action = space.sample()
-        wall, cpu = time.perf_counter(), time.process_time()
+        before = step_clock()
         _, _, terminated, truncated, _ = env.step(action)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu, ready = (after - start for after, start in zip(step_clock(), before, strict=True))
         walls.append(wall)
         cpus.append(cpu)
+        readies.append(ready)
         spent += wall
         if wall > PROBE_SLOW_STEP_S:
             break
         if terminated or truncated:
             env.reset()
-    return {"step_s": walls, "cpu_s": cpus}
+    return {"step_s": walls, "cpu_s": cpus, "ready_s": readies}
 
 
 class EnvGroup:
@@ -241,8 +264,9 @@ class EnvGroup:
                 self.close()
                 raise BuildFailureError(BuildFailure(position, error_payload(exc))) from exc
         self._mark(None)
-        # (wall, cpu) seconds of each env's first `timed_steps` steps; timing stops once every env has them
-        self.timings: list[list[tuple[float, float]]] = [[] for _ in self.envs]
+        # (wall, cpu, ready-wait) seconds of each env's first `timed_steps` steps (`step_clock`); timing
+        # stops once every env has them
+        self.timings: list[list[tuple[float, float, float]]] = [[] for _ in self.envs]
         self._timed_steps = timed_steps
         self._timing = timed_steps > 0
 
@@ -380,11 +404,12 @@ class EnvGroup:
         return self._untimed_step(position, action)
 
     def _timed_step(self, position: int, action: Any) -> tuple[Any, ...]:
-        wall, cpu = time.perf_counter(), time.process_time()
+        before = step_clock()
         result = self._untimed_step(position, action)
         timings = self.timings[position]
         if len(timings) < self._timed_steps:
-            timings.append((time.perf_counter() - wall, time.process_time() - cpu))
+            wall, cpu, ready = (after - start for after, start in zip(step_clock(), before, strict=True))
+            timings.append((wall, cpu, ready))
             self._timing = any(len(t) < self._timed_steps for t in self.timings)
         return result
 
