@@ -55,7 +55,12 @@ class FailingForward:
 
 
 def make_policy(reference, **kwargs):
+    """The counts below assume one batch per `act`: it leaves once every prompt is in (a batch of
+    all of them, or 1 s; with the default 5 ms a loaded machine once split it, and 1 prompt of 4
+    was in the batch that failed)."""
     kwargs.setdefault("max_new_tokens", NEW_TOKENS)
+    kwargs.setdefault("max_batch_size", len(PROMPTS))
+    kwargs.setdefault("max_wait_ms", 1000)
     return HFTextPolicy(
         reference.model_dir, action_parser=str, fallback=lambda obs, env_id: "", seed=0, retry_backoff_ms=0, **kwargs
     )
