@@ -386,7 +386,10 @@ def test_ray_placement_is_one_env_per_actor_unless_probed_and_never_in_process(c
         placement = envs.placement
         assert not placement.in_process and placement.profile is not None, placement
         assert placement.num_workers == len(set(envs.worker_pids)) <= 4
-        assert placement.num_workers <= max(1, int(ray.cluster_resources()["CPU"])), placement
+        # regrouped onto no more actors than CPUs, or kept one env per actor because the measured steps
+        # and round trips predict regrouping less than REGROUP_MARGIN faster (a loaded run measured that)
+        cpus = max(1, int(ray.cluster_resources()["CPU"]))
+        assert placement.num_workers <= cpus or placement.reason.startswith("stays: "), placement
         envs.reset(seed=0)
         envs.step(np.ones(4, dtype=np.int64))
 

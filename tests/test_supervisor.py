@@ -319,14 +319,16 @@ def test_a_vllm_server_killed_mid_stream_is_restarted_and_continues_each_complet
     from asyncvec.inference import VLLMServer
     from asyncvec.testing.checks import LOGP_TOLERANCE, VersionedReference
 
-    model_dir = build_tiny_lm(tmp_path / MODEL, arch="gpt2", seed=0)
+    # 400-token completions: the kill must land while they stream (with 100, a loaded machine once let
+    # all of them finish between the first streamed tokens and the kill, and nothing was resumed)
+    model_dir = build_tiny_lm(tmp_path / MODEL, arch="gpt2", seed=0, max_positions=512)
     reference = VersionedReference(model_dir)
     with VLLMServer(
-        model_dir, served_model_name=MODEL, max_model_len=128, enable_scale_out=True, startup_timeout_s=600
+        model_dir, served_model_name=MODEL, max_model_len=512, enable_scale_out=True, startup_timeout_s=600
     ) as process:
         for inflight in (False, True):
             with OpenAIPolicy(
-                process.url, MODEL, str, server_kind="vllm", fallback=lambda obs, env_id: "", max_new_tokens=100,
+                process.url, MODEL, str, server_kind="vllm", fallback=lambda obs, env_id: "", max_new_tokens=400,
                 request_timeout_s=120, checkpoint_dir=tmp_path / "checkpoints", model_dir=model_dir,
                 supervisor=EngineSupervisor(process), inflight_updates=inflight,
             ) as policy:  # fmt: skip
