@@ -165,8 +165,19 @@ def ready_wait_s() -> float:
 
 
 def step_clock() -> tuple[float, float, float]:
-    """(wall, process CPU, ready-wait) seconds now; differences of two readings time a step."""
-    return time.perf_counter(), time.process_time(), ready_wait_s()
+    """(wall, process CPU, ready-wait) seconds before a step; `step_elapsed` gives the step's share.
+    The schedstat file is read outside the wall and CPU windows: on a 10 us step its read would
+    otherwise count as part of the env's step."""
+    ready = ready_wait_s()
+    cpu = time.process_time()
+    return time.perf_counter(), cpu, ready
+
+
+def step_elapsed(before: tuple[float, float, float]) -> tuple[float, float, float]:
+    """(wall, process CPU, ready-wait) seconds since ``before`` (from `step_clock`)."""
+    wall = time.perf_counter() - before[0]
+    cpu = time.process_time() - before[1]
+    return wall, cpu, ready_wait_s() - before[2]
 
 
 def time_steps(
@@ -191,7 +202,7 @@ def time_steps(
         action = space.sample()
         before = step_clock()
         _, _, terminated, truncated, _ = env.step(action)
-        wall, cpu, ready = (after - start for after, start in zip(step_clock(), before, strict=True))
+        wall, cpu, ready = step_elapsed(before)
         walls.append(wall)
         cpus.append(cpu)
         readies.append(ready)
@@ -408,8 +419,7 @@ class EnvGroup:
         result = self._untimed_step(position, action)
         timings = self.timings[position]
         if len(timings) < self._timed_steps:
-            wall, cpu, ready = (after - start for after, start in zip(step_clock(), before, strict=True))
-            timings.append((wall, cpu, ready))
+            timings.append(step_elapsed(before))
             self._timing = any(len(t) < self._timed_steps for t in self.timings)
         return result
 
