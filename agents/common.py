@@ -26,6 +26,7 @@ from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.slow import SlowEnv
 from asyncvec.extras import MissingExtraError, missing_env_extra
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
+from asyncvec.lifecycle import interrupts_outside_locks
 from asyncvec.lm.results import LMTrainResult, summary
 from asyncvec.runs import check_env_id
 from asyncvec.vector import WorkerError
@@ -587,9 +588,16 @@ def run_from_cli(build: Callable[[], Any], summary: Callable[[Any], str], *, nam
     its checkpoint is written ('' for an agent without one).
 
     Ctrl-C stops the run within a second (``train`` closes envs, workers and threads), says where it stopped
-    and where its checkpoint is (written after the last complete update), and exits 130. An error while
+    and where its checkpoint is (written after the last complete update), and exits 130; it never lands where it
+    would leave a lock held, and a stop still running after 20 s prints where each thread waits
+    (`asyncvec.lifecycle.interrupts_outside_locks`). An error while
     training is one line naming what failed, with where its full traceback was written (`report_run_error`;
     ``ASYNCVEC_TRACEBACK=1`` raises it instead): exit 2 for an env failing in its worker, 1 otherwise."""
+    with interrupts_outside_locks():  # a Ctrl-C never leaves a lock held (the stop would wait out timeouts)
+        return _run_agent(build, summary, name, saves)
+
+
+def _run_agent(build: Callable[[], Any], summary: Callable[[Any], str], name: str, saves: str) -> Any | None:
     agent = None
     try:
         with exit_on_setup_error(name):

@@ -142,38 +142,43 @@ class VersionLock:
 
     @contextmanager
     def read(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
+        entered = False  # set with the count, so an interrupt anywhere leaves the count as it found it
         try:
+            with self._cond:
+                while self._writer or self._writers_waiting:
+                    self._cond.wait()
+                self._readers += 1
+                entered = True
             yield
         finally:
-            with self._cond:
-                self._readers -= 1
-                if self._readers == 0:
-                    self._cond.notify_all()
+            if entered:
+                with self._cond:
+                    self._readers -= 1
+                    if self._readers == 0:
+                        self._cond.notify_all()
 
     @contextmanager
     def write(self, timeout: float) -> Iterator[None]:
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                acquired = self._cond.wait_for(lambda: not self._writer and self._readers == 0, timeout)
-                if acquired:
-                    self._writer = True
-            finally:
-                self._writers_waiting -= 1
-                if not self._writer:
-                    self._cond.notify_all()
+        acquired = False  # an interrupt after the swap was granted still hands it back (readers would wait forever)
+        try:
+            with self._cond:
+                self._writers_waiting += 1
+                try:
+                    acquired = self._cond.wait_for(lambda: not self._writer and self._readers == 0, timeout)
+                    if acquired:
+                        self._writer = True
+                finally:
+                    self._writers_waiting -= 1
+                    if not self._writer:
+                        self._cond.notify_all()
             if not acquired:
                 raise TimeoutError(f"in-flight batches did not finish within {timeout} s; weights not swapped")
-        try:
             yield
         finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
+            if acquired:
+                with self._cond:
+                    self._writer = False
+                    self._cond.notify_all()
 
 
 @dataclasses.dataclass(eq=False)
