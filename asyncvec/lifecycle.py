@@ -93,7 +93,8 @@ def interrupts_outside_locks(report_after_s: float | None = 20.0) -> Iterator[No
     first = threading.Event()
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
-        if frame is not None and frame.f_code in _LOCK_WINDOWS:
+        if frame is not None and frame.f_code in _LOCK_WINDOWS and frame.f_locals["self"]._is_owned():
+            # (not owned: still waiting for the lock, or given back; the interrupt then leaves nothing held)
             _thread.start_new_thread(_redeliver, ())  # no Python lock taken here: the frame may hold one
             return
         if report_after_s is not None and not first.is_set():

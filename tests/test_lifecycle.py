@@ -79,9 +79,14 @@ def test_without_it_python_leaves_the_lock_held_sometimes():
 def test_an_interrupt_inside_a_lock_window_comes_again_just_after():
     with interrupts_outside_locks():
         handler = signal.getsignal(signal.SIGINT)
-        handler(signal.SIGINT, SimpleNamespace(f_code=threading.Condition.__enter__.__code__))  # deferred
+        condition = threading.Condition()
+        window = SimpleNamespace(f_code=threading.Condition.__enter__.__code__, f_locals={"self": condition})
         with pytest.raises(KeyboardInterrupt):
-            time.sleep(10)  # the redelivered Ctrl-C ends the wait
+            handler(signal.SIGINT, window)  # still waiting for the lock: nothing held, raised at once
+        with condition:
+            handler(signal.SIGINT, window)  # the lock taken, the block not entered yet: deferred
+            with pytest.raises(KeyboardInterrupt):
+                time.sleep(10)  # the redelivered Ctrl-C ends the wait
         with pytest.raises(KeyboardInterrupt):
             handler(signal.SIGINT, sys._getframe())  # anywhere else: at once
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -119,3 +124,30 @@ def test_a_handler_of_the_callers_own_is_kept():
         assert signal.getsignal(signal.SIGINT) is mine
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_still_ends_a_wait_for_a_lock_that_another_thread_keeps():
+    code = textwrap.dedent(
+        """
+        import os, signal, threading
+        from asyncvec.lifecycle import interrupts_outside_locks
+        condition, taken = threading.Condition(), threading.Event()
+        def keep():
+            with condition:
+                taken.set()
+                threading.Event().wait()
+        threading.Thread(target=keep, daemon=True).start()
+        taken.wait()
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with interrupts_outside_locks():
+            try:
+                with condition:
+                    pass
+            except KeyboardInterrupt:
+                print("interrupted")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=sigint_as_in_a_terminal
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "interrupted", (done.stdout, done.stderr)
