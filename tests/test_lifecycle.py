@@ -76,7 +76,15 @@ def test_without_it_python_leaves_the_lock_held_sometimes():
     assert caught == 100 and leaked > 0
 
 
-def test_an_interrupt_inside_a_lock_window_comes_again_just_after():
+@pytest.fixture
+def python_default_sigint():
+    """Python's own SIGINT handler, as in a program started from a terminal (a test worker may ignore SIGINT)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupt_inside_a_lock_window_comes_again_just_after(python_default_sigint):
     with interrupts_outside_locks():
         handler = signal.getsignal(signal.SIGINT)
         condition = threading.Condition()
