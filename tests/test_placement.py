@@ -18,6 +18,7 @@ from functools import partial
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.utils import EzPickle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from toy_envs import CounterEnv, RecordingEnv, SleepyEnv, recorded_actions
@@ -246,6 +247,40 @@ def test_envs_that_cannot_or_must_not_move_stay_in_their_workers(no_leftover_chi
         envs.step(np.ones(2, dtype=np.int64))
     with AsyncLLMVectorEnv([RefusesToMove] * 2) as envs:
         assert not envs.placement.measuring and "asyncvec_relocate" in envs.placement.reason
+
+
+class RebuiltWhenPickled(CounterEnv, EzPickle):
+    """Pickles as gymnasium's MuJoCo and Box2D envs do (EzPickle: the constructor's arguments only), so a copy
+    starts over: moved, it would silently lose its episode (a MuJoCo env jumped back to its initial state)."""
+
+    def __init__(self, **kwargs):
+        CounterEnv.__init__(self, **kwargs)
+        EzPickle.__init__(self, **kwargs)
+
+
+class KeepsItsStateWhenPickled(RebuiltWhenPickled):
+    """Its own pickling keeps the whole state, and it says so."""
+
+    metadata = {**CounterEnv.metadata, "asyncvec_relocate": True}
+
+    def __getstate__(self):
+        return dict(vars(self))
+
+    def __setstate__(self, state):
+        vars(self).update(state)
+
+
+def test_an_env_that_pickles_by_rebuilding_itself_stays_and_keeps_its_episode(no_leftover_children):
+    fns = [partial(RebuiltWhenPickled, max_len=9)] * 2
+    theirs = gym.vector.SyncVectorEnv(fns)
+    with AsyncLLMVectorEnv(fns) as ours:
+        run_lockstep(ours, theirs, DECIDED + 40)  # equal to gymnasium's before and after the decision
+        assert not ours.placement.in_process, ours.placement
+        assert "RebuiltWhenPickled pickles through EzPickle.__getstate__" in ours.placement.reason, ours.placement
+    fns = [partial(KeepsItsStateWhenPickled, max_len=9)] * 2
+    with AsyncLLMVectorEnv(fns) as ours:
+        run_lockstep(ours, gym.vector.SyncVectorEnv(fns), DECIDED + 40)
+        assert ours.placement.in_process, ours.placement  # declared: it moves, and its episodes go on
 
 
 def test_explicit_envs_per_worker_wins_and_nothing_moves():

@@ -11,7 +11,9 @@ unpickle them, and the old copies are dropped without ``close()``. Episodes, ran
 and observations continue exactly (the equivalence tests against gymnasium run through moves).
 
 An env that cannot be pickled (a socket, a thread, a window) stays where it is; so do envs whose
-state pickles to more than ``worker.MAX_MOVED_STATE_BYTES`` (64 MiB) and one that declares
+pickling follows rules of their own (``worker.custom_pickling``: gymnasium's EzPickle, in every MuJoCo and
+Box2D env, rebuilds a fresh env; ``metadata["asyncvec_relocate"] = True`` declares that it keeps the state),
+envs whose state pickles to more than ``worker.MAX_MOVED_STATE_BYTES`` (64 MiB) and one that declares
 ``metadata["asyncvec_relocate"] = False``. At most :data:`MAX_MOVES` moves, the second
 only to confirm or undo the first with a new measurement. Once the envs run in the calling
 process, a use that forbids it (a partial ``send`` or ``recv``, a step from another thread, a

@@ -52,7 +52,7 @@ from typing import Any, SupportsFloat
 
 import cloudpickle
 import numpy as np
-from gymnasium import Env, Space
+from gymnasium import Env, Space, Wrapper
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
@@ -138,6 +138,27 @@ def make_env(fn: Callable[[], Env[Any, Any]], index: int) -> Env[Any, Any]:
             f"lambda: asyncvec.lm.StringEnv({type(env).__name__}(...))"
         )
     return env
+
+
+def custom_pickling(env: Env[Any, Any]) -> str | None:
+    """Which class of ``env``'s wrapper chain pickles by rules of its own (``__reduce__``, ``__getstate__``,
+    ``__setstate__``), e.g. ``"InvertedPendulumEnv pickles through EzPickle.__getstate__"``; ``None`` when each
+    pickles its attributes as they are, so that a copy continues the episode exactly.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> custom_pickling(gym.make("CartPole-v1")) is None
+        True
+    """
+    layer: Any = env
+    while True:
+        for name in ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__"):
+            owner = next((klass for klass in type(layer).__mro__ if name in vars(klass)), object)
+            if owner is not object:
+                return f"{type(layer).__name__} pickles through {owner.__name__}.{name}"
+        if not isinstance(layer, Wrapper):
+            return None
+        layer = layer.env
 
 
 def error_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
@@ -397,6 +418,13 @@ class EnvGroup:
         if command == "timings":
             return list(self.timings[position])
         if command == "export":
+            rebuilt_by = custom_pickling(env)
+            if rebuilt_by is not None and env.metadata.get("asyncvec_relocate") is not True:
+                raise ValueError(
+                    f"{rebuilt_by}, which may build a new env instead of copying this one's episode (gymnasium's "
+                    "EzPickle, used by the MuJoCo and Box2D envs, re-runs the constructor); an env whose pickling "
+                    "keeps its whole state can declare metadata['asyncvec_relocate'] = True"
+                )
             state = cloudpickle.dumps((env, self.autoreset[position], self.next_seed[position]))
             if len(state) > MAX_MOVED_STATE_BYTES:  # a large table or dataset: copying it is not worth a faster step
                 raise ValueError(
