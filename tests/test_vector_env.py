@@ -448,3 +448,26 @@ def test_recv_at_least_returns_what_is_ready_without_waiting_for_a_full_batch():
         assert sorted(info["env_id"].tolist()) == [0, 1, 2]
     finally:
         envs.close()
+
+
+def test_a_forked_child_that_drops_its_copy_leaves_the_parents_envs_alone(no_leftover_children):
+    """A process the user forks (a DataLoader worker, a pool) inherits the vector env; its garbage
+    collector must not close, join or message the parent's workers."""
+    import gc
+    import os
+    import sys
+
+    envs = AsyncLLMVectorEnv([partial(CounterEnv, max_len=50)] * 2, envs_per_worker=1)
+    envs.reset(seed=0)
+    child = os.fork()
+    if child == 0:
+        raised = []
+        sys.unraisablehook = lambda unraisable: raised.append(unraisable.exc_value)
+        del envs
+        gc.collect()
+        os._exit(1 if raised else 0)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # nothing raised in the child's __del__
+    rewards = envs.step(np.ones(2, dtype=np.int64))[1]
+    assert rewards.shape == (2,) and not envs.closed
+    envs.close()
