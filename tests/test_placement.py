@@ -250,15 +250,25 @@ def test_envs_that_cannot_or_must_not_move_stay_in_their_workers(no_leftover_chi
 
 
 class RebuiltWhenPickled(CounterEnv, EzPickle):
-    """Pickles as gymnasium's MuJoCo and Box2D envs do (EzPickle: the constructor's arguments only), so a copy
-    starts over: moved, it would silently lose its episode (a MuJoCo env jumped back to its initial state)."""
+    """Pickles as gymnasium's MuJoCo and Box2D envs do (EzPickle: the constructor's arguments only), so a plain
+    pickled copy starts over: a MuJoCo env moved that way jumped back to its initial state mid-episode."""
 
     def __init__(self, **kwargs):
         CounterEnv.__init__(self, **kwargs)
         EzPickle.__init__(self, **kwargs)
 
 
-class KeepsItsStateWhenPickled(RebuiltWhenPickled):
+class ForgetsWhenPickled(CounterEnv):
+    """Its own pickling keeps the settings only (as a user's env may, to drop a handle)."""
+
+    def __getstate__(self):
+        return {"max_len": self.max_len}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+
+class KeepsItsStateWhenPickled(ForgetsWhenPickled):
     """Its own pickling keeps the whole state, and it says so."""
 
     metadata = {**CounterEnv.metadata, "asyncvec_relocate": True}
@@ -270,17 +280,33 @@ class KeepsItsStateWhenPickled(RebuiltWhenPickled):
         vars(self).update(state)
 
 
-def test_an_env_that_pickles_by_rebuilding_itself_stays_and_keeps_its_episode(no_leftover_children):
-    fns = [partial(RebuiltWhenPickled, max_len=9)] * 2
-    theirs = gym.vector.SyncVectorEnv(fns)
-    with AsyncLLMVectorEnv(fns) as ours:
-        run_lockstep(ours, theirs, DECIDED + 40)  # equal to gymnasium's before and after the decision
-        assert not ours.placement.in_process, ours.placement
-        assert "RebuiltWhenPickled pickles through EzPickle.__getstate__" in ours.placement.reason, ours.placement
-    fns = [partial(KeepsItsStateWhenPickled, max_len=9)] * 2
+@pytest.mark.parametrize(
+    "env_cls, moves",
+    [(RebuiltWhenPickled, True), (ForgetsWhenPickled, False), (KeepsItsStateWhenPickled, True)],
+)
+def test_envs_move_with_their_episode_or_stay_whatever_their_pickling(env_cls, moves, no_leftover_children):
+    """EzPickle envs move by their attributes; an env with pickling of its own stays unless it declares that its
+    pickling keeps the state. Either way the trajectories are gymnasium's, across the decision."""
+    fns = [partial(env_cls, max_len=9)] * 2
     with AsyncLLMVectorEnv(fns) as ours:
         run_lockstep(ours, gym.vector.SyncVectorEnv(fns), DECIDED + 40)
-        assert ours.placement.in_process, ours.placement  # declared: it moves, and its episodes go on
+        assert ours.placement.in_process == moves, ours.placement
+        if not moves:
+            assert "ForgetsWhenPickled pickles through ForgetsWhenPickled.__getstate__" in ours.placement.reason
+
+
+def test_a_mujoco_env_moves_with_its_simulation_state(no_leftover_children):
+    pytest.importorskip("mujoco")
+    fns = [lambda: gym.make("InvertedPendulum-v5")] * 2
+    ours, theirs = AsyncLLMVectorEnv(fns), gym.vector.SyncVectorEnv(fns)
+    with ours:
+        np.testing.assert_array_equal(ours.reset(seed=3)[0], theirs.reset(seed=3)[0])
+        theirs.action_space.seed(3)
+        for _ in range(DECIDED + 40):
+            actions = theirs.action_space.sample()
+            for got, want in zip(ours.step(actions)[:4], theirs.step(actions)[:4]):
+                np.testing.assert_array_equal(got, want)
+        assert ours.placement.in_process, ours.placement
 
 
 def test_explicit_envs_per_worker_wins_and_nothing_moves():

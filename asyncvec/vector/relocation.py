@@ -10,9 +10,10 @@ env object, its autoreset flag, its pending restart seed), new workers (or the c
 unpickle them, and the old copies are dropped without ``close()``. Episodes, random generators
 and observations continue exactly (the equivalence tests against gymnasium run through moves).
 
-An env that cannot be pickled (a socket, a thread, a window) stays where it is; so do envs whose
-pickling follows rules of their own (``worker.custom_pickling``: gymnasium's EzPickle, in every MuJoCo and
-Box2D env, rebuilds a fresh env; ``metadata["asyncvec_relocate"] = True`` declares that it keeps the state),
+Gymnasium's EzPickle envs (MuJoCo, Box2D) move by their attributes (``worker.dumps_env_state``: EzPickle
+itself would rebuild a fresh env). An env that cannot be pickled (a socket, a thread, a window, Box2D's
+bodies) stays where it is; so do envs whose pickling follows rules of their own (``worker.custom_pickling``;
+``metadata["asyncvec_relocate"] = True`` declares that it keeps the state),
 envs whose state pickles to more than ``worker.MAX_MOVED_STATE_BYTES`` (64 MiB) and one that declares
 ``metadata["asyncvec_relocate"] = False``. At most :data:`MAX_MOVES` moves, the second
 only to confirm or undo the first with a new measurement. Once the envs run in the calling

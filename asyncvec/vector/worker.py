@@ -54,6 +54,7 @@ import cloudpickle
 import numpy as np
 from gymnasium import Env, Space, Wrapper
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
+from gymnasium.utils import EzPickle
 from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
@@ -122,6 +123,44 @@ def dumps(message: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _new_instance(cls: type[Any]) -> Any:
+    return object.__new__(cls)
+
+
+def _restore_attributes(obj: Any, attributes: dict[str, Any]) -> None:
+    obj.__dict__.update(attributes)
+
+
+class _EnvStatePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle ships no type hints
+    """cloudpickle, except that an object of gymnasium's ``EzPickle`` (every MuJoCo and Box2D env) is pickled by
+    its attributes: ``EzPickle`` keeps only the constructor's arguments, so its copy would be a fresh env, not this
+    one mid-episode. Attributes that cannot be pickled (Box2D's bodies) make the copy fail: the env stays."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, EzPickle):
+            return _new_instance, (type(obj),), dict(vars(obj)), None, None, _restore_attributes
+        return super().reducer_override(obj)
+
+
+def dumps_env_state(value: Any) -> bytes:
+    """The bytes of a moving env's state (see :class:`_EnvStatePickler`); ``pickle.loads`` restores it.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> class Lander(gym.Env, EzPickle):  # as gymnasium's MuJoCo and Box2D envs
+        ...     def __init__(self, gravity=-10.0):
+        ...         EzPickle.__init__(self, gravity)
+        ...         self.gravity, self.height = gravity, 100.0
+        >>> env = Lander()
+        >>> env.height = 42.0  # mid-episode
+        >>> pickle.loads(cloudpickle.dumps(env)).height, pickle.loads(dumps_env_state(env)).height
+        (100.0, 42.0)
+    """
+    buffer = io.BytesIO()
+    _EnvStatePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
 def make_env(fn: Callable[[], Env[Any, Any]], index: int) -> Env[Any, Any]:
     """``fn()``, refused with a TypeError naming ``env_fns[index]`` unless it is an env with gymnasium
     spaces (a plain text game is the common case: it names the wrapper that gives it spaces)."""
@@ -142,8 +181,9 @@ def make_env(fn: Callable[[], Env[Any, Any]], index: int) -> Env[Any, Any]:
 
 def custom_pickling(env: Env[Any, Any]) -> str | None:
     """Which class of ``env``'s wrapper chain pickles by rules of its own (``__reduce__``, ``__getstate__``,
-    ``__setstate__``), e.g. ``"InvertedPendulumEnv pickles through EzPickle.__getstate__"``; ``None`` when each
-    pickles its attributes as they are, so that a copy continues the episode exactly.
+    ``__setstate__``), e.g. ``"RoboArm pickles through RoboArm.__getstate__"``; ``None`` when each pickles its
+    attributes as they are (gymnasium's ``EzPickle`` counts as that: :func:`dumps_env_state` copies its
+    attributes), so that a copy continues the episode exactly.
 
     Example:
         >>> import gymnasium as gym
@@ -154,7 +194,7 @@ def custom_pickling(env: Env[Any, Any]) -> str | None:
     while True:
         for name in ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__"):
             owner = next((klass for klass in type(layer).__mro__ if name in vars(klass)), object)
-            if owner is not object:
+            if owner not in (object, EzPickle):  # EzPickle's own rules are bypassed (dumps_env_state)
                 return f"{type(layer).__name__} pickles through {owner.__name__}.{name}"
         if not isinstance(layer, Wrapper):
             return None
@@ -421,11 +461,10 @@ class EnvGroup:
             rebuilt_by = custom_pickling(env)
             if rebuilt_by is not None and env.metadata.get("asyncvec_relocate") is not True:
                 raise ValueError(
-                    f"{rebuilt_by}, which may build a new env instead of copying this one's episode (gymnasium's "
-                    "EzPickle, used by the MuJoCo and Box2D envs, re-runs the constructor); an env whose pickling "
-                    "keeps its whole state can declare metadata['asyncvec_relocate'] = True"
+                    f"{rebuilt_by}, which may build a new env instead of copying this one's episode; an env whose "
+                    "pickling keeps its whole state can declare metadata['asyncvec_relocate'] = True"
                 )
-            state = cloudpickle.dumps((env, self.autoreset[position], self.next_seed[position]))
+            state = dumps_env_state((env, self.autoreset[position], self.next_seed[position]))
             if len(state) > MAX_MOVED_STATE_BYTES:  # a large table or dataset: copying it is not worth a faster step
                 raise ValueError(
                     f"its state pickles to {len(state) / 2**20:.1f} MiB, over the "
