@@ -246,7 +246,9 @@ class GuessNumberEnv(gym.Env[str, str]):
         self._done = terminated or truncated
         reward = (1.0 if terminated else 0.0) - self.step_penalty
         observation = "\n".join(self._lines) if self.transcript else feedback
-        info = {"turn": self._turn, "guess": guess, "feedback": feedback}
+        info: dict[str, Any] = {"turn": self._turn, "feedback": feedback}
+        if guess is not None:  # absent, not None: a vector env batches each info key into one typed array
+            info["guess"] = guess
         return observation, reward, terminated, truncated, info
 
     def expert_completion(self) -> str:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import re
+from functools import partial
 
+import gymnasium as gym
+import numpy as np
 import pytest
 from gymnasium.error import ResetNeeded
 from gymnasium.utils.env_checker import check_env
 
+from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.text import ArithmeticEnv, GuessNumberEnv
 
 pytestmark = pytest.mark.timeout(60)
@@ -221,7 +225,7 @@ def test_invalid_guesses_count_and_truncate_with_penalty():
     steps = play(env, ["", "zero", "0", "9", "-1"])
     assert len(steps) == 3
     assert [s[4]["feedback"] for s in steps] == ["invalid"] * 3
-    assert [s[4]["guess"] for s in steps] == [None, None, 0]
+    assert [s[4].get("guess") for s in steps] == [None, None, 0]  # no integer read: no "guess"
     assert all(s[1] == pytest.approx(-0.1) for s in steps)
     assert [s[3] for s in steps] == [False, False, True]  # truncated on the last turn
     assert not any(s[2] for s in steps)
@@ -278,3 +282,22 @@ def test_guess_errors():
     ]:
         with pytest.raises((TypeError, ValueError), match=field):
             GuessNumberEnv(**kwargs)
+
+
+def test_guess_number_runs_in_vector_envs_like_gymnasiums():
+    """Invalid guesses beside valid ones in one vector step: the info keys must batch (a None beside ints did not)."""
+    fns = [partial(GuessNumberEnv, max_number=8, max_turns=4)] * 3
+    ours, theirs = AsyncLLMVectorEnv(fns), gym.vector.SyncVectorEnv(fns)
+    with ours:
+        assert ours.reset(seed=0)[0] == theirs.reset(seed=0)[0]
+        rng = np.random.default_rng(0)
+        for _ in range(40):
+            actions = tuple(rng.choice(["3", "x", "5", "", "8 or so"], size=3))
+            got, want = ours.step(actions), theirs.step(actions)
+            assert got[0] == want[0]
+            for a, b in zip(got[1:4], want[1:4]):
+                np.testing.assert_array_equal(a, b)
+            guessed = want[4].get("_guess", np.zeros(3, dtype=bool))  # a key is absent when no env has it
+            np.testing.assert_array_equal(got[4].get("_guess", np.zeros(3, dtype=bool)), guessed)
+            if guessed.any():
+                np.testing.assert_array_equal(got[4]["guess"][guessed], want[4]["guess"][guessed])
