@@ -244,6 +244,7 @@ def test_envs_that_cannot_or_must_not_move_stay_in_their_workers(no_leftover_chi
         for _ in range(DECIDED):
             envs.step(np.ones(2, dtype=np.int64))
         assert not envs.placement.in_process and "cannot move" in envs.placement.reason, envs.placement
+        assert envs.placement.reason.endswith("; 2 worker(s) x 1 env(s)"), envs.placement  # where they stay
         envs.step(np.ones(2, dtype=np.int64))
     with AsyncLLMVectorEnv([RefusesToMove] * 2) as envs:
         assert not envs.placement.measuring and "asyncvec_relocate" in envs.placement.reason

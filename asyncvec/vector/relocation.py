@@ -198,6 +198,16 @@ class Relocator:
             return
         self._move(choice, final=choice.in_process or self.moves_left <= 1)
 
+    def _where_now(self) -> str:
+        """Where the envs are, for a reason that says they stay (the first placement's own reason speaks of a
+        timing that is over by then)."""
+        placement = self.envs.placement
+        return (
+            f"{placement.num_workers} worker(s) x {placement.envs_per_worker} env(s)"
+            if placement.measuring
+            else placement.reason
+        )
+
     def _stop(self, reason: str, profiles: tuple[StepProfile, ...] | None = None) -> None:
         self.moves_left = 0
         placement = self.envs.placement
@@ -222,7 +232,7 @@ class Relocator:
         try:
             states = _ask_all(old_transport, old_groups, "export")
         except RuntimeError as exc:
-            self._stop(f"stays: the envs cannot move between processes ({exc}); {envs.placement.reason}")
+            self._stop(f"stays: the envs cannot move between processes ({exc}); {self._where_now()}")
             return
         measuring = not final and self.moves_left > 1
         action_memory = None if placement.in_process else envs._action_memory
@@ -241,9 +251,7 @@ class Relocator:
             ok, payload = transport.await_ready(worker, envs.start_timeout)
             if not ok:
                 transport.close(0.0, terminate=True)
-                self._stop(
-                    f"stays: the moved envs could not start ({describe_failure(payload)}); {envs.placement.reason}"
-                )
+                self._stop(f"stays: the moved envs could not start ({describe_failure(payload)}); {self._where_now()}")
                 return
         try:
             _ask_all(old_transport, old_groups, "detach")
