@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from asyncvec.lifecycle import interrupts_outside_locks
+
 TOKEN_ENV = "ASYNCVEC_SERVE_TOKEN"
 DEMOS = {
     "demo": "PPO on CartPole-v1, async vs sync with stragglers: env-steps/s, time to a return of 475, and the "
@@ -114,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncvec`` console script (and ``python -m asyncvec``): 0 on success, 1 on a reported
     error, 2 on one the user can fix (a wrong argument, a missing extra: one line naming the fix), 130 when stopped
-    with Ctrl-C (one line, no traceback)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with Ctrl-C (one line, no traceback; never delivered while a lock is half taken: `interrupts_outside_locks`)."""
+    with interrupts_outside_locks():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in DEMOS:
         try:
             return _demo(argv[0], argv[1:])
