@@ -10,7 +10,6 @@ buffers (:mod:`~asyncvec.vector.observations`), transports and the worker loop.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any
@@ -160,7 +159,6 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         fault_policy: FaultPolicy | None = None,
     ) -> None:
         self.closed = True  # until the workers exist; makes __del__ safe on early errors
-        self._creator_pid = os.getpid()  # a forked copy of this object (a child of the user's) owns nothing
         self._closed_reason: str | None = None  # set when an error closed the env
         self.env_fns = list(env_fns)
         if not self.env_fns:
@@ -745,7 +743,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self.close(terminate=exc[0] is not None)
 
     def __del__(self) -> None:
-        if not getattr(self, "closed", True) and getattr(self, "_creator_pid", None) == os.getpid():
+        if not getattr(self, "closed", True):
             self.close(terminate=True)
 
     def __repr__(self) -> str:

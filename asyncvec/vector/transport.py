@@ -198,6 +198,7 @@ class ProcessTransport(Transport):
 
     def __init__(self, spec: WorkerSpec, ctx: Any, daemon: bool) -> None:
         self.spec = spec
+        self._owner_pid = os.getpid()  # a forked copy of this transport (a child of the user's) owns no worker
         # wake(): a byte written here ends wait(), which watches the read end with the workers' pipes
         self._wake_write: int | None  # None once close() closed the pipe
         self._wake_read, self._wake_write = os.pipe()
@@ -318,6 +319,8 @@ class ProcessTransport(Transport):
             self._start(worker)
 
     def close(self, timeout: float | None, terminate: bool) -> None:
+        if os.getpid() != self._owner_pid:  # e.g. the vector env's __del__ in a process the user forked
+            return
         started = [w for w, p in enumerate(self._processes) if p is not None]
         if not terminate:
             for w in started:
