@@ -171,7 +171,7 @@ def test_fault_settings_reach_the_vector_env_and_keep_envs_in_workers(agent, mak
     envs = learner.envs
     assert (envs.max_restarts, envs.step_timeout) == (2, 30.0)
     learner.train()
-    assert not envs.placement.in_process, envs.placement  # in workers, one env each or packed by cost
+    assert not envs.placement.in_process, envs.placement  # in workers, one env each
 
 
 @pytest.mark.parametrize("agent", [ppo, sac])

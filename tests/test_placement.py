@@ -1,7 +1,8 @@
-"""Where AsyncLLMVectorEnv places its envs (asyncvec.vector.placement, asyncvec.vector.relocation).
+"""Where AsyncLLMVectorEnv places its envs (asyncvec.vector.placement) and what it advises (asyncvec.vector.advice).
 
-The promises first: what the user asked for decides, no env receives an action the user did not
-send, every env counts, and the envs keep their state (and gymnasium's trajectories) when they move.
+The promises first: where an env runs is decided before its first step and never changes (no live env
+is copied between processes, whatever its pickling), what the user asked for decides, no env receives
+an action the user did not send, and lockstep trajectories are gymnasium's.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from toy_envs import CounterEnv, RecordingEnv, SleepyEnv, recorded_actions
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.slow import SlowEnv
-from asyncvec.vector.placement import StepProfile, choose_placement, profile_env
-from asyncvec.vector.relocation import TIMED_STEPS
+from asyncvec.vector.advice import TIMED_STEPS
+from asyncvec.vector.placement import DEFAULT_REASON, StepProfile, advice_line, choose_placement, profile_env
 
-# Enough lockstep steps for the first decision (each env's first TIMED_STEPS steps are timed).
+# Enough lockstep steps for the advice (each env's first TIMED_STEPS steps are timed).
 DECIDED = TIMED_STEPS + 8
 
 
@@ -75,24 +76,29 @@ def run_lockstep(ours, theirs, steps, seed=1):
             np.testing.assert_array_equal(got, want)
 
 
-def test_cheap_envs_move_into_this_process_with_their_state_and_match_gymnasium(no_leftover_children):
+def test_cheap_envs_stay_in_their_workers_and_the_advice_names_the_faster_setting(caplog, no_leftover_children):
     fns = [partial(CounterEnv, max_len=9)] * 4
     theirs = gym.vector.SyncVectorEnv(fns)
-    with AsyncLLMVectorEnv(fns) as ours:
-        assert ours.placement.measuring and ours.placement.num_workers == 4
-        run_lockstep(ours, theirs, DECIDED + 40)  # equal before, across and after the move
-        assert ours.placement.in_process, ours.placement
-        assert ours.worker_pids == [None] * 4 and not ours.placement.measuring
-        assert "measured" in ours.placement.reason and ours.placement.profile.steps > 0
+    with caplog.at_level(logging.INFO, logger="asyncvec.vector"), AsyncLLMVectorEnv(fns) as ours:
+        assert ours.placement.reason == DEFAULT_REASON and ours.placement.num_workers == 4
+        pids = ours.worker_pids
+        run_lockstep(ours, theirs, DECIDED + 40)
+        assert ours.worker_pids == pids and ours.placement.num_workers == 4, ours.placement  # nothing moved
+        assert ours.placement.reason == DEFAULT_REASON and ours.placement.profile.steps == TIMED_STEPS
+        assert "in_process=True is predicted" in ours.placement.advice, ours.placement.advice
+        assert ours._advisor is None  # the hot path times nothing once the advice is given
+    advice = [r.getMessage() for r in caplog.records if "placement advice" in r.getMessage()]
+    assert len(advice) == 1 and "x faster" in advice[0], advice
 
 
-def test_sleeping_envs_keep_a_worker_each(no_leftover_children):
+def test_sleeping_envs_keep_a_worker_each_and_no_shared_worker_is_advised(no_leftover_children):
     with AsyncLLMVectorEnv([partial(SleepyEnv, 0.005)] * 3) as envs:
         envs.reset(seed=0)
         for _ in range(DECIDED):
             envs.step(np.ones(3, dtype=np.int64))
         assert not envs.placement.in_process and envs.placement.envs_per_worker == 1, envs.placement
         assert len(set(envs.worker_pids)) == 3
+        assert "mostly waiting" in envs.placement.advice and "envs_per_worker" not in envs.placement.advice
 
 
 class RestartTwice:
@@ -113,58 +119,24 @@ class RestartTwice:
     ],
     ids=["max_restarts", "step_timeout", "in_process=False", "batch_size", "fault_policy"],
 )
-def test_settings_keep_cheap_envs_out_of_this_process(kwargs, no_leftover_children):
+def test_settings_that_forbid_this_process_are_never_advised_against(kwargs, no_leftover_children):
     with AsyncLLMVectorEnv([CounterEnv] * 4, **kwargs) as envs:
         envs.async_reset(seed=0)
         for _ in range(DECIDED * 2):
             _, _, _, _, info = envs.recv()
             envs.send(np.ones(len(info["env_id"]), dtype=np.int64), info["env_id"])
-        assert not envs.placement.in_process, envs.placement
-        assert all(pid is not None for pid in envs.worker_pids)
-        assert any(word in envs.placement.reason for word in kwargs), envs.placement
-
-
-def moved_in(fns, **kwargs):
-    """A vector env whose cheap envs were moved into this process by their first steps."""
-    envs = AsyncLLMVectorEnv(fns, **kwargs)
-    envs.reset(seed=0)
-    for _ in range(DECIDED):
-        envs.step(np.ones(envs.num_envs, dtype=np.int64))
-    if not envs.placement.in_process:
-        envs.close()
-        raise AssertionError(f"the cheap envs did not move into this process: {envs.placement}")
-    return envs
-
-
-def test_a_partial_send_moves_envs_back_to_their_workers_and_batches_stay_partial(no_leftover_children):
-    with moved_in([partial(SleepyEnv, 0.0, max_len=50)] * 4) as envs:
-        envs.set_attr("delay", [0.0, 0.0, 0.03, 0.03])  # two envs turn slow
-        envs.batch_size = 2
-        envs.send(np.ones(2, dtype=np.int64), [2, 3])  # the slow ones first: they must not block the send
-        envs.send(np.ones(2, dtype=np.int64), [0, 1])
-        assert not envs.placement.in_process and "partial send" in envs.placement.reason
-        rows = np.zeros(4, dtype=int)
-        for _ in range(40):
-            _, _, _, _, info = envs.recv()
-            rows[info["env_id"]] += 1
-            envs.send(np.ones(len(info["env_id"]), dtype=np.int64), info["env_id"])
-        assert rows[:2].min() > 3 * rows[2:].max(), rows
-
-
-def test_steps_from_another_thread_move_envs_back(no_leftover_children):
-    with moved_in([CounterEnv] * 2) as envs:
-        thread = threading.Thread(target=envs.step, args=(np.ones(2, dtype=np.int64),))
-        thread.start()
-        thread.join()
-        assert not envs.placement.in_process and "thread" in envs.placement.reason
+        assert not envs.placement.in_process and all(pid is not None for pid in envs.worker_pids)
+        assert envs.placement.advice is not None and "in_process" not in envs.placement.advice, envs.placement
 
 
 @pytest.mark.parametrize("setting", ["max_restarts", "step_timeout", "fault_policy"])
-def test_a_fault_setting_set_later_moves_envs_back(setting, no_leftover_children):
-    with moved_in([CounterEnv] * 2) as envs:
+def test_a_fault_setting_set_later_is_kept_and_rules_this_process_out_of_the_advice(setting, no_leftover_children):
+    with AsyncLLMVectorEnv([CounterEnv] * 2) as envs:
         setattr(envs, setting, {"max_restarts": 1, "step_timeout": 5.0, "fault_policy": RestartTwice()}[setting])
-        assert not envs.placement.in_process and setting in envs.placement.reason
-        envs.step(np.ones(2, dtype=np.int64))
+        envs.reset(seed=0)
+        for _ in range(DECIDED):
+            envs.step(np.ones(2, dtype=np.int64))
+        assert not envs.placement.in_process and "in_process" not in envs.placement.advice, envs.placement
 
 
 def test_an_explicit_in_process_stays_and_refuses_step_timeout():
@@ -206,7 +178,7 @@ def is_subsequence(recorded, sent):
 
 
 def test_no_env_receives_an_action_the_user_did_not_send(tmp_path, no_leftover_children):
-    """Nothing steps the envs at construction, and the steps they see, before and after moving, are
+    """Nothing steps the envs at construction, and the steps they see, before and after the advice, are
     exactly those gymnasium's SyncVectorEnv gives the same envs for the same actions."""
     ours = [str(tmp_path / f"ours{i}") for i in range(3)]
     theirs = [str(tmp_path / f"theirs{i}") for i in range(3)]
@@ -219,40 +191,82 @@ def test_no_env_receives_an_action_the_user_did_not_send(tmp_path, no_leftover_c
         for actions in sent:
             envs.step(actions)
             reference.step(actions)
-        assert envs.placement.in_process, envs.placement
+        assert envs.placement.advice is not None and envs.placement.num_workers == 3, envs.placement
     reference.close()  # the envs write what they saw when closed
     for i, (mine, gyms) in enumerate(zip(ours, theirs)):
         assert recorded_actions(mine) == recorded_actions(gyms) and len(recorded_actions(mine)) > DECIDED // 2
         assert is_subsequence(recorded_actions(mine), sent[:, i].tolist())
 
 
+# ---------------------------------------------------------------------- envs whatever their pickling
+# No env is ever copied between processes, so each of these matches gymnasium by construction. They stay
+# here so that nobody brings moves back: each one diverged silently (or failed) after a move.
+
+
+class Simulator:
+    """A compiled simulator's Python face as many bindings give it (pybind11 / C extensions with pickle
+    support): its pickling keeps the constructor's configuration, not the state it reached."""
+
+    def __init__(self, gravity: float = 9.8):
+        self.gravity = gravity
+        self.position = 0.0
+        self.velocity = 0.0
+
+    def __reduce__(self):
+        return Simulator, (self.gravity,)
+
+    def advance(self, force: float) -> None:
+        self.velocity += 0.01 * (force - self.gravity * 0.1)
+        self.position += 0.01 * self.velocity
+
+
+class HoldsASimulator(CounterEnv):
+    """The env class pickles plainly; the simulator inside it keeps only its configuration."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.sim = Simulator()
+
+    def step(self, action):
+        self.sim.advance(float(action))
+        obs, reward, terminated, truncated, info = super().step(action)
+        obs[1] = self.sim.position * 1000.0
+        return obs, reward, terminated, truncated, info
+
+
+_WORLDS: dict[int, list[float]] = {}  # per process, as a physics server's connections (pybullet's client ids)
+
+
+def connect() -> int:
+    _WORLDS[len(_WORLDS)] = [0.0]
+    return len(_WORLDS) - 1
+
+
+class HoldsAClientId(CounterEnv):
+    """Reaches its world through an integer handle that only means something in the process that made it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.client = connect()
+
+    def step(self, action):
+        world = _WORLDS[self.client]
+        world[0] += float(action) + 1.0
+        obs, reward, terminated, truncated, info = super().step(action)
+        obs[1] = world[0]
+        return obs, reward, terminated, truncated, info
+
+
 class HoldsALock(CounterEnv):
-    """Cannot be copied to another process (a lock, like a socket or a thread): it stays where it is."""
+    """Cannot be pickled at all (a lock, like a socket or a thread)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.lock = threading.Lock()
 
 
-class RefusesToMove(CounterEnv):
-    metadata = {**CounterEnv.metadata, "asyncvec_relocate": False}
-
-
-def test_envs_that_cannot_or_must_not_move_stay_in_their_workers(no_leftover_children):
-    with AsyncLLMVectorEnv([HoldsALock] * 2) as envs:
-        envs.reset(seed=0)
-        for _ in range(DECIDED):
-            envs.step(np.ones(2, dtype=np.int64))
-        assert not envs.placement.in_process and "cannot move" in envs.placement.reason, envs.placement
-        assert envs.placement.reason.endswith("; 2 worker(s) x 1 env(s)"), envs.placement  # where they stay
-        envs.step(np.ones(2, dtype=np.int64))
-    with AsyncLLMVectorEnv([RefusesToMove] * 2) as envs:
-        assert not envs.placement.measuring and "asyncvec_relocate" in envs.placement.reason
-
-
 class RebuiltWhenPickled(CounterEnv, EzPickle):
-    """Pickles as gymnasium's MuJoCo and Box2D envs do (EzPickle: the constructor's arguments only), so a plain
-    pickled copy starts over: a MuJoCo env moved that way jumped back to its initial state mid-episode."""
+    """Pickles as gymnasium's MuJoCo and Box2D envs do (EzPickle: the constructor's arguments only)."""
 
     def __init__(self, **kwargs):
         CounterEnv.__init__(self, **kwargs)
@@ -269,34 +283,25 @@ class ForgetsWhenPickled(CounterEnv):
         self.__init__(**state)
 
 
-class KeepsItsStateWhenPickled(ForgetsWhenPickled):
-    """Its own pickling keeps the whole state, and it says so."""
-
-    metadata = {**CounterEnv.metadata, "asyncvec_relocate": True}
-
-    def __getstate__(self):
-        return dict(vars(self))
-
-    def __setstate__(self, state):
-        vars(self).update(state)
-
-
 @pytest.mark.parametrize(
-    "env_cls, moves",
-    [(RebuiltWhenPickled, True), (ForgetsWhenPickled, False), (KeepsItsStateWhenPickled, True)],
+    "env_cls", [HoldsASimulator, HoldsAClientId, HoldsALock, RebuiltWhenPickled, ForgetsWhenPickled, CounterEnv]
 )
-def test_envs_move_with_their_episode_or_stay_whatever_their_pickling(env_cls, moves, no_leftover_children):
-    """EzPickle envs move by their attributes; an env with pickling of its own stays unless it declares that its
-    pickling keeps the state. Either way the trajectories are gymnasium's, across the decision."""
-    fns = [partial(env_cls, max_len=9)] * 2
-    with AsyncLLMVectorEnv(fns) as ours:
-        run_lockstep(ours, gym.vector.SyncVectorEnv(fns), DECIDED + 40)
-        assert ours.placement.in_process == moves, ours.placement
-        if not moves:
-            assert "ForgetsWhenPickled pickles through ForgetsWhenPickled.__getstate__" in ours.placement.reason
+@pytest.mark.parametrize("kwargs", [{}, {"envs_per_worker": 2}], ids=["defaults", "envs_per_worker=2"])
+def test_every_env_matches_gymnasium_step_for_step_whatever_its_pickling(env_cls, kwargs, no_leftover_children):
+    """Lockstep with the same seeds and actions as gymnasium's AsyncVectorEnv, far past the timed steps
+    (a move used to happen after step 32): every observation equal, the workers never change."""
+    fns = [partial(env_cls, max_len=40)] * 4
+    theirs = gym.vector.AsyncVectorEnv(fns)
+    try:
+        with AsyncLLMVectorEnv(fns, **kwargs) as ours:
+            pids = ours.worker_pids
+            run_lockstep(ours, theirs, 3 * DECIDED)
+            assert ours.worker_pids == pids and ours.placement.advice is not None, ours.placement
+    finally:
+        theirs.close()
 
 
-def test_a_mujoco_env_moves_with_its_simulation_state(no_leftover_children):
+def test_a_mujoco_env_matches_gymnasium_step_for_step(no_leftover_children):
     pytest.importorskip("mujoco")
     fns = [lambda: gym.make("InvertedPendulum-v5")] * 2
     ours, theirs = AsyncLLMVectorEnv(fns), gym.vector.SyncVectorEnv(fns)
@@ -307,23 +312,27 @@ def test_a_mujoco_env_moves_with_its_simulation_state(no_leftover_children):
             actions = theirs.action_space.sample()
             for got, want in zip(ours.step(actions)[:4], theirs.step(actions)[:4]):
                 np.testing.assert_array_equal(got, want)
-        assert ours.placement.in_process, ours.placement
+        assert not ours.placement.in_process, ours.placement
 
 
-def test_explicit_envs_per_worker_wins_and_nothing_moves():
+def test_explicit_envs_per_worker_wins_and_the_advice_may_name_another():
     with AsyncLLMVectorEnv([CounterEnv] * 4, envs_per_worker=2) as envs:
         envs.reset(seed=0)
         for _ in range(DECIDED):
             envs.step(np.ones(4, dtype=np.int64))
-        assert envs.placement.profile is None and envs.placement.reason == "envs_per_worker given"
+        assert envs.placement.reason == "envs_per_worker given" and envs.placement.advice is not None
         assert (envs.placement.envs_per_worker, envs.placement.num_workers) == (2, 2)
 
 
-def test_the_choice_and_the_move_are_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="asyncvec.vector"):
-        moved_in([CounterEnv] * 2).close()
-    messages = [record.getMessage() for record in caplog.records]
-    assert any("places its envs" in m for m in messages) and any("moved its envs" in m for m in messages)
+def test_the_advice_says_what_it_measured_and_each_gain():
+    cheap = [StepProfile(step_s=20e-6, cpu_share=1.0)] * 8
+    one_each = [[i] for i in range(8)]
+    line = advice_line(cheap, overhead_s=40e-6, cores=2, measured_s=500e-6, current=one_each)
+    assert line.startswith("these envs step in 20 us (median of 8) at 100% CPU: ") and "in_process=True" in line
+    blocked = advice_line(cheap, overhead_s=40e-6, cores=2, measured_s=500e-6, current=one_each, blockers=["x"])
+    assert "in_process" not in blocked and "envs_per_worker=4 is predicted" in blocked
+    fast_enough = advice_line(cheap, overhead_s=1e-6, cores=2, measured_s=90e-6, current=one_each)
+    assert fast_enough.endswith("no other setting is predicted clearly faster"), fast_enough
 
 
 @pytest.mark.parametrize(
@@ -388,7 +397,7 @@ def spinning_processes(count: int):
 def test_the_probe_measures_each_distinct_env_and_places_before_any_step(tmp_path):
     fns = [partial(CounterEnv, max_len=5)] * 2 + [partial(SleepyEnv, 0.01)] * 2
     with AsyncLLMVectorEnv(fns, placement="probe") as envs:
-        assert envs.placement.profiles is not None and not envs.placement.measuring
+        assert envs.placement.profiles is not None and envs.placement.reason != DEFAULT_REASON
         assert envs.placement.profiles[0].step_s < envs.placement.profiles[3].step_s
         assert (2,) in envs.placement.groups and (3,) in envs.placement.groups, envs.placement
 
@@ -538,26 +547,9 @@ def test_every_placement_keeps_the_promises(mix, tmp_path_factory):
         assert rows[fast].max() > rows[slow].min(), (rows, kinds, setting)
 
 
-def test_answers_not_yet_received_survive_a_move(no_leftover_children):
-    """Envs in this process with answers not yet received (a partial recv) move out on a partial send;
-    those answers come out of the next recv unchanged."""
-    with moved_in([partial(CounterEnv, max_len=50)] * 4) as envs:
-        envs.batch_size = 2
-        envs.async_reset(seed=5)
-        _, _, _, _, info = envs.recv()
-        first = list(info["env_id"])
-        envs.send(np.ones(2, dtype=np.int64), first)  # partial: the envs move to their workers
-        assert not envs.placement.in_process
-        obs, _, _, _, info = envs.recv()
-        assert sorted(info["env_id"]) == sorted(set(range(4)) - set(first))
-        np.testing.assert_array_equal(obs[:, 0], [0, 0])  # reset observations: t = 0
-        obs, _, _, _, info = envs.recv()
-        assert sorted(info["env_id"]) == sorted(first) and (obs[:, 0] == 1).all()
-
-
-def test_a_collector_beside_a_learner_keeps_cheap_envs_in_workers(no_leftover_children):
+def test_a_collector_beside_a_learner_is_never_advised_this_process(no_leftover_children):
     """The Collector steps its envs from its own thread, beside the learner's: envs in this process would
-    take the learner's GIL, so cheap envs stay in their workers however long it runs."""
+    take the learner's GIL, so the advice never names in_process=True there."""
     import torch
 
     from asyncvec import Collector, RolloutStore
@@ -570,7 +562,7 @@ def test_a_collector_beside_a_learner_keeps_cheap_envs_in_workers(no_leftover_ch
             for _ in range(3):
                 store.get(timeout=60)
         policy.close()
-        assert not envs.placement.in_process and "thread" in envs.placement.reason, envs.placement
+        assert not envs.placement.in_process and "in_process" not in envs.placement.advice, envs.placement
         assert all(pid is not None for pid in envs.worker_pids)
 
 
@@ -579,22 +571,3 @@ def test_a_placement_sharing_workers_says_a_crash_ends_all_their_episodes():
         assert "a worker's death ends the episodes of all its envs" in str(envs.placement)
     with AsyncLLMVectorEnv([CounterEnv] * 2) as envs:
         assert "death" not in str(envs.placement)
-
-
-class HoldsATable(CounterEnv):
-    """A cheap env with a large state (a lookup table, a dataset): copying it is not worth a faster step."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.table = np.zeros(4096, dtype=np.float64)
-
-
-def test_an_env_whose_state_is_too_large_to_copy_stays(monkeypatch, no_leftover_children):
-    from asyncvec.vector import worker
-
-    monkeypatch.setattr(worker, "MAX_MOVED_STATE_BYTES", 16 * 1024)  # the forked workers inherit it
-    with AsyncLLMVectorEnv([HoldsATable] * 2, context="fork") as envs:
-        envs.reset(seed=0)
-        for _ in range(DECIDED):
-            envs.step(np.ones(2, dtype=np.int64))
-        assert not envs.placement.in_process and "MiB an env may take" in envs.placement.reason, envs.placement

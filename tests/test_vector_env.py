@@ -55,8 +55,8 @@ def run_both(kind, mode, shared_memory=True, steps=30, num_envs=3, check=False, 
         sync.close()
 
 
-# Placements: chosen by measuring the env (these cheap envs run in process), in process, a worker per env.
-PLACEMENTS = {"measured": {}, "in_process": {"in_process": True}, "one_per_worker": {"envs_per_worker": 1}}
+# Placements: the default (a worker per env), in process, workers shared by two envs.
+PLACEMENTS = {"defaults": {}, "in_process": {"in_process": True}, "shared_workers": {"envs_per_worker": 2}}
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))

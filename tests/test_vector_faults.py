@@ -359,7 +359,7 @@ def run_with_a_fault(marker, fault, mode, envs_per_worker, steps=12, **kwargs):
     "fault, mode, envs_per_worker",
     [
         ("raise", AutoresetMode.NEXT_STEP, 1),
-        ("raise", AutoresetMode.SAME_STEP, None),  # placed by measuring: in this process (cheap envs)
+        ("raise", AutoresetMode.SAME_STEP, None),  # the default: a worker per env
         ("kill", AutoresetMode.SAME_STEP, 2),
         ("kill", AutoresetMode.NEXT_STEP, 2),
     ],

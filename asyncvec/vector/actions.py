@@ -86,6 +86,17 @@ class ActionSplitter:
             items = [self.check(a, i) for a, i in zip(items, env_ids)]  # finds the bad one, casts Box dtypes
         return items
 
+    def fits_rows(self, actions: Any, rows: Any, validate: bool) -> bool:
+        """Whether a lockstep batch ``actions`` goes into the shared action ``rows`` as one array (the compact
+        step): an array of the rows' shape and dtype, and, with ``validate``, every action in the space.
+        ``False`` means "take the per-env path" (which checks and names a bad action's env)."""
+        if type(actions) is not np.ndarray or type(rows) is not np.ndarray:
+            return False
+        if actions.shape != rows.shape or actions.dtype != rows.dtype:
+            return False
+        count = len(actions)
+        return not validate or self._quickly_valid(actions, count) or self.batched_space(count).contains(actions)
+
     def _quickly_valid(self, actions: Any, count: int) -> bool:
         """A cheaper ``contains`` for the common cases: an integer array of Discrete actions, or a
         Box batch of the space's dtype whose bounds are one number each (two reductions instead of

@@ -20,6 +20,7 @@ from gymnasium.vector.utils import batch_space, read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode, VectorEnv
 
 from asyncvec.vector.actions import ActionSplitter, reset_mask, seeds_for
+from asyncvec.vector.advice import TIMED_STEPS, PlacementAdvisor, timed_for_advice
 from asyncvec.vector.dispatch import CallFailure, Dispatcher
 from asyncvec.vector.errors import (
     AlreadyPendingCallError,
@@ -31,7 +32,6 @@ from asyncvec.vector.errors import (
 from asyncvec.vector.faults import FaultPolicy, MaxRestarts, check_fault_settings, describe_policy
 from asyncvec.vector.observations import ObservationBuffers, take_info
 from asyncvec.vector.placement import check_placement_arguments, initial_placement, resolve_backend
-from asyncvec.vector.relocation import TIMED_STEPS, Relocator, timed_for_placement
 from asyncvec.vector.split_obs import is_fixed_shape, shared_subspace
 from asyncvec.vector.transport import (
     Backend,
@@ -75,8 +75,9 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     cluster (``backend="ray"`` or ``backend=RayBackend(...)`` from :mod:`asyncvec.distributed`); the semantics
     are the same. A worker hosts ``envs_per_worker`` envs and steps them one after another, so fast envs pay
     one round trip per worker instead of one per env; ``send``/``recv`` still take and return single env ids.
-    Unless told, your envs' first steps are timed, then they may move with their state where that is
-    clearly faster (:mod:`~asyncvec.vector.relocation`; ``envs.placement`` says where and why).
+    Where the envs run is decided once, before their first step, from your settings (one env per worker
+    unless told), and never changes by itself; your envs' first steps are timed, and ``envs.placement.advice``
+    then names a setting predicted faster, if any (:mod:`~asyncvec.vector.advice`).
 
     Faults: an env that raises, a worker killed by a signal, or a step longer than ``step_timeout``
     raises :class:`WorkerError` naming the env index, the exception type and the worker's traceback,
@@ -122,15 +123,12 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         observation_mode: ``"same"`` (every env has the same observation space) or
             ``"different"`` (same dtype and shape suffice).
         envs_per_worker: how many envs each worker hosts (the last worker may host fewer).
-            ``None`` (default): chosen from your envs' own first steps (:mod:`asyncvec.vector.placement`):
-            the calling process for envs far cheaper than a round trip to a worker (never with
-            ``max_restarts``, ``step_timeout``, partial batches, or steps from another thread),
-            one busy worker per core for CPU-bound envs, a worker per env for envs that wait.
-            Given, it always wins. ``1`` keeps a crash to one env (a worker's death ends the
-            episodes of all its envs). ``envs.placement`` says what was chosen and why.
-        in_process: ``True``: every env in the calling process (no workers, no crash isolation,
-            no ``step_timeout``); ``False``: never; ``None`` (default): as measured.
-        placement: ``"auto"`` (default: from your own steps, as above) or ``"probe"``: step a
+            ``None`` (default): one, as gymnasium's ``AsyncVectorEnv`` (a crash or a slow step
+            stays with its env). Cheap CPU-bound envs run faster shared, e.g. one worker per core;
+            ``envs.placement.advice`` says so, with the predicted gain, once your first steps are timed.
+        in_process: ``True``: every env in the calling process, stepped as ``SyncVectorEnv`` steps
+            them (no workers, no crash isolation, no ``step_timeout``); ``None``/``False`` (default): workers.
+        placement: ``"auto"`` (default: from your settings, as above) or ``"probe"``: step a
             throwaway copy of each distinct env function with random actions before anything
             runs, and place from that (an opt-in: those actions reach whatever the env drives).
         backend: ``"process"``, ``"ray"``, or a :class:`~asyncvec.vector.transport.Backend`
@@ -189,7 +187,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self._observations = ObservationBuffers(self.num_envs)
         self._action_rows: Any = None  # shared views of one action per env, when actions travel that way
         self._in_process_steps: bool | None = None  # placement and buffers allow the in-process fast path
-        self._relocator: Relocator | None = None  # times the first steps and moves the envs (relocation.py)
+        self._advisor: PlacementAdvisor | None = None  # times the first steps and advises a setting (advice.py)
 
         spaces = None
         if self.backend.local:  # read the spaces from one throwaway env (shared memory must exist before the workers)
@@ -230,9 +228,15 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             action_memory = self.backend.create_shared_memory(self.single_action_space, self.num_envs)
             self._action_rows = read_from_shared_memory(self.single_action_space, action_memory, n=self.num_envs)
         self._action_memory = action_memory
-        timed_steps = TIMED_STEPS if self.placement.measuring else 0
+        advised = isinstance(self.backend, ProcessBackend) and self.placement.profiles is None
         spec = WorkerSpec(
-            self.env_fns, groups, self.autoreset_mode, self._shm, action_memory, None, timed_steps, start_timeout
+            self.env_fns,
+            groups,
+            self.autoreset_mode,
+            self._shm,
+            action_memory,
+            TIMED_STEPS if advised else 0,
+            start_timeout,
         )
         self._transport = self.backend.create(spec)
         self._dispatch = Dispatcher(
@@ -247,8 +251,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             close_for=self._close_for,
         )
         self._slots = self._dispatch.slots
-        if self.placement.measuring:
-            self._relocator = Relocator(self, blockers, self.batch_size < self.num_envs, usable_cores())
+        if advised:
+            self._advisor = PlacementAdvisor(self, blockers, self.batch_size < self.num_envs, usable_cores())
         self.closed = False
         try:
             for worker in range(len(groups)):
@@ -347,14 +351,23 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         self.step_async(actions)
         return self.step_wait()
 
-    @timed_for_placement(lambda envs, result: 0)
+    @timed_for_advice(lambda envs, result: 0)
     def step_async(self, actions: Any) -> None:
         """Sends one action to every sub-environment; :meth:`step_wait` collects the results."""
         self._assert_idle("step_async")
         ids = list(range(self.num_envs))
+        dispatch, rows = self._dispatch, self._action_rows
+        if dispatch.can_step_workers and self._actions.fits_rows(actions, rows, self.validate_actions):
+            if self._advisor is not None:
+                self._advisor.before_send(ids)
+            rows[...] = actions  # every action in shared memory at once; each worker gets one byte
+            dispatch.step_workers()
+            self._lockstep_ids = ids
+            self._state = _LockstepState.WAITING_STEP
+            return
         items = self._actions.split(actions, ids, self.validate_actions)
-        if self._relocator is not None:
-            self._relocator.before_send(ids)
+        if self._advisor is not None:
+            self._advisor.before_send(ids)
         if self._can_step_in_process():
             self._dispatch.step_all(items)
         else:
@@ -391,7 +404,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             infos,
         )
 
-    @timed_for_placement(lambda envs, result: envs.num_envs)
+    @timed_for_advice(lambda envs, result: envs.num_envs)
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Waits for :meth:`step_async` (at most ``timeout`` seconds) and returns the batch.
 
@@ -403,6 +416,10 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
         dispatch = self._dispatch
+        if dispatch.compact_stepping:  # worker processes, one byte each way (step_async: can_step_workers)
+            if timeout is None:
+                return self._step_batch(range(self.num_envs), *dispatch.finish_step_workers())
+            dispatch.compact_stepping = False  # a wait that may time out takes the usual path (it may resume)
         if dispatch.stepped is not None:  # the in-process fast path (step_async: _can_step_in_process)
             return self._step_batch(range(self.num_envs), *dispatch.finish_step_all())
         ids = self._lockstep_ids
@@ -427,7 +444,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             self._dispatch.send(i, "reset", {"seed": seeds[i], "options": options})
         self._dispatch.flush()
 
-    @timed_for_placement(lambda envs, result: 0)
+    @timed_for_advice(lambda envs, result: 0)
     def send(self, actions: Any, env_ids: Sequence[int] | np.ndarray | None = None) -> None:
         """Sends one action to each env in ``env_ids`` (default: all) and returns at once.
 
@@ -444,8 +461,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             ids = list(range(self.num_envs)) if env_ids is None else [int(i) for i in np.asarray(env_ids).reshape(-1)]
             self._check_free(ids)
             items = self._actions.split(actions, ids, self.validate_actions)
-            if self._relocator is not None:
-                self._relocator.before_send(ids)
+            if self._advisor is not None:
+                self._advisor.before_send(ids)
             self._send_now(ids, "step", items)
 
     def _assert_not_waiting(self, call: str) -> None:
@@ -496,11 +513,11 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             if len(seeds) != len(ids):
                 raise ValueError(f"send_reset: {len(seeds)} seeds for {len(ids)} env ids")
             self._check_free(ids)
-            if self._relocator is not None:
-                self._relocator.before_send(ids)
+            if self._advisor is not None:
+                self._advisor.before_send(ids)
             self._send_now(ids, "reset", [{"seed": seed, "options": options} for seed in seeds])
 
-    @timed_for_placement(lambda envs, result: len(result[4]["env_id"]))
+    @timed_for_advice(lambda envs, result: len(result[4]["env_id"]))
     def recv(
         self, timeout: float | None = None, *, at_least: int | None = None
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
@@ -528,8 +545,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 )
             target = min(self.batch_size, len(in_flight))
             needed = target if at_least is None else max(1, min(int(at_least), target))
-            if self._relocator is not None and needed < target:
-                self._relocator.block(f"recv(at_least={at_least}) of {target}", partial=True)
+            if self._advisor is not None and needed < target:
+                self._advisor.block(f"recv(at_least={at_least}) of {target}", partial=True)
             dispatch = self._dispatch
             dispatch.wait_until(
                 lambda: len(dispatch.arrivals) >= needed,
@@ -659,8 +676,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
 
     @step_timeout.setter
     def step_timeout(self, seconds: float | None) -> None:
-        if seconds is not None and self._relocator is not None:  # moves envs that were moved here back to workers
-            self._relocator.block(f"step_timeout={seconds} (a step in this process cannot be interrupted)")
+        if seconds is not None and self._advisor is not None:  # the calling process is no longer advised
+            self._advisor.block(f"step_timeout={seconds} (a step in this process cannot be interrupted)")
         check_fault_settings(seconds, 0, self.placement.in_process)
         self._dispatch.step_timeout = seconds
 
@@ -672,8 +689,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     @fault_policy.setter
     def fault_policy(self, policy: FaultPolicy) -> None:
         check_fault_settings(self.step_timeout, 0, self.placement.in_process, policy)
-        if self._relocator is not None and policy != MaxRestarts(0):
-            self._relocator.block(f"{describe_policy(policy)} (a crash in this process could not be restarted)")
+        if self._advisor is not None and policy != MaxRestarts(0):
+            self._advisor.block(f"{describe_policy(policy)} (a crash in this process could not be restarted)")
         self._dispatch.faults.policy = policy
 
     @property

@@ -26,7 +26,7 @@ from asyncvec.vector.faults import ENV_COMMANDS, FaultPolicy, Faults, Restart
 from asyncvec.vector.observations import ObservationBuffers
 from asyncvec.vector.slots import NO_RESULT, Episode, Slot
 from asyncvec.vector.split_obs import write_row
-from asyncvec.vector.transport import InProcessTransport, Transport
+from asyncvec.vector.transport import InProcessTransport, ProcessTransport, Transport
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
 __all__ = ["NO_RESULT", "CallFailure", "Dispatcher", "Message", "Slot"]  # NO_RESULT, Slot: from slots.py
@@ -100,27 +100,12 @@ class Dispatcher:
         self._same_step = autoreset_mode == AutoresetMode.SAME_STEP
         self._outbox: dict[int, tuple[list[int], list[tuple[int, str, Any]]]] = {}
         self.stepped: Any = None  # a lockstep step's actions and results, taken by the in-process fast path
+        self.compact_stepping = False  # a lockstep step of every env sent by step_workers, not yet finished
 
     def _place_slots(self, groups: list[list[int]]) -> None:
         for worker, group in enumerate(groups):
             for position, index in enumerate(group):
                 self.slots[index].worker, self.slots[index].position = worker, position
-
-    @property
-    def has_outbox(self) -> bool:
-        """Commands queued and not yet sent (:meth:`flush` sends them)."""
-        return bool(self._outbox)
-
-    def rehost(self, transport: Transport, groups: list[list[int]], action_rows: Any) -> None:
-        """The envs moved to ``transport``'s workers, as ``groups`` (:mod:`~asyncvec.vector.relocation`).
-
-        Called with nothing in flight to a worker; each env's bookkeeping (answers not yet
-        delivered, restarts, seeds, episode state) stays as it was.
-        """
-        assert not any(self.queues) and not self._outbox, "envs move only with no message in flight"
-        self.transport, self.groups, self.action_rows = transport, groups, action_rows
-        self._place_slots(groups)
-        self.queues = [deque() for _ in groups]
 
     # ------------------------------------------------------------------ sending
 
@@ -442,4 +427,63 @@ class Dispatcher:
         same_step = self._same_step
         for slot, terminated, truncated in zip(self.slots, terminations, truncations):
             slot.episode = Episode.ENDED if (terminated or truncated) and not same_step else Episode.LIVE
+        return rewards, terminations, truncations, infos
+
+    # ------------------------------------------------------------------ compact lockstep steps in workers
+
+    @property
+    def can_step_workers(self) -> bool:
+        """Whether a lockstep step may take :meth:`step_workers` now: worker processes with actions and whole
+        observations in shared memory, no ``step_timeout`` (the answers are read in order, as gymnasium's
+        ``AsyncVectorEnv`` reads them), nothing in flight, and no env owing a restart's truncation or info."""
+        transport = self.transport
+        if not isinstance(transport, ProcessTransport) or not transport.compact_steps:
+            return False
+        if self.step_timeout is not None or self.observations.per_env is not None or self.arrivals:
+            return False
+        return not any(slot.after_restart is not None or slot.info_extra for slot in self.slots)
+
+    def step_workers(self) -> None:
+        """Sends every worker a step of all its envs, their actions already in the shared action rows: one
+        byte a worker, no per-env message (:data:`~asyncvec.vector.worker.STEP_MESSAGE`)."""
+        transport = self.transport
+        assert isinstance(transport, ProcessTransport)  # can_step_workers said so
+        for slot in self.slots:
+            slot.command = "step"
+        now = time.monotonic()
+        for worker, (ids, queue) in enumerate(zip(self.groups, self.queues)):
+            queue.append(Message(ids, True, None if queue else now))
+        self.compact_stepping = True
+        transport.send_steps(range(len(self.groups)))
+
+    def finish_step_workers(self) -> tuple[Any, Any, Any, list[Any]]:
+        """The results of :meth:`step_workers` (rewards, terminations, truncations as arrays, infos): compact
+        answers from :class:`~asyncvec.vector.worker.StepResults`; any other answer (an info, a failure, a
+        dead worker) through the usual path, restarts included."""
+        transport = self.transport
+        assert isinstance(transport, ProcessTransport) and transport.step_results is not None
+        self.compact_stepping = False
+        others: list[int] = []
+        try:
+            for worker, queue in enumerate(self.queues):
+                reply = transport.read_step(worker)
+                if reply is None:
+                    queue.popleft()
+                else:
+                    others += self.groups[worker]
+                    self._file(worker, *reply)
+            if others:
+                self.collect(others, None)
+        except BaseException as exc:
+            self.close_after(exc)
+            raise
+        rewards, terminations, truncations = (view.copy() for view in transport.step_results.views())
+        infos: list[Any] = [None] * len(self.slots)
+        for index, result in zip(others, self.deliver(others)):
+            _, rewards[index], terminations[index], truncations[index], info = result
+            infos[index] = self.with_extra(index, info)
+        same_step = self._same_step
+        for slot, ended in zip(self.slots, (terminations | truncations).tolist()):
+            slot.command = None
+            slot.episode = Episode.ENDED if ended and not same_step else Episode.LIVE
         return rewards, terminations, truncations, infos

@@ -1,28 +1,32 @@
-"""Where a vector env's sub-envs run: the rules, from what the user asked for and what each env costs.
+"""Where a vector env's sub-envs run: decided once, before the first step, from what the user asked for.
 
-Promises before speed, in this order (one line each in :func:`in_process_blockers`):
+Promises before speed, in this order:
 
-1. **What the user asked for decides first.** ``in_process=True`` or ``envs_per_worker=k`` is
-   kept as given. The calling process never hosts the envs where that would break a setting:
-   ``max_restarts > 0`` (a crash there would take the caller with it), ``step_timeout`` (a step
-   there cannot be interrupted), ``batch_size < num_envs`` or any partial ``send``/``recv`` (the
-   envs would step inside ``send``, one after another: fast envs would wait for slow ones), a
-   backend other than worker processes, ``in_process=False``, or steps driven from a thread other
-   than the main one (the envs would take the GIL from the caller's other work, e.g. a learner).
-2. **No env receives an action the user did not send.** By default nothing is probed: the envs
-   start one per worker process (gymnasium's ``AsyncVectorEnv`` placement) and the user's own
-   first steps are timed where they run (:mod:`~asyncvec.vector.relocation` then moves the envs,
-   with their whole state, if that clearly pays). Random-action probing of a throwaway copy is an
-   explicit opt-in: ``placement="probe"`` (:func:`probe_placement`).
-3. **Every env counts.** The rule takes one :class:`StepProfile` per env: envs that wait (CPU
-   share under a half: sleeps, I/O, remote calls) keep a worker each; only CPU-bound envs share
-   workers, at most one busy worker per core, balanced by their step times.
-4. **Then speed, with a clear margin.** For lockstep use, with ``N`` envs costing ``t_i`` each and a
-   measured overhead ``o`` per worker message, the predicted wall time of one vector step is
-   ``T(groups) = max(max_w sum_{i in w} t_i, sum_i t_i c_i / cores) + W o``; in the calling process
-   ``sum_i t_i`` plus a small per-env cost. A placement is left only for one predicted
-   ``IN_PROCESS_MARGIN`` (into the calling process, whose cost is well predicted) or
-   ``REGROUP_MARGIN`` (among workers) times faster than what was measured.
+1. **Where an env runs never changes by itself.** It is decided when the vector env is built,
+   from the user's settings (``in_process``, ``envs_per_worker``, ``placement``, the backend) and
+   the machine, and an env stays in the process that built it until it closes (a restart rebuilds
+   it there from its function). No live env is ever pickled to move it: a copy of a live object is
+   a guess about code asyncvec did not write (a simulator that pickles its configuration only, a
+   per-process handle), and such a guess fails silently.
+2. **The default is gymnasium's:** one env per worker process (``AsyncVectorEnv``'s placement),
+   whatever the env. ``in_process=True`` hosts every env in the calling process (the user's
+   choice; refused beside ``max_restarts``/``step_timeout``: :func:`in_process_blockers`);
+   ``envs_per_worker=k`` shares workers.
+3. **Measuring advises.** The workers time each env's first steps, the user's own, and the vector
+   env times how long its caller waits; :mod:`~asyncvec.vector.advice` then puts one line in
+   ``envs.placement.advice`` (and the ``asyncvec.vector`` logger, at INFO) naming a setting
+   predicted faster and by how much. It never acts on it.
+4. **No env receives an action the user did not send,** except with ``placement="probe"``, an
+   opt-in by name: a throwaway copy of each env function is stepped with random actions in a
+   child process before anything runs, and the rule below places the envs from that.
+
+The rule (the probe's choice, the advice's prediction), with ``N`` envs costing ``t_i`` each and a
+measured overhead ``o`` per worker message: the predicted wall time of one lockstep vector step
+is ``T(groups) = max(max_w sum_{i in w} t_i, sum_i t_i c_i / cores) + W o``; in the calling
+process ``sum_i t_i`` plus a small per-env cost. Envs that wait (CPU share under a half: sleeps,
+I/O, remote calls) keep a worker each; only CPU-bound envs share workers, at most one busy worker
+per core. A setting is named only when predicted ``IN_PROCESS_MARGIN`` (the calling process) or
+``REGROUP_MARGIN`` (shared workers) times faster.
 
 Example:
     >>> cheap = [StepProfile(step_s=10e-6, cpu_share=1.0)] * 8
@@ -56,6 +60,7 @@ from asyncvec.vector.worker import EnvFailure
 
 __all__ = [
     "Placement",
+    "advice_line",
     "StepProfile",
     "check_placement_arguments",
     "choose_placement",
@@ -67,7 +72,6 @@ __all__ = [
     "probe_placement",
     "probe_skip_reason",
     "profile_env",
-    "relocation_skip_reason",
     "resolve_backend",
 ]
 
@@ -86,6 +90,7 @@ PROBE_ROUND_TRIPS = 16
 PROBE_ROUND_TRIP_MAX_STEP_S = 0.002
 #: The probe's child may take this long in all (beyond building its env) before it counts as failed.
 PROBE_TIMEOUT_S = 10.0
+DEFAULT_REASON = "one env per worker (the default, as gymnasium.vector.AsyncVectorEnv)"
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,8 @@ class StepProfile:
     """What one env's step costs.
 
     Attributes:
-        step_s: median wall seconds of one ``step``.
+        step_s: median wall seconds of one ``step``, less the time it sat ready while other processes
+            held the cores (what the step costs where it has a core of its own).
         cpu_share: CPU seconds used per wall second of stepping that had a CPU or did not want
             one (about 1 for a simulator, about 0 for an env that sleeps or waits; the time a step
             sat ready while other processes held the cores does not count, so load does not make
@@ -118,9 +124,11 @@ class StepProfile:
         """The profile of timed steps: median wall, and the median step's CPU share of the wall
         time less ``ready_waits`` (seconds each step sat ready for a CPU; see `StepProfile`)."""
         waits = ready_waits if ready_waits is not None else [0.0] * len(walls)
-        shares = (cpu / max(wall - wait, 1e-9) for cpu, wall, wait in zip(cpus, walls, waits, strict=True))
-        cpu_share = min(1.0, statistics.median(shares))
-        return StepProfile(statistics.median(walls), cpu_share, round_trip_s, len(walls))
+        # the schedstat window is a little wider than the wall's: under load wall - wait can go below the CPU
+        # time, which bounds the time the step ran from below
+        running = [max(wall - wait, cpu, 1e-9) for wall, cpu, wait in zip(walls, cpus, waits, strict=True)]
+        cpu_share = min(1.0, statistics.median(cpu / wall for cpu, wall in zip(cpus, running, strict=True)))
+        return StepProfile(statistics.median(running), cpu_share, round_trip_s, len(walls))
 
     @property
     def waits(self) -> bool:
@@ -136,16 +144,17 @@ class Placement:
         in_process: the envs run in the calling process, stepped one after another (no workers).
         groups: the env ids each worker hosts (one group of every env when ``in_process``).
         reason: why this placement, in words (the rule's numbers, or what the user asked for).
-        profiles: the per-env measurements the choice came from, or ``None`` (not measured).
-        measuring: the envs' first steps are being timed; the placement may still change
-            (:mod:`~asyncvec.vector.relocation`).
+        profiles: the per-env measurements (the probe's, or the envs' own first steps once timed),
+            or ``None`` (not measured yet).
+        advice: once the first steps are timed, one line naming a setting predicted faster (and by
+            how much), or saying that none is; ``None`` before (:mod:`~asyncvec.vector.advice`).
     """
 
     in_process: bool
     groups: tuple[tuple[int, ...], ...]
     reason: str
     profiles: tuple[StepProfile, ...] | None = None
-    measuring: bool = False
+    advice: str | None = None
 
     @property
     def num_workers(self) -> int:
@@ -174,7 +183,8 @@ class Placement:
             if self.in_process or self.envs_per_worker == 1
             else (" (a worker's death ends the episodes of all its envs; envs_per_worker=1 keeps a crash to one env)")
         )
-        return f"{where}: {self.reason}{shared}"
+        advice = f" (advice: {self.advice})" if self.advice else ""
+        return f"{where}: {self.reason}{shared}{advice}"
 
 
 def contiguous_groups(num_envs: int, envs_per_worker: int) -> tuple[tuple[int, ...], ...]:
@@ -182,9 +192,9 @@ def contiguous_groups(num_envs: int, envs_per_worker: int) -> tuple[tuple[int, .
     return tuple(tuple(range(s, min(s + envs_per_worker, num_envs))) for s in range(0, num_envs, envs_per_worker))
 
 
-def given_placement(num_envs: int, envs_per_worker: int, reason: str, measuring: bool = False) -> Placement:
+def given_placement(num_envs: int, envs_per_worker: int, reason: str) -> Placement:
     """Contiguous workers of ``envs_per_worker`` envs (an explicit setting, or one env per worker)."""
-    return Placement(False, contiguous_groups(num_envs, envs_per_worker), reason, measuring=measuring)
+    return Placement(False, contiguous_groups(num_envs, envs_per_worker), reason)
 
 
 def in_process_placement(num_envs: int, reason: str, profiles: tuple[StepProfile, ...] | None = None) -> Placement:
@@ -202,7 +212,7 @@ def in_process_blockers(
     fault_policy: object | None = None,
 ) -> list[str]:
     """The settings that forbid hosting the envs in the calling process, in words (empty: allowed).
-    Later uses add their own (a partial ``send``, a step from another thread: the relocation).
+    Later uses add their own (a partial ``send``, a step from another thread: the advice).
     ``fault_policy``: a policy of the user's own (it may restart, as ``max_restarts > 0``)."""
     blockers = []
     if fault_policy is not None:
@@ -304,6 +314,57 @@ def choose_placement(
     return Placement(False, current_groups, f"stays: {why}; {measured}", tuple(profiles))
 
 
+def advice_line(
+    profiles: Sequence[StepProfile],
+    *,
+    overhead_s: float,
+    cores: int,
+    measured_s: float,
+    current: Sequence[Sequence[int]],
+    in_process_now: bool = False,
+    blockers: Sequence[str] = (),
+    may_share_workers: bool = True,
+) -> str:
+    """One line of advice from the envs' own timed steps: the settings predicted faster than the
+    vector step ``measured_s`` as the envs run now (``current``), each with its predicted gain, or
+    that none is. Only settings the user's others allow are named (``blockers`` forbid the calling
+    process; partial batches, ``may_share_workers=False``, forbid shared workers).
+
+    Example:
+        >>> cheap = [StepProfile(step_s=17e-6, cpu_share=1.0)] * 8
+        >>> advice_line(cheap, overhead_s=40e-6, cores=2, measured_s=400e-6, current=[[i] for i in range(8)])
+        'these envs step in 17 us (median of 8) at 100% CPU: envs_per_worker=4 is predicted 2.7x faster; in_process=True 2.5x'
+    """
+    num_envs = len(profiles)
+    median_s = statistics.median(p.step_s for p in profiles)
+    cpu = statistics.mean(p.cpu_share for p in profiles)
+    waiting = sum(p.waits for p in profiles)
+    measured = f"these envs step in {median_s * 1e6:,.0f} us (median of {num_envs}) at {cpu:.0%} CPU" + (
+        f", {waiting} of them mostly waiting" if waiting else ""
+    )
+    options: list[tuple[str, float]] = []
+    if not blockers and not in_process_now:
+        options.append(("in_process=True", measured_s / predicted_in_process_s(profiles)))
+    current_groups = [tuple(g) for g in current]
+    if may_share_workers:
+        shared: list[tuple[str, float]] = []
+        for workers in sorted({max(1, cores), 2 * max(1, cores)}):
+            per_worker = -(-num_envs // workers)
+            groups = contiguous_groups(num_envs, per_worker)
+            if per_worker > 1 and list(groups) != current_groups:
+                predicted_s = predicted_step_s(groups, profiles, cores, overhead_s)
+                shared.append((f"envs_per_worker={per_worker}", measured_s / predicted_s))
+        options += sorted(shared, key=lambda option: -option[1])[:1]
+    margins = {"in_process=True": IN_PROCESS_MARGIN}
+    worth = [(name, gain) for name, gain in options if gain >= margins.get(name, REGROUP_MARGIN)]
+    if not worth:
+        return f"{measured}: no other setting is predicted clearly faster"
+    worth.sort(key=lambda option: -option[1])
+    first, *rest = worth
+    named = [f"{first[0]} is predicted {first[1]:.1f}x faster"] + [f"{name} {gain:.1f}x" for name, gain in rest]
+    return f"{measured}: {'; '.join(named)}"
+
+
 def resolve_backend(backend: str | Backend, context: str | None, daemon: bool) -> Backend:
     """Where the workers run, as ``AsyncLLMVectorEnv(backend=...)`` names it: ``"process"``, ``"ray"``, or a
     :class:`~asyncvec.vector.transport.Backend` (here, not in transport.py: Ray's backend imports the transport).
@@ -367,88 +428,44 @@ def initial_placement(
     daemon: bool,
     fault_policy: object | None = None,
 ) -> tuple[Placement, list[str]]:
-    """Where the envs start, and what forbids the calling process (:func:`in_process_blockers`): as
-    given (``in_process=True``, ``envs_per_worker``), as probed (``placement="probe"``), else one env
-    per worker, ``measuring`` their first steps when they may move later (worker processes, envs that
-    allow it). ``spaces``: the env's observation and action spaces, render mode and metadata, when
-    read here (``None`` for remote workers).
+    """Where the envs run, for good, and what forbids the calling process (:func:`in_process_blockers`,
+    for the advice): as given (``in_process=True``, ``envs_per_worker``), as probed (``placement="probe"``),
+    else one env per worker. ``spaces``: the env's observation and action spaces, render mode and metadata,
+    when read here (``None`` for remote workers).
 
     Example:
         >>> import gymnasium as gym
         >>> p, blockers = initial_placement([lambda: gym.make("CartPole-v1")] * 4, ProcessBackend(), placement="auto",
         ...     envs_per_worker=None, in_process=None, max_restarts=1, step_timeout=None, batch_size=4, spaces=None,
         ...     context=None, start_timeout=60.0, daemon=True)
-        >>> p.num_workers, p.measuring, blockers
-        (4, True, ['max_restarts=1 (a crash in this process could not be restarted)'])
+        >>> p.num_workers, p.reason
+        (4, 'one env per worker (the default, as gymnasium.vector.AsyncVectorEnv)')
+        >>> blockers
+        ['max_restarts=1 (a crash in this process could not be restarted)']
     """
+    num_envs = len(env_fns)
     blockers = in_process_blockers(
         max_restarts=max_restarts,
         step_timeout=step_timeout,
         batch_size=batch_size,
-        num_envs=len(env_fns),
+        num_envs=num_envs,
         process_backend=isinstance(backend, ProcessBackend),
         in_process=in_process,
         fault_policy=fault_policy,
     )
-    probe_skip = None if spaces is None else probe_skip_reason(*spaces)
-    relocate_skip = None if spaces is None else relocation_skip_reason(spaces[2], spaces[3])
-    return _starting_placement(
-        env_fns,
-        backend,
-        placement,
-        envs_per_worker,
-        in_process,
-        blockers,
-        probe_skip,
-        relocate_skip,
-        batch_size < len(env_fns),
-        context,
-        start_timeout,
-        daemon,
-    ), blockers
-
-
-def _starting_placement(
-    env_fns: Sequence[Callable[[], Env[Any, Any]]],
-    backend: Backend,
-    placement: str,
-    envs_per_worker: int | None,
-    in_process: bool | None,
-    blockers: list[str],
-    probe_skip: str | None,
-    relocate_skip: str | None,
-    partial: bool,
-    context: str | None,
-    start_timeout: float,
-    daemon: bool,
-) -> Placement:
-    num_envs = len(env_fns)
     if in_process:
-        return in_process_placement(num_envs, "in_process=True")
+        return in_process_placement(num_envs, "in_process=True"), blockers
     if envs_per_worker is not None:
-        return given_placement(num_envs, int(envs_per_worker), "envs_per_worker given")
+        return given_placement(num_envs, int(envs_per_worker), "envs_per_worker given"), blockers
     if placement == "probe":
+        probe_skip = None if spaces is None else probe_skip_reason(*spaces)
         if probe_skip is not None:
-            return given_placement(num_envs, 1, f"one env per worker: not measured: {probe_skip}")
-        return probe_placement(
+            return given_placement(num_envs, 1, f"one env per worker: not measured: {probe_skip}"), blockers
+        probed = probe_placement(
             env_fns, backend, blockers=blockers, context=context, start_timeout=start_timeout, daemon=daemon
         )
-    if not isinstance(backend, ProcessBackend):
-        return given_placement(num_envs, 1, "one env per worker (another backend than worker processes)")
-    if relocate_skip is not None:
-        return given_placement(num_envs, 1, f"one env per worker: {relocate_skip}")
-    if partial:  # nothing could change: neither this process nor shared workers keep partial batches
-        return given_placement(num_envs, 1, f"one env per worker: {'; '.join(blockers)}")
-    return given_placement(num_envs, 1, "one env per worker while the first steps are timed", measuring=True)
-
-
-def relocation_skip_reason(render_mode: Any, metadata: dict[Any, Any]) -> str | None:
-    """Why the envs may never move between processes once built, or ``None``."""
-    if metadata.get("asyncvec_relocate", True) is False:
-        return "the env declares metadata['asyncvec_relocate'] = False"
-    if render_mode == "human":
-        return "render_mode='human' (its window belongs to its process)"
-    return None
+        return probed, blockers
+    return given_placement(num_envs, 1, DEFAULT_REASON), blockers
 
 
 def probe_skip_reason(

@@ -23,15 +23,22 @@ Commands (per env):
   ``"check_spaces"`` ``(observation_mode, observation_space, action_space)``,
   ``"spaces"`` (answers the env's spaces, metadata and render mode), ``"probe"`` (times random
   steps: :func:`time_steps`; only for ``placement="probe"``, which the user opts into).
-* Placement (:mod:`~asyncvec.vector.relocation`): ``"timings"`` answers the wall, CPU and ready-wait seconds
-  of the env's first steps (the user's own steps, timed as they run), ``"export"`` the env's
-  whole state as bytes (cloudpickle: the env object, its autoreset flag and pending seed),
-  ``"detach"`` drops the env without closing it (its copy lives on elsewhere).
+* ``"timings"`` answers the wall, CPU and ready-wait seconds of the env's first steps (the
+  user's own steps, timed as they run), from which :mod:`~asyncvec.vector.advice` advises a
+  setting. An env never leaves the process that built it.
 
 An env that raises does not stop the others: its item answers :class:`EnvFailure`.
 Observations of fixed-shape spaces are written to shared memory once the whole message is
 done (so a worker that dies mid-message never leaves a half-published row) and answered as
 ``None``.
+
+The hot path, a step of every env of a worker with actions in shared memory, travels without
+pickling: the message is the one byte :data:`STEP_MESSAGE`, and when every env's step went well
+with an empty info (and its observation in shared memory) the answer is the one byte
+:data:`STEP_ANSWER`, each env's reward, ``terminated`` and ``truncated`` in :class:`StepResults`.
+Anything else (an info to carry, a failure) answers the whole pickled result list, as for any
+message. Frames are multiprocessing's (a 4-byte length, then the bytes), read and written with
+one system call each where they fit (:func:`read_frame`, :func:`write_frame`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ import io
 import os
 import pickle
 import signal
+import struct
 import threading
 import time
 import traceback
@@ -50,11 +58,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, SupportsFloat
 
-import cloudpickle
 import numpy as np
-from gymnasium import Env, Space, Wrapper
+from gymnasium import Env, Space
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
-from gymnasium.utils import EzPickle
 from gymnasium.vector.utils import read_from_shared_memory
 from gymnasium.vector.vector_env import AutoresetMode
 
@@ -64,13 +70,87 @@ from asyncvec.vector.split_obs import copy_row, pipe_part, shared_subspace, writ
 _PARENT_CHECK_S = 1.0
 IDLE = -1  # the value of a worker's "current env" marker between messages
 _OBSERVING_COMMANDS = ("step", "step_shared", "reset", "restart")  # commands that answer an observation
-#: An env whose pickled state is larger than this never moves between processes (relocation.py).
-MAX_MOVED_STATE_BYTES = 64 * 2**20
 #: The probe (``placement="probe"``) steps its env for about this long (wall seconds), at most PROBE_MAX_STEPS steps.
 PROBE_BUDGET_S = 0.05
 PROBE_MAX_STEPS = 64
 #: A step longer than this ends the probe at once: the env is slow, and one step says how slow.
 PROBE_SLOW_STEP_S = 0.02
+
+
+#: A step of every env of the worker, actions in shared memory (the whole message).
+STEP_MESSAGE = b"S"
+#: Every step of a STEP_MESSAGE went well with an empty info: results in StepResults and shared memory.
+STEP_ANSWER = b"K"
+_FRAME_HEADER = struct.Struct("!i")  # multiprocessing.Connection's: a frame sent by send_bytes reads here too
+
+
+def write_frame(fd: int, payload: bytes) -> None:
+    """Writes one frame (``Connection.send_bytes``'s format) to the descriptor ``fd``, in one call where it fits."""
+    data = memoryview(_FRAME_HEADER.pack(len(payload)) + payload)
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def read_frame(fd: int) -> bytes:
+    """Reads one frame of a non-empty payload (``Connection.recv_bytes``'s format) from ``fd``: one read call
+    for a one-byte payload; never reads past the frame. Raises ``EOFError`` when the other end is gone."""
+    head = os.read(fd, 5)  # the header and the first byte: all of STEP_MESSAGE / STEP_ANSWER frames
+    while len(head) < 5:
+        more = os.read(fd, 5 - len(head))
+        if not more:
+            raise EOFError("the other end of the pipe is gone")
+        head += more
+    remaining = _FRAME_HEADER.unpack_from(head)[0] - 1
+    if remaining == 0:
+        return head[4:]
+    chunks = [head[4:]]
+    while remaining > 0:
+        chunk = os.read(fd, min(remaining, 1 << 20))
+        if not chunk:
+            raise EOFError("the other end of the pipe is gone")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+class StepResults:
+    """Each env's reward, ``terminated`` and ``truncated`` of its last step, in shared memory (one row per env
+    of the vector env): what a :data:`STEP_ANSWER` leaves for the parent to read.
+
+    Example:
+        >>> import multiprocessing
+        >>> results = StepResults(multiprocessing.get_context(), num_envs=2)
+        >>> rewards, terminated, truncated = results.views()
+        >>> rewards[1], terminated[1] = 0.5, True
+        >>> results.result(1)
+        (None, 0.5, True, False, {})
+    """
+
+    def __init__(self, ctx: Any, num_envs: int) -> None:
+        self.buffers = (ctx.RawArray("d", num_envs), ctx.RawArray("b", num_envs), ctx.RawArray("b", num_envs))
+        self._views: tuple[Any, Any, Any] | None = None
+
+    def views(self) -> tuple[Any, Any, Any]:
+        """Numpy views: rewards (float64), terminated and truncated (bool), made once per process."""
+        if self._views is None:
+            rewards, terminated, truncated = self.buffers
+            self._views = (
+                np.frombuffer(rewards, dtype=np.float64),
+                np.frombuffer(terminated, dtype=np.bool_),
+                np.frombuffer(truncated, dtype=np.bool_),
+            )
+        return self._views
+
+    def result(self, index: int) -> tuple[None, float, bool, bool, dict[str, Any]]:
+        """Env ``index``'s step as a worker's answer gives it (its observation in shared memory)."""
+        rewards, terminated, truncated = self.views()
+        return None, float(rewards[index]), bool(terminated[index]), bool(truncated[index]), {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"buffers": self.buffers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.buffers, self._views = state["buffers"], None
 
 
 @dataclass(frozen=True)
@@ -123,44 +203,6 @@ def dumps(message: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _new_instance(cls: type[Any]) -> Any:
-    return object.__new__(cls)
-
-
-def _restore_attributes(obj: Any, attributes: dict[str, Any]) -> None:
-    obj.__dict__.update(attributes)
-
-
-class _EnvStatePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle ships no type hints
-    """cloudpickle, except that an object of gymnasium's ``EzPickle`` (every MuJoCo and Box2D env) is pickled by
-    its attributes: ``EzPickle`` keeps only the constructor's arguments, so its copy would be a fresh env, not this
-    one mid-episode. Attributes that cannot be pickled (Box2D's bodies) make the copy fail: the env stays."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, EzPickle):
-            return _new_instance, (type(obj),), dict(vars(obj)), None, None, _restore_attributes
-        return super().reducer_override(obj)
-
-
-def dumps_env_state(value: Any) -> bytes:
-    """The bytes of a moving env's state (see :class:`_EnvStatePickler`); ``pickle.loads`` restores it.
-
-    Example:
-        >>> import gymnasium as gym
-        >>> class Lander(gym.Env, EzPickle):  # as gymnasium's MuJoCo and Box2D envs
-        ...     def __init__(self, gravity=-10.0):
-        ...         EzPickle.__init__(self, gravity)
-        ...         self.gravity, self.height = gravity, 100.0
-        >>> env = Lander()
-        >>> env.height = 42.0  # mid-episode
-        >>> pickle.loads(cloudpickle.dumps(env)).height, pickle.loads(dumps_env_state(env)).height
-        (100.0, 42.0)
-    """
-    buffer = io.BytesIO()
-    _EnvStatePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
-
-
 def make_env(fn: Callable[[], Env[Any, Any]], index: int) -> Env[Any, Any]:
     """``fn()``, refused with a TypeError naming ``env_fns[index]`` unless it is an env with gymnasium
     spaces (a plain text game is the common case: it names the wrapper that gives it spaces)."""
@@ -177,28 +219,6 @@ def make_env(fn: Callable[[], Env[Any, Any]], index: int) -> Env[Any, Any]:
             f"lambda: asyncvec.lm.StringEnv({type(env).__name__}(...))"
         )
     return env
-
-
-def custom_pickling(env: Env[Any, Any]) -> str | None:
-    """Which class of ``env``'s wrapper chain pickles by rules of its own (``__reduce__``, ``__getstate__``,
-    ``__setstate__``), e.g. ``"RoboArm pickles through RoboArm.__getstate__"``; ``None`` when each pickles its
-    attributes as they are (gymnasium's ``EzPickle`` counts as that: :func:`dumps_env_state` copies its
-    attributes), so that a copy continues the episode exactly.
-
-    Example:
-        >>> import gymnasium as gym
-        >>> custom_pickling(gym.make("CartPole-v1")) is None
-        True
-    """
-    layer: Any = env
-    while True:
-        for name in ("__reduce_ex__", "__reduce__", "__getstate__", "__setstate__"):
-            owner = next((klass for klass in type(layer).__mro__ if name in vars(klass)), object)
-            if owner not in (object, EzPickle):  # EzPickle's own rules are bypassed (dumps_env_state)
-                return f"{type(layer).__name__} pickles through {owner.__name__}.{name}"
-        if not isinstance(layer, Wrapper):
-            return None
-        layer = layer.env
 
 
 def error_payload(exc: BaseException) -> tuple[str, str, str, bytes | None]:
@@ -289,9 +309,8 @@ class EnvGroup:
         marker: optional ``(array, slot)``: ``array[slot]`` holds the index of the env being
             worked on (``IDLE`` between messages), so the parent can name the env that hung or
             killed the worker.
-        states: per env, ``None`` (build it with its function) or the bytes of ``"export"``: the
-            env moved here from another process with its whole state.
         timed_steps: time this many of each env's first steps (for ``"timings"``); 0: none.
+        step_results: where a :data:`STEP_MESSAGE`'s answer leaves each env's reward and ends, or ``None``.
 
     Raises:
         BuildFailureError: an env function raised (``.failure`` says which one and why).
@@ -305,10 +324,12 @@ class EnvGroup:
         shared_memory: Any = None,
         marker: tuple[Any, int] | None = None,
         action_memory: Any = None,
-        states: Sequence[bytes | None] | None = None,
         timed_steps: int = 0,
+        step_results: StepResults | None = None,
     ) -> None:
         self.env_fns = list(env_fns)
+        self.step_results = step_results
+        self._step_items = [(position, "step_shared", None) for position in range(len(env_fns))]
         self.indices = list(indices)
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self._next_step = self.autoreset_mode == AutoresetMode.NEXT_STEP  # read per step: cheaper than the enum
@@ -325,13 +346,8 @@ class EnvGroup:
         self.next_seed: list[int | None] = [None] * len(self.env_fns)  # seeds the next unseeded reset
         for position, fn in enumerate(self.env_fns):
             self._mark(position)
-            state = None if states is None else states[position]
             try:
-                if state is None:
-                    self.envs.append(make_env(fn, self.indices[position]))
-                else:
-                    env, self.autoreset[position], self.next_seed[position] = cloudpickle.loads(state)
-                    self.envs.append(env)
+                self.envs.append(make_env(fn, self.indices[position]))
             except BaseException as exc:
                 self.close()
                 raise BuildFailureError(BuildFailure(position, error_payload(exc))) from exc
@@ -384,6 +400,23 @@ class EnvGroup:
                     continue
                 results[slot] = (pipe_part(rows, observation) if split else None, *result[1:])  # e.g. a Text entry
         return results
+
+    def answer(self, payload: bytes) -> bytes:
+        """The answer to one message as it arrived (:data:`STEP_MESSAGE` or a pickled item list), as bytes."""
+        if payload != STEP_MESSAGE:
+            return dumps((True, self.handle(pickle.loads(payload))))
+        results = self.handle(self._step_items)
+        step_results = self.step_results
+        if step_results is not None and all(type(r) is tuple and r[0] is None and r[4] == {} for r in results):
+            rewards, terminated, truncated = step_results.views()
+            try:
+                for index, (_, reward, ended, cut, _) in zip(self.indices, results):
+                    rewards[index], terminated[index], truncated[index] = reward, ended, cut
+            except (TypeError, ValueError):
+                pass  # a reward numpy cannot take as a float: the answer carries it as it is
+            else:
+                return STEP_ANSWER
+        return dumps((True, results))
 
     def _observation_rows(self) -> Any:
         """Numpy views of the shared observation rows (a Dict's fixed-shape entries, or all), made once."""
@@ -457,27 +490,10 @@ class EnvGroup:
             return time_steps(env)
         if command == "timings":
             return list(self.timings[position])
-        if command == "export":
-            rebuilt_by = custom_pickling(env)
-            if rebuilt_by is not None and env.metadata.get("asyncvec_relocate") is not True:
-                raise ValueError(
-                    f"{rebuilt_by}, which may build a new env instead of copying this one's episode; an env whose "
-                    "pickling keeps its whole state can declare metadata['asyncvec_relocate'] = True"
-                )
-            state = dumps_env_state((env, self.autoreset[position], self.next_seed[position]))
-            if len(state) > MAX_MOVED_STATE_BYTES:  # a large table or dataset: copying it is not worth a faster step
-                raise ValueError(
-                    f"its state pickles to {len(state) / 2**20:.1f} MiB, over the "
-                    f"{MAX_MOVED_STATE_BYTES / 2**20:.0f} MiB an env may take when it moves"
-                )
-            return state
-        if command == "detach":  # the env moved to another process: dropped here, not closed
-            self.envs[position] = None  # type: ignore[call-overload]  # no command reaches it any more
-            return None
         raise RuntimeError(f"unknown worker command {command!r}")
 
     def _step(self, position: int, action: Any) -> tuple[Any, ...]:
-        if self._timing:  # the user's own first steps, timed for placement (relocation.py)
+        if self._timing:  # the user's own first steps, timed for the placement advice (advice.py)
             return self._timed_step(position, action)
         return self._untimed_step(position, action)
 
@@ -535,8 +551,6 @@ class EnvGroup:
 
     def close(self) -> None:
         for env in self.envs:
-            if env is None:  # detached
-                continue
             try:
                 env.close()
             except Exception:
@@ -569,43 +583,51 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 def run_worker(
     env_fns: Sequence[Callable[[], Env[Any, Any]]],
     indices: Sequence[int],
-    pipe: Connection,
-    parent_pipe: Connection | None,
+    pipes: tuple[Connection, Connection],
+    parent_pipes: tuple[Connection, Connection] | None,
     shared_memory: Any,
     autoreset_mode: AutoresetMode,
     marker: tuple[Any, int],
     parent_pid: int,
     action_memory: Any = None,
-    states: Sequence[bytes | None] | None = None,
     timed_steps: int = 0,
+    step_results: StepResults | None = None,
 ) -> None:
     """A worker process: builds its envs, answers ``(True, results)`` per message until ``None`` (close).
 
-    Messages travel as bytes made by :func:`dumps`.
+    Messages travel as frames (:func:`read_frame`): :data:`STEP_MESSAGE`, or bytes made by :func:`dumps`.
 
     A failure to build answers ``(False, BuildFailure)`` and exits.
     """
     # Ctrl-C reaches the whole process group; the parent decides how to shut workers down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if parent_pipe is not None:
-        parent_pipe.close()
+    if parent_pipes is not None:  # the parent's ends, inherited by a fork
+        for end in parent_pipes:
+            end.close()
+    receiver, pipe = pipes
     try:
-        group = EnvGroup(env_fns, indices, autoreset_mode, shared_memory, marker, action_memory, states, timed_steps)
+        group = EnvGroup(
+            env_fns, indices, autoreset_mode, shared_memory, marker, action_memory, timed_steps, step_results
+        )
     except BuildFailureError as exc:
         pipe.send_bytes(dumps((False, exc.failure)))
         pipe.close()
+        receiver.close()
         return
     pipe.send_bytes(dumps((True, None)))  # ready
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    fd, reply_fd = receiver.fileno(), pipe.fileno()
+    stop = dumps(None)
     try:
         while True:
-            message = pickle.loads(pipe.recv_bytes())
-            if message is None:
-                pipe.send_bytes(dumps((True, None)))
+            payload = read_frame(fd)
+            if payload == stop:
+                write_frame(reply_fd, dumps((True, None)))
                 return
-            pipe.send_bytes(dumps((True, group.handle(message))))
+            write_frame(reply_fd, group.answer(payload))
     except (EOFError, BrokenPipeError, OSError):
         return  # the parent went away
     finally:
         group.close()
         pipe.close()
+        receiver.close()
