@@ -13,6 +13,9 @@ from gymnasium.vector.utils import batch_space, iterate
 __all__ = ["ActionSplitter", "reset_mask", "seeds_for"]
 
 
+_ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+
 class ActionSplitter:
     """Splits the actions a vector env is given into one action per env, checking them.
 
@@ -72,7 +75,9 @@ class ActionSplitter:
         count = len(env_ids)
         batched = self.batched_space(count)
         try:
-            items = list(iterate(batched, actions))
+            # gymnasium's iterate of an array space's batch is iter(array): taken directly for arrays
+            arrays = type(actions) is np.ndarray and type(self.single_action_space) in _ARRAY_SPACES
+            items = list(actions) if arrays else list(iterate(batched, actions))
         except Exception as exc:
             raise ValueError(
                 f"actions do not fit a batch of {count} from single_action_space {self.single_action_space}: {exc}"

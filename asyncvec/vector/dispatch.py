@@ -424,9 +424,13 @@ class Dispatcher:
             for index, result in zip(failed, self.deliver(failed)):
                 _, rewards[index], terminations[index], truncations[index], infos[index] = result
                 infos[index] = self.with_extra(index, infos[index])
-        same_step = self._same_step
-        for slot, terminated, truncated in zip(self.slots, terminations, truncations):
-            slot.episode = Episode.ENDED if (terminated or truncated) and not same_step else Episode.LIVE
+        ended, live = Episode.ENDED, Episode.LIVE
+        if self._same_step:  # an ended episode was reset within the step
+            for slot in self.slots:
+                slot.episode = live
+        else:
+            for slot, terminated, truncated in zip(self.slots, terminations, truncations):
+                slot.episode = ended if terminated or truncated else live
         return rewards, terminations, truncations, infos
 
     # ------------------------------------------------------------------ compact lockstep steps in workers

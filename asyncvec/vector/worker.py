@@ -430,18 +430,47 @@ class EnvGroup:
     def step_all(self, actions: Sequence[Any]) -> tuple[list[Any], list[Any], list[Any], list[Any], list[Any]]:
         """Steps every env of the group with its action, in order, and writes each observation to
         its shared row: the lockstep fast path of envs in the calling process (no message, no
-        result per env). Needs the whole observation in shared memory.
+        result per env: the loop ``SyncVectorEnv.step`` runs). Needs the whole observation in shared memory.
 
         Returns ``(rewards, terminations, truncations, infos, failures)``; ``failures`` lists
         ``(position, error payload)`` of the envs that raised (their other entries are placeholders).
         """
         rows = self._observation_rows()
-        rewards, terminations, truncations, infos, failures = [], [], [], [], []
-        step, indices = self._timed_step if self._timing else self._untimed_step, self.indices
-        for position, action in enumerate(actions):
+        # a row of one array takes the observation as it is when it has the row's type, dtype and shape (what
+        # write_row checks first, inline here); anything else goes through write_row's checks
+        plain = type(rows) is np.ndarray
+        row_dtype, row_shape = (rows.dtype, rows.shape[1:]) if plain else (None, None)
+        rewards: list[Any] = []
+        terminations: list[Any] = []
+        truncations: list[Any] = []
+        infos: list[Any] = []
+        failures = []
+        autoreset, indices, next_step, same_step = self.autoreset, self.indices, self._next_step, self._same_step
+        timing = self._timing
+        for position, (env, action) in enumerate(zip(self.envs, actions)):
             try:
-                observation, reward, terminated, truncated, info = step(position, action)
-                write_row(rows, indices[position], observation)
+                if timing:
+                    observation, reward, terminated, truncated, info = self._timed_step(position, action)
+                elif next_step and autoreset[position]:
+                    observation, info = self._reset(position)
+                    reward, terminated, truncated = 0.0, False, False
+                    autoreset[position] = False
+                else:  # _untimed_step, inline: this loop is the whole cost beside the envs' own steps
+                    observation, reward, terminated, truncated, info = env.step(action)
+                    autoreset[position] = bool(terminated or truncated)
+                    if same_step and (terminated or truncated):
+                        final_observation, final_info = observation, info
+                        observation, reset_info = self._reset(position)
+                        info = {"final_obs": final_observation, "final_info": final_info, **reset_info}
+                if (
+                    plain
+                    and type(observation) is np.ndarray
+                    and observation.dtype == row_dtype
+                    and observation.shape == row_shape
+                ):
+                    rows[indices[position]] = observation
+                else:
+                    write_row(rows, indices[position], observation)
             except Exception as exc:
                 failures.append((position, error_payload(exc)))
                 reward, terminated, truncated, info = 0.0, False, False, {}
