@@ -137,6 +137,7 @@ NOT_REPLAYED = frozenset(  # options that do not change what PPO's learner compu
         "env_latency_dist",
         "max_restarts",
         "step_timeout",
+        "envs_per_worker",
         "target_return",
         "track",
         "log_dir",
@@ -176,9 +177,12 @@ class EnvAgentArgs:
     env_latency_dist: Literal["fixed", "uniform", "lognormal"] = "fixed"
     """distribution of the env latency (lognormal: heavy-tailed, e.g. a robot or a remote simulator)"""
     max_restarts: int = 0
-    """times each env may be rebuilt after a crash or hang (episode truncated); envs then stay in workers"""
+    """times each env may be rebuilt after a crash or hang (episode truncated)"""
     step_timeout: float | None = None
     """seconds an env step may take before its worker counts as hung (killed; rebuilt with --max-restarts)"""
+    envs_per_worker: int | None = None
+    """envs each worker process hosts (default: one, as gymnasium's AsyncVectorEnv; cheap CPU-bound envs run faster
+    shared, and the run's last line advises a value measured from the env's own first steps)"""
     total_timesteps: int = 100_000
     """env steps to train for"""
     target_return: float | None = None
@@ -210,6 +214,10 @@ class EnvAgentArgs:
             raise ValueError("--backend ray runs remote collectors: it needs --mode async")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.envs_per_worker is not None and self.envs_per_worker < 1:
+            raise ValueError(
+                f"--envs-per-worker must be >= 1 (or None: one env per worker), got {self.envs_per_worker}"
+            )
         if self.step_timeout is not None and self.step_timeout <= 0:
             raise ValueError(f"--step-timeout must be > 0 seconds (or None), got {self.step_timeout}")
         if self.backend == "ray" and (self.max_restarts or self.step_timeout is not None):
@@ -266,10 +274,10 @@ def make_vector_env(
     max_restarts: int = 0,
     step_timeout: float | None = None,
     env_kwargs: dict[str, Any] | None = None,
+    envs_per_worker: int | None = None,
 ) -> AsyncLLMVectorEnv:
-    """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes; ``max_restarts``
-    and ``step_timeout`` as ``AsyncLLMVectorEnv`` takes them (either keeps the envs in worker processes);
-    ``env_kwargs`` reach ``gym.make``."""
+    """Worker processes with SAME_STEP autoreset (no wasted reset steps), shared by both modes; ``max_restarts``,
+    ``step_timeout`` and ``envs_per_worker`` as ``AsyncLLMVectorEnv`` takes them; ``env_kwargs`` reach ``gym.make``."""
     check_env_id(env_id)
     return AsyncLLMVectorEnv(
         [make_env_fn(env_id, env_latency_ms, distribution, i, normalize_obs, env_kwargs) for i in range(num_envs)],
@@ -277,6 +285,7 @@ def make_vector_env(
         autoreset_mode=AutoresetMode.SAME_STEP,
         max_restarts=max_restarts,
         step_timeout=step_timeout,
+        envs_per_worker=envs_per_worker,
     )
 
 
@@ -639,7 +648,20 @@ def _run_agent(build: Callable[[], Any], summary: Callable[[Any], str], name: st
         raise SystemExit(130) from None
     print(summary(result))
     print(where_line(agent, saves))
+    advice = placement_advice(agent)
+    if advice:
+        print(f"{name}: {advice}")
     return result
+
+
+def placement_advice(agent: Any) -> str | None:
+    """The env placement advice of the agent's vector env (``envs.placement.advice``) when it names a faster
+    setting, as one line naming the flag that sets it; ``None`` otherwise."""
+    placement = getattr(getattr(agent, "envs", None), "placement", None)
+    advised = getattr(placement, "advised", None)
+    if not advised or "envs_per_worker" not in advised:
+        return None  # the agents' envs run in workers: in_process=True is not theirs to take
+    return f"env placement advice: {placement.advice} (--envs-per-worker {advised['envs_per_worker']})"
 
 
 def lm_cli(agent_cls: type[LMAgent], args_cls: type[LMArgs], argv: list[str] | None = None) -> LMTrainResult | None:

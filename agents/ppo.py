@@ -301,6 +301,7 @@ class PPO(EnvStepsRun):
                 distribution=args.env_latency_dist,
                 max_restarts=args.max_restarts,
                 step_timeout=args.step_timeout,
+                envs_per_worker=args.envs_per_worker,
                 env_kwargs=env_kwargs,
             )
         obs_dim = obs_space.shape[0]
@@ -459,7 +460,9 @@ class PPO(EnvStepsRun):
             "returns": returns.reshape(-1),
             "valid": valid.reshape(-1),
         }
-        frac = 1.0 - self.global_step / args.total_timesteps if args.anneal_lr else 1.0
+        # the share of the run left before this segment (global_step counts it already), as CleanRL's
+        # 1 - (iteration - 1) / num_iterations: the last update trains at learning_rate * segment / total, not 0
+        frac = 1.0 - (self.global_step - T * N) / args.total_timesteps if args.anneal_lr else 1.0
         clip = anneal(self.optimizer, args.learning_rate, args.clip_coef, frac)
         batch_size = T * N
         minibatch = max(1, batch_size // args.num_minibatches)

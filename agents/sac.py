@@ -272,6 +272,7 @@ class SAC(EnvStepsRun):
                 distribution=args.env_latency_dist,
                 max_restarts=args.max_restarts,
                 step_timeout=args.step_timeout,
+                envs_per_worker=args.envs_per_worker,
                 env_kwargs=env_kwargs,
             )
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
@@ -700,6 +701,13 @@ class SAC(EnvStepsRun):
             log_path=str(self.log_path) if self.log_path is not None else None,
             checkpoint_path=str(self.checkpoint_path) if self.checkpoint_path is not None else None,
         )
+
+    def close(self) -> None:
+        """Stops the policy server and the env workers (``train`` does this itself when it ends; the command line
+        calls it when there is nothing left to train, e.g. ``--resume`` of a finished run)."""
+        self.policy.close()
+        self.envs.close()
+        self.versions.close()
 
 
 def train(args: Args) -> TrainResult:

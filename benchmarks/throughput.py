@@ -6,6 +6,7 @@ with defaults only (``AsyncLLMVectorEnv(fns)``, ``batch_size`` for the partial-b
 placement is whatever :mod:`asyncvec.vector.placement` chose, printed in the table. Env kinds:
 
 * ``classic``: CartPole-v1 x8 (a few us a step: vectorization overhead only).
+* ``acrobot``: Acrobot-v1 x8 (about 45 us a step: a cheap env whose step outweighs a pipe message).
 * ``pendulum``: Pendulum-v1 x8 (cheap, continuous Box actions).
 * ``cpu``: CartPole behind a SlowEnv spinning 1 ms of CPU a step, x8 (a local simulator).
 * ``sleep``: CartPole behind a SlowEnv sleeping lognormal 10 ms (sigma 1), x16 (a remote
@@ -15,6 +16,10 @@ placement is whatever :mod:`asyncvec.vector.placement` chose, printed in the tab
 * ``mixed``: 4 CartPole-v1 and 4 CartPoles behind a SlowEnv sleeping 20 ms a step, in one vector
   env (fast and slow envs together, the case partial batches are for); its bound is the sum of each
   half's.
+
+Beside the defaults (one env per worker, decided before the first step and never changed), two rows show what
+a user gets by asking: ``in_process=True`` (cheap kinds) and the setting ``envs.placement.advised`` names once
+a throwaway vector env at defaults has timed its first steps (the advice; nothing moves by itself).
 
 PufferLib's Python vectorization (``pufferlib.vector.Multiprocessing``, ``pip install pufferlib-core``) runs
 beside them where it is installed: one busy worker per core less the one its main process spins on, in
@@ -58,6 +63,7 @@ from asyncvec.vector.transport import usable_cores  # noqa: E402  (after the rep
 
 SYNC, ASYNC = "gymnasium SyncVectorEnv", "gymnasium AsyncVectorEnv"
 OURS_STEP, OURS_PARTIAL = "AsyncLLMVectorEnv step()", "AsyncLLMVectorEnv send/recv"
+OURS_IN_PROCESS, OURS_ADVISED = "AsyncLLMVectorEnv step() in_process=True", "AsyncLLMVectorEnv step() as advised"
 ENVPOOL = "EnvPool (its own CartPole)"
 
 
@@ -69,7 +75,7 @@ class Args:
     """interleaved rounds per contender (the table holds the median)"""
     quick: bool = False
     """a short run (1.5 s per contender, 3 rounds)"""
-    kinds: tuple[str, ...] = ("classic", "pendulum", "cpu", "sleep", "image", "dict", "mixed")
+    kinds: tuple[str, ...] = ("classic", "acrobot", "pendulum", "cpu", "sleep", "image", "dict", "mixed")
     """which env kinds to run"""
     out_dir: str | None = None
     """where to write throughput.md/.png (default benchmarks/results)"""
@@ -77,6 +83,10 @@ class Args:
 
 def make_cartpole() -> gym.Env:
     return gym.make("CartPole-v1")
+
+
+def make_acrobot() -> gym.Env:
+    return gym.make("Acrobot-v1")
 
 
 def make_pendulum() -> gym.Env:
@@ -121,6 +131,7 @@ class Kind:
 
 KINDS = {
     "classic": Kind("CartPole-v1", make_cartpole, 8, 4),
+    "acrobot": Kind("Acrobot-v1", make_acrobot, 8, 4),
     "pendulum": Kind("Pendulum-v1 (Box actions)", make_pendulum, 8, 4),
     "cpu": Kind("1 ms of CPU a step", make_cpu_env, 8, 4),
     "sleep": Kind("lognormal 10 ms sleeps", partial(make_slow_cartpole, 10.0, 1.0), 16, 8),
@@ -341,6 +352,16 @@ def envpool_cartpole(num_envs: int):
     return envpool.make("CartPole-v1", env_type="gymnasium", num_envs=num_envs, seed=0)
 
 
+def advised_setting(fns: list[Callable[[], gym.Env]]) -> dict:
+    """What ``envs.placement.advised`` says after a vector env at defaults has timed its first steps."""
+    with AsyncLLMVectorEnv(fns) as envs:
+        envs.reset(seed=0)
+        envs.action_space.seed(0)
+        while envs.placement.advice is None:
+            envs.step(envs.action_space.sample())
+        return dict(envs.placement.advised)
+
+
 def contenders(kind: str, spec: Kind, cores: int = 2) -> dict[str, Callable]:
     fns = spec.fns()
     loops: dict[str, Callable] = {
@@ -351,9 +372,16 @@ def contenders(kind: str, spec: Kind, cores: int = 2) -> dict[str, Callable]:
             AsyncLLMVectorEnv(fns, batch_size=spec.batch_size)
         ),
     }
+    if kind in ("classic", "acrobot", "pendulum"):
+        loops[OURS_IN_PROCESS] = lambda: LockstepLoop(AsyncLLMVectorEnv(fns, in_process=True))
+    advised = advised_setting(fns)
+    if advised and advised != {"in_process": True}:
+        loops[f"{OURS_ADVISED} ({', '.join(f'{k}={v}' for k, v in advised.items())})"] = lambda: LockstepLoop(
+            AsyncLLMVectorEnv(fns, **advised)
+        )
     if kind == "classic" and envpool_cartpole(1) is not None:
         loops[ENVPOOL] = lambda: EnvPoolLoop(envpool_cartpole(spec.num_envs), spec.num_envs)
-    if kind in ("classic", "pendulum", "cpu", "sleep", "mixed"):  # its emulation has no Text observations
+    if kind in ("classic", "acrobot", "pendulum", "cpu", "sleep", "mixed"):  # its emulation has no Text observations
         loops.update(pufferlib_contenders(spec, cores))
     return loops
 

@@ -554,3 +554,32 @@ def test_sac_interrupted_with_its_lock_held_still_stops_the_collector(no_leftove
         agent.train()
     assert time.monotonic() - started < 60
     assert not any(t.name.startswith("asyncvec") and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ppo_anneals_its_learning_rate_to_the_last_segments_share_not_to_zero(mode):
+    """CleanRL's schedule: the first update at the full rate, the last at learning_rate * segment / total (it was
+    exactly 0.0: the last update moved Adam's moments and never the parameters)."""
+    args = ppo.Args(
+        env="CartPole-v1",
+        num_envs=2,
+        num_steps=16,
+        total_timesteps=128,
+        mode=mode,
+        learning_rate=1e-3,
+        track=False,
+        progress=False,
+    )
+    agent = ppo.PPO(args)
+    rates = []
+    update = agent.update
+
+    def recording_update(segment):
+        stats = update(segment)
+        rates.append(agent.optimizer.param_groups[0]["lr"])
+        return stats
+
+    agent.update = recording_update
+    agent.train()
+    assert len(rates) == 4, rates
+    np.testing.assert_allclose(rates, [1e-3, 0.75e-3, 0.5e-3, 0.25e-3])

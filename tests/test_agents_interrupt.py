@@ -196,6 +196,17 @@ def test_ctrl_c_stops_every_agent_with_130_and_its_checkpoint(agent, tmp_path):
     assert not processes_marked(marker), f"processes of the interrupted {agent} run are still alive"
 
 
+def test_sac_resume_of_a_finished_run_says_there_is_nothing_left_to_do(tmp_path):
+    """It crashed with a 16-line traceback (AttributeError: 'SAC' object has no attribute 'close'), exit 1."""
+    common = ["--env", "Pendulum-v1", "--num-envs", "2", "--total-timesteps", "64", "--learning-starts", "32"]
+    common += ["--checkpoint-dir", "ckpt", "--no-progress", "--no-track"]
+    first = run([script("sac"), *common], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run([script("sac"), *common, "--resume"], tmp_path)
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert "nothing left to do" in again.stdout and "raise --total-timesteps" in again.stdout, again.stdout
+
+
 def test_ppo_resume_goes_on_in_the_same_run_folder_and_step_axis(tmp_path):
     common = [*PPO_SHORT, "--checkpoint-dir", "ckpt", "--log-dir", "runs"]
     first = run([script("ppo"), *common, "--total-timesteps", "64"], tmp_path)

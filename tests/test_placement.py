@@ -85,7 +85,7 @@ def test_cheap_envs_stay_in_their_workers_and_the_advice_names_the_faster_settin
         run_lockstep(ours, theirs, DECIDED + 40)
         assert ours.worker_pids == pids and ours.placement.num_workers == 4, ours.placement  # nothing moved
         assert ours.placement.reason == DEFAULT_REASON and ours.placement.profile.steps == TIMED_STEPS
-        assert "in_process=True is predicted" in ours.placement.advice, ours.placement.advice
+        assert "in_process=True" in ours.placement.advice and ours.placement.advised, ours.placement
         assert ours._advisor is None  # the hot path times nothing once the advice is given
     advice = [r.getMessage() for r in caplog.records if "placement advice" in r.getMessage()]
     assert len(advice) == 1 and "x faster" in advice[0], advice
@@ -327,12 +327,16 @@ def test_explicit_envs_per_worker_wins_and_the_advice_may_name_another():
 def test_the_advice_says_what_it_measured_and_each_gain():
     cheap = [StepProfile(step_s=20e-6, cpu_share=1.0)] * 8
     one_each = [[i] for i in range(8)]
-    line = advice_line(cheap, overhead_s=40e-6, cores=2, measured_s=500e-6, current=one_each)
+    line, advised = advice_line(cheap, overhead_s=40e-6, cores=2, measured_s=500e-6, current=one_each)
     assert line.startswith("these envs step in 20 us (median of 8) at 100% CPU: ") and "in_process=True" in line
-    blocked = advice_line(cheap, overhead_s=40e-6, cores=2, measured_s=500e-6, current=one_each, blockers=["x"])
+    assert advised in ({"in_process": True}, {"envs_per_worker": 4})
+    blocked, advised = advice_line(
+        cheap, overhead_s=40e-6, cores=2, measured_s=500e-6, current=one_each, blockers=["x"]
+    )
     assert "in_process" not in blocked and "envs_per_worker=4 is predicted" in blocked
-    fast_enough = advice_line(cheap, overhead_s=1e-6, cores=2, measured_s=90e-6, current=one_each)
-    assert fast_enough.endswith("no other setting is predicted clearly faster"), fast_enough
+    assert advised == {"envs_per_worker": 4}
+    fast_enough, advised = advice_line(cheap, overhead_s=1e-6, cores=2, measured_s=90e-6, current=one_each)
+    assert fast_enough.endswith("no other setting is predicted clearly faster") and advised == {}, fast_enough
 
 
 @pytest.mark.parametrize(

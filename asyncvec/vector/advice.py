@@ -127,7 +127,7 @@ class PlacementAdvisor:
             return
         profiles = _profiles(timings)
         ideal = predicted_step_s(placement.groups, profiles, self.cores, 0.0)
-        advice = advice_line(
+        advice, advised = advice_line(
             profiles,
             overhead_s=max(0.0, measured_s - ideal) / len(placement.groups),
             cores=self.cores,
@@ -136,7 +136,7 @@ class PlacementAdvisor:
             blockers=self.blockers,
             may_share_workers=not self.partial,
         )
-        envs.placement = replace(placement, profiles=profiles, advice=advice)
+        envs.placement = replace(placement, profiles=profiles, advice=advice, advised=advised)
         logger.info("AsyncLLMVectorEnv(num_envs=%d) placement advice: %s", envs.num_envs, advice)
 
 

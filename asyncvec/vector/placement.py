@@ -47,7 +47,7 @@ import multiprocessing
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -148,6 +148,8 @@ class Placement:
             or ``None`` (not measured yet).
         advice: once the first steps are timed, one line naming a setting predicted faster (and by
             how much), or saying that none is; ``None`` before (:mod:`~asyncvec.vector.advice`).
+        advised: the setting the advice names first, as ``AsyncLLMVectorEnv`` keyword arguments
+            (e.g. ``{"envs_per_worker": 4}``); empty when none is predicted clearly faster.
     """
 
     in_process: bool
@@ -155,6 +157,7 @@ class Placement:
     reason: str
     profiles: tuple[StepProfile, ...] | None = None
     advice: str | None = None
+    advised: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_workers(self) -> int:
@@ -324,16 +327,21 @@ def advice_line(
     in_process_now: bool = False,
     blockers: Sequence[str] = (),
     may_share_workers: bool = True,
-) -> str:
+) -> tuple[str, dict[str, Any]]:
     """One line of advice from the envs' own timed steps: the settings predicted faster than the
     vector step ``measured_s`` as the envs run now (``current``), each with its predicted gain, or
-    that none is. Only settings the user's others allow are named (``blockers`` forbid the calling
-    process; partial batches, ``may_share_workers=False``, forbid shared workers).
+    that none is; and the first of them as keyword arguments. Only settings the user's others allow
+    are named (``blockers`` forbid the calling process; partial batches, ``may_share_workers=False``,
+    forbid shared workers).
 
     Example:
         >>> cheap = [StepProfile(step_s=17e-6, cpu_share=1.0)] * 8
-        >>> advice_line(cheap, overhead_s=40e-6, cores=2, measured_s=400e-6, current=[[i] for i in range(8)])
+        >>> line, settings = advice_line(cheap, overhead_s=40e-6, cores=2, measured_s=400e-6,
+        ...                              current=[[i] for i in range(8)])
+        >>> line
         'these envs step in 17 us (median of 8) at 100% CPU: envs_per_worker=4 is predicted 2.7x faster; in_process=True 2.5x'
+        >>> settings
+        {'envs_per_worker': 4}
     """
     num_envs = len(profiles)
     median_s = statistics.median(p.step_s for p in profiles)
@@ -342,27 +350,28 @@ def advice_line(
     measured = f"these envs step in {median_s * 1e6:,.0f} us (median of {num_envs}) at {cpu:.0%} CPU" + (
         f", {waiting} of them mostly waiting" if waiting else ""
     )
-    options: list[tuple[str, float]] = []
+    options: list[tuple[str, float, dict[str, Any]]] = []
     if not blockers and not in_process_now:
-        options.append(("in_process=True", measured_s / predicted_in_process_s(profiles)))
+        options.append(("in_process=True", measured_s / predicted_in_process_s(profiles), {"in_process": True}))
     current_groups = [tuple(g) for g in current]
     if may_share_workers:
-        shared: list[tuple[str, float]] = []
+        shared: list[tuple[str, float, dict[str, Any]]] = []
         for workers in sorted({max(1, cores), 2 * max(1, cores)}):
             per_worker = -(-num_envs // workers)
             groups = contiguous_groups(num_envs, per_worker)
             if per_worker > 1 and list(groups) != current_groups:
                 predicted_s = predicted_step_s(groups, profiles, cores, overhead_s)
-                shared.append((f"envs_per_worker={per_worker}", measured_s / predicted_s))
+                setting = {"envs_per_worker": per_worker}
+                shared.append((f"envs_per_worker={per_worker}", measured_s / predicted_s, setting))
         options += sorted(shared, key=lambda option: -option[1])[:1]
     margins = {"in_process=True": IN_PROCESS_MARGIN}
-    worth = [(name, gain) for name, gain in options if gain >= margins.get(name, REGROUP_MARGIN)]
+    worth = [option for option in options if option[1] >= margins.get(option[0], REGROUP_MARGIN)]
     if not worth:
-        return f"{measured}: no other setting is predicted clearly faster"
+        return f"{measured}: no other setting is predicted clearly faster", {}
     worth.sort(key=lambda option: -option[1])
     first, *rest = worth
-    named = [f"{first[0]} is predicted {first[1]:.1f}x faster"] + [f"{name} {gain:.1f}x" for name, gain in rest]
-    return f"{measured}: {'; '.join(named)}"
+    named = [f"{first[0]} is predicted {first[1]:.1f}x faster"] + [f"{name} {gain:.1f}x" for name, gain, _ in rest]
+    return f"{measured}: {'; '.join(named)}", first[2]
 
 
 def resolve_backend(backend: str | Backend, context: str | None, daemon: bool) -> Backend:
