@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,8 +73,12 @@ def read_schedule(folder: str | Path, agent: str, args: Any, not_replayed: Colle
     with the options in ``args`` that change what the learner computes (all but ``not_replayed``:
     how samples were collected, logged or how long the run was).
 
+    Every file is checked here, before anything runs (a file cut short fails its archive's checks), though the
+    updates are read one at a time as they are replayed.
+
     Raises:
-        ScheduleError: no schedule there, another agent's, other options, or a gap in the updates.
+        ScheduleError: no schedule there, another agent's, other options, a gap in the updates, or an
+            update file that is cut or damaged.
     """
     folder = Path(folder)
     meta_path = folder / "meta.json"
@@ -102,7 +107,19 @@ def read_schedule(folder: str | Path, agent: str, args: Any, not_replayed: Colle
             raise ScheduleError(
                 f"--replay {folder}: update {index} is missing (found {path.name}): the schedule is cut"
             )
+        _check_readable(folder, path)
     return _records(folder, paths)
+
+
+def _check_readable(folder: Path, path: Path) -> None:
+    """``torch.save`` writes a zip archive: one cut short has no directory, a damaged one fails its CRCs."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ScheduleError(f"--replay {folder}: {path.name} is unreadable ({exc}): the schedule is cut") from exc
+    if damaged is not None:
+        raise ScheduleError(f"--replay {folder}: {path.name} is unreadable ({damaged} is damaged)")
 
 
 def _records(folder: Path, paths: list[Path]) -> Iterator[RecordedUpdate]:

@@ -81,6 +81,16 @@ def test_a_schedule_that_cannot_be_replayed_is_one_clear_error(warm_dir, recorde
         rloo.RLOO(rloo.Args(model=str(warm_dir), replay=str(cut), **base))
     with pytest.raises(ValueError, match="leave out --resume"):
         rloo.Args(replay=str(schedule), resume=True, checkpoint_dir="ck")
+    # the last update file cut to a third: refused before anything runs (it ended the run mid-training, exit 1)
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    files = sorted(schedule.iterdir())
+    for path in files:
+        (truncated / path.name).write_bytes(path.read_bytes())
+    last = sorted(truncated.glob("update_*.pt"))[-1]
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 3])
+    with pytest.raises(ScheduleError, match=f"{last.name} is unreadable .* the schedule is cut"):
+        rloo.RLOO(rloo.Args(model=str(warm_dir), replay=str(truncated), **base))
 
 
 def test_replay_of_a_missing_folder_on_the_command_line_is_one_line(tmp_path):
