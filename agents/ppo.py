@@ -653,6 +653,13 @@ class PPO(EnvStepsRun):
                 returns = self._recent_returns = self.prior_returns + (
                     collector.recent_returns() if collector is not None else episodes.returns()
                 )
+                last = self.global_step >= args.total_timesteps or (
+                    args.target_return is not None
+                    and len(returns) >= 20
+                    and float(np.mean(returns[-20:])) >= args.target_return
+                )
+                if last and self.lockstep and collector is not None:
+                    collector.stop_soon()  # lag 0 is sync: the publish below releases no step past the run's end
                 with stages("publish"):
                     self.versions.publish(self._actor_weights())
                 mean20 = float(np.mean(returns[-20:])) if returns else float("nan")

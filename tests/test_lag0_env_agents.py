@@ -7,6 +7,8 @@ every network is compared with ``torch.equal``.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -30,8 +32,18 @@ def assert_same_tensors(sync: dict[str, torch.Tensor], lag0: dict[str, torch.Ten
     assert any(not torch.equal(sync[k], initial[k]) for k in sync), "the runs did not train"
 
 
-@pytest.mark.parametrize("env, policy_latency_ms", [("CartPole-v1", 0.0), ("Pendulum-v1", 0.0), ("CartPole-v1", 3.0)])
-def test_ppo_async_at_max_staleness_0_is_the_sync_run(env, policy_latency_ms, no_leftover_children):
+@pytest.mark.parametrize(
+    "env, policy_latency_ms, slow_learner",
+    [("CartPole-v1", 0.0, False), ("Pendulum-v1", 0.0, False), ("CartPole-v1", 3.0, False), ("CartPole-v1", 0.0, True)],
+)
+def test_ppo_async_at_max_staleness_0_is_the_sync_run(
+    env, policy_latency_ms, slow_learner, no_leftover_children, monkeypatch
+):
+    """``slow_learner``: each checkpoint write (after the publish) takes 0.3 s, as on a loaded machine: the
+    collector released by the last publish stepped on meanwhile (6 episodes finished where sync finished 2)."""
+    if slow_learner:
+        monkeypatch.setattr(ppo.PPO, "save", lambda self: time.sleep(0.3))
+
     def run(mode: str):
         args = ppo.Args(
             env=env, mode=mode, num_envs=4, num_steps=8, total_timesteps=96, max_staleness=0, hidden=16,

@@ -95,6 +95,12 @@ class BackgroundCollector(abc.ABC):
             if self._thread.is_alive():
                 raise CollectorError(f"the {type(self).__name__} thread did not stop within {timeout} s")
 
+    def stop_soon(self) -> None:
+        """Asks the loop to end and returns at once (:meth:`stop` joins it later): a lockstep collector waiting for
+        the learner's publish then ends at that publish, without another step (lag 0 steps no env past the
+        last update, as a sync loop)."""
+        self._stopping.set()
+
     def check(self) -> None:
         """Raises :class:`CollectorError` (the original chained) if the loop or a callback failed."""
         if self._error is not None:

@@ -357,6 +357,8 @@ class Collector(BackgroundCollector):
             if len(self._gated) < self.env.num_envs:
                 return
             self._write_step()  # pace runs here, and may wait for the learner's publish
+            if self._stopping.is_set():  # the learner's last update: no step past it (stop_soon)
+                return
         if self._gated and self._gate_open():
             gated, self._gated = self._gated, {}
             for env_id in sorted(gated) if self.lockstep else gated:
