@@ -352,3 +352,34 @@ def test_steps_already_made_reach_the_sink_while_the_gate_is_closed(one_torch_th
         policy.close()
         envs.close()
         versions.close()
+
+
+def test_a_stopped_collector_leaves_its_envs_idle_even_when_woken_while_draining(no_leftover_children):
+    """A policy answer arriving as the collector stops wakes the env (wake()): the drain of the steps still in
+    flight ended there, and the next collector on the same env (a Ray collector actor's next run) failed its
+    async_reset with AlreadyPendingCallError."""
+    with AsyncLLMVectorEnv([partial(SleepyEnv, 0.2)] * 2, batch_size=1) as envs:
+        policy = TorchPolicy(torch.nn.Linear(3, 3), envs.single_action_space)
+        collector = Collector(envs, policy, RolloutStore(4, 2, envs.single_observation_space, envs.single_action_space))
+        envs.async_reset(seed=0)
+        while envs.in_flight:
+            envs.recv()
+        envs.send(np.ones(2, dtype=np.int64))  # both in flight for 0.2 s
+        stop = threading.Event()
+
+        def late_answers():
+            while not stop.wait(0.01):
+                envs.wake()
+
+        waker = threading.Thread(target=late_answers)
+        waker.start()
+        try:
+            collector._loop_ended()
+        finally:
+            stop.set()
+            waker.join()
+        policy.close()
+        assert envs.in_flight == []
+        envs.async_reset(seed=1)  # the next collector's first call
+        while envs.in_flight:
+            envs.recv()

@@ -283,12 +283,17 @@ class Collector(BackgroundCollector):
             self.sink.close()  # wake a learner blocked in get()
 
     def _loop_ended(self) -> None:
-        """Drains the env: answers still in flight are received and dropped."""
-        try:
-            while not self.env.closed and self.env.in_flight:
-                self.env.recv(timeout=30)
-        except Exception:
-            pass
+        """Drains the env: answers still in flight are received and dropped (within 30 s), so that the next
+        collector on the same env starts from idle envs. A late policy answer's wake() ends a wait early: the
+        drain goes on (it stopped there, and the next collector's async_reset met envs still in flight)."""
+        deadline = time.monotonic() + 30.0
+        while not self.env.closed and self.env.in_flight and time.monotonic() < deadline:
+            try:
+                self.env.recv(timeout=max(0.0, deadline - time.monotonic()))
+            except multiprocessing.TimeoutError:
+                continue
+            except Exception:
+                return
 
     def _room(self, env_id: int) -> bool:
         if not isinstance(self.sink, RolloutStore):
