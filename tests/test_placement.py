@@ -301,6 +301,31 @@ def test_every_env_matches_gymnasium_step_for_step_whatever_its_pickling(env_cls
         theirs.close()
 
 
+PICKLING_STYLES = [HoldsASimulator, HoldsAClientId, HoldsALock, RebuiltWhenPickled, ForgetsWhenPickled, CounterEnv]
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    styles=st.lists(st.sampled_from(PICKLING_STYLES), min_size=1, max_size=4),
+    setting=st.sampled_from(
+        [{}, {"envs_per_worker": 2}, {"max_restarts": 1}, {"in_process": True}, {"placement": "probe"}]
+    ),
+    mode=st.sampled_from(["NextStep", "SameStep"]),
+)
+def test_any_mix_of_pickling_styles_and_settings_steps_as_gymnasium(styles, setting, mode, no_leftover_children):
+    """Envs of every pickling style mixed in one vector env, under each setting a user may give: the
+    trajectories equal gymnasium's AsyncVectorEnv, past the timed steps, and the workers never change."""
+    fns = [partial(style, max_len=30) for style in styles]
+    theirs = gym.vector.AsyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        with AsyncLLMVectorEnv(fns, autoreset_mode=mode, **setting) as ours:
+            pids = ours.worker_pids
+            run_lockstep(ours, theirs, DECIDED + 10)
+            assert ours.worker_pids == pids, ours.placement
+    finally:
+        theirs.close()
+
+
 def test_a_mujoco_env_matches_gymnasium_step_for_step(no_leftover_children):
     pytest.importorskip("mujoco")
     fns = [lambda: gym.make("InvertedPendulum-v5")] * 2
