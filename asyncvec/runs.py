@@ -106,8 +106,14 @@ class RunFolder:
         command line's Ctrl-C message says which point the checkpoint holds)."""
         if self.checkpoint_path is None:
             raise ValueError("write_checkpoint: the run has no checkpoint_path (--checkpoint-dir)")
-        save_checkpoint(self.checkpoint_path, **state)
-        self.saved_position = getattr(self, "position", None)
+        position, before = getattr(self, "position", None), _file_identity(self.checkpoint_path)
+        try:
+            save_checkpoint(self.checkpoint_path, **state)
+        finally:
+            # a Ctrl-C may land anywhere in the save, also just after the file was replaced: what the file holds
+            # decides (a replaced file is a new one), not whether the call returned
+            if _file_identity(self.checkpoint_path) != before:
+                self.saved_position = position
 
     @property
     def run_dir(self) -> Path:
@@ -196,6 +202,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+
+
+def _file_identity(path: str | Path) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, or None: a file put in place by a rename is another file."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def save_checkpoint(path: str | Path, **state: Any) -> Path:

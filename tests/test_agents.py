@@ -583,3 +583,37 @@ def test_ppo_anneals_its_learning_rate_to_the_last_segments_share_not_to_zero(mo
     agent.train()
     assert len(rates) == 4, rates
     np.testing.assert_allclose(rates, [1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+
+
+def test_the_checkpoint_position_is_what_the_file_holds_whatever_a_ctrl_c_interrupts(tmp_path, monkeypatch):
+    """A Ctrl-C landing just after the checkpoint file was replaced reported the previous checkpoint's step (the
+    stop line said step 160 while the file held step 192)."""
+    import asyncvec.runs as runs
+
+    class Run(runs.RunFolder):
+        checkpoint_path = tmp_path / "ckpt.pt"
+        position = "step 160"
+
+    run = Run()
+    run.write_checkpoint(global_step=160)
+    real_save = runs.save_checkpoint
+
+    def interrupted_after_the_rename(path, **state):
+        real_save(path, **state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs, "save_checkpoint", interrupted_after_the_rename)
+    run.position = "step 192"
+    with pytest.raises(KeyboardInterrupt):
+        run.write_checkpoint(global_step=192)
+    assert run.saved_position == "step 192"
+    assert torch.load(run.checkpoint_path, weights_only=False)["global_step"] == 192
+
+    def interrupted_before_the_rename(path, **state):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs, "save_checkpoint", interrupted_before_the_rename)
+    run.position = "step 224"
+    with pytest.raises(KeyboardInterrupt):
+        run.write_checkpoint(global_step=224)
+    assert run.saved_position == "step 192"
