@@ -26,11 +26,11 @@ from toy_envs import CounterEnv, RecordingEnv, SleepyEnv, recorded_actions
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.slow import SlowEnv
-from asyncvec.vector.advice import TIMED_STEPS
+from asyncvec.vector.advice import TIMED_STEPS, WARMUP_STEPS
 from asyncvec.vector.placement import DEFAULT_REASON, StepProfile, advice_line, choose_placement, profile_env
 
-# Enough lockstep steps for the advice (each env's first TIMED_STEPS steps are timed).
-DECIDED = TIMED_STEPS + 8
+# Enough lockstep steps for the advice (each env's TIMED_STEPS steps after its WARMUP_STEPS are timed).
+DECIDED = WARMUP_STEPS + TIMED_STEPS + 8
 
 
 def profiles(step_s, cpu_share, n):

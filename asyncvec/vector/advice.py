@@ -1,7 +1,7 @@
 """Advice from the user's own steps: time the first steps where the envs run, then name a faster setting.
 
-Wherever the envs run in worker processes, their workers time each env's first
-:data:`TIMED_STEPS` steps (the user's own actions: nothing is stepped that the user did not send),
+Wherever the envs run in worker processes, their workers time :data:`TIMED_STEPS` steps of each env after its
+first :data:`WARMUP_STEPS` (the user's own actions: nothing is stepped that the user did not send),
 and the vector env times how long its caller waits inside ``step``/``send``/``recv``. At the first
 moment after that when no message is in flight, the workers' timings come back and
 :func:`~asyncvec.vector.placement.advice_line` predicts what each other setting would give:
@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from asyncvec.vector.placement import StepProfile, advice_line, describe_failure, predicted_step_s
 from asyncvec.vector.transport import Transport
-from asyncvec.vector.worker import EnvFailure
+from asyncvec.vector.worker import TIMING_WARMUP_S, TIMING_WARMUP_STEPS, EnvFailure
 
 __all__ = ["TIMED_STEPS", "PlacementAdvisor", "timed_for_advice"]
 
@@ -34,8 +34,9 @@ logger = logging.getLogger("asyncvec.vector")
 TIMED_STEPS = 32
 #: ... or, for slow envs, at least this many steps each once the caller has waited this long.
 MIN_STEPS, ENOUGH_WAIT_S = 4, 0.5
-#: Warm-up steps per env not counted in the caller's time (first touches of memory, caches).
-WARMUP_STEPS = 2
+#: Warm-up steps per env not counted in the caller's time, nor timed in the workers (page faults, caches), or
+#: fewer once the caller has waited WARMUP_S (each worker stops its warm-up alike: worker.TIMING_WARMUP_S).
+WARMUP_STEPS, WARMUP_S = TIMING_WARMUP_STEPS, TIMING_WARMUP_S
 #: A worker that takes longer to answer "timings" is killed (its faults then apply).
 ANSWER_TIMEOUT_S = 60.0
 
@@ -81,8 +82,10 @@ class PlacementAdvisor:
         self.cores = cores
         self.partial = partial
         self._main_thread = threading.main_thread().ident
+        self.warm = False  # the warm-up is over (WARMUP_STEPS per env, or WARMUP_S waited)
+        self.warmup_steps, self.warmup_s = 0, 0.0
         self.waited_s = 0.0  # caller's seconds inside step/send/recv, after the warm-up
-        self.steps = 0  # env steps delivered
+        self.steps = 0  # env steps delivered after the warm-up
 
     def block(self, reason: str, partial: bool = False) -> None:
         """A use that rules out the calling process (and, ``partial``, shared workers) from the advice."""
@@ -102,13 +105,17 @@ class PlacementAdvisor:
 
     def spent(self, seconds: float, steps: int) -> None:
         """The caller waited ``seconds`` inside a call that delivered ``steps`` env steps."""
+        if not self.warm:
+            self.warmup_steps += steps
+            self.warmup_s += seconds
+            self.warm = self.warmup_steps >= WARMUP_STEPS * self.envs.num_envs or self.warmup_s >= WARMUP_S
+            return
         self.steps += steps
-        if self.steps > WARMUP_STEPS * self.envs.num_envs:
-            self.waited_s += seconds
+        self.waited_s += seconds
 
     def _window_done(self) -> bool:
         per_env = self.steps / self.envs.num_envs
-        return per_env >= TIMED_STEPS or (per_env >= MIN_STEPS + WARMUP_STEPS and self.waited_s >= ENOUGH_WAIT_S)
+        return per_env >= TIMED_STEPS or (per_env >= MIN_STEPS and self.waited_s >= ENOUGH_WAIT_S)
 
     def advise(self) -> None:
         """Reads the workers' timings and puts the advice in ``envs.placement`` (module docstring); the
@@ -116,8 +123,7 @@ class PlacementAdvisor:
         envs = self.envs
         envs._advisor = None
         placement = envs.placement
-        counted = self.steps - WARMUP_STEPS * envs.num_envs
-        measured_s = self.waited_s / max(counted, 1) * envs.num_envs
+        measured_s = self.waited_s / max(self.steps, 1) * envs.num_envs
         try:
             timings = _ask_all(envs._transport, placement.groups, "timings")
         except RuntimeError as exc:

@@ -77,6 +77,11 @@ PROBE_MAX_STEPS = 64
 PROBE_SLOW_STEP_S = 0.02
 
 
+#: Steps of each env not timed before its timed ones (``timed_steps``): a new worker's first steps were about
+#: twice its later ones here (page faults, cold caches), and the advice is about the steps after them.
+TIMING_WARMUP_STEPS = 32
+#: ... or fewer, for slow envs: the warm-up ends once an env has stepped this long.
+TIMING_WARMUP_S = 1.0
 #: A step of every env of the worker, actions in shared memory (the whole message).
 STEP_MESSAGE = b"S"
 #: Every step of a STEP_MESSAGE went well with an empty info: results in StepResults and shared memory.
@@ -309,7 +314,8 @@ class EnvGroup:
         marker: optional ``(array, slot)``: ``array[slot]`` holds the index of the env being
             worked on (``IDLE`` between messages), so the parent can name the env that hung or
             killed the worker.
-        timed_steps: time this many of each env's first steps (for ``"timings"``); 0: none.
+        timed_steps: time this many of each env's steps after its first :data:`TIMING_WARMUP_STEPS` (for
+            ``"timings"``); 0: none.
         step_results: where a :data:`STEP_MESSAGE`'s answer leaves each env's reward and ends, or ``None``.
 
     Raises:
@@ -356,6 +362,9 @@ class EnvGroup:
         # stops once every env has them
         self.timings: list[list[tuple[float, float, float]]] = [[] for _ in self.envs]
         self._timed_steps = timed_steps
+        self._untimed_left = [TIMING_WARMUP_STEPS] * len(self.envs)  # warm-up steps before the timed ones
+        self._warming_s = [0.0] * len(self.envs)
+        self._ready_window: list[float | None] | None = None  # ready-wait seconds when timing began (and ended)
         self._timing = timed_steps > 0
 
     def _mark(self, position: int | None) -> None:
@@ -518,7 +527,7 @@ class EnvGroup:
         if command == "probe":
             return time_steps(env)
         if command == "timings":
-            return list(self.timings[position])
+            return self._timings(position)
         raise RuntimeError(f"unknown worker command {command!r}")
 
     def _step(self, position: int, action: Any) -> tuple[Any, ...]:
@@ -527,13 +536,35 @@ class EnvGroup:
         return self._untimed_step(position, action)
 
     def _timed_step(self, position: int, action: Any) -> tuple[Any, ...]:
-        before = step_clock()
+        # wall and CPU per step; the ready wait (schedstat: a file read, ~10 us) once per window, shared out by
+        # wall time in `_timings`: read per step, it slowed the very steps the advice is about
+        cpu, wall = time.process_time(), time.perf_counter()
         result = self._untimed_step(position, action)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if self._untimed_left[position] > 0:  # a new process's first steps (page faults, caches) say little
+            self._warming_s[position] += wall
+            warm = self._warming_s[position] >= TIMING_WARMUP_S
+            self._untimed_left[position] = 0 if warm else self._untimed_left[position] - 1
+            return result
         timings = self.timings[position]
         if len(timings) < self._timed_steps:
-            timings.append(step_elapsed(before))
+            if self._ready_window is None:
+                self._ready_window = [ready_wait_s(), None]
+            timings.append((wall, cpu, 0.0))
             self._timing = any(len(t) < self._timed_steps for t in self.timings)
+            if not self._timing:
+                self._ready_window[1] = ready_wait_s()
         return result
+
+    def _timings(self, position: int) -> list[tuple[float, float, float]]:
+        """Env ``position``'s timed steps, (wall, CPU, ready-wait) each: the window's ready wait shared out
+        among all the group's timed steps by their wall time."""
+        window = self._ready_window
+        if window is None:
+            return []
+        ready = (window[1] if window[1] is not None else ready_wait_s()) - window[0]
+        total = sum(wall for steps in self.timings for wall, _, _ in steps) or 1.0
+        return [(wall, cpu, ready * wall / total) for wall, cpu, _ in self.timings[position]]
 
     def _untimed_step(self, position: int, action: Any) -> tuple[Any, ...]:
         reward: SupportsFloat
