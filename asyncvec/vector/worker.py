@@ -364,7 +364,8 @@ class EnvGroup:
         self._timed_steps = timed_steps
         self._untimed_left = [TIMING_WARMUP_STEPS] * len(self.envs)  # warm-up steps before the timed ones
         self._warming_s = [0.0] * len(self.envs)
-        self._ready_window: list[float | None] | None = None  # ready-wait seconds when timing began (and ended)
+        self._ready_start: float | None = None  # ready-wait seconds when timing began, and when it ended
+        self._ready_end: float | None = None
         self._timing = timed_steps > 0
 
     def _mark(self, position: int | None) -> None:
@@ -548,21 +549,20 @@ class EnvGroup:
             return result
         timings = self.timings[position]
         if len(timings) < self._timed_steps:
-            if self._ready_window is None:
-                self._ready_window = [ready_wait_s(), None]
+            if self._ready_start is None:
+                self._ready_start = ready_wait_s()
             timings.append((wall, cpu, 0.0))
             self._timing = any(len(t) < self._timed_steps for t in self.timings)
             if not self._timing:
-                self._ready_window[1] = ready_wait_s()
+                self._ready_end = ready_wait_s()
         return result
 
     def _timings(self, position: int) -> list[tuple[float, float, float]]:
         """Env ``position``'s timed steps, (wall, CPU, ready-wait) each: the window's ready wait shared out
         among all the group's timed steps by their wall time."""
-        window = self._ready_window
-        if window is None:
+        if self._ready_start is None:
             return []
-        ready = (window[1] if window[1] is not None else ready_wait_s()) - window[0]
+        ready = (self._ready_end if self._ready_end is not None else ready_wait_s()) - self._ready_start
         total = sum(wall for steps in self.timings for wall, _, _ in steps) or 1.0
         return [(wall, cpu, ready * wall / total) for wall, cpu, _ in self.timings[position]]
 
