@@ -122,7 +122,12 @@ class ActionSplitter:
                 low, high = space.low.ravel(), space.high.ravel()
                 uniform = low.size > 0 and (low == low[0]).all() and (high == high[0]).all()
                 bounds = self._box_bounds = (low[0], high[0]) if uniform else ()
-            return bool(bounds) and bool(actions.min() >= bounds[0] and actions.max() <= bounds[1])
+            if not bounds:
+                return False
+            if actions.size <= 64:  # as for Discrete; the chained comparison is False for NaN, as numpy's is
+                low, high = float(bounds[0]), float(bounds[1])
+                return all(low <= value <= high for value in actions.ravel().tolist())
+            return bool(actions.min() >= bounds[0] and actions.max() <= bounds[1])
         return False
 
 
