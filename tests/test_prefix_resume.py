@@ -180,3 +180,46 @@ def test_asyncvec_serve_killed_mid_stream_is_continued_from_each_prefix(referenc
         f"max |logp - teacher-forced| = {error:.2e}"
     )
     assert error <= LOGP_TOLERANCE
+
+
+def test_a_prefix_that_ended_in_its_end_token_is_delivered_not_continued(reference):
+    """A completion that sampled its end-of-sequence token before its stream broke off (its last event not yet
+    sent) came back from the resume with up to 95 more tokens after the end; it is finished as it is."""
+    from concurrent.futures import Future
+
+    from asyncvec.inference.requests import Request
+    from asyncvec.inference.types import PartialBatchError
+
+    with make_policy(reference) as policy:
+        eos = policy.tokenizer.eos_token_id
+        prompt = TextPrompt("3+4=", max_new_tokens=NEW_TOKENS)
+        ended = Request(prompt, prompt, None, 0.0, Future())
+        going = Request(prompt, prompt, None, 0.0, Future())
+        cut = PartialBatchError(
+            "the stream broke off",
+            [GeneratedPrefix((7, eos), (-1.0, -2.0), (0, 0)), GeneratedPrefix((7, 8), (-1.0, -2.0), (0, 0))],
+        )
+        ready = policy._keep_partial([ended, going], cut)
+    assert [request for request, _ in ready] == [ended] and ended.prefix.finished
+    assert list(ready[0][1].token_ids) == [7, eos]
+    assert going.prefix is not None and not going.prefix.finished  # continued from its prefix by the retry
+
+
+def test_asyncvec_serve_ends_each_completion_as_soon_as_it_is_done(reference):
+    """Each choice's last event (finish_reason and the whole choice) is streamed when that choice is done, not
+    once every choice of the request is: a client cut off mid-stream knows which completions had ended."""
+    import json
+
+    import httpx
+
+    with AsyncvecServer(reference.model_dir, model_name="tiny", extra_args=["--max-batch-size", "1"]) as server:
+        body = {"model": "tiny", "prompt": ["3+4=", "1+1="], "max_tokens": 6, "stream": True, "logprobs": 0}
+        events = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[len("data: ") :])["choices"][0]
+                    events.append((choice["index"], "completion" in choice))
+    first_final = events.index((0, True))
+    later_tokens = [k for k, (index, final) in enumerate(events) if index == 1 and not final]
+    assert later_tokens and first_final < later_tokens[-1], events  # while the second choice still streams

@@ -283,6 +283,11 @@ class TextPolicy(BatchedPolicy):
         """Text of ``token_ids`` as the engine decodes a completion (None: no tokenizer here)."""
         return None
 
+    def _end_token_ids(self) -> frozenset[int]:
+        """Token ids that end a completion (the tokenizer's end-of-sequence): a prefix ending in one is
+        finished, whatever its stream said (empty: not known here)."""
+        return frozenset()
+
     def _attempt_obs(self, request: Request) -> Any:
         prefix: GeneratedPrefix | None = request.prefix
         if prefix is None:
@@ -300,9 +305,14 @@ class TextPolicy(BatchedPolicy):
         if not isinstance(error, PartialBatchError) or len(error.prefixes) != len(requests):
             return []
         ready = []
+        ends = self._end_token_ids()
         for request, prefix in zip(requests, error.prefixes, strict=True):
             if prefix is None or (not prefix.token_ids and not prefix.finished):
                 continue
+            if not prefix.finished and prefix.token_ids[-1] in ends:
+                # it sampled its end token before the failure (its final event had not come yet): it is done,
+                # and continuing it would add tokens after the end
+                prefix = dataclasses.replace(prefix, finished=True)
             keep = self.resume_from_prefix and (prefix.finished or self._prompt_ids(request.obs) is not None)
             if not keep:
                 with self._stats_lock:

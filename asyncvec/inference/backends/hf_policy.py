@@ -150,6 +150,10 @@ class HFTextPolicy(TextPolicy):
     def _prompt_ids(self, prompt: TextPrompt) -> tuple[int, ...]:
         return tuple(self.encode(prompt.prompt))
 
+    def _end_token_ids(self) -> frozenset[int]:
+        eos = self.tokenizer.eos_token_id
+        return frozenset() if eos is None else frozenset([int(eos)])
+
     def _decode_ids(self, token_ids: Any) -> str:
         return self.decode(token_ids)
 

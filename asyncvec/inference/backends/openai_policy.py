@@ -312,6 +312,10 @@ class OpenAIPolicy(TextPolicy):
         with self._tokenizer_lock:
             return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
+    def _end_token_ids(self) -> frozenset[int]:
+        eos = None if self._tokenizer is None else self._tokenizer.eos_token_id
+        return frozenset() if eos is None else frozenset([int(eos)])
+
     def stats(self) -> dict[str, float]:
         """`TextPolicy.stats` plus ``http_requests`` (completion requests sent, retries included) and
         ``streamed_tokens`` (tokens received in streamed answers so far, see "Resume from the prefix").

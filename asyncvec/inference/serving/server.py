@@ -335,7 +335,7 @@ async def _stream_completions(
     """Server-sent events of a streamed request. The first item is "" once the requests are queued
     (a closed policy raises before any event). Then one event per sampled token: ``text`` its
     piece, ``logprobs`` its token and log-prob, ``policy_version`` the weights that sampled it;
-    then per choice a last event with ``finish_reason`` and the whole choice under
+    and as soon as a choice is done, its last event, with ``finish_reason`` and the whole choice under
     ``"completion"`` (as ``"stream": false`` answers it: a stop string cuts the completion after
     sampling, so it is what counts); then ``data: [DONE]``."""
     loop = asyncio.get_running_loop()
@@ -362,25 +362,34 @@ async def _stream_completions(
             {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": None, "policy_version": version}
         )
 
-    done = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(future) for future in futures)))
-    while True:
-        waiting = asyncio.ensure_future(tokens.get())
-        finished, _ = await asyncio.wait({waiting, done}, return_when=asyncio.FIRST_COMPLETED)
-        if waiting in finished:
-            yield token_event(*waiting.result())
-            continue
+    # each choice's last event goes out as soon as it is done, not once every choice of the request is: a
+    # client whose stream breaks off then knows which completions had ended (and does not continue them)
+    pending = {asyncio.wrap_future(future): index for index, future in enumerate(futures)}
+    waiting = asyncio.ensure_future(tokens.get())
+    try:
+        while pending:
+            finished, _ = await asyncio.wait({waiting, *pending}, return_when=asyncio.FIRST_COMPLETED)
+            if waiting in finished:
+                yield token_event(*waiting.result())
+                waiting = asyncio.ensure_future(tokens.get())
+            for future in [future for future in finished if future in pending]:
+                index = pending.pop(future)
+                while not tokens.empty():  # its tokens were queued before its result: they go first
+                    yield token_event(*tokens.get_nowait())
+                try:
+                    output = future.result()
+                except PolicyError as exc:
+                    error = {"message": f"the model failed: {exc}", "type": "server_error"}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    return
+                choice = _choice(policy, index, output, body, stop)
+                yield event(
+                    {"index": index, "text": "", "finish_reason": choice["finish_reason"], "completion": choice}
+                )
+    finally:
         waiting.cancel()
-        break
     while not tokens.empty():
         yield token_event(*tokens.get_nowait())
-    try:
-        outputs = done.result()
-    except PolicyError as exc:
-        yield f"data: {json.dumps({'error': {'message': f'the model failed: {exc}', 'type': 'server_error'}})}\n\n"
-        return
-    for index, output in enumerate(outputs):
-        choice = _choice(policy, index, output, body, stop)
-        yield event({"index": index, "text": "", "finish_reason": choice["finish_reason"], "completion": choice})
     yield "data: [DONE]\n\n"
 
 
