@@ -223,3 +223,30 @@ def test_asyncvec_serve_ends_each_completion_as_soon_as_it_is_done(reference):
     first_final = events.index((0, True))
     later_tokens = [k for k, (index, final) in enumerate(events) if index == 1 and not final]
     assert later_tokens and first_final < later_tokens[-1], events  # while the second choice still streams
+
+
+def test_when_the_supervisor_gives_up_the_completions_that_had_finished_are_delivered(reference):
+    """The supervisor's give-up error is raised over the batch's PartialBatchError (OpenAIPolicy._forward_batch:
+    recover raises inside the handler): the completions that had finished came back as fallbacks."""
+    from concurrent.futures import Future
+
+    from asyncvec.inference.requests import Request
+    from asyncvec.inference.types import BackendError, PartialBatchError
+
+    with make_policy(reference) as policy:
+        prompt = TextPrompt("3+4=", max_new_tokens=NEW_TOKENS)
+        done, cut_short = Request(prompt, prompt, None, 0.0, Future()), Request(prompt, prompt, None, 0.0, Future())
+        try:
+            try:
+                raise PartialBatchError(
+                    "the server died mid-stream",
+                    [
+                        GeneratedPrefix((7, 8), (-1.0, -2.0), (0, 0), finished=True),
+                        GeneratedPrefix((7,), (-1.0,), (0,)),
+                    ],
+                )
+            except PartialBatchError:
+                raise BackendError("the supervisor gave up")  # noqa: B904  (as recover raises in _forward_batch)
+        except BackendError as gave_up:
+            ready = policy._keep_partial([done, cut_short], gave_up)
+    assert [request for request, _ in ready] == [done] and list(ready[0][1].token_ids) == [7, 8]

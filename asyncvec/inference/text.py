@@ -302,6 +302,10 @@ class TextPolicy(BatchedPolicy):
         )
 
     def _keep_partial(self, requests: list[Request], error: BaseException) -> list[tuple[Request, BackendResult]]:
+        # a supervisor that gives up raises its own error over the batch's PartialBatchError (its context): the
+        # completions that had finished are still delivered, the others then get their fallbacks
+        while not isinstance(error, PartialBatchError) and error.__context__ is not None:
+            error = error.__context__
         if not isinstance(error, PartialBatchError) or len(error.prefixes) != len(requests):
             return []
         ready = []
