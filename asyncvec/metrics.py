@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -115,6 +117,10 @@ class StageClock:
         return ", ".join(f"{stage.replace('_', ' ')} {value:.1f} s" for stage, value in seconds.items())
 
 
+#: RunLogger.close waits this long for TensorBoard's writer to stop, then goes on without it.
+WRITER_CLOSE_TIMEOUT_S = 10.0
+
+
 class RunLogger:
     """TensorBoard writer (when ``track``) plus a tqdm progress bar counting ``unit`` (env steps unless
     told: an LM agent counts prompts). ``initial_step``: where a resumed run's bar starts (its step axis
@@ -182,9 +188,25 @@ class RunLogger:
             self.bar.update(final_step - self._last_step)
             self._last_step = final_step
         if self.writer is not None:
-            self.writer.close()
+            writer, self.writer = self.writer, None
+            _close_within(writer, WRITER_CLOSE_TIMEOUT_S)
         if self.bar is not None:
             self.bar.close()
+
+
+def _close_within(writer: Any, timeout_s: float) -> None:
+    """``writer.close()`` in a thread of its own, waited for at most ``timeout_s``: a Ctrl-C reaches only the main
+    thread, so it cannot land inside TensorBoard's queue code there (once it did, the writer thread never got its
+    stop signal and the stop hung in ``join``), and a writer that does not stop cannot hold the run's stop."""
+    closer = threading.Thread(target=writer.close, name="asyncvec-tensorboard-close", daemon=True)
+    closer.start()
+    closer.join(timeout_s)
+    if closer.is_alive():
+        print(
+            f"TensorBoard's writer did not stop within {timeout_s:g} s: its last events may be missing",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # scalar -> its label on the progress bar ("staleness", not "mean": it is not a return)
