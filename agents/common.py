@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import difflib
 import functools
 import json
 import os
@@ -438,8 +440,53 @@ def parse_cli(args_cls: type[Any], argv: list[str] | None = None) -> Any:
     ValueError) ends the run in one line, exit 2."""
     exit_on_version_flag(argv)
     name = getattr(args_cls, "__module__", "agent").rpartition(".")[2]
-    with exit_on_setup_error(name):
+    with exit_on_setup_error(name), one_line_parse_errors(args_cls):
         return tyro.cli(args_cls, args=argv)
+
+
+def one_line_parse_errors(args_cls: type[Any]) -> contextlib.AbstractContextManager[None]:
+    """While tyro parses: a value a field's check refuses and an unknown option become a ``ValueError`` of one line
+    (`exit_on_setup_error` prints it, exit 2) instead of tyro's boxed message; an unknown option names the one
+    meant (``--lr``: ``--learning-rate``). Uses tyro's parse-error hook where this tyro has it (1.0 and later)."""
+    errors = getattr(tyro, "_errors", None)
+    hook = getattr(errors, "on_parse_error", None)
+    if errors is None or hook is None:
+        return contextlib.nullcontext()
+
+    def handle(event: Any) -> None:
+        if isinstance(event, getattr(errors, "InstantiationFailure", ())):
+            raise ValueError(str(event.message))
+        if isinstance(event, getattr(errors, "UnrecognizedArgs", ())):
+            raise ValueError(unrecognized_options(list(event.tokens), args_cls))
+
+    manager: contextlib.AbstractContextManager[None] = hook(handle)
+    return manager
+
+
+def unrecognized_options(tokens: list[str], args_cls: type[Any]) -> str:
+    """What an agent's command line could not read, with the option meant where one is near.
+
+    Example:
+        >>> from dataclasses import dataclass
+        >>> @dataclass
+        ... class Args:
+        ...     learning_rate: float = 3e-4
+        ...     anneal_lr: bool = True
+        >>> unrecognized_options(["--lr", "0.001"], Args)
+        'unrecognized option --lr (did you mean --learning-rate?); see --help'
+    """
+    flags = ["--" + field.name.replace("_", "-") for field in dataclasses.fields(args_cls)]
+    words = []
+    for token in tokens:
+        if not token.startswith("--"):
+            continue
+        given = token.split("=", 1)[0]
+        initials = [flag for flag in flags if "".join(part[0] for part in flag[2:].split("-")) == given[2:]]
+        near = initials or difflib.get_close_matches(given, flags, n=1, cutoff=0.6)
+        words.append(f"{given} (did you mean {near[0]}?)" if near else given)
+    if not words:
+        return f"unrecognized argument(s) {' '.join(tokens)}; see --help"
+    return f"unrecognized option{'s' if len(words) > 1 else ''} {', '.join(words)}; see --help"
 
 
 @contextlib.contextmanager
