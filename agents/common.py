@@ -499,7 +499,7 @@ def exit_on_missing_extra(name: str) -> Iterator[None]:
     except MissingExtraError as exc:
         if os.environ.get(TRACEBACK_VARIABLE):
             raise
-        print(f"{name}: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -275,7 +275,8 @@ class PPO(EnvStepsRun):
         if isinstance(obs_space, gym.spaces.Text) or isinstance(self.action_space, gym.spaces.Text):
             raise ValueError(
                 f"{args.env} is a text env (Text observations or actions), which PPO's MLP cannot take: train a "
-                f"language model on it with RLOO or REINFORCE++: asyncvec-rloo --env {args.env} (agents/rloo.py)"
+                f"language model on it with RLOO, REINFORCE++ or GRPO: asyncvec-rloo --env {args.env} "
+                "(asyncvec-reinforce-pp, asyncvec-grpo; docs/lm_agents.md)"
             )
         if not flat_box or not isinstance(self.action_space, (gym.spaces.Discrete, gym.spaces.Box)):
             raise ValueError(

@@ -356,6 +356,7 @@ def test_missing_extra_exits_2(capsys):
     with pytest.raises(SystemExit) as stop, exit_on_missing_extra("RLOO"):
         raise MissingExtraError("--backend ray needs ray, which is not installed; install it with: pip ...")
     assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith("RLOO: error: --backend ray needs ray")  # as every one-line error
 
 
 def test_env_kwargs_reach_gym_make_and_no_track_writes_no_logs(tmp_path):

@@ -46,13 +46,13 @@ def flat(text: str) -> str:
         (
             "transformers",
             run_script("agents/rloo.py", "--total-prompts", "2"),
-            "RLOO: agents/rloo.py (its learner is a transformers model) needs transformers, which is not installed "
+            "RLOO: error: agents/rloo.py (its learner is a transformers model) needs transformers, which is not installed "
             "(No module named 'transformers'); install it with: pip install 'asyncvec[hf]'",
         ),
         (
             "ray",
             run_script("agents/ppo.py", "--backend", "ray", "--total-timesteps", "64"),
-            "PPO: asyncvec.distributed.RayCollectors needs ray, which is not installed "
+            "PPO: error: asyncvec.distributed.RayCollectors needs ray, which is not installed "
             "(No module named 'ray'); install it with: pip install 'asyncvec[ray]'",
         ),
         (
@@ -88,7 +88,7 @@ def flat(text: str) -> str:
         (
             "Box2D",
             run_script("agents/ppo.py", "--env", "LunarLander-v3", "--total-timesteps", "64"),
-            "PPO: LunarLander-v3 needs Box2D, which is not installed; install it with: pip install 'asyncvec[box2d]'",
+            "PPO: error: LunarLander-v3 needs Box2D, which is not installed; install it with: pip install 'asyncvec[box2d]'",
         ),
     ],
     ids=[
