@@ -125,8 +125,8 @@ class ActionSplitter:
             if not bounds:
                 return False
             if actions.size <= 64:  # as for Discrete; the chained comparison is False for NaN, as numpy's is
-                low, high = float(bounds[0]), float(bounds[1])
-                return all(low <= value <= high for value in actions.ravel().tolist())
+                lowest, highest = float(bounds[0]), float(bounds[1])
+                return all(lowest <= value <= highest for value in actions.ravel().tolist())
             return bool(actions.min() >= bounds[0] and actions.max() <= bounds[1])
         return False
 
