@@ -166,7 +166,9 @@ def _write_forever(directory: str, committed, batch_sizes: list[int]) -> None:
 @pytest.mark.parametrize("rounds", [3])
 def test_sigkilled_writer_loses_no_committed_sample(tmp_path: Path, rounds: int) -> None:
     ctx = multiprocessing.get_context("spawn")
-    committed = ctx.Value("q", -1)
+    # no lock: the writer is SIGKILLed at any moment, also while it would hold a Value's lock (every later read of
+    # the value then waited forever: a loaded make test timed out here); one aligned 8-byte store is atomic
+    committed = ctx.Value("q", -1, lock=False)
     last_seen = 0
     rng = np.random.default_rng(0)
     for round_ in range(rounds):

@@ -374,8 +374,15 @@ async def _stream_completions(
                 waiting = asyncio.ensure_future(tokens.get())
             for future in [future for future in finished if future in pending]:
                 index = pending.pop(future)
-                while not tokens.empty():  # its tokens were queued before its result: they go first
-                    yield token_event(*tokens.get_nowait())
+                # its tokens were queued before its result: they go out, then its end; the other choices' tokens
+                # (a loop that fell behind queued them too) go back first, in their order, to follow its end
+                queued = [tokens.get_nowait() for _ in range(tokens.qsize())]
+                for token in queued:
+                    if token[0] != index:
+                        tokens.put_nowait(token)
+                for token in queued:
+                    if token[0] == index:
+                        yield token_event(*token)
                 try:
                     output = future.result()
                 except PolicyError as exc:
