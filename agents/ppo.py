@@ -275,8 +275,7 @@ class PPO(EnvStepsRun):
         if isinstance(obs_space, gym.spaces.Text) or isinstance(self.action_space, gym.spaces.Text):
             raise ValueError(
                 f"{args.env} is a text env (Text observations or actions), which PPO's MLP cannot take: train a "
-                f"language model on it with RLOO, REINFORCE++ or GRPO: asyncvec-rloo --env {args.env} "
-                "(asyncvec-reinforce-pp, asyncvec-grpo; docs/lm_agents.md)"
+                f"language model on it with RLOO, REINFORCE++ or GRPO: asyncvec-rloo (-reinforce-pp, -grpo) --env {args.env}"
             )
         if not flat_box or not isinstance(self.action_space, (gym.spaces.Discrete, gym.spaces.Box)):
             raise ValueError(
@@ -461,15 +460,12 @@ class PPO(EnvStepsRun):
             "returns": returns.reshape(-1),
             "valid": valid.reshape(-1),
         }
-        # the share of the run left before this segment (global_step counts it already), as CleanRL's
-        # 1 - (iteration - 1) / num_iterations: the last update trains at learning_rate * segment / total, not 0
-        frac = 1.0 - (self.global_step - T * N) / args.total_timesteps if args.anneal_lr else 1.0
+        frac = 1.0 - (self.global_step - T * N) / args.total_timesteps if args.anneal_lr else 1.0  # as CleanRL's
         clip = anneal(self.optimizer, args.learning_rate, args.clip_coef, frac)
         batch_size = T * N
         minibatch = max(1, batch_size // args.num_minibatches)
         stats: dict[str, list[float]] = {}
-        epochs = 0
-        stopped_early = False
+        epochs, stopped_early = 0, False
         for _ in range(args.update_epochs):
             order = torch.randperm(batch_size, generator=self.learner_rng)
             for start in range(0, batch_size, minibatch):
@@ -654,16 +650,12 @@ class PPO(EnvStepsRun):
                 returns = self._recent_returns = self.prior_returns + (
                     collector.recent_returns() if collector is not None else episodes.returns()
                 )
-                last = self.global_step >= args.total_timesteps or (
-                    args.target_return is not None
-                    and len(returns) >= 20
-                    and float(np.mean(returns[-20:])) >= args.target_return
-                )
-                if last and self.lockstep and collector is not None:
+                mean20 = float(np.mean(returns[-20:])) if returns else float("nan")
+                reached = args.target_return is not None and len(returns) >= 20 and mean20 >= args.target_return
+                if self.lockstep and collector is not None and (reached or self.global_step >= args.total_timesteps):
                     collector.stop_soon()  # lag 0 is sync: the publish below releases no step past the run's end
                 with stages("publish"):
                     self.versions.publish(self._actor_weights())
-                mean20 = float(np.mean(returns[-20:])) if returns else float("nan")
                 elapsed = time.monotonic() - start
                 row = {
                     **stats,
@@ -687,7 +679,7 @@ class PPO(EnvStepsRun):
                     if collector is not None:
                         logger.histogram("charts/policy_latency_ms", collector.latencies() * 1000, self.global_step)
                 self.save()
-                if args.target_return is not None and len(returns) >= 20 and mean20 >= args.target_return:
+                if reached:
                     reached_at = elapsed
                     break
         finally:

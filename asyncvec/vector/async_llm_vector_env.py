@@ -75,9 +75,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     cluster (``backend="ray"`` or ``backend=RayBackend(...)`` from :mod:`asyncvec.distributed`); the semantics
     are the same. A worker hosts ``envs_per_worker`` envs and steps them one after another, so fast envs pay
     one round trip per worker instead of one per env; ``send``/``recv`` still take and return single env ids.
-    Where the envs run is decided once, before their first step, from your settings (one env per worker
-    unless told), and never changes by itself; your envs' first steps are timed, and ``envs.placement.advice``
-    then names a setting predicted faster, if any (:mod:`~asyncvec.vector.advice`).
+    Where the envs run is decided once, from your settings (one env per worker unless told), and never changes;
+    your first steps are timed and ``envs.placement.advice`` names a faster setting (:mod:`~asyncvec.vector.advice`).
 
     Faults: an env that raises, a worker killed by a signal, or a step longer than ``step_timeout``
     raises :class:`WorkerError` naming the env index, the exception type and the worker's traceback,
@@ -123,9 +122,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         observation_mode: ``"same"`` (every env has the same observation space) or
             ``"different"`` (same dtype and shape suffice).
         envs_per_worker: how many envs each worker hosts (the last worker may host fewer).
-            ``None`` (default): one, as gymnasium's ``AsyncVectorEnv`` (a crash or a slow step
-            stays with its env). Cheap CPU-bound envs run faster shared, e.g. one worker per core;
-            ``envs.placement.advice`` says so, with the predicted gain, once your first steps are timed.
+            ``None`` (default): one, as gymnasium's ``AsyncVectorEnv`` (a crash or a slow step stays with
+            its env). Cheap CPU-bound envs run faster shared; ``envs.placement.advice`` says so, with the gain.
         in_process: ``True``: every env in the calling process, stepped as ``SyncVectorEnv`` steps
             them (no workers, no crash isolation, no ``step_timeout``); ``None``/``False`` (default): workers.
         placement: ``"auto"`` (default: from your settings, as above) or ``"probe"``: step a
@@ -228,16 +226,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             action_memory = self.backend.create_shared_memory(self.single_action_space, self.num_envs)
             self._action_rows = read_from_shared_memory(self.single_action_space, action_memory, n=self.num_envs)
         self._action_memory = action_memory
-        advised = isinstance(self.backend, ProcessBackend) and self.placement.profiles is None
-        spec = WorkerSpec(
-            self.env_fns,
-            groups,
-            self.autoreset_mode,
-            self._shm,
-            action_memory,
-            TIMED_STEPS if advised else 0,
-            start_timeout,
-        )
+        timed = TIMED_STEPS if isinstance(self.backend, ProcessBackend) and self.placement.profiles is None else 0
+        spec = WorkerSpec(self.env_fns, groups, self.autoreset_mode, self._shm, action_memory, timed, start_timeout)
         self._transport = self.backend.create(spec)
         self._dispatch = Dispatcher(
             self._transport,
@@ -251,7 +241,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             close_for=self._close_for,
         )
         self._slots = self._dispatch.slots
-        if advised:
+        if timed:  # the envs' own steps are timed for the advice
             self._advisor = PlacementAdvisor(self, blockers, self.batch_size < self.num_envs, usable_cores())
         self.closed = False
         try:
@@ -356,19 +346,14 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         """Sends one action to every sub-environment; :meth:`step_wait` collects the results."""
         self._assert_idle("step_async")
         ids = list(range(self.num_envs))
-        dispatch, rows = self._dispatch, self._action_rows
-        if dispatch.can_step_workers and self._actions.fits_rows(actions, rows, self.validate_actions):
-            if self._advisor is not None:
-                self._advisor.before_send(ids)
-            rows[...] = actions  # every action in shared memory at once; each worker gets one byte
-            dispatch.step_workers()
-            self._lockstep_ids = ids
-            self._state = _LockstepState.WAITING_STEP
-            return
-        items = self._actions.split(actions, ids, self.validate_actions)
+        rows, validate = self._action_rows, self.validate_actions
+        whole = self._dispatch.can_step_workers and self._actions.fits_rows(actions, rows, validate)
+        items = [] if whole else self._actions.split(actions, ids, validate)
         if self._advisor is not None:
             self._advisor.before_send(ids)
-        if self._can_step_in_process():
+        if whole:
+            self._dispatch.step_workers(rows, actions)  # one array to shared memory, a byte a worker
+        elif self._can_step_in_process():
             self._dispatch.step_all(items)
         else:
             for i, action in zip(ids, items):
@@ -416,10 +401,8 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         if self._state != _LockstepState.WAITING_STEP:
             raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
         dispatch = self._dispatch
-        if dispatch.compact_stepping:  # worker processes, one byte each way (step_async: can_step_workers)
-            if timeout is None:
-                return self._step_batch(range(self.num_envs), *dispatch.finish_step_workers())
-            dispatch.compact_stepping = False  # a wait that may time out takes the usual path (it may resume)
+        if dispatch.compact_step_waits(timeout):  # step_async: can_step_workers
+            return self._step_batch(range(self.num_envs), *dispatch.finish_step_workers())
         if dispatch.stepped is not None:  # the in-process fast path (step_async: _can_step_in_process)
             return self._step_batch(range(self.num_envs), *dispatch.finish_step_all())
         ids = self._lockstep_ids

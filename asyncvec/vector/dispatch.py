@@ -447,9 +447,10 @@ class Dispatcher:
             return False
         return not any(slot.after_restart is not None or slot.info_extra for slot in self.slots)
 
-    def step_workers(self) -> None:
-        """Sends every worker a step of all its envs, their actions already in the shared action rows: one
-        byte a worker, no per-env message (:data:`~asyncvec.vector.worker.STEP_MESSAGE`)."""
+    def step_workers(self, rows: Any, actions: Any) -> None:
+        """Writes ``actions`` (one array, every env's) into the shared action ``rows`` and sends every worker a step
+        of all its envs: one byte a worker, no per-env message (:data:`~asyncvec.vector.worker.STEP_MESSAGE`)."""
+        rows[...] = actions
         transport = self.transport
         assert isinstance(transport, ProcessTransport)  # can_step_workers said so
         for slot in self.slots:
@@ -459,6 +460,14 @@ class Dispatcher:
             queue.append(Message(ids, True, None if queue else now))
         self.compact_stepping = True
         transport.send_steps(range(len(self.groups)))
+
+    def compact_step_waits(self, timeout: float | None) -> bool:
+        """Whether a lockstep step sent by :meth:`step_workers` is finished by :meth:`finish_step_workers`: a wait
+        that may time out takes the usual path instead (its answers may be waited for again)."""
+        if timeout is None:
+            return self.compact_stepping
+        self.compact_stepping = False
+        return False
 
     def finish_step_workers(self) -> tuple[Any, Any, Any, list[Any]]:
         """The results of :meth:`step_workers` (rewards, terminations, truncations as arrays, infos): compact
