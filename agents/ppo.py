@@ -275,7 +275,7 @@ class PPO(EnvStepsRun):
         if isinstance(obs_space, gym.spaces.Text) or isinstance(self.action_space, gym.spaces.Text):
             raise ValueError(
                 f"{args.env} is a text env (Text observations or actions), which PPO's MLP cannot take: train a "
-                f"language model on it with RLOO, REINFORCE++ or GRPO: asyncvec-rloo (-reinforce-pp, -grpo) --env {args.env}"
+                f"language model on it with RLOO, REINFORCE++ or GRPO: asyncvec-rloo --env {args.env} (or -reinforce-pp, -grpo)"
             )
         if not flat_box or not isinstance(self.action_space, (gym.spaces.Discrete, gym.spaces.Box)):
             raise ValueError(
