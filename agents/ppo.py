@@ -55,7 +55,9 @@ from asyncvec.agents.common import (
     make_ray_collectors,
     make_vector_env,
     parse_cli,
+    restarts_text,
     run_from_cli,
+    run_steps_text,
     stored_action_space,
 )
 from asyncvec.collection import next_segment, publish_pace
@@ -248,6 +250,8 @@ class TrainResult:
     acting, in sync mode), update, publish; in sync mode also policy_call and env_step, the two parts
     of acting (inside collect_wait)"""
     staleness_histogram: list[int] = field(default_factory=list)
+    resumed_at_step: int = 0  # where a --resume went on from; wall_time_s and env_steps_per_s cover the rest
+    env_restarts: list[int] = field(default_factory=list)  # per env, with --max-restarts
     """``staleness_histogram[s]``: samples learned from at staleness ``s`` (the last bin counts the
     older ones; asyncvec.versioning.StalenessStats)"""
     log_path: str | None = None
@@ -697,6 +701,8 @@ class PPO(EnvStepsRun):
             updates=self.updates,
             wall_time_s=wall,
             env_steps_per_s=(self.global_step - start_step) / wall,
+            resumed_at_step=start_step,
+            env_restarts=list(getattr(self.envs, "restarts", [])),  # Ray's collectors: no --max-restarts
             episodic_returns=returns,
             final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
             reached_target_s=reached_at,
@@ -727,8 +733,10 @@ def main(args: Args) -> TrainResult | None:
     return run_from_cli(
         lambda: PPO(args),
         lambda result: (
-            f"PPO {result.global_step} steps in {result.wall_time_s:.1f} s ({result.env_steps_per_s:.0f} steps/s), "
+            f"PPO {run_steps_text(result.global_step, result.resumed_at_step)} in {result.wall_time_s:.1f} s "
+            f"({result.env_steps_per_s:.0f} steps/s), "
             f"{final_return_text(result.final_return, 20)}, mean staleness {result.staleness_mean:.2f}"
+            + restarts_text(result.env_restarts, args.max_restarts)
             + (
                 f", reached the target after {result.reached_target_s:.1f} s"
                 if result.reached_target_s is not None

@@ -53,7 +53,9 @@ from asyncvec.agents.common import (
     make_ray_collectors,
     make_vector_env,
     parse_cli,
+    restarts_text,
     run_from_cli,
+    run_steps_text,
 )
 from asyncvec.buffers import Transitions
 from asyncvec.lifecycle import release_if_held
@@ -198,6 +200,8 @@ class TrainResult:
     dropped_samples: int
     history: list[dict] = field(default_factory=list)
     starved_gradient_steps: int = 0
+    resumed_at_step: int = 0  # where a --resume went on from; wall_time_s and env_steps_per_s cover the rest
+    env_restarts: list[int] = field(default_factory=list)  # per env, with --max-restarts
     """gradient steps that waited because fewer than a batch of samples were within --max-staleness"""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """wall seconds of the run per stage of the loop: collect (sync: act, step, store) or collect_wait (async:
@@ -690,6 +694,8 @@ class SAC(EnvStepsRun):
             gradient_steps=self.gradient_steps,
             wall_time_s=wall,
             env_steps_per_s=(self.global_step - start_step) / wall,
+            resumed_at_step=start_step,
+            env_restarts=list(getattr(self.envs, "restarts", [])),  # Ray's collectors: no --max-restarts
             episodic_returns=returns,
             final_return=float(np.mean(returns[-10:])) if returns else float("nan"),
             reached_target_s=reached_at,
@@ -720,8 +726,10 @@ def main(args: Args) -> TrainResult | None:
     return run_from_cli(
         lambda: SAC(args),
         lambda result: (
-            f"SAC {result.global_step} steps, {result.gradient_steps} gradient steps in {result.wall_time_s:.1f} s "
+            f"SAC {run_steps_text(result.global_step, result.resumed_at_step)}, {result.gradient_steps} gradient steps "
+            f"in {result.wall_time_s:.1f} s "
             f"({result.env_steps_per_s:.0f} steps/s), {final_return_text(result.final_return, 10)}"
+            f"{restarts_text(result.env_restarts, args.max_restarts)}"
             f"\ntime: {StageClock.words(result.stage_seconds)}"
         ),
         name="SAC",

@@ -166,14 +166,18 @@ class RunLogger:
                 if isinstance(value, (int, float, np.floating, np.integer)) and math.isfinite(value):
                     self.writer.add_scalar(name, float(value), step)
         if self.bar is not None:
-            if self.bar.total is not None and step > self.bar.total:
-                # past the planned total (the last batch overshoots it): tqdm would drop the bar
-                self.bar.total = step
-            self.bar.update(max(0, step - self._last_step))
+            self._move_bar_to(step)
             shown = {_BAR_KEYS[k]: f"{v:.3g}" for k, v in scalars.items() if k in _BAR_KEYS and math.isfinite(v)}
             if shown:
                 self.bar.set_postfix(shown, refresh=False)
         self._last_step = max(self._last_step, step)
+
+    def _move_bar_to(self, step: int) -> None:
+        assert self.bar is not None
+        if self.bar.total is not None and step > self.bar.total:
+            # past the planned total (the last batch overshoots it): tqdm would drop the bar
+            self.bar.total = step
+        self.bar.update(max(0, step - self._last_step))
 
     def histogram(self, name: str, values: Any, step: int) -> None:
         """Writes a histogram (e.g. latencies, staleness) when there are values."""
@@ -184,9 +188,9 @@ class RunLogger:
     def close(self, final_step: int | None = None) -> None:
         """Flushes and closes the writer and the bar; ``final_step`` first moves the bar to the step the
         run ended at (a learner that logs every few hundred steps would leave it short)."""
-        if self.bar is not None and final_step is not None and final_step > self._last_step:
-            self.bar.update(final_step - self._last_step)
-            self._last_step = final_step
+        if self.bar is not None and final_step is not None:
+            self._move_bar_to(final_step)
+            self._last_step = max(self._last_step, final_step)
         if self.writer is not None:
             writer, self.writer = self.writer, None
             _close_within(writer, WRITER_CLOSE_TIMEOUT_S)

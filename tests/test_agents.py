@@ -163,15 +163,22 @@ def test_fault_setting_errors(agent, kwargs, message):
 )
 def test_fault_settings_reach_the_vector_env_and_keep_envs_in_workers(agent, make, env, no_leftover_children):
     """--max-restarts and --step-timeout go to the agent's vector env; the envs stay in worker processes after
-    a short run (restarts need a process to rebuild), and the run ends normally."""
+    a short run (restarts need a process to rebuild), a killed worker is rebuilt, and the summary counts it."""
+    import os
+    import signal
+
     args = agent.Args(
         env=env, num_envs=2, total_timesteps=128, mode="sync", max_restarts=2, step_timeout=30.0, progress=False
     )
     learner = make(args)
     envs = learner.envs
     assert (envs.max_restarts, envs.step_timeout) == (2, 30.0)
-    learner.train()
+    envs.reset(seed=0)
+    os.kill(envs.worker_pids[1], signal.SIGKILL)
+    result = learner.train()
     assert not envs.placement.in_process, envs.placement  # in workers, one env each
+    assert result.env_restarts == [0, 1], result.env_restarts
+    assert agent.restarts_text(result.env_restarts, 2) == ", 1 env restart (env 1: 1; --max-restarts 2 per env)"
 
 
 @pytest.mark.parametrize("agent", [ppo, sac])

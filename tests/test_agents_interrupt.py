@@ -227,7 +227,10 @@ def test_ppo_resume_goes_on_in_the_same_run_folder_and_step_axis(tmp_path):
     assert "steps/s" not in again.stdout, again.stdout
     more = run([script("ppo"), *common, "--total-timesteps", "128", "--resume"], tmp_path)
     assert more.returncode == 0, more.stderr[-3000:]
-    assert "PPO 128 steps" in more.stdout and "no episode finished yet" not in more.stdout, more.stdout
+    assert (
+        "PPO 128 steps (resumed at step 64: 64 in this run) in" in more.stdout
+        and "no episode finished yet" not in more.stdout
+    ), more.stdout
     folders = list((tmp_path / "runs").iterdir())
     assert len(folders) == 1, folders  # one TensorBoard run: the curve does not split
     steps = tensorboard_steps(folders[0], "charts/version")
