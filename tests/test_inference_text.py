@@ -61,6 +61,15 @@ def test_build_tiny_lm_is_seeded_and_validates(tmp_path):
         build_tiny_lm(tmp_path / "e", vocab="aab")
 
 
+def test_building_a_tiny_model_draws_no_progress_bar_and_leaves_transformers_setting_alone(tmp_path, capfd):
+    from transformers.utils import logging as transformers_logging
+
+    assert transformers_logging.is_progress_bar_enabled()
+    build_tiny_lm(tmp_path / "lm", n_layer=1, n_embd=32)
+    assert "Writing model shards" not in capfd.readouterr().err  # transformers 5 draws one per save_pretrained
+    assert transformers_logging.is_progress_bar_enabled()
+
+
 @pytest.mark.parametrize(
     "arch, temperature, top_p",
     [("gpt2", 1.0, None), ("gpt2", 0.7, None), ("gpt2", 1.3, 0.8), ("gpt2", 0.0, None), ("llama", 1.0, None)],

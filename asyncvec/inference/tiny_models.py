@@ -10,6 +10,7 @@ import json
 import os
 import string
 from pathlib import Path
+from typing import Any
 
 #: digits, arithmetic, letters, space, newline and basic punctuation (e.g. "3+4=" -> "7")
 DEFAULT_VOCAB = string.digits + "+-*/=<>()[]{}.,:;!?'\"#%&_" + " \n" + string.ascii_lowercase + string.ascii_uppercase
@@ -137,9 +138,23 @@ def build_tiny_lm(
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return save_tiny_model(model, tokenizer, path)
+
+
+def save_tiny_model(model: Any, tokenizer: Any, path: str | os.PathLike) -> Path:
+    """``save_pretrained`` of a tiny model and its tokenizer into ``path``, without transformers' progress bar
+    (a toy built in a test or an example is not a download worth a bar), the tokenizer config made portable."""
+    from transformers.utils import logging as transformers_logging
+
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder)
+    finally:
+        if bars_were_on:
+            transformers_logging.enable_progress_bar()
     tokenizer.save_pretrained(folder)
     _make_tokenizer_config_portable(folder)
     return folder

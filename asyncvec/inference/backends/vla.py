@@ -38,9 +38,9 @@ from asyncvec.inference.base import BatchedPolicy
 from asyncvec.inference.requests import split_batch
 from asyncvec.inference.tiny_models import (
     DEFAULT_VOCAB,
-    _make_tokenizer_config_portable,
     build_char_tokenizer,
     check_lm_sizes,
+    save_tiny_model,
 )
 from asyncvec.inference.types import BackendResult, PolicyOutput
 from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
@@ -376,12 +376,7 @@ def build_tiny_vla(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = TinyVLAModel(config)
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    _make_tokenizer_config_portable(folder)
-    return folder
+    return save_tiny_model(model, tokenizer, path)
 
 
 def load_tiny_vla(path: str | os.PathLike) -> tuple[TinyVLAModel, Any]:
