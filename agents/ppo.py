@@ -66,7 +66,7 @@ from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, seed_everything
 from asyncvec.schedule import ScheduleError, ScheduleWriter, read_schedule
-from asyncvec.versioning import LaggedWeights, adapt_max_staleness
+from asyncvec.versioning import LaggedWeights, PinnedWeights, adapt_max_staleness
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
 # left at their default; anything passed with another value wins.
@@ -106,9 +106,10 @@ PRESETS: dict[str, dict[str, object]] = {
 class Args(EnvAgentArgs):
     """PPO's options: those every env agent has (asyncvec.agents.common.EnvAgentArgs), then its own."""
 
-    max_staleness: int = 4
-    """samples more than this many versions older than the learner are masked out (0, async: the envs step
-    together and wait for each update's publish, so the run is the sync run, bitwise: docs/agents.md)"""
+    max_staleness: int = 1
+    """async: 0 or 1, the envs step together and each segment is acted by a version fixed by construction (0:
+    the last update's, the sync run bitwise; 1: the one before, while the learner trains the segment before);
+    above 1, the envs step freely (partial batches) and samples older than this are masked out (docs/agents.md)"""
     adaptive_staleness: bool = False
     """lower max_staleness while the importance weights of recent updates degenerate, raise it back
     (up to --max-staleness) while they are healthy (rule: asyncvec.versioning.adapt_max_staleness)"""
@@ -315,7 +316,8 @@ class PPO(EnvStepsRun):
             [*self.actor.parameters(), *self.critic.parameters()], lr=args.learning_rate, eps=1e-5
         )
         self.reward_scaler = RewardScaler(args.num_envs, args.gamma) if args.normalize_rewards else None
-        self.lockstep = args.mode == "async" and args.backend == "local" and args.max_staleness == 0  # lag 0 is sync
+        # --max-staleness 0 or 1: the envs step together and each segment is acted by a version fixed by construction
+        self.lockstep = args.mode == "async" and args.backend == "local" and args.max_staleness <= 1
         whole_steps = args.mode == "sync" or self.lockstep  # every policy call brings all the envs
         self.policy = make_policy(
             copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, whole_steps
@@ -324,7 +326,10 @@ class PPO(EnvStepsRun):
         self.max_staleness = args.max_staleness  # lowered and raised by --adaptive-staleness
         self.versions = VersionManager(max_lag=args.max_staleness)
         self.stages = StageClock()  # wall and CPU seconds per stage of the loop (train starts a fresh one)
-        self.versions.register(LaggedWeights(self.policy, args.policy_lag))
+        self.pinned = None
+        if self.lockstep and args.max_staleness == 1:  # the collector loads each segment's version itself
+            self.pinned = PinnedWeights(self.policy, self._actor_weights(), self.versions.current_version)
+        self.versions.register(self.pinned or LaggedWeights(self.policy, args.policy_lag))
         self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, stored_action_space(self.action_space))
         self.global_step = 0
         self.updates = 0
@@ -629,7 +634,9 @@ class PPO(EnvStepsRun):
                     self.store,
                     version_manager=self.versions,
                     seed=args.seed,
-                    pace=publish_pace(self.versions, args.num_steps * args.num_envs) if self.lockstep else None,
+                    pace=publish_pace(self.versions, args.num_steps * args.num_envs, args.max_staleness, self.pinned)
+                    if self.lockstep
+                    else None,
                     lockstep=self.lockstep,
                 ).start()
             else:

@@ -487,6 +487,45 @@ class LaggedWeights:
             self.backend.load_weights(*self._queue.popleft())
 
 
+class PinnedWeights:
+    """Keeps every published version for ``backend`` and loads the one the acting side asks for.
+
+    The learner's publish only stores the weights; the caller of :meth:`deliver` (a lockstep collector,
+    at each segment's first step) decides which version acts. So which version acts on which step is
+    fixed by construction, whatever the speeds: with PPO's ``--max-staleness 1`` segment ``k + 1`` is
+    acted by the version published after update ``k - 1`` while update ``k`` trains.
+
+    Example:
+        >>> class Backend:
+        ...     def load_weights(self, weights, version): self.version = version
+        >>> backend = Backend(); pinned = PinnedWeights(backend, {"w": 0}, version=0)
+        >>> for v in (1, 2): pinned.load_weights({"w": v}, v)  # the learner publishes twice
+        >>> pinned.deliver(1); backend.version
+        1
+    """
+
+    def __init__(self, backend: Any, weights: Any, version: int = 0) -> None:
+        self.backend = backend
+        self.delivered = version  # ``backend`` acts with this version (it holds ``weights`` already)
+        self._kept: dict[int, Any] = {version: weights}
+        self._lock = threading.Lock()
+
+    def load_weights(self, weights: Any, version: int) -> None:
+        with self._lock:
+            self._kept[version] = weights
+
+    def deliver(self, version: int) -> None:
+        """Loads ``version`` into the backend (already published) and forgets the older ones."""
+        with self._lock:
+            if version == self.delivered:
+                return
+            weights = self._kept[version]
+            for old in [v for v in self._kept if v < version]:
+                del self._kept[old]
+        self.backend.load_weights(weights, version)
+        self.delivered = version
+
+
 class AdmissionControl:
     """Bounds staleness when a sample starts instead of dropping it when trained on (AReaL's rule).
 

@@ -86,3 +86,34 @@ def test_sac_lockstep_needs_async_at_lag_0():
         sac.Args(mode="sync", lockstep=True)
     with pytest.raises(ValueError, match="--lockstep is async at lag 0"):
         sac.Args(lockstep=True, policy_lag=1, max_staleness=2)
+
+
+@pytest.mark.parametrize("env", ["CartPole-v1", "Pendulum-v1"])
+def test_ppo_async_at_max_staleness_1_acts_each_segment_with_the_version_before_whatever_the_speeds(
+    env, no_leftover_children, monkeypatch
+):
+    """Lag 1 by construction: segment k + 1 is acted by the version published after update k - 1 while update k
+    trains, so every sample after the first segment is exactly one version old, and the run does not depend on
+    which side is faster (a learner slowed by 0.3 s per update ends with the same parameters, bitwise)."""
+
+    def run(slow_learner: bool):
+        with monkeypatch.context() as patch:
+            if slow_learner:
+                patch.setattr(ppo.PPO, "save", lambda self: time.sleep(0.3))
+            args = ppo.Args(
+                env=env, mode="async", num_envs=4, num_steps=8, total_timesteps=128, max_staleness=1, hidden=16,
+                update_epochs=3, num_minibatches=2, seed=3, track=False, progress=False,
+            )  # fmt: skip
+            agent = ppo.PPO(args)
+            initial = {k: v.clone() for k, v in state(agent, "actor", "critic").items()}
+            result = agent.train()
+            return state(agent, "actor", "critic"), initial, result
+
+    fast, initial, fast_result = run(slow_learner=False)
+    slow, _, slow_result = run(slow_learner=True)
+    assert fast_result.updates == 4 and fast_result.dropped_samples == 0
+    histogram = fast_result.staleness_histogram
+    assert histogram[:2] == [32, 96] and not any(histogram[2:]), histogram  # staleness 0: the first segment only
+    assert slow_result.staleness_histogram == histogram
+    assert fast_result.episodic_returns == slow_result.episodic_returns
+    assert_same_tensors(fast, slow, initial)

@@ -29,7 +29,7 @@ from asyncvec.inference.requests import zero_action
 from asyncvec.inference.types import Policy, PolicyOutput
 from asyncvec.metrics import EpisodeStats
 from asyncvec.vector.async_llm_vector_env import AsyncLLMVectorEnv
-from asyncvec.versioning import VersionManager
+from asyncvec.versioning import PinnedWeights, VersionManager
 
 __all__ = ["Collector", "Sink", "next_segment", "publish_pace"]
 
@@ -52,10 +52,14 @@ def check_sink(sink: Any, num_envs: int, source: str) -> None:
         raise TypeError(f"sink must be a RolloutStore, a ReplayBuffer or a callable, got {type(sink).__name__}")
 
 
-def publish_pace(versions: VersionManager, steps_per_version: int) -> Callable[[int], None]:
+def publish_pace(
+    versions: VersionManager, steps_per_version: int, lag: int = 0, pinned: PinnedWeights | None = None
+) -> Callable[[int], None]:
     """A ``pace`` for a lockstep :class:`Collector` whose learner publishes once per ``steps_per_version`` env steps
-    (PPO: once per segment): after each such block of steps it waits for that publish (until ``versions`` closes),
-    so the next block is acted on by the new version only.
+    (PPO: once per segment): block ``k`` of steps waits for the ``k - lag``-th publish after this call (until
+    ``versions`` closes). ``lag=0``: the next block is acted on by the new version only (the sync loop). With
+    ``pinned`` (the policy's only weight receiver), the block is acted on by exactly that version: the learner
+    trains block ``k - 1`` while block ``k`` is acted, every sample ``lag`` versions old, whatever the speeds.
 
     Example:
         >>> versions = VersionManager(max_lag=0)
@@ -66,9 +70,13 @@ def publish_pace(versions: VersionManager, steps_per_version: int) -> Callable[[
         1
     """
     first = versions.current_version
+    if pinned is not None:
+        pinned.deliver(first)
 
     def pace(written: int) -> None:
-        versions.wait_for_version(first + written // steps_per_version)
+        version = max(first, first + written // steps_per_version - lag)
+        if versions.wait_for_version(version) and pinned is not None:
+            pinned.deliver(version)
 
     return pace
 
