@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from asyncvec.buffers import ReplayBuffer
+from asyncvec.buffers import ReplayBuffer, StorageDirInUseError
 
 OBS_SPACE = spaces.Dict(
     {"x": spaces.Box(-np.inf, np.inf, (3,), np.float64), "text": spaces.Text(8, charset=string.digits)}
@@ -118,8 +118,9 @@ def test_manual_commits_expose_only_committed_samples(tmp_path: Path, prioritize
 
 def test_a_directory_is_locked_to_one_open_buffer(tmp_path: Path) -> None:
     buffer = ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path)
-    with pytest.raises(RuntimeError, match="already open"):
+    with pytest.raises(StorageDirInUseError, match="already open"):
         ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path)
+    assert issubclass(StorageDirInUseError, RuntimeError)  # what it raised before it was typed
     buffer.close()
     ReplayBuffer(CAPACITY, OBS_SPACE, ACTION_SPACE, storage_dir=tmp_path).close()
 

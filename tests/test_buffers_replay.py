@@ -19,7 +19,7 @@ import asyncvec.buffers
 import asyncvec.buffers.groups
 import asyncvec.buffers.replay
 import asyncvec.buffers.rollout
-from asyncvec.buffers import ReplayBuffer, SumTree
+from asyncvec.buffers import BufferClosedError, NotPrioritizedError, ReplayBuffer, SumTree
 
 SCALAR_OBS = spaces.Box(-np.inf, np.inf, (), np.float64)
 
@@ -299,8 +299,9 @@ def test_update_priorities_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match=r"priorities: expected float64 values, shape \(2,\)"):
         buffer.update_priorities([0, 1], [1.0])
     uniform = ReplayBuffer(8, SCALAR_OBS, spaces.Discrete(2))
-    with pytest.raises(RuntimeError, match="prioritized=False"):
+    with pytest.raises(NotPrioritizedError, match="prioritized=False"):
         uniform.update_priorities([0], [1.0])
+    assert issubclass(NotPrioritizedError, RuntimeError)  # what it raised before it was typed
 
 
 def test_one_writer_and_one_reader_thread_see_consistent_rows() -> None:
@@ -378,9 +379,9 @@ def test_closed_buffer_refuses_work() -> None:
     add_serials(buffer, np.arange(2), versions=0)
     buffer.close()
     buffer.close()
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(BufferClosedError, match="ReplayBuffer is closed"):
         buffer.sample(1, 0)
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(RuntimeError, match="closed"):  # BufferClosedError is still a RuntimeError
         add_serials(buffer, np.arange(2), versions=0)
 
 

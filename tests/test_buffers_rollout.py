@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gymnasium import spaces
 
-from asyncvec.buffers import CompletionGroups, ReplayBatch, ReplayBuffer, RolloutStore, Transitions
+from asyncvec.buffers import BufferClosedError, CompletionGroups, ReplayBatch, ReplayBuffer, RolloutStore, Transitions
 from asyncvec.buffers.transitions import NUMBERS
 
 OBS = spaces.Box(-np.inf, np.inf, (2,), np.float64)
@@ -145,8 +145,8 @@ def test_get_times_out_and_close_wakes_it() -> None:
     time.sleep(0.02)
     store.close()
     thread.join(timeout=10)
-    assert not thread.is_alive() and "closed" in str(errors[0])
-    with pytest.raises(RuntimeError, match="closed"):
+    assert not thread.is_alive() and "closed" in str(errors[0]) and isinstance(errors[0], BufferClosedError)
+    with pytest.raises(BufferClosedError, match="RolloutStore is closed"):
         AsyncCollector(store, 0).add(np.array([1]))
 
 

@@ -17,6 +17,7 @@ from asyncvec.inference import (
     Policy,
     PolicyClosedError,
     PolicyOutput,
+    ReentrantCallError,
     TorchPolicy,
 )
 
@@ -283,7 +284,7 @@ def test_load_weights_from_a_done_callback_is_refused():
 
         policy.submit(np.zeros(4)).add_done_callback(callback)
         wait_until(lambda: raised)
-        assert "done-callback" in str(raised[0])
+        assert "done-callback" in str(raised[0]) and isinstance(raised[0], ReentrantCallError)
 
 
 # ---------------------------------------------------------------------------- retries

@@ -26,6 +26,7 @@ from toy_envs import CounterEnv, RecordingEnv, SleepyEnv, recorded_actions
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.envs.slow import SlowEnv
+from asyncvec.vector import PlacementError
 from asyncvec.vector.advice import TIMED_STEPS, WARMUP_STEPS
 from asyncvec.vector.placement import DEFAULT_REASON, StepProfile, advice_line, choose_placement, profile_env
 
@@ -471,6 +472,14 @@ def test_an_env_can_refuse_the_probe():
     with AsyncLLMVectorEnv([ActsOnTheWorld] * 2, placement="probe") as envs:
         assert envs.placement.profile is None and envs.placement.envs_per_worker == 1
         assert "asyncvec_probe" in envs.placement.reason
+
+
+def test_a_probe_that_cannot_measure_raises_a_placement_error(no_leftover_children):
+    with pytest.raises(PlacementError, match=r"the probe env raised in 'probe'.*this env cannot step"):
+        profile_env(RaisesOnStep)
+    with pytest.raises(PlacementError, match=r"not measured: the env declares metadata\['asyncvec_probe'\]"):
+        profile_env(ActsOnTheWorld)
+    assert issubclass(PlacementError, RuntimeError)  # what it raised before it was typed
 
 
 class StartsAProcess(CounterEnv):

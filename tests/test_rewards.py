@@ -14,7 +14,14 @@ import uuid
 import pytest
 
 from asyncvec.lm import rewards
-from asyncvec.lm.rewards import CombinedReward, HFRewardModel, RewardResult, RewardService
+from asyncvec.lm.rewards import (
+    AsyncRewardInLoopError,
+    CombinedReward,
+    HFRewardModel,
+    RewardResult,
+    RewardService,
+    RewardServiceClosedError,
+)
 
 WAIT_S = 10.0  # generous bound on every wait in this file
 pytestmark = pytest.mark.timeout(60)
@@ -143,8 +150,9 @@ def test_async_plugin(name):
     async def sync_call_inside_loop():
         return rewards.score(name, "p", "ab")
 
-    with pytest.raises(RuntimeError, match="ascore"):
+    with pytest.raises(AsyncRewardInLoopError, match="ascore"):
         asyncio.run(sync_call_inside_loop())
+    assert issubclass(AsyncRewardInLoopError, RuntimeError)  # what it raised before it was typed
 
 
 def test_async_plugin_non_finite_is_an_error(name):
@@ -420,7 +428,7 @@ def test_close_fails_pending_requests_and_joins_threads(name):
     service.close()
     releaser.join(WAIT_S)
     for future in futures:
-        with pytest.raises(RuntimeError, match="closed before the request was scored"):
+        with pytest.raises(RewardServiceClosedError, match="closed before the request was scored"):
             future.result(WAIT_S)
     assert not [t for t in service_threads() if t.is_alive()]
 

@@ -23,6 +23,7 @@ from asyncvec.inference import (
     EngineSupervisor,
     OpenAIPolicy,
     ServerProcess,
+    ServerStartError,
     TransientBackendError,
     build_tiny_lm,
 )
@@ -265,6 +266,14 @@ def test_the_supervisor_gives_up_after_max_restarts():
             "engine_gave_up": 1,
         }
         assert not process.running
+
+
+def test_a_server_waited_on_before_its_start_or_started_twice_raises_server_start_error():
+    process = http_server()
+    with pytest.raises(ServerStartError, match="was not started"):
+        process.wait_ready()
+    with process, pytest.raises(ServerStartError, match=r"is already running \(pid"):
+        process.start()
 
 
 def test_timeouts_in_a_row_with_a_live_health_route_count_as_hung():

@@ -15,6 +15,7 @@ Example:
 """
 
 from asyncvec.buffers._images import ImageCompression, is_image_space
+from asyncvec.buffers.errors import BufferClosedError, NotPrioritizedError, StorageDirInUseError
 from asyncvec.buffers.groups import CompletionGroups, GroupBatch
 from asyncvec.buffers.replay import ReplayBatch, ReplayBuffer
 from asyncvec.buffers.rollout import RolloutStore, Segment
@@ -22,13 +23,16 @@ from asyncvec.buffers.sum_tree import SumTree
 from asyncvec.buffers.transitions import Transitions
 
 __all__ = [
+    "BufferClosedError",
     "CompletionGroups",
     "GroupBatch",
     "ImageCompression",
+    "NotPrioritizedError",
     "ReplayBatch",
     "ReplayBuffer",
     "RolloutStore",
     "Segment",
+    "StorageDirInUseError",
     "SumTree",
     "Transitions",
     "is_image_space",

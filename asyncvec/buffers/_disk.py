@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from asyncvec.buffers.errors import StorageDirInUseError
+
 ColumnSpec = dict[str, tuple[tuple[int, ...], np.dtype]]
 _OBJECT = np.dtype(object)
 
@@ -258,7 +260,7 @@ class DirectoryLock:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._file.close()
-            raise RuntimeError(
+            raise StorageDirInUseError(
                 f"storage_dir {directory} is already open in another buffer or process; close that one first"
             ) from None
 

@@ -15,6 +15,7 @@ from asyncvec.buffers._disk import column_nbytes
 from asyncvec.buffers._images import ImageCompression, resolve_image_compression
 from asyncvec.buffers._rows import ReplayRows, read_meta
 from asyncvec.buffers._spaces import as_column
+from asyncvec.buffers.errors import BufferClosedError, NotPrioritizedError
 from asyncvec.buffers.sum_tree import SumTree
 from asyncvec.buffers.transitions import NUMBERS, Transitions, TransitionWriter
 
@@ -241,7 +242,7 @@ class ReplayBuffer(TransitionWriter[np.ndarray]):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("ReplayBuffer is closed")
+            raise BufferClosedError("ReplayBuffer is closed")
 
     # -- writing --------------------------------------------------------------------------
     def add_transitions(self, transitions: Transitions) -> np.ndarray:
@@ -429,11 +430,11 @@ class ReplayBuffer(TransitionWriter[np.ndarray]):
         """Set the priorities (e.g. ``|TD error| + eps``) of the sampled slots ``indices``.
 
         Raises:
-            RuntimeError: the buffer is not prioritized.
+            NotPrioritizedError: the buffer is not prioritized (a ``RuntimeError``).
             ValueError: shapes differ, a priority is not finite and > 0, or a slot is empty.
         """
         if not self.prioritized:
-            raise RuntimeError("update_priorities: this ReplayBuffer was created with prioritized=False")
+            raise NotPrioritizedError("update_priorities: this ReplayBuffer was created with prioritized=False")
         indices = np.asarray(indices)
         if indices.ndim != 1 or indices.dtype.kind not in "iu":
             raise ValueError(f"indices: expected a 1-D int array, got {indices.dtype} shape {indices.shape}")

@@ -12,6 +12,7 @@ from gymnasium import spaces
 from asyncvec.buffers._disk import column_nbytes
 from asyncvec.buffers._images import ImageCompression, resolve_image_compression
 from asyncvec.buffers._spaces import SpaceCodec
+from asyncvec.buffers.errors import BufferClosedError
 from asyncvec.buffers.transitions import NUMBERS, Transitions, TransitionWriter
 from asyncvec.lifecycle import release_if_held
 
@@ -202,7 +203,7 @@ class RolloutStore(TransitionWriter[None]):
         limit = self.num_steps + self.max_steps_ahead
         with self._cond:
             if self._closed:
-                raise RuntimeError("RolloutStore is closed")
+                raise BufferClosedError("RolloutStore is closed")
             rows = self._cursor[env_ids] + occurrence
             if n and rows.max() >= limit:
                 row = int(np.argmax(rows))
@@ -235,7 +236,7 @@ class RolloutStore(TransitionWriter[None]):
         Raises:
             TimeoutError: not ready in time (the message lists the steps per env).
             ValueError: an env has no bootstrap observation (pass ``next_obs`` to ``add``).
-            RuntimeError: the store was closed.
+            BufferClosedError: the store was closed (a ``RuntimeError``).
         """
         T = self.num_steps
         with self._cond:
@@ -244,7 +245,7 @@ class RolloutStore(TransitionWriter[None]):
                     f"get: segment not ready after {timeout}s; steps per env {self._cursor.tolist()}, need {T} each"
                 )
             if self._closed:
-                raise RuntimeError("RolloutStore is closed")
+                raise BufferClosedError("RolloutStore is closed")
             ahead = self._cursor > T
             missing = ~ahead & ~self._columns["has_next_obs"][T - 1]
             if np.any(missing):

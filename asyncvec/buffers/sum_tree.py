@@ -191,6 +191,7 @@ class SumTree:
             if not empty.any():
                 return leaves
             leaves[empty] = self.find(rng.random(int(empty.sum())) * total)
+        # Bare RuntimeError: corrupt sums are a bug (here, or set_range given values it does not check).
         raise RuntimeError("sample: could not draw a leaf with a positive value (the tree sums look corrupt)")
 
     def __len__(self) -> int:

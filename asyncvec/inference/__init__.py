@@ -33,6 +33,7 @@ _LAZY = {
     "TextPrompt": "asyncvec.inference.types",
     "PolicyError": "asyncvec.inference.types",
     "PolicyClosedError": "asyncvec.inference.types",
+    "ReentrantCallError": "asyncvec.inference.types",
     "BackendError": "asyncvec.inference.types",
     "BackendRejectedError": "asyncvec.inference.types",
     "TransientBackendError": "asyncvec.inference.types",

@@ -31,6 +31,7 @@ from asyncvec.inference.types import (
     BackendResult,
     PolicyClosedError,
     PolicyOutput,
+    ReentrantCallError,
 )
 from asyncvec.lifecycle import ClosesOnExit
 
@@ -85,7 +86,7 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
       a consumer that reads only ``policy_version`` then sees single-version completions.
 
     Futures are resolved on the policy's threads; done-callbacks must be quick and must not
-    call `load_weights` (that raises RuntimeError).
+    call `load_weights` (that raises `ReentrantCallError`, a RuntimeError).
     """
 
     #: whether `_forward_batch` may return rejected results (text parsers), which need a fallback
@@ -378,10 +379,10 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
             ValueError: ``version`` is not an int greater than the current one, or the
                 weights do not fit the model.
             TimeoutError: in-flight batches did not finish in time (nothing changed).
-            RuntimeError: called from a future's done-callback.
+            ReentrantCallError: called from a future's done-callback (a ``RuntimeError``).
         """
         if getattr(_delivery, "active", False):
-            raise RuntimeError(f"{self._label}.load_weights cannot be called from a future's done-callback")
+            raise ReentrantCallError(f"{self._label}.load_weights cannot be called from a future's done-callback")
         if self._closed:
             raise PolicyClosedError(f"{self._label} is closed")
         with self._update_mutex:

@@ -20,6 +20,11 @@ class PolicyClosedError(PolicyError, RuntimeError):
     """The policy was closed: no new requests, and unanswered ones fail with this."""
 
 
+class ReentrantCallError(PolicyError, RuntimeError):
+    """``load_weights`` was called from a future's done-callback: done-callbacks run on the policy's
+    own threads, which the update waits for, so it would deadlock."""
+
+
 class BackendError(PolicyError, RuntimeError):
     """The backend failed for good (after its retries); set on the affected futures."""
 

@@ -6,6 +6,7 @@ from asyncvec.vector.errors import (
     AlreadyPendingCallError,
     ClosedEnvironmentError,
     NoAsyncCallError,
+    PlacementError,
     SpaceMismatchError,
     WorkerError,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "MaxRestarts",
     "NoAsyncCallError",
     "Placement",
+    "PlacementError",
     "ProcessBackend",
     "SpaceMismatchError",
     "StepProfile",

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from asyncvec.vector.errors import PlacementError
 from asyncvec.vector.placement import StepProfile, advice_line, describe_failure, predicted_step_s
 from asyncvec.vector.transport import Transport
 from asyncvec.vector.worker import TIMING_WARMUP_S, TIMING_WARMUP_STEPS, EnvFailure
@@ -162,7 +163,7 @@ def _profiles(timings: list[Any]) -> tuple[StepProfile, ...]:
 
 def _ask_all(transport: Transport, groups: Sequence[Sequence[int]], command: str) -> list[Any]:
     """Sends ``command`` to every env, straight through the transport (nothing else is in flight),
-    and returns one answer per env id. Raises ``RuntimeError`` naming the env whose answer failed."""
+    and returns one answer per env id. Raises :class:`PlacementError` naming the env whose answer failed."""
     answers: list[Any] = [None] * sum(map(len, groups))
     for worker, group in enumerate(groups):
         transport.send(worker, [(position, command, None) for position in range(len(group))])
@@ -173,7 +174,7 @@ def _ask_all(transport: Transport, groups: Sequence[Sequence[int]], command: str
         if time.monotonic() > deadline:  # its answer would reach the next message: the worker must go
             for worker in waiting:
                 transport.kill(worker)
-            raise RuntimeError(f"workers {sorted(waiting)} did not answer {command!r} within {ANSWER_TIMEOUT_S} s")
+            raise PlacementError(f"workers {sorted(waiting)} did not answer {command!r} within {ANSWER_TIMEOUT_S} s")
         for worker in transport.wait(sorted(waiting), 1.0):
             waiting.discard(worker)
             ok, payload = transport.read(worker)
@@ -185,5 +186,5 @@ def _ask_all(transport: Transport, groups: Sequence[Sequence[int]], command: str
                     failures.append(f"env {index}: {describe_failure(result.payload)}")
                 answers[index] = result
     if failures:
-        raise RuntimeError(failures[0] + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
+        raise PlacementError(failures[0] + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""))
     return answers

@@ -367,7 +367,7 @@ class Dispatcher:
                     if not waiting:
                         return
                     busy = [w for w in dict.fromkeys(slots[i].worker for i in waiting) if self.queues[w]]
-                    if not busy:
+                    if not busy:  # bare RuntimeError: the slots' bookkeeping is wrong, a bug here
                         raise RuntimeError(f"envs {waiting} wait for an answer but nothing was sent to them")
                     self._receive(busy)
             except BaseException as exc:

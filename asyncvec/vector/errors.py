@@ -14,6 +14,7 @@ __all__ = [
     "AlreadyPendingCallError",
     "ClosedEnvironmentError",
     "NoAsyncCallError",
+    "PlacementError",
     "SpaceMismatchError",
     "WorkerError",
     "error_from_payload",
@@ -42,6 +43,13 @@ class WorkerError(RuntimeError):
         if worker_traceback:
             text += f"\n\nTraceback in the worker process of env {env_index}:\n{worker_traceback}"
         super().__init__(text)
+
+
+class PlacementError(RuntimeError):
+    """Measuring the envs for their placement failed: a ``placement="probe"`` env could not be built,
+    raised, hung or cannot be measured (:func:`~asyncvec.vector.placement.profile_env`; the probe then
+    falls back to one env per worker), or the workers' step timings for the placement advice could
+    not be read (the advice is then skipped)."""
 
 
 class SpaceMismatchError(RuntimeError):

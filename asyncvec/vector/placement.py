@@ -54,6 +54,7 @@ import numpy as np
 from gymnasium import Env, Space
 from gymnasium.vector.vector_env import AutoresetMode
 
+from asyncvec.vector.errors import PlacementError
 from asyncvec.vector.split_obs import is_fixed_shape
 from asyncvec.vector.transport import Backend, ProcessBackend, ProcessTransport, WorkerSpec
 from asyncvec.vector.worker import EnvFailure
@@ -534,8 +535,8 @@ def profile_env(
     (``placement="probe"`` only: a crash, hang or exit there costs nothing but the probe).
 
     Raises:
-        RuntimeError: the env could not be built, raised while stepping, or the child died or
-            took longer than ``start_timeout`` to build plus ``PROBE_TIMEOUT_S``.
+        PlacementError: the env could not be built or cannot be measured, raised while stepping, or
+            the child died or took longer than ``start_timeout`` to build plus ``PROBE_TIMEOUT_S``.
     """
     ctx = multiprocessing.get_context(context)
     # daemon as the vector env's workers: an env that starts processes of its own needs daemon=False
@@ -543,11 +544,11 @@ def profile_env(
     try:
         ok, payload = transport.await_ready(0, start_timeout)
         if not ok:
-            raise RuntimeError(f"measurement failed: the probe env could not be built: {describe_failure(payload)}")
+            raise PlacementError(f"measurement failed: the probe env could not be built: {describe_failure(payload)}")
         observation_space, action_space, metadata, render_mode = _ask(transport, (0, "spaces", None))
         skip = probe_skip_reason(observation_space, action_space, render_mode, metadata)
         if skip is not None:
-            raise RuntimeError(f"not measured: {skip}")
+            raise PlacementError(f"not measured: {skip}")
         timings = _ask(transport, (0, "probe", None))
         profile = StepProfile.from_timings(timings["step_s"], timings["cpu_s"], ready_waits=timings["ready_s"])
         round_trip_s = None
@@ -568,13 +569,13 @@ def profile_env(
 def _ask(transport: Any, item: tuple[int, str, Any]) -> Any:
     transport.send(0, [item])
     if not transport.wait([0], PROBE_TIMEOUT_S):
-        raise RuntimeError(f"measurement failed: the probe env did not answer {item[1]!r} within {PROBE_TIMEOUT_S} s")
+        raise PlacementError(f"measurement failed: the probe env did not answer {item[1]!r} within {PROBE_TIMEOUT_S} s")
     ok, payload = transport.read(0)
     if not ok:
-        raise RuntimeError(f"measurement failed: the probe's worker failed: {describe_failure(payload)}")
+        raise PlacementError(f"measurement failed: the probe's worker failed: {describe_failure(payload)}")
     result = payload[0]
     if isinstance(result, EnvFailure):
-        raise RuntimeError(f"measurement failed: the probe env raised in {item[1]!r}: {describe_failure(result)}")
+        raise PlacementError(f"measurement failed: the probe env raised in {item[1]!r}: {describe_failure(result)}")
     return result
 
 

@@ -529,6 +529,7 @@ class EnvGroup:
             return time_steps(env)
         if command == "timings":
             return self._timings(position)
+        # Bare RuntimeError: the parent sends only the commands above; another one is a bug in asyncvec.
         raise RuntimeError(f"unknown worker command {command!r}")
 
     def _step(self, position: int, action: Any) -> tuple[Any, ...]:

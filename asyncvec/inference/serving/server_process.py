@@ -41,7 +41,8 @@ VLLM_CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING":
 
 
 class ServerStartError(RuntimeError):
-    """The server process exited or did not become ready in time (the message has its log tail)."""
+    """The server process exited or did not become ready in time (the message has its log tail), or
+    could not be started or waited for: its port is taken, it is already running, it was never started."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -189,11 +190,11 @@ class ServerProcess:
         """Launch the process (a new process group) and, with ``wait``, block until ready.
 
         Raises:
-            ServerStartError: the port is taken, the process exited, or readiness timed out
+            ServerStartError: it is already running, the port is taken, the process exited, or readiness timed out
                 (the process tree is stopped first; the message ends with the log tail).
         """
         if self.running:
-            raise RuntimeError(f"{self.name} is already running (pid {self.process.pid})")
+            raise ServerStartError(f"{self.name} is already running (pid {self.process.pid})")
         if port_in_use(self.host, self.port):
             raise ServerStartError(f"{self.name}: port {self.port} on {self.host} is already in use")
         if self.log_path is None:
@@ -214,9 +215,13 @@ class ServerProcess:
         return self
 
     def wait_ready(self, timeout_s: float | None = None) -> float:
-        """Block until the health route answers 200; returns the seconds waited."""
+        """Block until the health route answers 200; returns the seconds waited.
+
+        Raises:
+            ServerStartError: not started, the process exited, or readiness timed out.
+        """
         if self.process is None:
-            raise RuntimeError(f"{self.name} was not started")
+            raise ServerStartError(f"{self.name} was not started")
         try:
             waited = wait_until_ready(
                 self.url,

@@ -28,6 +28,7 @@ from asyncvec.lm.rewards.parsers import (
     solve_arithmetic,
 )
 from asyncvec.lm.rewards.registry import (
+    AsyncRewardInLoopError,
     CombinedReward,
     RewardFn,
     ascore,
@@ -42,6 +43,7 @@ from asyncvec.lm.rewards.service import RewardResult, RewardService, RewardServi
 
 __all__ = [
     "ARITHMETIC_OPERATIONS",
+    "AsyncRewardInLoopError",
     "BatchScorer",
     "CombinedReward",
     "HFRewardModel",

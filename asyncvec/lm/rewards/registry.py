@@ -32,6 +32,11 @@ _registry: dict[str, RewardFn] = {}
 _registry_lock = threading.Lock()
 
 
+class AsyncRewardInLoopError(RuntimeError):
+    """An async reward was scored synchronously (``score``, a ``CombinedReward`` call) in a thread whose
+    event loop is running, where it cannot be run to completion: ``await ascore(...)`` there instead."""
+
+
 # ---------------------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------------------
@@ -197,6 +202,7 @@ def score(reward: str | RewardFn, prompt: str, completion: str, **info: Any) -> 
     Raises:
         KeyError: unknown plugin name.
         TypeError, ValueError: the plugin returned a non-numeric or non-finite value.
+        AsyncRewardInLoopError: an async plugin, called in a running event loop (a ``RuntimeError``).
 
     Example:
         >>> from asyncvec.lm import rewards
@@ -263,7 +269,7 @@ def _run_to_completion(awaitable: Awaitable[Any], name: str) -> Any:
         return asyncio.run(_await(awaitable))
     if inspect.iscoroutine(awaitable):
         awaitable.close()  # avoid a "never awaited" warning
-    raise RuntimeError(
+    raise AsyncRewardInLoopError(
         f"reward {name!r} is async and an event loop is already running in this thread; "
         "use `await asyncvec.lm.rewards.ascore(...)` or a RewardService"
     )

@@ -85,7 +85,7 @@ class _Request:
 
 
 class RewardServiceClosedError(RuntimeError):
-    """A :class:`RewardService` was given a request after ``close()``."""
+    """A :class:`RewardService` was given a request after ``close()``, or closed before a request was scored."""
 
 
 class RewardService(ClosesOnExit):
@@ -199,7 +199,7 @@ class RewardService(ClosesOnExit):
 
         Raises:
             TypeError: ``prompt`` or ``response`` is not a str.
-            RuntimeError: the service is closed.
+            RewardServiceClosedError: the service is closed (a ``RuntimeError``).
         """
         _check_text("prompt", prompt)
         _check_text("response", response)
@@ -270,7 +270,7 @@ class RewardService(ClosesOnExit):
             )
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the service; unfinished requests fail with RuntimeError.
+        """Stop the service; unfinished requests fail with :class:`RewardServiceClosedError` (a RuntimeError).
 
         Waits for scorer calls already running on worker threads, then joins every thread.
         Calling it again does nothing.
@@ -283,7 +283,7 @@ class RewardService(ClosesOnExit):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
         self._executor.shutdown(wait=True, cancel_futures=True)
-        if self._thread.is_alive():
+        if self._thread.is_alive():  # bare RuntimeError: _shutdown ended every task, so only a bug keeps it
             raise RuntimeError(f"RewardService loop thread did not stop within {timeout_s}s")
         self._loop.close()
 
@@ -438,7 +438,8 @@ class RewardService(ClosesOnExit):
             if request.timer is not None:
                 request.timer.cancel()
             if not request.future.done():
-                request.future.set_exception(RuntimeError("RewardService was closed before the request was scored"))
+                closed = RewardServiceClosedError("RewardService was closed before the request was scored")
+                request.future.set_exception(closed)
         self._pending.clear()
 
 
