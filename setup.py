@@ -56,9 +56,18 @@ setup(
     # agents/, envs/ and benchmarks/ sit at the top of the repository (python agents/ppo.py in a clone) but install
     # inside the package, as asyncvec.agents, asyncvec.envs and asyncvec.benchmarks (`asyncvec demo` runs one): a
     # library must not claim generic top-level names.
+    # docs/*.md (one copy, in the repository's docs/) ship the same way, as asyncvec/docs/ in the wheel and docs/ in
+    # the sdist: `asyncvec docs NAME` prints a page (or its installed path, --path), so the pointers in errors and
+    # --help ("asyncvec docs agents", "docs/agents.md") reach a user who has only the wheel.
     packages=find_packages(include=["asyncvec", "asyncvec.*"])
-    + ["asyncvec.agents", "asyncvec.envs", "asyncvec.benchmarks"],
-    package_dir={"asyncvec.agents": "agents", "asyncvec.envs": "envs", "asyncvec.benchmarks": "benchmarks"},
+    + ["asyncvec.agents", "asyncvec.envs", "asyncvec.benchmarks", "asyncvec.docs"],
+    package_dir={
+        "asyncvec.agents": "agents",
+        "asyncvec.envs": "envs",
+        "asyncvec.benchmarks": "benchmarks",
+        "asyncvec.docs": "docs",
+    },
+    package_data={"asyncvec.docs": ["*.md"]},
     install_requires=[
         "gymnasium>=1.0,<2",
         "numpy>=1.24",

@@ -6,6 +6,7 @@ Example:
     $ asyncvec serve --model ./tiny-lm --port 8000 --weights-dir ./checkpoints &
     $ asyncvec wait-ready http://127.0.0.1:8000 --timeout 120
     $ asyncvec free-port      # prints a free TCP port
+    $ asyncvec docs           # the docs' pages; asyncvec docs agents prints docs/agents.md, --path its file
     $ asyncvec --version      # also: python -m asyncvec
 """
 
@@ -23,10 +24,70 @@ TOKEN_ENV = "ASYNCVEC_SERVE_TOKEN"
 DEMOS = {
     "demo": "PPO on CartPole-v1, async vs sync with stragglers: env-steps/s, time to a return of 475, and the "
     "ratio against the bound the measured stage times allow (about 5 minutes on 2 cores; what `make demo` runs; "
-    "needs the plots extra)",
+    "needs the plots extra); its tables and plots go to ./asyncvec-results (--out-dir), it prints where",
     "demo-llm": "a tiny language model (built from a config, no download) learns single-digit sums with RLOO and "
     "REINFORCE++ after a short supervised warm start (about 2 minutes on 2 cores; needs the hf extra)",
 }
+
+
+def docs_dir() -> Path:
+    """The folder of asyncvec's docs (the repository's docs/*.md): ``asyncvec/docs`` in an installed wheel (setup.py
+    ships them as package data), ``docs/`` beside the package in a clone or an unpacked sdist (an editable install)."""
+    package = Path(__file__).resolve().parent
+    if (package / "docs" / "agents.md").is_file():
+        return package / "docs"
+    if (package.parent / "setup.py").is_file() and (package.parent / "docs" / "agents.md").is_file():
+        return package.parent / "docs"
+    raise FileNotFoundError(f"asyncvec's docs are not installed beside {package}: reinstall asyncvec")
+
+
+def doc_names() -> list[str]:
+    """The pages of the docs, by name: ``agents`` is docs/agents.md (``asyncvec docs agents``)."""
+    return sorted(path.stem for path in docs_dir().glob("*.md"))
+
+
+def doc_path(name: str) -> Path:
+    """The file of one page of the docs. ``agents``, ``agents.md``, ``docs/agents.md`` and
+    ``docs/agents.md#running-an-agent`` (a pointer as the docstrings and messages write it) all name docs/agents.md.
+
+    Example:
+        >>> doc_path("docs/agents.md#running-an-agent").name
+        'agents.md'
+        >>> doc_path("lm-agents") == doc_path("lm_agents.md")
+        True
+    """
+    stem = Path(name.partition("#")[0].strip()).name.removesuffix(".md").replace("-", "_")
+    path = docs_dir() / f"{stem}.md"
+    if not stem or not path.is_file():
+        raise LookupError(f"no page {name!r} in the docs; the pages: {', '.join(doc_names())}")
+    return path
+
+
+def _show_docs(page: str | None, path_only: bool) -> int:
+    """``asyncvec docs``: the list of pages, one page's Markdown, or (--path) where its file is."""
+    try:
+        if page is None:
+            folder = docs_dir()
+            if path_only:
+                print(folder)
+                return 0
+            print(f"asyncvec's docs, in {folder} (asyncvec docs NAME prints a page, --path its file):")
+            for name in doc_names():
+                title = (folder / f"{name}.md").read_text(encoding="utf-8").partition("\n")[0].lstrip("# ")
+                print(f"  {name:<14} {title}")
+            return 0
+        path = doc_path(page)
+    except LookupError as exc:  # a page that does not exist: the ones that do
+        print(f"asyncvec docs: {exc}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as exc:
+        print(f"asyncvec docs: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(path if path_only else path.read_text(encoding="utf-8"), flush=True)
+    except BrokenPipeError:  # asyncvec docs agents | head: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+    return 0
 
 
 def _existing_dir(value: str) -> Path:
@@ -110,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     wait.add_argument("--timeout", type=_non_negative_float, default=300.0, help="seconds to wait (default 300)")
     wait.add_argument("--health-path", default="/health", help="route to poll (default /health)")
     commands.add_parser("free-port", help="print a TCP port that is free on 127.0.0.1")
+    docs = commands.add_parser(
+        "docs",
+        help="the docs that ship with asyncvec: list the pages, print one (asyncvec docs agents), or its file (--path)",
+        description="The docs (docs/*.md in the source) ship with asyncvec: without NAME, the pages and their folder; "
+        "with NAME, that page's Markdown (a pointer such as 'docs/agents.md' or 'asyncvec docs agents' names it).",
+    )
+    docs.add_argument("page", nargs="?", metavar="NAME", help="agents, lm_agents, inference, ... (also docs/agents.md)")
+    docs.add_argument("--path", action="store_true", help="print the page's file (or the docs' folder), not its text")
     return parser
 
 
@@ -137,6 +206,8 @@ def _main(argv: list[str]) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "docs":
+        return _show_docs(args.page, args.path)
     if args.command == "free-port":
         from asyncvec.inference.serving.server_process import free_port
 
@@ -198,8 +269,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _demo(name: str, options: Sequence[str]) -> int:
-    """Runs a demo of the installed package (asyncvec.benchmarks) with its own options; its tables and plots go
-    to ./asyncvec-results (benchmarks/results in a clone)."""
+    """Runs a demo of the installed package (asyncvec.benchmarks) with its own options; ``asyncvec demo``'s tables
+    and plots go to --out-dir, by default ./asyncvec-results (benchmarks/results in a clone): it prints where."""
     import tyro
 
     from asyncvec.extras import MissingExtraError, check_installed
@@ -207,9 +278,12 @@ def _demo(name: str, options: Sequence[str]) -> int:
     try:
         if name == "demo":
             from asyncvec.benchmarks import ppo_speed
+            from asyncvec.benchmarks.report import RESULTS_DIR
 
             args = tyro.cli(ppo_speed.Args, args=options, prog=f"asyncvec {name}")
             check_installed("matplotlib", extra="plots", feature="asyncvec demo (its plots)")
+            out_dir = Path(args.out_dir if args.out_dir is not None else RESULTS_DIR).resolve()
+            print(f"asyncvec demo: the tables and plots go to {out_dir}", flush=True)
             ppo_speed.main(args)
             return 0
         from asyncvec.benchmarks import demo_llm

