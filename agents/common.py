@@ -104,6 +104,15 @@ def stored_action_space(action_space: gym.Space) -> gym.Space:
     return action_space
 
 
+def registered_spec(env_id: str) -> tuple[gym.envs.registration.EnvSpec, ...]:
+    """``env_id``'s registration, for a process started fresh (``spawn``) that has not run the code registering it
+    (an env registered in the user's script); ``()`` for an id gymnasium resolves by itself."""
+    try:
+        return (gym.spec(env_id),)
+    except gym.error.Error:
+        return ()
+
+
 def make_env_fn(
     env_id: str,
     env_latency_ms: float = 0.0,
@@ -732,7 +741,7 @@ def _run_agent(build: Callable[[], Any], summary: Callable[[Any], str], name: st
 def placement_advice(agent: Any) -> str | None:
     """The env placement advice of the agent's vector env (``envs.placement.advice``) when it names a faster
     setting, as one line naming the flag that sets it; ``None`` otherwise."""
-    placement = getattr(getattr(agent, "envs", None), "placement", None)
+    placement = getattr(agent, "acting_placement", None) or getattr(getattr(agent, "envs", None), "placement", None)
     advised = getattr(placement, "advised", None)
     if not advised or "envs_per_worker" not in advised:
         return None  # the agents' envs run in workers: in_process=True is not theirs to take

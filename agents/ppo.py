@@ -5,9 +5,12 @@ Installed: asyncvec-ppo (or python -m asyncvec.agents.ppo) with the same options
 Import: from asyncvec.agents.ppo import PPO, Args; result = PPO(Args(env="CartPole-v1")).train()
 
 ``--mode sync`` is the classic loop (CleanRL): step all envs in lockstep with one batched policy
-call per step, then learn, then act again. ``--mode async`` runs a Collector thread that
-submits each env's observation as soon as it is ready and keeps acting while the learner
-trains; every sample carries the policy version that chose it.
+call per step, then learn, then act again. ``--mode async`` acts in a process of its own beside the
+learner (`ProcessCollector`): at ``--max-staleness 1`` (the default) segment k+1 is acted by the
+version published after update k-1 while update k trains, every sample one version old by
+construction, whatever the speeds; ``0`` is the sync run, bitwise. Above 1 a Collector thread
+submits each env's observation as soon as it is ready (partial batches). Every sample carries the
+policy version that chose it.
 
 Off-policy corrections (``--correction``), with ``mu`` the behavior policy that acted,
 ``pi_prox`` the learner's policy at the start of the update and ``pi`` the one being trained:
@@ -29,10 +32,11 @@ One default for every env (chosen on a wide suite, docs/agents.md); ``--preset``
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import gymnasium as gym
 import numpy as np
@@ -55,18 +59,20 @@ from asyncvec.agents.common import (
     make_ray_collectors,
     make_vector_env,
     parse_cli,
+    registered_spec,
     restarts_text,
     run_from_cli,
     run_steps_text,
     stored_action_space,
 )
-from asyncvec.collection import next_segment, publish_pace
+from asyncvec.collection import next_segment
+from asyncvec.collection.process import ProcessCollector
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler, RunningNorm
-from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, seed_everything
+from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, rng_state, run_name, seed_everything
 from asyncvec.schedule import ScheduleError, ScheduleWriter, read_schedule
-from asyncvec.versioning import LaggedWeights, PinnedWeights, adapt_max_staleness
+from asyncvec.versioning import LaggedWeights, adapt_max_staleness
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
 # left at their default; anything passed with another value wins.
@@ -109,7 +115,7 @@ class Args(EnvAgentArgs):
     max_staleness: int = 1
     """async: 0 or 1, the envs step together and each segment is acted by a version fixed by construction (0:
     the last update's, the sync run bitwise; 1: the one before, while the learner trains the segment before);
-    above 1, the envs step freely (partial batches) and samples older than this are masked out (docs/agents.md)"""
+    above 1, the envs step freely (partial batches) and samples older than this are masked out (asyncvec docs agents)"""
     adaptive_staleness: bool = False
     """lower max_staleness while the importance weights of recent updates degenerate, raise it back
     (up to --max-staleness) while they are healthy (rule: asyncvec.versioning.adapt_max_staleness)"""
@@ -251,10 +257,10 @@ class TrainResult:
     acting, in sync mode), update, publish; in sync mode also policy_call and env_step, the two parts
     of acting (inside collect_wait)"""
     staleness_histogram: list[int] = field(default_factory=list)
-    resumed_at_step: int = 0  # where a --resume went on from; wall_time_s and env_steps_per_s cover the rest
-    env_restarts: list[int] = field(default_factory=list)  # per env, with --max-restarts
     """``staleness_histogram[s]``: samples learned from at staleness ``s`` (the last bin counts the
     older ones; asyncvec.versioning.StalenessStats)"""
+    resumed_at_step: int = 0  # where a --resume went on from; wall_time_s and env_steps_per_s cover the rest
+    env_restarts: list[int] = field(default_factory=list)  # per env, with --max-restarts
     log_path: str | None = None
     """the run's TensorBoard folder (None with ``track=False``)"""
     checkpoint_path: str | None = None
@@ -287,6 +293,21 @@ class PPO(EnvStepsRun):
                 f"PPO needs a flat Box observation space and a Discrete or Box action space; {args.env} has "
                 f"observation space {obs_space} and action space {self.action_space}"
             )
+        # async at --max-staleness 0 or 1: acting runs in a process of its own (ProcessCollector, which builds the
+        # envs there), the envs step together, and each segment is acted by a version fixed by construction
+        self.lockstep = args.mode == "async" and args.backend == "local" and args.max_staleness <= 1 and not args.replay
+        self.make_envs = functools.partial(
+            make_vector_env,
+            args.env,
+            args.num_envs,
+            args.env_latency_ms,
+            batch_size=max(1, args.num_envs // 4) if args.mode == "async" and not self.lockstep else None,
+            distribution=args.env_latency_dist,
+            max_restarts=args.max_restarts,
+            step_timeout=args.step_timeout,
+            envs_per_worker=args.envs_per_worker,
+            env_kwargs=env_kwargs,
+        )
         if args.backend == "ray":
             self.envs = make_ray_collectors(
                 args.env,
@@ -298,17 +319,7 @@ class PPO(EnvStepsRun):
                 env_kwargs=env_kwargs,
             )
         else:
-            self.envs = make_vector_env(
-                args.env,
-                args.num_envs,
-                args.env_latency_ms,
-                batch_size=max(1, args.num_envs // 4) if args.mode == "async" else None,
-                distribution=args.env_latency_dist,
-                max_restarts=args.max_restarts,
-                step_timeout=args.step_timeout,
-                envs_per_worker=args.envs_per_worker,
-                env_kwargs=env_kwargs,
-            )
+            self.envs = self.make_envs() if not self.lockstep else None
         obs_dim = obs_space.shape[0]
         self.actor = Actor(obs_dim, self.action_space, args.hidden, normalize_obs=args.normalize_obs)
         self.critic = Critic(obs_dim, args.hidden, obs_norm=self.actor.obs_norm)
@@ -316,20 +327,19 @@ class PPO(EnvStepsRun):
             [*self.actor.parameters(), *self.critic.parameters()], lr=args.learning_rate, eps=1e-5
         )
         self.reward_scaler = RewardScaler(args.num_envs, args.gamma) if args.normalize_rewards else None
-        # --max-staleness 0 or 1: the envs step together and each segment is acted by a version fixed by construction
-        self.lockstep = args.mode == "async" and args.backend == "local" and args.max_staleness <= 1
-        whole_steps = args.mode == "sync" or self.lockstep  # every policy call brings all the envs
-        self.policy = make_policy(
-            copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, whole_steps
+        self.policy = (
+            make_policy(  # (in sync mode; the acting process's is built there, from the actor of then)
+                copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, args.mode == "sync"
+            )
+            if not self.lockstep
+            else None
         )
         self.learner_rng = torch.Generator().manual_seed(args.seed)  # minibatch order: the acting threads never draw
         self.max_staleness = args.max_staleness  # lowered and raised by --adaptive-staleness
         self.versions = VersionManager(max_lag=args.max_staleness)
         self.stages = StageClock()  # wall and CPU seconds per stage of the loop (train starts a fresh one)
-        self.pinned = None
-        if self.lockstep and args.max_staleness == 1:  # the collector loads each segment's version itself
-            self.pinned = PinnedWeights(self.policy, self._actor_weights(), self.versions.current_version)
-        self.versions.register(self.pinned or LaggedWeights(self.policy, args.policy_lag))
+        if self.policy is not None:
+            self.versions.register(LaggedWeights(self.policy, args.policy_lag))
         self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, stored_action_space(self.action_space))
         self.global_step = 0
         self.updates = 0
@@ -382,6 +392,29 @@ class PPO(EnvStepsRun):
                 recent_returns=self._recent_returns[-100:],
                 learner_rng=self.learner_rng.get_state(),
             )
+
+    def start_collector(self) -> Any:
+        """Async mode: starts acting beside the learner and returns the collector (None in sync mode or --replay):
+        at --max-staleness 0 or 1 a `ProcessCollector` (acting in a process of its own, a version fixed by
+        construction per segment), above it a `Collector` thread with partial batches, on Ray collector actors."""
+        args = self.args
+        if args.mode == "async" and args.backend == "ray":
+            return make_ray_collector(
+                self.envs, self.actor, self.store, self.versions,
+                policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed,
+            ).start()  # fmt: skip
+        if self.lockstep:
+            policy = functools.partial(  # built in the acting process, from the actor as it is now
+                make_policy, copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, True
+            )
+            shapes = (args.num_steps, args.num_envs, self.store.observation_space, self.store.action_space)
+            return ProcessCollector(
+                self.make_envs, policy, self._actor_weights(), *shapes, self.versions, args.max_staleness, args.seed,
+                env_specs=registered_spec(args.env), random_state=rng_state(),
+            ).start()  # fmt: skip
+        if args.mode == "async" and not args.replay:
+            return Collector(self.envs, self.policy, self.store, version_manager=self.versions, seed=args.seed).start()
+        return None
 
     def _actor_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
@@ -617,34 +650,13 @@ class PPO(EnvStepsRun):
         self._recent_returns = list(self.prior_returns)
         schedule = ScheduleWriter(self.run_dir / "schedule", "ppo", args) if args.record_schedule else None
         try:
-            if args.mode == "async" and args.backend == "ray":
-                collector = make_ray_collector(
-                    self.envs,
-                    self.actor,
-                    self.store,
-                    self.versions,
-                    policy_latency_ms=args.policy_latency_ms,
-                    policy_lag=args.policy_lag,
-                    seed=args.seed,
-                ).start()
-            elif args.mode == "async" and not args.replay:
-                collector = Collector(
-                    self.envs,
-                    self.policy,
-                    self.store,
-                    version_manager=self.versions,
-                    seed=args.seed,
-                    pace=publish_pace(self.versions, args.num_steps * args.num_envs, args.max_staleness, self.pinned)
-                    if self.lockstep
-                    else None,
-                    lockstep=self.lockstep,
-                ).start()
-            else:
+            collector = self.start_collector()
+            if collector is None and self.replay is None:
                 obs, _ = self.envs.reset(seed=args.seed)
             while self.global_step < args.total_timesteps:
                 with stages("collect_wait"):
                     if collector is not None:
-                        segment = next_segment(self.store, collector)
+                        segment = next_segment(collector if self.lockstep else self.store, collector)
                     elif self.replay is not None:  # the recorded segments, in order, and no more
                         if self.updates == len(self.replay):
                             break
@@ -698,6 +710,7 @@ class PPO(EnvStepsRun):
                 self.versions.close()  # (ends a lockstep collector's wait for a publish)
                 self.store.release_after_interrupt()  # a Ctrl-C inside store.get can leave its lock held
                 collector.stop()
+                self.acting_placement = getattr(collector, "placement", None)  # (the acting process's envs)
             logger.close()
             self.close()
         wall = time.monotonic() - start
@@ -709,7 +722,7 @@ class PPO(EnvStepsRun):
             wall_time_s=wall,
             env_steps_per_s=(self.global_step - start_step) / wall,
             resumed_at_step=start_step,
-            env_restarts=list(getattr(self.envs, "restarts", [])),  # Ray's collectors: no --max-restarts
+            env_restarts=list(getattr(collector if self.lockstep else self.envs, "restarts", [])),  # (Ray: none)
             episodic_returns=returns,
             final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
             reached_target_s=reached_at,
@@ -724,8 +737,9 @@ class PPO(EnvStepsRun):
 
     def close(self) -> None:
         """Stops the policy server and the env workers (``train`` does this itself when it ends)."""
-        self.policy.close()
-        self.envs.close()
+        if not self.lockstep:  # (else they live in the acting process, which train stops)
+            self.policy.close()
+            self.envs.close()
         self.store.close()
         self.versions.close()
 

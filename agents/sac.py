@@ -92,7 +92,7 @@ class Args(EnvAgentArgs):
     lockstep: bool = False
     """async at lag 0: the envs step together and each step waits for the gradient steps (and the publish) due on
     the data before it, so the actors act with the learner's current version and the run is the sync run,
-    bitwise (a check of the async path, not a speed-up: docs/agents.md)"""
+    bitwise (a check of the async path, not a speed-up: asyncvec docs agents)"""
     publish_every: int | None = None
     """publish the actor's weights (a new version) every this many gradient steps (None: num_envs * utd,
     so that one version is one step of every env)"""
@@ -136,7 +136,7 @@ class Args(EnvAgentArgs):
         if self.record_schedule or self.replay:
             raise ValueError(
                 "SAC records no schedule (--record-schedule and --replay are PPO's): its gradient steps meet the "
-                "collector's writes at times a record per update does not keep (docs/agents.md, Record and replay)"
+                "collector's writes at times a record per update does not keep (asyncvec docs agents, section Record and replay)"
             )
         if self.lockstep and (self.mode != "async" or self.backend != "local" or self.policy_lag):
             raise ValueError("--lockstep is async at lag 0: it needs --mode async, --backend local, --policy-lag 0")

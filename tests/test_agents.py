@@ -19,10 +19,10 @@ import pytest
 import torch
 from terminal import sigint_as_in_a_terminal
 
-from asyncvec import Collector
 from asyncvec.agents import ppo, sac
 from asyncvec.agents.common import env_spaces, final_return_text, make_env_fn
 from asyncvec.buffers.rollout import Segment
+from asyncvec.collection import next_segment
 from asyncvec.metrics import EpisodeStats, StageClock
 from asyncvec.normalization import RewardScaler
 
@@ -61,9 +61,12 @@ def test_ppo_stores_the_sampled_action_and_sends_the_env_the_clipped_one(mode, n
             obs, _ = agent.envs.reset(seed=0)
             agent._sync_segment(EpisodeStats(2), obs)
             segment = agent.store.get(timeout=0)
-        else:
-            with Collector(agent.envs, agent.policy, agent.store, seed=0):
-                segment = agent.store.get(timeout=60)
+        else:  # acting in its own process, as train() starts it
+            collector = agent.start_collector()
+            try:
+                segment = next_segment(collector, collector)
+            finally:
+                collector.stop()
         actions = segment.action[..., 0]
         assert np.abs(actions).max() > 1.0, "the store keeps the unclipped sample"
         np.testing.assert_allclose(

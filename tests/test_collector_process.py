@@ -1,0 +1,105 @@
+"""``ProcessCollector``: acting in a child process of its own (real spawn, real env workers, a real torch policy).
+
+Its learning equivalences (lag 0 is the sync run bitwise; lag 1 independent of speeds) are in
+test_lag0_env_agents.py; here: what crosses the pipe, faults (an env that raises, a killed child), a stop that
+leaves nothing behind, and an env registered only in the learner's process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from toy_envs import CounterEnv, FaultyEnv
+
+from asyncvec import AsyncLLMVectorEnv, TorchPolicy, VersionManager
+from asyncvec.collection import CollectorError, next_segment
+from asyncvec.collection.process import ProcessCollector
+
+pytestmark = pytest.mark.timeout(240)
+
+SPACES = (gym.spaces.Box(-100.0, 100.0, (3,), np.float32), gym.spaces.Discrete(3))
+
+
+def collector(make_env, versions: VersionManager, lag: int = 1, num_envs: int = 2, **kwargs) -> ProcessCollector:
+    module = torch.nn.Linear(3, 3)
+    make_envs = functools.partial(AsyncLLMVectorEnv, [make_env] * num_envs, **kwargs)
+    make_policy = functools.partial(TorchPolicy, module, SPACES[1])
+    return ProcessCollector(make_envs, make_policy, module.state_dict(), 4, num_envs, *SPACES, versions, lag, seed=0)
+
+
+def test_each_segment_is_acted_by_the_version_its_lag_fixes(no_leftover_children):
+    versions = VersionManager(max_lag=1)
+    with collector(CounterEnv, versions, lag=1) as acting:
+        seen = []
+        for _ in range(4):
+            segment = next_segment(acting, acting)
+            seen.append(sorted(set(segment.policy_version.ravel().tolist())))
+            versions.publish({k: v + 1 for k, v in torch.nn.Linear(3, 3).state_dict().items()})
+        returns = acting.recent_returns()
+    assert seen == [[0], [0], [1], [2]], seen  # segment k by version k - 1 (the first two by the first version)
+    assert returns and all(r > 0 for r in returns)  # CounterEnv's episodes, from the segments' rewards
+
+
+def test_an_env_that_raises_stops_the_learner_with_the_error_named(tmp_path, no_leftover_children):
+    make_env = functools.partial(FaultyEnv, "raise", 3, str(tmp_path / "marker"))
+    with collector(make_env, VersionManager(max_lag=1)) as acting:
+        with pytest.raises(CollectorError, match="ZeroDivisionError: the simulator divided by zero") as raised:
+            next_segment(acting, acting)
+    assert "traceback" in "\n".join(raised.value.__notes__)
+
+
+def test_a_killed_acting_process_is_an_error_not_a_hang(no_leftover_children):
+    with collector(CounterEnv, VersionManager(max_lag=1)) as acting:
+        next_segment(acting, acting)
+        os.kill(acting._process.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(CollectorError, match="the collector process died"):
+            while True:
+                next_segment(acting, acting)
+    assert time.monotonic() - started < 30
+
+
+def test_restarts_and_placement_come_back_at_stop(tmp_path, no_leftover_children):
+    make_env = functools.partial(FaultyEnv, "kill", 3, str(tmp_path / "marker"))
+    acting = collector(make_env, VersionManager(max_lag=1), max_restarts=1).start()
+    try:
+        next_segment(acting, acting)
+    finally:
+        acting.stop()
+    assert sorted(acting.restarts) == [0, 1], acting.restarts  # the env that killed its worker, rebuilt once
+    assert acting.placement is not None and not acting.placement.in_process
+    assert not acting.running
+
+
+class ScriptOnlyEnv(CounterEnv):
+    """Registered below under an id the child could not resolve by importing anything."""
+
+
+def test_an_env_registered_only_in_the_learners_process_is_built_in_the_acting_one(no_leftover_children):
+    from asyncvec.agents.common import make_vector_env, registered_spec
+
+    gym.register("ScriptOnly-v0", entry_point=ScriptOnlyEnv, max_episode_steps=5)
+    try:
+        module = torch.nn.Linear(3, 3)
+        acting = ProcessCollector(
+            functools.partial(make_vector_env, "ScriptOnly-v0", 2),
+            functools.partial(TorchPolicy, module, SPACES[1]),
+            module.state_dict(), 4, 2, *SPACES, VersionManager(max_lag=1),
+            env_specs=registered_spec("ScriptOnly-v0"),
+        )  # fmt: skip
+        with acting:
+            assert next_segment(acting, acting).reward.shape == (4, 2)
+    finally:
+        gym.registry.pop("ScriptOnly-v0")
+
+
+def test_lag_must_be_0_or_1():
+    with pytest.raises(ValueError, match="lag must be 0 or 1"):
+        collector(CounterEnv, VersionManager(max_lag=2), lag=2)
