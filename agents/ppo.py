@@ -632,25 +632,26 @@ class PPO(EnvStepsRun):
     def train(self) -> TrainResult:
         """Trains until ``total_timesteps`` (or ``target_return``); closes envs and policy."""
         args = self.args
-        logger = RunLogger(
-            self.run_dir,
-            track=args.track,
-            total_steps=args.total_timesteps,
-            progress=args.progress,
-            hparams=asdict(args),
-            initial_step=self.global_step,
-        )
+        # first: the acting process may be a fork of this one, started before it runs threads (TensorBoard's writer)
+        collector = self.start_collector()
+        try:
+            logger = RunLogger(
+                self.run_dir, track=args.track, total_steps=args.total_timesteps, progress=args.progress,
+                hparams=asdict(args), initial_step=self.global_step,
+            )  # fmt: skip
+        except BaseException:
+            if collector is not None:
+                collector.stop()
+            raise
         history: list[dict] = []
         reached_at = None
         stages = self.stages = StageClock()
         start = time.monotonic()
         start_step = self.global_step  # after --resume: steps/s counts this run's steps only
-        collector = None
         episodes = EpisodeStats(args.num_envs)
         self._recent_returns = list(self.prior_returns)
         schedule = ScheduleWriter(self.run_dir / "schedule", "ppo", args) if args.record_schedule else None
         try:
-            collector = self.start_collector()
             if collector is None and self.replay is None:
                 obs, _ = self.envs.reset(seed=args.seed)
             while self.global_step < args.total_timesteps:

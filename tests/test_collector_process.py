@@ -29,7 +29,8 @@ SPACES = (gym.spaces.Box(-100.0, 100.0, (3,), np.float32), gym.spaces.Discrete(3
 
 def collector(make_env, versions: VersionManager, lag: int = 1, num_envs: int = 2, **kwargs) -> ProcessCollector:
     module = torch.nn.Linear(3, 3)
-    make_envs = functools.partial(AsyncLLMVectorEnv, [make_env] * num_envs, **kwargs)
+    make_env = make_env if isinstance(make_env, list) else [make_env] * num_envs
+    make_envs = functools.partial(AsyncLLMVectorEnv, make_env, **kwargs)
     make_policy = functools.partial(TorchPolicy, module, SPACES[1])
     return ProcessCollector(make_envs, make_policy, module.state_dict(), 4, num_envs, *SPACES, versions, lag, seed=0)
 
@@ -67,13 +68,13 @@ def test_a_killed_acting_process_is_an_error_not_a_hang(no_leftover_children):
 
 
 def test_restarts_and_placement_come_back_at_stop(tmp_path, no_leftover_children):
-    make_env = functools.partial(FaultyEnv, "kill", 3, str(tmp_path / "marker"))
+    make_env = [CounterEnv, functools.partial(FaultyEnv, "kill", 3, str(tmp_path / "marker"))]
     acting = collector(make_env, VersionManager(max_lag=1), max_restarts=1).start()
     try:
         next_segment(acting, acting)
     finally:
         acting.stop()
-    assert sorted(acting.restarts) == [0, 1], acting.restarts  # the env that killed its worker, rebuilt once
+    assert acting.restarts == [0, 1], acting.restarts  # the env that killed its worker, rebuilt once
     assert acting.placement is not None and not acting.placement.in_process
     assert not acting.running
 
@@ -103,3 +104,20 @@ def test_an_env_registered_only_in_the_learners_process_is_built_in_the_acting_o
 def test_lag_must_be_0_or_1():
     with pytest.raises(ValueError, match="lag must be 0 or 1"):
         collector(CounterEnv, VersionManager(max_lag=2), lag=2)
+
+
+def test_a_script_without_a_main_guard_trains_async_ppo(tmp_path, no_leftover_children):
+    """The acting process starts as gymnasium's AsyncVectorEnv starts its workers (the default start method): a
+    user's script calling PPO at module level works (under spawn it re-ran the script in the child and hung)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "from asyncvec.agents.ppo import PPO, Args\n"
+        "result = PPO(Args(num_envs=2, num_steps=16, total_timesteps=128, progress=False, track=False)).train()\n"
+        "print('trained', result.global_step, result.staleness_histogram[:2])\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained 128 [32, 96]" in done.stdout, done.stdout

@@ -10,7 +10,9 @@ with ``lag=0`` segment ``k`` is acted by the version published after update ``k 
 with ``lag=1`` by the one before, while update ``k - 1`` trains. So a slow learner or slow envs change the wall
 time only, never what is learned.
 
-The child is started with ``spawn`` (never a fork of a learner that runs threads and torch) and ignores Ctrl-C:
+The child starts as the env workers do (``multiprocessing``'s default start method: ``fork`` on Linux up to Python
+3.13, so a script without a ``__main__`` guard works as with gymnasium's ``AsyncVectorEnv``; start it before the
+learner starts threads of its own), runs torch on one thread (PyTorch's DataLoader workers' rule) and ignores Ctrl-C:
 the learner stops it (:meth:`ProcessCollector.stop`); a learner that dies closes its pipe, and the child then
 stops its envs and exits.
 
@@ -118,7 +120,7 @@ class ProcessCollector:
                 start_method=multiprocessing.get_start_method(),
             )
         )
-        context = multiprocessing.get_context("spawn")
+        context = multiprocessing.get_context()
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
             target=_child_main, args=(self._payload, child_conn), name="asyncvec-collector", daemon=False
@@ -266,7 +268,7 @@ def _child_main(payload: bytes, conn: Any) -> None:
 
     try:
         spec = cloudpickle.loads(payload)
-        # the env workers start as the learner's own would (a spawned child's default is spawn)
+        # the env workers start as the learner's own would (the default of a spawned child is spawn)
         multiprocessing.set_start_method(spec["start_method"], force=True)
         for env_spec in spec["env_specs"]:
             gym.registry.setdefault(env_spec.id, env_spec)
