@@ -18,7 +18,7 @@ import torch
 from asyncvec import CollectorError, ReplayBuffer, VersionManager
 from asyncvec.distributed import DistributedCollector, RayCollectors, RayPolicy, RoutedPolicy
 from asyncvec.distributed.cluster import local_cluster
-from asyncvec.inference import TorchPolicy
+from asyncvec.inference import PolicyClosedError, TorchPolicy
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -359,18 +359,24 @@ def test_sac_with_the_ray_backend_trains_from_remote_replay(cluster):
 
 def test_router_over_ray_policy_replicas_ejects_a_killed_one_and_probes_it_back(cluster):
     replicas = [
-        RayPolicy(policy_fn(), name=f"replica{i}", actor_options=cluster.pin(index))
+        RayPolicy(policy_fn(), name=f"replica{i}", actor_options=cluster.pin(index), timeout_s=PATIENCE)
         for i, index in enumerate(cluster.node_indices[1:3])
     ]
     router = RoutedPolicy(replicas, probe_interval_s=0.3, probe_timeout_s=30)
     obs = np.zeros((6, 4), np.float32)
     try:
+        # Ray builds an actor after RayPolicy returns: both replicas are up before a request is timed. Ray's workers
+        # run at niceness 15; beside 4 busy loops on 2 cores building the policy took over 60 s, the first act
+        # timed out, and router.close() killing the unbuilt actor read as replica0 "killed by ray.kill"
+        assert [r.describe()["policy_version"] for r in replicas] == [0, 0]
         assert [a.policy_version for a in router.act(obs, timeout=60)] == [0] * 6
         router.load_weights(version_weights(1), 1)
         assert [r.describe()["policy_version"] for r in replicas] == [1, 1]
         ray.kill(replicas[1].actor, no_restart=False)  # the process dies; Ray rebuilds it with version 0
         answers = []
+        deadline = time.monotonic() + PATIENCE  # the rebuild is as slow as the first build
         while router.endpoints()[1].readmissions == 0:  # requests keep coming while it is out
+            assert time.monotonic() < deadline, f"replica1 not readmitted in {PATIENCE} s: {router.endpoints()[1]}"
             answers += router.act(np.zeros((12, 4), np.float32), timeout=60)
         assert len(answers) >= 12 and all(a.action == a.policy_version % 2 for a in answers)  # all honest
         assert router.endpoints()[1].ejections == 1
@@ -384,3 +390,18 @@ def test_router_over_ray_policy_replicas_ejects_a_killed_one_and_probes_it_back(
     finally:
         router.close()
     assert all(r.closed for r in replicas)
+
+
+def test_failures_that_closing_the_router_causes_eject_no_replica(cluster):
+    """A request still waiting for its replica's actor to be built when the router closes: close kills the
+    actor, the request fails with PolicyClosedError, and the replica is not reported ejected ("killed by
+    ray.kill" in a warning once made a timed-out test look as if the replica had died by itself)."""
+    replica = RayPolicy(functools.partial(time.sleep, 600), name="building", timeout_s=2)  # never built in time
+    router = RoutedPolicy([replica])
+    future = router.submit(np.zeros(4, np.float32), env_id=0)
+    router.close()
+    assert isinstance(future.exception(timeout=PATIENCE), PolicyClosedError)
+    (row,) = router.endpoints()
+    assert (row.ejections, row.healthy, row.last_error) == (0, True, "")
+    assert (row.requests, row.errors, row.outstanding) == (1, 1, 0)
+    assert replica.closed

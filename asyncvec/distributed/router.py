@@ -381,7 +381,8 @@ class RoutedPolicy(ClosesOnExit):
         return out
 
     def close(self) -> None:
-        """Stop probing and close every replica (their unanswered requests fail). Idempotent."""
+        """Stop probing and close every replica (their unanswered requests fail with
+        `PolicyClosedError`; failures that closing causes eject nothing). Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -474,10 +475,16 @@ class RoutedPolicy(ClosesOnExit):
                 endpoint.counts["errors"] += 1
             request.future.set_exception(exc)
             return
-        self._record_failure(endpoint, request, exc)
         if self._closed:
+            # close() ended the replicas (RayPolicy.close kills its actor): this failure says nothing about the
+            # replica's health, so it ejects nothing (a warning "ejected ...: killed by ray.kill" after a timed-out
+            # request once read as if the replica had died by itself)
+            with self._lock:
+                endpoint.outstanding -= 1
+                endpoint.counts["errors"] += 1
             request.future.set_exception(PolicyClosedError("RoutedPolicy was closed before answering"))
             return
+        self._record_failure(endpoint, request, exc)
         with self._lock:
             self._retried += 1
         try:
