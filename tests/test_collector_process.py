@@ -7,7 +7,9 @@ leaves nothing behind, and an env registered only in the learner's process.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import os
 import signal
 import time
@@ -121,3 +123,45 @@ def test_a_script_without_a_main_guard_trains_async_ppo(tmp_path, no_leftover_ch
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trained 128 [32, 96]" in done.stdout, done.stdout
+
+
+def test_a_learner_killed_outright_leaves_no_acting_process_behind(tmp_path):
+    """SIGKILL of the learner closes its end of the pipe: the acting process stops its envs and exits."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os, sys\n"
+        "from asyncvec.agents.ppo import PPO, Args\n"
+        "print(os.getpid(), flush=True)\n"
+        "PPO(Args(num_envs=2, num_steps=16, total_timesteps=10**9, progress=False, track=False)).train()\n"
+    )
+    learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    pid = int(learner.stdout.readline())
+
+    def descendants(root: int) -> set[int]:
+        found, todo = set(), [root]
+        while todo:
+            for path in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+                with contextlib.suppress(FileNotFoundError):
+                    children = {int(p) for p in open(path).read().split()}
+                    todo.extend(children - found)
+                    found |= children
+        return found
+
+    deadline = time.monotonic() + 120
+    while len(descendants(pid)) < 3 and time.monotonic() < deadline:  # the acting process and its env workers
+        time.sleep(0.2)
+    family = descendants(pid)
+    assert len(family) >= 3, family
+    learner.kill()
+    learner.wait(30)
+    deadline = time.monotonic() + 60
+    alive = family
+    while alive and time.monotonic() < deadline:
+        alive = {
+            p for p in family if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]
+        }
+        time.sleep(0.2)
+    assert not alive, f"left alive after the learner's SIGKILL: {alive}"

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -123,7 +124,10 @@ class ProcessCollector:
         context = multiprocessing.get_context()
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=_child_main, args=(self._payload, child_conn), name="asyncvec-collector", daemon=False
+            target=_child_main,
+            args=(self._payload, child_conn, self._conn, os.getpid()),
+            name="asyncvec-collector",
+            daemon=False,
         )
         self._child_conn = child_conn
 
@@ -246,10 +250,12 @@ def _to_numpy(weights: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v.detach().cpu().numpy() if hasattr(v, "detach") else v for k, v in weights.items()}
 
 
-def _child_main(payload: bytes, conn: Any) -> None:
+def _child_main(payload: bytes, conn: Any, learners_end: Any, learner_pid: int) -> None:
     """The child: builds the envs, the policy and a lockstep `Collector`; sends each segment up; takes the
-    learner's weights and stop from the pipe (its main thread), and ends its envs when the learner's end closes."""
+    learner's weights and stop from the pipe (its main thread), and ends its envs when the learner is gone (its end
+    of the pipe closed, or this process handed to another parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    learners_end.close()  # a forked child holds a copy: the learner's death would never close the pipe
     import torch
 
     torch.set_num_threads(1)
@@ -306,6 +312,10 @@ def _child_main(payload: bytes, conn: Any) -> None:
         threading.Thread(target=forward, name="asyncvec-forwarder", daemon=True).start()
         while True:
             try:
+                if not conn.poll(1.0):
+                    if os.getppid() != learner_pid:
+                        break  # the learner is gone (and something else still holds its end of the pipe)
+                    continue
                 message = conn.recv()
             except (EOFError, OSError):
                 break  # the learner is gone
