@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 from functools import partial
@@ -382,4 +383,7 @@ def test_a_stopped_collector_leaves_its_envs_idle_even_when_woken_while_draining
         assert envs.in_flight == []
         envs.async_reset(seed=1)  # the next collector's first call
         while envs.in_flight:
-            envs.recv()
+            try:
+                envs.recv()
+            except multiprocessing.TimeoutError:  # the waker's last wake(): a Collector's loop goes on, as here
+                continue

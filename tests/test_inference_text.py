@@ -64,10 +64,15 @@ def test_build_tiny_lm_is_seeded_and_validates(tmp_path):
 def test_building_a_tiny_model_draws_no_progress_bar_and_leaves_transformers_setting_alone(tmp_path, capfd):
     from transformers.utils import logging as transformers_logging
 
-    assert transformers_logging.is_progress_bar_enabled()
-    build_tiny_lm(tmp_path / "lm", n_layer=1, n_embd=32)
-    assert "Writing model shards" not in capfd.readouterr().err  # transformers 5 draws one per save_pretrained
-    assert transformers_logging.is_progress_bar_enabled()
+    was_enabled = transformers_logging.is_progress_bar_enabled()  # (an LM agent built earlier turns them off)
+    transformers_logging.enable_progress_bar()
+    try:
+        build_tiny_lm(tmp_path / "lm", n_layer=1, n_embd=32)
+        assert "Writing model shards" not in capfd.readouterr().err  # transformers 5 draws one per save_pretrained
+        assert transformers_logging.is_progress_bar_enabled()
+    finally:
+        if not was_enabled:
+            transformers_logging.disable_progress_bar()
 
 
 @pytest.mark.parametrize(

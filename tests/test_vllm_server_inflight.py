@@ -106,10 +106,13 @@ def test_publishes_land_inside_long_completions_and_every_token_matches_its_vers
     server, model_dir, reference, tmp_path
 ):
     with make_policy(server, model_dir, tmp_path) as policy:
-        prompts, outputs, start, published, seconds = run_with_publishes(
-            server, policy, reference, tmp_path, MAX_PUBLISHES
-        )
-        spans = [len(set(output.token_versions)) for output in outputs]
+        for _attempt in range(3):  # a loaded machine can finish the batch before a reload lands: run it again
+            prompts, outputs, start, published, seconds = run_with_publishes(
+                server, policy, reference, tmp_path, MAX_PUBLISHES
+            )
+            spans = [len(set(output.token_versions)) for output in outputs]
+            if max(spans) >= 2:
+                break
         landed = len({version for output in outputs for version in output.token_versions} - {start})
         print(
             f"vLLM server in flight: {len(published)} publishes while the batch ran "

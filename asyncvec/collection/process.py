@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -54,6 +55,7 @@ from asyncvec.collection.base import CollectorError
 from asyncvec.collection.collector import Collector, next_segment, publish_pace
 from asyncvec.metrics import EpisodeStats
 from asyncvec.runs import set_rng_state
+from asyncvec.vector.errors import WorkerError
 from asyncvec.versioning import PinnedWeights, VersionManager
 
 __all__ = ["ProcessCollector"]
@@ -105,6 +107,7 @@ class ProcessCollector:
         self._metrics: dict[str, float] = {}
         self._latencies = np.zeros(0)
         self._error: tuple[str, str] | None = None  # the child's error: (its line, its traceback)
+        self._error_cause: BaseException | None = None  # the child's exception where it pickles (a WorkerError)
         self._stopped = False
         self._send_lock = threading.Lock()
         self._payload = cloudpickle.dumps(
@@ -176,7 +179,7 @@ class ProcessCollector:
         if self._error is not None:
             error = CollectorError(f"the collector process stopped: {self._error[0]}")
             error.add_note(f"the collector process's traceback:\n{self._error[1]}")
-            raise error
+            raise error from self._error_cause
         if self._process.exitcode is not None and not self._stopped and not self._conn.poll(0):
             raise CollectorError(f"the collector process died (exit code {self._process.exitcode})")
 
@@ -242,8 +245,22 @@ class ProcessCollector:
             raise CollectorError(f"the collector process died (exit code {self._process.exitcode})") from exc
         if message[0] == "error":
             self._error = (message[1], message[2])
+            self._error_cause = message[3]
             self.check()
         return message
+
+
+def _picklable_cause(exc: BaseException | None) -> BaseException | None:
+    """The `WorkerError` in the chain of the child's exception (pickling keeps no chain): the learner chains it to
+    its `CollectorError`, so an agent still reports "your env failed" with the env's own traceback."""
+    while exc is not None:
+        if isinstance(exc, WorkerError):
+            try:
+                return pickle.loads(pickle.dumps(exc))
+            except Exception:  # noqa: BLE001  (a subclass that does not pickle: the text still goes up)
+                return None
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _to_numpy(weights: Mapping[str, Any]) -> dict[str, Any]:
@@ -270,7 +287,7 @@ def _child_main(payload: bytes, conn: Any, learners_end: Any, learner_pid: int) 
                 pass  # the learner is gone: the main thread sees it too
 
     def send_error(exc: BaseException) -> None:
-        send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), _picklable_cause(exc)))
 
     try:
         spec = cloudpickle.loads(payload)

@@ -38,11 +38,19 @@ class WorkerError(RuntimeError):
         self.env_index = env_index
         self.command = command
         self.exc_type = exc_type
+        self.message = message
         self.worker_traceback = worker_traceback
         text = f"env {env_index} failed in {command}(): {exc_type}: {message}"
         if worker_traceback:
             text += f"\n\nTraceback in the worker process of env {env_index}:\n{worker_traceback}"
         super().__init__(text)
+
+    def __reduce__(
+        self,
+    ) -> tuple[
+        type, tuple[int, str, str, str, str]
+    ]:  # pickled whole (from an acting process to its learner), not as its text
+        return type(self), (self.env_index, self.command, self.exc_type, self.message, self.worker_traceback)
 
 
 class PlacementError(RuntimeError):
