@@ -42,7 +42,6 @@ import gymnasium as gym
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.distributions import Categorical, Normal
 
 from asyncvec import Collector, RolloutStore, VersionManager
 from asyncvec.agents.common import (
@@ -52,24 +51,22 @@ from asyncvec.agents.common import (
     collector_charts,
     env_spaces,
     final_observations,
-    final_return_text,
-    layer_init,
     make_policy,
     make_ray_collector,
     make_ray_collectors,
     make_vector_env,
     parse_cli,
     registered_spec,
-    restarts_text,
     run_from_cli,
-    run_steps_text,
     stored_action_space,
 )
+from asyncvec.agents.ppo_networks import Actor, Critic
+from asyncvec.agents.summaries import final_return_text, restarts_text, run_steps_text
 from asyncvec.collection import next_segment
 from asyncvec.collection.process import ProcessCollector
 from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
-from asyncvec.normalization import RewardScaler, RunningNorm
+from asyncvec.normalization import RewardScaler
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, rng_state, run_name, seed_everything
 from asyncvec.schedule import ScheduleError, ScheduleWriter, read_schedule
 from asyncvec.versioning import LaggedWeights, adapt_max_staleness
@@ -183,59 +180,6 @@ class Args(EnvAgentArgs):
             raise ValueError(f"--is-cap must be > 0, got {self.is_cap}")
         if self.target_kl is not None and self.target_kl <= 0:
             raise ValueError(f"--target-kl must be > 0 (or None), got {self.target_kl}")
-
-
-class Actor(nn.Module):
-    """Logits (Discrete: Categorical) or (mean, log_std) (Box: a Gaussian with a state-independent
-    log_std, as CleanRL's continuous PPO): what TorchPolicy samples from. The choice follows the
-    action space's type, never the env id. Observations pass through ``obs_norm`` first."""
-
-    def __init__(self, obs_dim: int, action_space: gym.Space, hidden: int, normalize_obs: bool = True) -> None:
-        super().__init__()
-        self.discrete = isinstance(action_space, gym.spaces.Discrete)
-        out = action_space.n if self.discrete else int(np.prod(action_space.shape))
-        self.obs_norm = RunningNorm(obs_dim, enabled=normalize_obs)
-        self.body = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, hidden)),
-            nn.Tanh(),
-            layer_init(nn.Linear(hidden, hidden)),
-            nn.Tanh(),
-            layer_init(nn.Linear(hidden, out), std=0.01),
-        )
-        if not self.discrete:
-            self.log_std = nn.Parameter(torch.zeros(out))
-
-    def forward(self, obs: torch.Tensor):
-        out = self.body(self.obs_norm(obs))
-        return out if self.discrete else (out, self.log_std.expand_as(out))
-
-    def distribution(self, obs: torch.Tensor):
-        out = self(obs)
-        return Categorical(logits=out) if self.discrete else Normal(out[0], out[1].exp())
-
-    def log_prob_entropy(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = self.distribution(obs)
-        if self.discrete:
-            return dist.log_prob(actions.long()), dist.entropy()
-        return dist.log_prob(actions).sum(-1), dist.entropy().sum(-1)
-
-
-class Critic(nn.Module):
-    """State value; it normalizes observations with the actor's statistics (``obs_norm``, shared)."""
-
-    def __init__(self, obs_dim: int, hidden: int, obs_norm: RunningNorm | None = None) -> None:
-        super().__init__()
-        self.obs_norm = obs_norm if obs_norm is not None else RunningNorm(obs_dim, enabled=False)
-        self.body = nn.Sequential(
-            layer_init(nn.Linear(obs_dim, hidden)),
-            nn.Tanh(),
-            layer_init(nn.Linear(hidden, hidden)),
-            nn.Tanh(),
-            layer_init(nn.Linear(hidden, 1), std=1.0),
-        )
-
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.body(self.obs_norm(obs)).squeeze(-1)
 
 
 @dataclass

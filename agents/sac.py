@@ -47,16 +47,14 @@ from asyncvec.agents.common import (
     collector_charts,
     env_spaces,
     final_observations,
-    final_return_text,
     make_policy,
     make_ray_collector,
     make_ray_collectors,
     make_vector_env,
     parse_cli,
-    restarts_text,
     run_from_cli,
-    run_steps_text,
 )
+from asyncvec.agents.summaries import final_return_text, restarts_text, run_steps_text
 from asyncvec.buffers import Transitions
 from asyncvec.lifecycle import release_if_held
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock

@@ -20,7 +20,8 @@ import torch
 from terminal import sigint_as_in_a_terminal
 
 from asyncvec.agents import ppo, sac
-from asyncvec.agents.common import env_spaces, final_return_text, make_env_fn
+from asyncvec.agents.common import env_spaces, make_env_fn
+from asyncvec.agents.summaries import final_return_text, restarts_text
 from asyncvec.buffers.rollout import Segment
 from asyncvec.collection import next_segment
 from asyncvec.metrics import EpisodeStats, StageClock
@@ -181,7 +182,7 @@ def test_fault_settings_reach_the_vector_env_and_keep_envs_in_workers(agent, mak
     result = learner.train()
     assert not envs.placement.in_process, envs.placement  # in workers, one env each
     assert result.env_restarts == [0, 1], result.env_restarts
-    assert agent.restarts_text(result.env_restarts, 2) == ", 1 env restart (env 1: 1; --max-restarts 2 per env)"
+    assert restarts_text(result.env_restarts, 2) == ", 1 env restart (env 1: 1; --max-restarts 2 per env)"
 
 
 @pytest.mark.parametrize("agent", [ppo, sac])
