@@ -347,7 +347,10 @@ class SAC(EnvStepsRun):
         return int(self.args.utd * (self.global_step - self.args.learning_starts)) - self.gradient_steps
 
     def _pace(self, written: int) -> None:
-        """Holds the collector back while it is too far ahead of the learner's update-to-data ratio."""
+        """Holds the collector back while it is ahead of the learner's update-to-data ratio by more than one step
+        of every env (so the gradient steps per env step are sync's, ``--utd``, from the first step on: the envs
+        act on step t+1 while the learner takes the gradient steps due on step t), and once the run has its
+        ``total_timesteps``."""
         args = self.args
         if args.lockstep:
             with self._progress:
@@ -356,19 +359,20 @@ class SAC(EnvStepsRun):
                 ):
                     self._progress.wait(0.1)
             return
-        slack = max(args.batch_size, 4 * args.num_envs)
         with self._progress:
-            while (
-                not self._stopping.is_set()
-                and not self._starved
-                and self.global_step >= args.learning_starts
-                and self.global_step > args.learning_starts + self.gradient_steps / args.utd + slack
+            while not self._stopping.is_set() and (
+                self.global_step >= args.total_timesteps
+                or (
+                    not self._starved
+                    and self.global_step >= args.learning_starts
+                    and self.global_step > args.learning_starts + self.gradient_steps / args.utd + args.num_envs
+                )
             ):
                 self._progress.wait(0.1)
 
     def _learner_behind(self) -> bool:
-        """--lockstep: gradient steps are due on the stored data (and can be taken), or the last one's publish is
-        under way (it bumps the version after the step count)."""
+        """Async: gradient steps are due on the stored data (and can be taken), or the last one's publish is under
+        way (it bumps the version after the step count)."""
         args = self.args
         published = self._first_version + self.gradient_steps // args.publish_every - self._first_publishes
         return (self._gradient_steps_due() > 0 and not self._starved) or self.versions.current_version < published
@@ -575,6 +579,8 @@ class SAC(EnvStepsRun):
         stats: dict[str, float] = {}
         self._recent_returns = list(self.prior_returns)
         interrupted = False
+        self._first_version = self.versions.current_version
+        self._first_publishes = self.gradient_steps // args.publish_every
         try:
             if args.mode == "async" and args.backend == "ray":
                 collector = make_ray_collector(
@@ -588,16 +594,14 @@ class SAC(EnvStepsRun):
                     pace=self._pace,
                 ).start()
             elif args.mode == "async":
-                self._first_version = self.versions.current_version
-                self._first_publishes = self.gradient_steps // args.publish_every
                 collector = Collector(
                     self.envs, self.policy, self.store, seed=args.seed, pace=self._pace, lockstep=args.lockstep
                 ).start()
             else:
                 obs, _ = self.envs.reset(seed=args.seed)
                 episode_ids = ids.copy()
-            # (--lockstep: the gradient steps due on the last env step too, as the sync loop takes them)
-            while self.global_step < args.total_timesteps or (args.lockstep and self._learner_behind()):
+            # (async: the gradient steps due on the last env steps too, as the sync loop takes them)
+            while self.global_step < args.total_timesteps or (collector is not None and self._learner_behind()):
                 if collector is None:
                     with self.stages("collect"):
                         outputs = self.policy.act(obs, env_ids=ids, timeout=60)

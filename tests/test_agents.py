@@ -511,6 +511,29 @@ def test_adaptive_staleness_halves_on_degenerate_weights_and_recovers(learner):
     assert agent.max_staleness == 5 and stats["staleness/max_staleness"] == 5
 
 
+@pytest.mark.parametrize("utd", [0.5, 2.0])
+def test_sac_async_takes_syncs_gradient_steps_per_env_step_from_the_first_step(utd, no_leftover_children):
+    # CleanRL's loop takes utd gradient steps per env step after learning_starts. Async may act on the next step
+    # of every env while the learner takes those due on the last, never further ahead, and it takes the ones due
+    # on the last env steps before it ends: the same count as sync at every point, not a fraction of it.
+    seen: list[tuple[int, int]] = []
+
+    class Recording(sac.SAC):
+        def gradient_step(self):
+            stats = super().gradient_step()
+            seen.append((self.global_step, self.gradient_steps))
+            return stats
+
+    args = dict(num_envs=3, total_timesteps=300, learning_starts=90, batch_size=32, hidden=32, progress=False)
+    result = Recording(sac.Args(mode="async", utd=utd, **args)).train()
+    # (partial batches: the last write can carry the run past 300 by fewer than num_envs steps)
+    assert 300 <= result.global_step < 303 and result.gradient_steps == int(utd * (result.global_step - 90))
+    assert sac.train(sac.Args(mode="sync", utd=utd, **args)).gradient_steps == int(utd * (300 - 90))
+    behind = [utd * (step - 90) - taken for step, taken in seen]
+    assert len(seen) == result.gradient_steps and min(behind) >= 0
+    assert max(behind) <= utd * 2 * 3 + 1, "the envs ran more than one step ahead of the gradient steps due"
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sac_small_max_staleness_waits_for_fresh_samples_instead_of_crashing(mode, no_leftover_children):
     # A version is one step of every env (publish_every = num_envs * utd gradient steps), so max_staleness=4
