@@ -125,6 +125,15 @@ TASKS: dict[str, Task] = {
             floor=20,
             cap=100_000,
         ),
+        Task(  # added after the defaults were chosen: never tuned on
+            "ppo",
+            "InvertedDoublePendulum-v5",
+            9100,
+            1_000_000,
+            "gymnasium threshold 9100; 1M env steps as CleanRL's ppo_continuous_action MuJoCo runs",
+            floor=100,
+            cap=100_000,
+        ),
         Task("sac", "Pendulum-v1", -200, 20_000, f"{ZOO}: SAC -157 (+-89) at 20k", floor=-1200, cap=15_000),
         Task(
             "sac",
