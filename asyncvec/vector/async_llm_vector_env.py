@@ -32,6 +32,7 @@ from asyncvec.vector.errors import (
 from asyncvec.vector.faults import FaultPolicy, MaxRestarts, check_fault_settings, describe_policy
 from asyncvec.vector.observations import ObservationBuffers, take_info
 from asyncvec.vector.placement import check_placement_arguments, initial_placement, resolve_backend
+from asyncvec.vector.slots import OWES_RESTART_STEP, SlotState
 from asyncvec.vector.split_obs import is_fixed_shape, shared_subspace
 from asyncvec.vector.transport import (
     Backend,
@@ -46,6 +47,7 @@ from asyncvec.vector.worker import make_env
 __all__ = ["AsyncLLMVectorEnv"]
 
 logger = logging.getLogger("asyncvec.vector")
+IDLE, RESET_READY = SlotState.IDLE, SlotState.RESET_READY
 
 
 class _LockstepState(Enum):
@@ -290,7 +292,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
                 self._state.value,
             )
         dispatch = self._dispatch  # an env is busy only while its message or its undelivered answer is there
-        if (dispatch.arrivals or any(dispatch.queues)) and any(slot.command is not None for slot in self._slots):
+        if (dispatch.arrivals or any(dispatch.queues)) and any(slot.state is not IDLE for slot in self._slots):
             raise AlreadyPendingCallError(
                 f"Calling `{call}` while envs {self.in_flight} have sends in flight or answers not yet received "
                 "with recv().",
@@ -370,7 +372,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             )
         if not self._in_process_steps or not self._dispatch.faults.rebuilds:
             return bool(self._in_process_steps)
-        return not any(slot.after_restart is not None or slot.info_extra for slot in self._slots)
+        return not any(slot.episode in OWES_RESTART_STEP or slot.info_extra for slot in self._slots)
 
     def _step_batch(
         self, ids: Sequence[int], rewards: Any, terminations: Any, truncations: Any, env_infos: Sequence[Any]
@@ -471,7 +473,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
         for i in ids:
             if not 0 <= i < self.num_envs:
                 raise ValueError(f"env id {i} is out of range [0, {self.num_envs})")
-            if self._slots[i].command is not None:
+            if self._slots[i].state is not IDLE:
                 raise ValueError(
                     f"env {i} is still busy with its previous send (or its answer was not received with recv() yet)"
                 )
@@ -542,14 +544,14 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
             target = min(target, len(dispatch.arrivals))
             ids = [dispatch.arrivals[k] for k in range(target)]
             rows = np.asarray(ids, dtype=np.int64)
-            commands = [self._slots[i].command for i in ids]
+            states = [self._slots[i].state for i in ids]
             results = self._dispatch.deliver(ids)
             rewards = np.zeros(target, dtype=np.float64)
             terminations = np.zeros(target, dtype=np.bool_)
             truncations = np.zeros(target, dtype=np.bool_)
             infos: dict[str, Any] = {}
-            for k, (index, command, result) in enumerate(zip(ids, commands, results)):
-                if command == "reset":
+            for k, (index, state, result) in enumerate(zip(ids, states, results)):
+                if state is RESET_READY:
                     info = result[1]
                 else:
                     _, rewards[k], terminations[k], truncations[k], info = result
@@ -706,7 +708,7 @@ class AsyncLLMVectorEnv(VectorEnv[Any, Any, Any]):
     @property
     def in_flight(self) -> list[int]:
         """Ids of the envs that were sent a command whose answer ``recv`` has not returned yet."""
-        return [i for i, slot in enumerate(self._slots) if slot.command is not None]
+        return [i for i, slot in enumerate(self._slots) if slot.state is not IDLE]
 
     @property
     def restarts(self) -> list[int]:

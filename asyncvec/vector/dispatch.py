@@ -22,16 +22,21 @@ from typing import Any, NoReturn
 from gymnasium.vector.vector_env import AutoresetMode
 
 from asyncvec.vector.errors import WorkerError, error_from_payload
-from asyncvec.vector.faults import ENV_COMMANDS, FaultPolicy, Faults, Restart
+from asyncvec.vector.faults import FaultPolicy, Faults, Restart
 from asyncvec.vector.observations import ObservationBuffers
-from asyncvec.vector.slots import NO_RESULT, Episode, Slot
+from asyncvec.vector.slots import ANSWERED, OWES_RESTART_STEP, Episode, Slot, SlotState
 from asyncvec.vector.split_obs import write_row
 from asyncvec.vector.transport import InProcessTransport, ProcessTransport, Transport
 from asyncvec.vector.worker import BuildFailure, EnvFailure
 
-__all__ = ["NO_RESULT", "CallFailure", "Dispatcher", "Message", "Slot"]  # NO_RESULT, Slot: from slots.py
+__all__ = ["CallFailure", "Dispatcher", "Message", "Slot"]  # Slot: from slots.py
 
 _TIMED_COMMANDS = ("step", "step_shared", "reset", "restart")  # a message holding one is subject to step_timeout
+
+# The states and episode states the hot paths compare with, bound once (a global, not an enum attribute, per use)
+IDLE, WAITING_STEP, WAITING_RESET = SlotState.IDLE, SlotState.WAITING_STEP, SlotState.WAITING_RESET
+STEP_READY, RESET_READY, CALL_READY = SlotState.STEP_READY, SlotState.RESET_READY, SlotState.CALL_READY
+LIVE, ENDED = Episode.LIVE, Episode.ENDED
 
 
 @dataclass(frozen=True)
@@ -121,20 +126,24 @@ class Dispatcher:
     def send(self, index: int, command: str, payload: Any) -> None:
         """Queues one command for one env; :meth:`flush` sends each worker its share as one message."""
         slot = self.slots[index]
-        slot.command, slot.payload = command, payload
-        if command == "step" and slot.after_restart is None:  # the hot path: straight to the worker's message
-            entry = self._outbox.get(slot.worker)
-            if entry is None:
-                entry = self._outbox[slot.worker] = ([], [])
-            entry[0].append(index)
-            entry[1].append(self._step_item(index, slot.position, payload))
-            return
-        if command == "reset":
-            slot.after_restart = None  # a reset starts afresh anyway
+        slot.payload = payload
+        if command == "step":
+            slot.state = WAITING_STEP
+            if slot.episode not in OWES_RESTART_STEP:  # the hot path: straight to the worker's message
+                entry = self._outbox.get(slot.worker)
+                if entry is None:
+                    entry = self._outbox[slot.worker] = ([], [])
+                entry[0].append(index)
+                entry[1].append(self._step_item(index, slot.position, payload))
+            else:  # its worker was rebuilt while it waited: it owes a restart's step
+                self.queue(index, "restart", self.faults.owed_step(index))
+        elif command == "reset":
+            slot.state = WAITING_RESET
+            if slot.episode in OWES_RESTART_STEP:  # a reset starts afresh anyway
+                self.faults.drop_owed_step(index)
             self.queue(index, command, self.faults.reset_payload(index, payload))
-        elif command == "step":  # its worker was rebuilt while it waited: it owes a restart's step
-            self.queue(index, "restart", self.faults.owed_step(index))
         else:
+            slot.state, slot.call = SlotState.WAITING_CALL, command
             self.queue(index, command, payload)
 
     def _step_item(self, index: int, position: int, action: Any) -> tuple[int, str, Any]:
@@ -174,7 +183,7 @@ class Dispatcher:
             except BaseException:
                 for _, (unsent, _) in messages[k:]:
                     for index in unsent:
-                        self.slots[index].command = self.slots[index].payload = None
+                        self.slots[index].state, self.slots[index].payload = IDLE, None
                 raise
             queue = self.queues[worker]
             timed = items[0][1] in _TIMED_COMMANDS or any(command in _TIMED_COMMANDS for _, command, _ in items)
@@ -187,7 +196,7 @@ class Dispatcher:
         try:
             self.flush()
         except BaseException:
-            sent = [i for i in ids if self.slots[i].command is not None]
+            sent = [i for i in ids if self.slots[i].state is not IDLE]
             if sent:
                 self.collect(sent, None)
                 self.deliver(sent)
@@ -221,19 +230,24 @@ class Dispatcher:
     def _accept(self, index: int, result: Any) -> None:
         slot = self.slots[index]
         observations = self.observations
-        if slot.command == "step" and observations.in_shared_memory:
+        state = slot.state
+        if state is WAITING_STEP and observations.in_shared_memory:
             # the common case (a step, its observation in shared memory), without the checks below
-            slot.episode = Episode.ENDED if (result[2] or result[3]) and not self._same_step else Episode.LIVE
-        elif slot.command in ENV_COMMANDS:
+            slot.episode = ENDED if (result[2] or result[3]) and not self._same_step else LIVE
+            slot.state = STEP_READY
+        elif state is WAITING_STEP or state is WAITING_RESET:
             try:
                 observations.store(index, result[0])
             except ValueError as exc:  # a bad observation is the env's failure, as with shared memory
                 self.env_failed(index, (type(exc).__name__, str(exc), "", None))
                 return
-            if slot.command == "reset":
-                slot.episode = Episode.LIVE
+            if state is WAITING_RESET:
+                slot.episode, slot.state = LIVE, RESET_READY
             else:
-                slot.episode = Episode.ENDED if (result[2] or result[3]) and not self._same_step else Episode.LIVE
+                slot.episode = ENDED if (result[2] or result[3]) and not self._same_step else LIVE
+                slot.state = STEP_READY
+        else:
+            slot.state = CALL_READY
         slot.result = result
         self.arrivals.append(index)
 
@@ -241,10 +255,10 @@ class Dispatcher:
         """Env ``index`` raised: a step or reset is restarted (or the vector env closes and raises, as the
         fault policy says); a method call's failure is its answer (the worker is fine, nothing restarts)."""
         slot = self.slots[index]
-        if slot.command in ENV_COMMANDS:
+        if slot.state is WAITING_STEP or slot.state is WAITING_RESET:
             self._restart(self.faults.env_failed(index, payload))
         else:
-            slot.result = CallFailure(payload)
+            slot.result, slot.state = CallFailure(payload), CALL_READY
             self.arrivals.append(index)
 
     def poll(self, deadline: float | None, unlocked: bool = False) -> None:
@@ -363,7 +377,7 @@ class Dispatcher:
             # A dead worker reads as a failure, so this never blocks on a dead env.
             try:
                 while True:
-                    waiting = [i for i in indices if slots[i].result is NO_RESULT]
+                    waiting = [i for i in indices if slots[i].state not in ANSWERED]
                     if not waiting:
                         return
                     busy = [w for w in dict.fromkeys(slots[i].worker for i in waiting) if self.queues[w]]
@@ -373,7 +387,7 @@ class Dispatcher:
             except BaseException as exc:
                 self.close_after(exc)
                 raise
-        self.wait_until(lambda: all(slots[i].result is not NO_RESULT for i in indices), timeout, what)
+        self.wait_until(lambda: all(slots[i].state in ANSWERED for i in indices), timeout, what)
 
     def deliver(self, indices: Sequence[int]) -> list[Any]:
         """Pop the answers of ``indices``; the envs become free for the next command."""
@@ -386,8 +400,8 @@ class Dispatcher:
         for index in indices:
             slot = self.slots[index]
             results.append(slot.result)
-            slot.result = NO_RESULT
-            slot.command = slot.payload = None
+            slot.result = slot.payload = None
+            slot.state = IDLE
         return results
 
     def with_extra(self, index: int, info: dict[str, Any]) -> dict[str, Any]:
@@ -417,20 +431,19 @@ class Dispatcher:
             failed = [position for position, _ in failures]
             for index, payload in failures:
                 slot = self.slots[index]
-                slot.command, slot.payload = "step", actions[index]
+                slot.state, slot.payload = WAITING_STEP, actions[index]
                 self.env_failed(index, payload)
             self.flush()
             self.collect(failed, None)
             for index, result in zip(failed, self.deliver(failed)):
                 _, rewards[index], terminations[index], truncations[index], infos[index] = result
                 infos[index] = self.with_extra(index, infos[index])
-        ended, live = Episode.ENDED, Episode.LIVE
         if self._same_step:  # an ended episode was reset within the step
             for slot in self.slots:
-                slot.episode = live
+                slot.episode = LIVE
         else:
             for slot, terminated, truncated in zip(self.slots, terminations, truncations):
-                slot.episode = ended if terminated or truncated else live
+                slot.episode = ENDED if terminated or truncated else LIVE
         return rewards, terminations, truncations, infos
 
     # ------------------------------------------------------------------ compact lockstep steps in workers
@@ -445,7 +458,7 @@ class Dispatcher:
             return False
         if self.step_timeout is not None or self.observations.per_env is not None or self.arrivals:
             return False
-        return not any(slot.after_restart is not None or slot.info_extra for slot in self.slots)
+        return not any(slot.episode in OWES_RESTART_STEP or slot.info_extra for slot in self.slots)
 
     def step_workers(self, rows: Any, actions: Any) -> None:
         """Writes ``actions`` (one array, every env's) into the shared action ``rows`` and sends every worker a step
@@ -454,7 +467,7 @@ class Dispatcher:
         transport = self.transport
         assert isinstance(transport, ProcessTransport)  # can_step_workers said so
         for slot in self.slots:
-            slot.command = "step"
+            slot.state = WAITING_STEP
         now = time.monotonic()
         for worker, (ids, queue) in enumerate(zip(self.groups, self.queues)):
             queue.append(Message(ids, True, None if queue else now))
@@ -497,6 +510,6 @@ class Dispatcher:
             infos[index] = self.with_extra(index, info)
         same_step = self._same_step
         for slot, ended in zip(self.slots, (terminations | truncations).tolist()):
-            slot.command = None
-            slot.episode = Episode.ENDED if ended and not same_step else Episode.LIVE
+            slot.state = IDLE
+            slot.episode = ENDED if ended and not same_step else LIVE
         return rewards, terminations, truncations, infos

@@ -25,10 +25,9 @@ from gymnasium.vector.vector_env import AutoresetMode
 
 from asyncvec.vector.errors import WorkerError, error_from_payload
 from asyncvec.vector.observations import ObservationBuffers
-from asyncvec.vector.slots import Episode, Slot
+from asyncvec.vector.slots import ENV_WORK, OWES_RESTART_STEP, Episode, Slot, SlotState
 
 __all__ = [
-    "ENV_COMMANDS",
     "Fault",
     "FaultKind",
     "FaultPolicy",
@@ -39,8 +38,6 @@ __all__ = [
     "describe_policy",
     "restart_seed",
 ]
-
-ENV_COMMANDS = ("step", "reset")  # commands that run an env forward: they time out, fail over and restart
 
 
 def check_fault_settings(
@@ -195,13 +192,22 @@ class Faults:
         waited: that step ends the lost episode instead (or, if that episode had ended, is the reset
         step NEXT_STEP owes it)."""
         slot = self.slots[index]
-        assert slot.after_restart is not None  # only an env that owes one
-        then, reason = slot.after_restart
-        if then == "truncate":
-            slot.info_extra = {"env_restarted": True, "restart_reason": reason}
+        assert slot.episode in OWES_RESTART_STEP  # only an env that owes one
+        lost = slot.episode is Episode.LOST
+        if lost:
+            slot.info_extra = {"env_restarted": True, "restart_reason": slot.restart_reason}
+        then = "truncate" if lost else "autoreset"
         payload = {"rebuild": False, "then": then, "arg": self.observations.single(index), "seed": slot.reseed}
-        slot.after_restart, slot.reseed = None, None
+        slot.reseed = None
+        self.drop_owed_step(index)
         return payload
+
+    def drop_owed_step(self, index: int) -> None:
+        """Env ``index`` no longer owes a restart's step (it was sent, or a reset replaces it): its
+        episode stands as before the rebuild, live or ended, as far as a later fault is concerned."""
+        slot = self.slots[index]
+        slot.episode = Episode.LIVE if slot.episode is Episode.LOST else Episode.ENDED
+        slot.restart_reason = ""
 
     def _rebuilt(self, index: int) -> None:
         """Counts a rebuild of env ``index`` and derives the seed of its next reset (:func:`restart_seed`)."""
@@ -214,7 +220,7 @@ class Faults:
         """How an env whose step or reset was lost to a fault starts again on its rebuilt env."""
         slot = self.slots[index]
         slot.info_extra = {"env_restarted": True, "restart_reason": reason}
-        if slot.command == "reset":
+        if slot.state is SlotState.WAITING_RESET:
             return {"rebuild": rebuild, "then": "reset", "arg": self.reset_payload(index, slot.payload)}
         ended = slot.episode is Episode.ENDED and self.autoreset_mode == AutoresetMode.NEXT_STEP
         seed, slot.reseed = slot.reseed, None
@@ -258,7 +264,7 @@ class Faults:
             note = f"\n(its worker also hosted envs {[i for i in group if i != culprit]}, rebuilt with it)"
         command = self.slots[culprit].command
         kind = FaultKind.STEP_TIMEOUT if payload[0] == "StepTimeout" else FaultKind.WORKER_DIED
-        if any(self.slots[i].command not in ENV_COMMANDS for i in lost) or not self.policy.restart(
+        if any(self.slots[i].state not in ENV_WORK for i in lost) or not self.policy.restart(
             self._fault(culprit, kind, payload, group)
         ):
             return self._error(culprit, command, payload, note)
@@ -269,8 +275,8 @@ class Faults:
             self._rebuilt(index)
             if index in lost:
                 items.append((index, self._restart_item(index, False, reason)))
-            elif slot.episode is Episode.LIVE:
-                slot.after_restart = ("truncate", reason)
+            elif slot.episode is Episode.LIVE or slot.episode is Episode.LOST:  # LOST: rebuilt again, the newer reason
+                slot.episode, slot.restart_reason = Episode.LOST, reason
             elif slot.episode is Episode.ENDED and self.autoreset_mode == AutoresetMode.NEXT_STEP:
-                slot.after_restart = ("autoreset", reason)
+                slot.episode = Episode.ENDED_REBUILT
         return Restart(worker, tuple(items))
