@@ -31,7 +31,6 @@ class RecordingRoutes:
         self.checked: list[bool] = []  # per publish: was the version checked before (in prepare)?
         self.identified = 0
         self.fail = list(fail)  # errors the next publishes raise, in order
-        self.last_publish = {}
 
     async def identify(self):
         self.identified += 1
@@ -49,6 +48,7 @@ class RecordingRoutes:
             raise self.fail.pop(0)
         self.checked.append(checked)
         self.sent.append((path, version))
+        return {"frozen_s": float(version), "reload_s": 0.5}  # what the route's steps took, as vLLM's reports them
 
 
 class RestartingSupervisor:
@@ -88,6 +88,18 @@ def test_a_publish_identifies_once_sends_the_folder_and_remembers_it():
     assert publisher.recover(TransientBackendError("x"), 0) is False  # no supervisor: nothing restarted
     with pytest.raises(ValueError, match="must be newer"):
         publisher.prepare("/ckpt/v1", 1)
+
+
+def test_a_publish_returns_its_timings_and_the_publisher_keeps_them():
+    routes = RecordingRoutes()
+    publisher = WeightPublisher(routes, model="tiny")
+    timings = publisher.publish("/ckpt/v1", 1)
+    assert timings["frozen_s"] == 1.0 and timings["reload_s"] == 0.5
+    assert {"checkpoint_s", "check_s"} <= set(timings)  # prepare's steps, before anything was paused
+    assert publisher.last_publish == timings and publisher.frozen_s == [1.0]
+    publisher.republish()  # a republish holds generation still too
+    assert publisher.frozen_s == [1.0, 1.0] and publisher.last_publish == timings
+    assert not hasattr(routes, "last_publish")
 
 
 def test_a_publish_that_meets_a_dead_server_restarts_it_republishes_then_publishes():

@@ -18,6 +18,11 @@ SERVER_KINDS = ("asyncvec", "vllm", "sglang")
 #: vLLM's token-in-token-out route (``--enable-scale-out``): answers carry per-token weight-version spans
 GENERATE_ROUTE = "/inference/v1/generate"
 
+PublishTimings = dict[str, float]
+"""What `ServerRoutes.publish` returns: seconds each step took (``check_s``, ``pause_s``, ``reload_s``,
+``confirm_s``); ``frozen_s``: from the pause request sent to the resume answered (generation of running
+requests stands still meanwhile). Empty for a server whose update is one request."""
+
 
 class ServerRoutes(abc.ABC):
     """How one kind of server reports versions and takes new weights (one subclass per server kind).
@@ -38,10 +43,6 @@ class ServerRoutes(abc.ABC):
         self.label = label
         self.initial_version = initial_version
         self.inflight = inflight
-        self.last_publish: dict[str, float] = {}
-        """seconds each step of the last `publish` took; ``frozen_s``: from the pause request sent to the
-        resume answered (generation of running requests stands still meanwhile; servers without a pause:
-        the whole update)"""
 
     @abc.abstractmethod
     async def identify(self) -> dict[str, Any]:
@@ -69,9 +70,9 @@ class ServerRoutes(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def publish(self, path: str, version: int, *, checked: bool = False) -> None:
+    async def publish(self, path: str, version: int, *, checked: bool = False) -> PublishTimings:
         """Load the checkpoint folder ``path`` into the server as ``version`` (``checked``: `check_newer`
-        was done already, before the caller held generation back)."""
+        was done already, before the caller held generation back); returns how long its steps took."""
 
     async def check_newer(self, version: int) -> None:
         """Raise ValueError if the server's weight version is not older than ``version``."""
@@ -106,7 +107,7 @@ class _AsyncvecRoutes(ServerRoutes):
     def response_version(self, data: dict[str, Any]) -> int | None:
         return parse_version((data.get("metadata") or {}).get("weight_version"))
 
-    async def publish(self, path: str, version: int, *, checked: bool = False) -> None:
+    async def publish(self, path: str, version: int, *, checked: bool = False) -> PublishTimings:
         if not checked:
             await self._check_newer(version)
         body = {"path": path, "version": version}
@@ -117,6 +118,7 @@ class _AsyncvecRoutes(ServerRoutes):
         if not isinstance(answer, dict) or answer.get("version") != version:
             raise BackendError(f"{client.base_url}/update_weights answered {answer!r}, expected version {version}")
         await self._confirm(version)
+        return {}
 
 
 class _VLLMRoutes(ServerRoutes):
@@ -152,12 +154,12 @@ class _VLLMRoutes(ServerRoutes):
             ) from None
         return self.initial_version if version is None else version
 
-    async def publish(self, path: str, version: int, *, checked: bool = False) -> None:
+    async def publish(self, path: str, version: int, *, checked: bool = False) -> PublishTimings:
         """Pause (``wait``: requests finish; in flight ``keep``: they stay frozen), reload, preempt
         the frozen requests (in flight: their prefix is recomputed with the new weights), set the
         version, resume."""
         client = self.client
-        timings: dict[str, float] = {}
+        timings: PublishTimings = {}
         if not checked:
             began = time.perf_counter()
             await self._check_newer(version)
@@ -196,10 +198,10 @@ class _VLLMRoutes(ServerRoutes):
             except (TransientBackendError, BackendRejectedError):
                 pass  # the error that stopped the update is the one to report
             timings["frozen_s"] = time.perf_counter() - paused
-            self.last_publish = timings
         began = time.perf_counter()
         await self._confirm(version)
         timings["confirm_s"] = time.perf_counter() - began
+        return timings
 
 
 class _SGLangRoutes(ServerRoutes):
@@ -224,7 +226,7 @@ class _SGLangRoutes(ServerRoutes):
         version = parse_version((data.get("metadata") or {}).get("weight_version"))
         return self.initial_version if version is None else version
 
-    async def publish(self, path: str, version: int, *, checked: bool = False) -> None:
+    async def publish(self, path: str, version: int, *, checked: bool = False) -> PublishTimings:
         client = self.client
         if not checked:
             await self._check_newer(version)
@@ -242,6 +244,7 @@ class _SGLangRoutes(ServerRoutes):
             except (TransientBackendError, BackendRejectedError):
                 pass
         await self._confirm(version)
+        return {}
 
 
 ROUTES: dict[str, type[ServerRoutes]] = {"asyncvec": _AsyncvecRoutes, "vllm": _VLLMRoutes, "sglang": _SGLangRoutes}

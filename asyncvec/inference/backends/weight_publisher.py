@@ -21,7 +21,7 @@ from asyncvec.inference.backends.server_client import is_transient
 from asyncvec.inference.weights import ParameterSpec, checkpoint_shapes, write_checkpoint
 
 if TYPE_CHECKING:
-    from asyncvec.inference.backends.server_routes import ServerRoutes
+    from asyncvec.inference.backends.server_routes import PublishTimings, ServerRoutes
     from asyncvec.inference.serving.supervisor import EngineSupervisor
 
 
@@ -63,7 +63,10 @@ class WeightPublisher:
         self._checked: tuple[str, int] | None = None  # the (folder, version) whose version `prepare` checked
         self._prepare_s: dict[str, float] = {}
         self.frozen_s: list[float] = []
-        """per publish: how long the server held generation still (`ServerRoutes.last_publish` ``frozen_s``)"""
+        """per publish: how long the server held generation still (``frozen_s`` of `ServerRoutes.publish`'s timings)"""
+        self.last_publish: PublishTimings = {}
+        """seconds each step of the last successful `send` took: the server's update (`ServerRoutes.publish`)
+        and `prepare`'s ``checkpoint_s`` and ``check_s``"""
 
     @property
     def latest(self) -> tuple[str, int] | None:
@@ -86,10 +89,11 @@ class WeightPublisher:
         version: int | None = self.client.run(self.routes.read_version())
         return version
 
-    def publish(self, weights: Any, version: int) -> None:
+    def publish(self, weights: Any, version: int) -> PublishTimings:
         """Load ``weights`` (a checkpoint folder the server can read, or a state dict / module
-        written to ``checkpoint_dir``) into the server as ``version``: `prepare`, then `send`."""
-        self.send(self.prepare(weights, version), version)
+        written to ``checkpoint_dir``) into the server as ``version``: `prepare`, then `send`.
+        Returns how long its steps took (as `send`)."""
+        return self.send(self.prepare(weights, version), version)
 
     def prepare(self, weights: Any, version: int) -> str:
         """The part of a publish that holds nothing back, done before generation is paused: the server
@@ -112,26 +116,28 @@ class WeightPublisher:
             self._prepare_s["check_s"] = time.perf_counter() - began
         return path
 
-    def send(self, path: str, version: int) -> None:
+    def send(self, path: str, version: int) -> PublishTimings:
         """Load the folder ``path`` (from `prepare`) into the server as ``version``. With a supervisor,
-        a server found dead is restarted (and given the latest weights) and the publish sent once more."""
+        a server found dead is restarted (and given the latest weights) and the publish sent once more.
+        Returns how long its steps took (also kept as `last_publish`)."""
         supervisor = self.supervisor
         if supervisor is None:
-            self._send(path, version)
+            timings = self._send(path, version)
         else:
             generation = supervisor.generation
             try:
                 supervisor.check_alive()
-                self._send(path, version)
+                timings = self._send(path, version)
             except Exception as exc:
                 # a dead server: restart it (with the latest weights), then publish these once more
                 if not is_transient(exc) or not self.recover(exc, generation):
                     raise
                 self._checked = None
-                self._send(path, version)
-        self.routes.last_publish.update(self._prepare_s)
+                timings = self._send(path, version)
+        self.last_publish = {**timings, **self._prepare_s}
         self._latest = (path, version)
         self._prune_checkpoints()
+        return self.last_publish
 
     def republish(self) -> None:
         """Load the latest published weights again (into a restarted server); nothing before the first."""
@@ -146,12 +152,14 @@ class WeightPublisher:
             return False
         return self.supervisor.recover(error, generation, reload=self.republish)
 
-    def _send(self, path: str, version: int) -> None:
-        self.routes.last_publish = {}
+    def _send(self, path: str, version: int) -> PublishTimings:
         checked, self._checked = self._checked == (path, version), None
-        self.client.run(self.routes.publish(path, version, checked=checked), timeout_s=self._timeout_s)
-        if "frozen_s" in self.routes.last_publish:
-            self.frozen_s.append(self.routes.last_publish["frozen_s"])
+        timings: PublishTimings = self.client.run(
+            self.routes.publish(path, version, checked=checked), timeout_s=self._timeout_s
+        )
+        if "frozen_s" in timings:
+            self.frozen_s.append(timings["frozen_s"])
+        return timings
 
     # ----------------------------------------------------------------------- checkpoints
     def checkpoint_path(self, weights: Any, version: int) -> str:
