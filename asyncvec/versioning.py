@@ -37,6 +37,7 @@ __all__ = [
     "WeightsBackend",
     "adapt_max_staleness",
     "per_token_versions",
+    "with_lag",
 ]
 
 VersionSource = int | Callable[[], int]
@@ -485,6 +486,20 @@ class LaggedWeights:
         self._queue.append((weights, version))
         while len(self._queue) > self.lag:
             self.backend.load_weights(*self._queue.popleft())
+
+
+def with_lag(backend: WeightsBackend, lag: int) -> WeightsBackend:
+    """What to register so that ``backend`` gets each version ``lag`` publications late: ``backend``
+    itself at lag 0 (a publish reaches it straight through), else a :class:`LaggedWeights` around it.
+
+    Example:
+        >>> class Backend:
+        ...     def load_weights(self, weights, version): self.version = version
+        >>> backend = Backend()
+        >>> with_lag(backend, 0) is backend, type(with_lag(backend, 2)).__name__
+        (True, 'LaggedWeights')
+    """
+    return backend if lag == 0 else LaggedWeights(backend, lag)
 
 
 class PinnedWeights:
