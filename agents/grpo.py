@@ -25,6 +25,8 @@ the learner trains on the groups already complete). No critic; the objective:
   ``w = min(pi_prox / mu, C)`` against the log-probs ``mu`` the engine reported (``--is-cap C``,
   ``--is-level``).
 
+One update (``GRPO.update`` below): the trainable batch, ``pi_prox`` and the importance weights, the
+advantages, ``--update-epochs`` passes of ``--num-minibatches`` minibatch steps on the loss, then a publish.
 Not trained on (``asyncvec.lm.training.trainable_batch``): groups more than ``--max-staleness``
 versions old (a completion's oldest token), flagged rewards (unknown), completions that missed
 ``--deadline-ms`` (the policy never sampled them), and groups left with one trainable completion
@@ -40,10 +42,12 @@ from typing import Literal
 import torch
 
 from asyncvec.agents.common import lm_cli
+from asyncvec.buffers import GroupBatch
+from asyncvec.lm.episode_records import EpisodeGroups
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs, check_clip_coef
 from asyncvec.lm.results import LMTrainResult
-from asyncvec.lm.training import LMAgent, LossAndStats
+from asyncvec.lm.training import LearnerStep, LMAgent, LossAndStats
 from asyncvec.losses import approx_kl, clipped_fraction, grpo_advantages, masked_mean
 
 
@@ -75,9 +79,9 @@ class Args(LMArgs):
 
 class GRPO(LMAgent):
     """GRPO learner over a text policy (see the module docstring). ``train()`` closes everything;
-    otherwise use it as a context manager or call ``close()``. Its parts, its optimizer, its
-    ``update`` and its ``train`` loop come from :class:`asyncvec.lm.training.LMAgent`; GRPO adds
-    its advantages and its loss.
+    otherwise use it as a context manager or call ``close()``. Its update, its advantages and its
+    loss are below; its parts, its optimizer and its ``train`` loop (each update, then a publish)
+    come from :class:`asyncvec.lm.training.LMAgent`.
 
     Example:
         >>> from asyncvec.agents.grpo import GRPO, Args
@@ -90,6 +94,26 @@ class GRPO(LMAgent):
     label = "GRPO"  # in messages and the summary
     min_group_samples = 2  # a group's standard deviation needs two samples
     args: Args
+
+    # ------------------------------------------------------------------ one update
+    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
+        """One GRPO update on ``--prompts-per-update`` complete groups; returns its statistics. ``train()``
+        then publishes the new weights (``VersionManager.publish -> policy.load_weights``)."""
+        # too stale groups, flagged rewards, deadline misses and groups left with one completion are out
+        data = self.trainable_batch(groups)
+        if not len(data):
+            return dict(data.info)  # nothing to train on: no step, no new version
+        # pi_prox (the learner now, detached), the reference's log-probs, the IS weights w = min(pi_prox / mu, C)
+        step = LearnerStep(data, self.parts, self.args)
+        advantages = self.compute_advantages(data, step.prox_logp, step.ref_logp)
+        for rows in step.minibatches():  # --update-epochs passes of --num-minibatches shuffled minibatches
+            logp = step.logps(rows)  # pi_theta, with gradients
+            ref_logp = None if step.ref_logp is None else step.ref_logp[rows]
+            loss, stats = self.policy_loss(
+                logp, step.prox_logp[rows], advantages[rows], step.weights[rows], data.mask[rows], ref_logp
+            )
+            step.gradient_step(self.optimizer, loss, stats)  # gradient clipped to --max-grad-norm, Adam step
+        return step.stats(advantages)
 
     # ------------------------------------------------------------------ the advantages
     def compute_advantages(
@@ -120,9 +144,6 @@ class GRPO(LMAgent):
             "kl_loss_term": masked_mean(kl.detach(), mask),
         }
         return loss, {key: float(value) for key, value in stats.items()}
-
-    # update (the clipped objective over --update-epochs passes, all against pi_prox; the reference's log-probs
-    # reach policy_loss as ref_logp) and train (the loop): asyncvec.lm.training.LMAgent
 
 
 def train(args: Args) -> LMTrainResult:

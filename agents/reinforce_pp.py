@@ -21,6 +21,8 @@ the learner trains on the groups already complete). No critic:
   ``eps = --clip-coef``) and the truncated importance weight ``w = min(pi_prox / mu, C)``
   against the log-probs ``mu`` the engine reported (``--is-cap C``, ``--is-level``).
 
+One update (``ReinforcePP.update`` below): the trainable batch, ``pi_prox`` and the importance weights,
+the advantages, ``--update-epochs`` passes of ``--num-minibatches`` minibatch steps on the loss, then a publish.
 Not trained on (``asyncvec.lm.training.trainable_batch``): groups more than ``--max-staleness``
 versions old (a completion's oldest token: with in-flight weight updates its tokens may span
 versions, and each token's ``mu`` is under its own version), flagged rewards (unknown), completions that missed ``--deadline-ms`` (the policy
@@ -35,10 +37,12 @@ from dataclasses import dataclass
 import torch
 
 from asyncvec.agents.common import lm_cli
+from asyncvec.buffers import GroupBatch
+from asyncvec.lm.episode_records import EpisodeGroups
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs, check_clip_coef
 from asyncvec.lm.results import LMTrainResult
-from asyncvec.lm.training import LMAgent, LossAndStats
+from asyncvec.lm.training import LearnerStep, LMAgent, LossAndStats
 from asyncvec.losses import approx_kl, ppo_clip_loss, reinforce_pp_advantages
 
 
@@ -62,11 +66,11 @@ class Args(LMArgs):
 
 
 class ReinforcePP(LMAgent):
-    """REINFORCE++ learner over a text policy (see the module docstring). ``train()`` closes
-    everything; otherwise use it as a context manager or call ``close()``. Its parts (the
-    learner, the policy, the collector, the version manager), its optimizer, its ``update`` and
-    its ``train`` loop come from :class:`asyncvec.lm.training.LMAgent`; REINFORCE++ adds its
-    advantages and its loss.
+    """REINFORCE++ learner over a text policy (see the module docstring). ``train()`` closes everything;
+    otherwise use it as a context manager or call ``close()``. Its update, its advantages and its
+    loss are below; its parts (the learner, the policy, the collector, the version manager), its
+    optimizer and its ``train`` loop (each update, then a publish) come from
+    :class:`asyncvec.lm.training.LMAgent`.
 
     Example:
         >>> from asyncvec.agents.reinforce_pp import ReinforcePP, Args
@@ -84,6 +88,27 @@ class ReinforcePP(LMAgent):
     def run_label(cls, args: LMArgs) -> str:
         """REINFORCE++, or REINFORCE++-baseline with ``--baseline``."""
         return cls.label + ("-baseline" if isinstance(args, Args) and args.baseline else "")
+
+    # ------------------------------------------------------------------ one update
+    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
+        """One REINFORCE++ update on ``--prompts-per-update`` complete groups; returns its statistics. ``train()``
+        then publishes the new weights (``VersionManager.publish -> policy.load_weights``)."""
+        # too stale groups, flagged rewards and deadline misses are out
+        data = self.trainable_batch(groups)
+        if not len(data):
+            return dict(data.info)  # nothing to train on: no step, no new version
+        # pi_prox (the learner now, detached), the reference's log-probs, the IS weights w = min(pi_prox / mu, C)
+        step = LearnerStep(data, self.parts, self.args)
+        advantages = self.compute_advantages(
+            data, step.prox_logp, step.ref_logp
+        )  # returns-to-go, normalized over the batch
+        for rows in step.minibatches():  # --update-epochs passes of --num-minibatches shuffled minibatches
+            logp = step.logps(rows)  # pi_theta, with gradients
+            loss, stats = self.policy_loss(
+                logp, step.prox_logp[rows], advantages[rows], step.weights[rows], data.mask[rows]
+            )
+            step.gradient_step(self.optimizer, loss, stats)  # gradient clipped to --max-grad-norm, Adam step
+        return step.stats(advantages)
 
     # ------------------------------------------------------------------ the advantages
     def compute_advantages(
@@ -105,9 +130,6 @@ class ReinforcePP(LMAgent):
         """PPO-clip against ``pi_prox``, each token weighted by its truncated IS weight; mean over tokens
         (per token ``[rows, L]``; ``ref_logp`` unused: the KL penalty is in the token rewards)."""
         return ppo_clip_loss(logp, prox_logp, advantages, self.args.clip_coef, mask=mask, weights=weights)
-
-    # update (the clipped objective over --update-epochs passes, all against pi_prox) and train (the loop):
-    # asyncvec.lm.training.LMAgent
 
 
 def train(args: Args) -> LMTrainResult:

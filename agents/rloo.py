@@ -19,6 +19,8 @@ the learner trains on the groups already complete). The objective:
   truncated importance weight ``w = min(pi_prox / mu, C)`` against the log-probs ``mu`` the
   engine reported (``--is-cap C``, ``--is-level token|sequence``).
 
+One update (``RLOO.update`` below): the trainable batch, ``pi_prox`` and the importance weights,
+the advantages, ``--update-epochs`` passes of ``--num-minibatches`` minibatch steps on the loss, then a publish.
 Not trained on (``asyncvec.lm.training.trainable_batch``): groups more than ``--max-staleness``
 versions old (a completion's oldest token: with in-flight weight updates its tokens may span
 versions, and each token's ``mu`` is under its own version), flagged rewards (unknown), completions that missed ``--deadline-ms`` (the policy
@@ -33,10 +35,12 @@ from dataclasses import dataclass
 import torch
 
 from asyncvec.agents.common import lm_cli
+from asyncvec.buffers import GroupBatch
+from asyncvec.lm.episode_records import EpisodeGroups
 from asyncvec.lm.learner import EpisodeBatch, LMBatch
 from asyncvec.lm.options import LMArgs
 from asyncvec.lm.results import LMTrainResult
-from asyncvec.lm.training import LMAgent, LossAndStats
+from asyncvec.lm.training import LearnerStep, LMAgent, LossAndStats
 from asyncvec.losses import approx_kl, kl_penalized_rewards, masked_mean, rloo_advantages
 
 
@@ -47,9 +51,10 @@ class Args(LMArgs):
 
 class RLOO(LMAgent):
     """RLOO learner over a text policy (see the module docstring). ``train()`` closes everything;
-    otherwise use it as a context manager or call ``close()``. Its parts (the learner, the
-    policy, the collector, the version manager), its optimizer, its ``update`` and its ``train``
-    loop come from :class:`asyncvec.lm.training.LMAgent`; RLOO adds its advantages and its loss.
+    otherwise use it as a context manager or call ``close()``. Its update, its advantages and its
+    loss are below; its parts (the learner, the policy, the collector, the version manager), its
+    optimizer and its ``train`` loop (each update, then a publish) come from
+    :class:`asyncvec.lm.training.LMAgent`.
 
     Example:
         >>> from asyncvec.agents.rloo import RLOO, Args
@@ -61,6 +66,27 @@ class RLOO(LMAgent):
     name = "rloo"  # the run's TensorBoard folder: runs/<env>__rloo__...
     label = "RLOO"  # in messages and the summary
     min_group_samples = 2  # the leave-one-out baseline needs another sample of the group
+
+    # ------------------------------------------------------------------ one update
+    def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
+        """One RLOO update on ``--prompts-per-update`` complete groups; returns its statistics. ``train()``
+        then publishes the new weights (``VersionManager.publish -> policy.load_weights``)."""
+        # too stale groups, flagged rewards, deadline misses and groups left with one completion are out
+        data = self.trainable_batch(groups)
+        if not len(data):
+            return dict(data.info)  # nothing to train on: no step, no new version
+        # pi_prox (the learner now, detached), the reference's log-probs, the IS weights w = min(pi_prox / mu, C)
+        step = LearnerStep(data, self.parts, self.args)
+        advantages = self.compute_advantages(
+            data, step.prox_logp, step.ref_logp
+        )  # KL-penalized rewards less the leave-one-out mean
+        for rows in step.minibatches():  # --update-epochs passes of --num-minibatches shuffled minibatches
+            logp = step.logps(rows)  # pi_theta, with gradients
+            loss, stats = self.policy_loss(
+                logp, step.prox_logp[rows], advantages[rows], step.weights[rows], data.mask[rows]
+            )
+            step.gradient_step(self.optimizer, loss, stats)  # gradient clipped to --max-grad-norm, Adam step
+        return step.stats(advantages)
 
     # ------------------------------------------------------------------ the advantages
     def compute_advantages(
@@ -91,8 +117,6 @@ class RLOO(LMAgent):
         ratio = torch.exp(logp - prox_logp)
         loss = -(weights * advantages * ratio * mask).sum(-1).mean()
         return loss, {"ratio_mean": masked_mean(ratio.detach(), mask)}
-
-    # update (one learner step on a batch of groups) and train (the loop): asyncvec.lm.training.LMAgent
 
 
 def train(args: Args) -> LMTrainResult:

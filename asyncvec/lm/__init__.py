@@ -6,7 +6,8 @@
 * :mod:`asyncvec.lm.chat`: ``Conversation``, the prefix-stable rendering of a multi-turn
   episode (chat template, or the plain format);
 * :mod:`asyncvec.lm.episodes`: ``EpisodeCollector``, episodes of a text policy in an
-  ``AsyncLLMVectorEnv``, k per reset seed;
+  ``AsyncLLMVectorEnv``, k per reset seed; their records (``Turn``, ``Episode``,
+  ``EpisodeGroups``) in :mod:`asyncvec.lm.episode_records`;
 * :mod:`asyncvec.lm.text_env`: ``TextEnv`` (any Discrete-action env as a text env),
   ``StringEnv`` (a plain ``reset()/step(str)`` object with Text spaces);
 * :mod:`asyncvec.lm.groups`: ``GroupCollector`` (k scored completions per prompt);
@@ -15,8 +16,9 @@
 * what the LM agents (``agents/rloo.py``, ``agents/reinforce_pp.py``, ``agents/grpo.py``) build
   and call: :mod:`asyncvec.lm.options` (``LMArgs``), :mod:`asyncvec.lm.backends` (``LM_BACKENDS``,
   the table of backends), :mod:`asyncvec.lm.build` (``build_parts``, ``is_multi_turn``),
+  :mod:`asyncvec.lm.staleness` (``Staleness``: ``--max-staleness`` and its three uses),
   :mod:`asyncvec.lm.prompts`, :mod:`asyncvec.lm.training` (``LMAgent``, the agents' base:
-  ``update``, ``train``, ``cli``; ``trainable_batch``, ``LearnerStep``, ``TrainingRun``),
+  ``train``, checkpoints, publishing; ``trainable_batch``, ``LearnerStep``, ``TrainingRun``),
   :mod:`asyncvec.lm.evaluation`, :mod:`asyncvec.lm.results` (``LMTrainResult``, ``summary``).
 
 Names are imported lazily (an env worker importing ``asyncvec.lm.text_env`` never pays for
@@ -45,9 +47,9 @@ _LAZY = {
     "sft_warm_start": "asyncvec.lm.learner",
     "Conversation": "asyncvec.lm.chat",
     "PlainChatFormat": "asyncvec.lm.chat",
-    "Turn": "asyncvec.lm.episodes",
-    "Episode": "asyncvec.lm.episodes",
-    "EpisodeGroups": "asyncvec.lm.episodes",
+    "Turn": "asyncvec.lm.episode_records",
+    "Episode": "asyncvec.lm.episode_records",
+    "EpisodeGroups": "asyncvec.lm.episode_records",
     "EpisodeCollector": "asyncvec.lm.episodes",
     "make_text_vector_env": "asyncvec.lm.episodes",
     "TextEnv": "asyncvec.lm.text_env",

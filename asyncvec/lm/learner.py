@@ -25,6 +25,7 @@ from asyncvec.versioning import per_token_versions
 __all__ = [
     "EpisodeBatch",
     "LMBatch",
+    "MinibatchSteps",
     "completion_logps",
     "load_causal_lm",
     "minibatch_updates",
@@ -624,19 +625,63 @@ def minibatch_updates(
         >>> sorted(stats)
         ['grad_norm', 'loss']
     """
-    single_pass = epochs == 1 and minibatches == 1 and logp is not None
-    per_minibatch = -(-len(data) // minibatches)
-    stats: dict[str, list[float]] = {}
-    for _ in range(epochs):
-        order = torch.arange(len(data)) if single_pass else torch.randperm(len(data))
-        for start in range(0, len(data), per_minibatch):
-            rows = order[start : start + per_minibatch].to(data.mask.device)
-            logp_rows = logp if single_pass else data.logps(model, temperature, rows)
-            loss, loss_stats = loss_fn(logp_rows, rows)
-            optimizer.zero_grad()
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
-            for key, value in {"loss": loss.detach(), "grad_norm": grad_norm, **loss_stats}.items():
-                stats.setdefault(key, []).append(float(value))
-    return {key: float(np.mean(values)) for key, values in stats.items()}
+    steps = MinibatchSteps(model, len(data), epochs, minibatches, max_grad_norm, in_order=logp is not None)
+    for rows in steps.minibatches(data.mask.device):
+        logp_rows = logp if steps.single_pass and logp is not None else data.logps(model, temperature, rows)
+        loss, loss_stats = loss_fn(logp_rows, rows)
+        steps.gradient_step(optimizer, loss, loss_stats)
+    return steps.means()
+
+
+class MinibatchSteps:
+    """The minibatch steps of one update: ``epochs`` passes over ``rows`` rows in ``minibatches``
+    shuffled minibatches (:meth:`minibatches`), one clipped gradient step each
+    (:meth:`gradient_step`), and the mean of each statistic over the steps (:meth:`means`).
+
+    ``single_pass``: one pass over one minibatch, whose rows come in order when ``in_order``
+    (the caller then reuses the log-probs it already computed with gradients).
+
+    Example:
+        >>> model = torch.nn.Linear(2, 1)
+        >>> steps = MinibatchSteps(model, rows=4, epochs=2, minibatches=2, max_grad_norm=1.0)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> for rows in steps.minibatches():
+        ...     steps.gradient_step(optimizer, model(torch.ones(len(rows), 2)).sum(), {"rows": len(rows)})
+        >>> steps.means()["rows"]
+        2.0
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        rows: int,
+        epochs: int,
+        minibatches: int,
+        max_grad_norm: float,
+        in_order: bool = False,
+    ) -> None:
+        self.model, self.rows, self.epochs, self.max_grad_norm = model, rows, epochs, max_grad_norm
+        self.per_minibatch = -(-rows // minibatches)
+        self.single_pass = epochs == 1 and minibatches == 1 and in_order
+        self._stats: dict[str, list[float]] = {}
+
+    def minibatches(self, device: torch.device | str = "cpu") -> Iterable[torch.Tensor]:
+        """The row indices of each step: a fresh shuffle per pass (in order for a single pass)."""
+        for _ in range(self.epochs):
+            order = torch.arange(self.rows) if self.single_pass else torch.randperm(self.rows)
+            for start in range(0, self.rows, self.per_minibatch):
+                yield order[start : start + self.per_minibatch].to(device)
+
+    def gradient_step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, stats: dict[str, Any]) -> None:
+        """``zero_grad``, ``backward``, the gradient clipped to ``max_grad_norm``, ``optimizer.step()``;
+        ``loss``, ``grad_norm`` and ``stats`` kept for :meth:`means`."""
+        optimizer.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        optimizer.step()
+        for key, value in {"loss": loss.detach(), "grad_norm": grad_norm, **stats}.items():
+            self._stats.setdefault(key, []).append(float(value))
+
+    def means(self) -> dict[str, float]:
+        """The mean over the steps taken of ``loss``, ``grad_norm`` and each statistic given."""
+        return {key: float(np.mean(values)) for key, values in self._stats.items()}

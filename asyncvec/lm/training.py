@@ -1,14 +1,14 @@
 """The language-model agents' skeleton and the steps their updates and loops call
 (``agents/rloo.py``, ``agents/reinforce_pp.py`` and the other LM agents): each agent file holds
-its ``Args``, its advantages and its loss; what every agent does the same way lives here.
+its ``Args``, its update (read top to bottom), its advantages and its loss; what every agent does
+the same way lives here.
 
 * :class:`LMAgent`: builds an agent's parts from its options (:func:`asyncvec.lm.build.build_parts`)
-  and its optimizer; one update (:meth:`LMAgent.update`: the trainable batch, ``pi_prox``, the
-  agent's advantages, minibatch steps on the agent's loss), the loop (:meth:`LMAgent.train`), the
-  command line (:meth:`LMAgent.cli`); publishes the learner's weights, closes everything;
+  and its optimizer; the loop (:meth:`LMAgent.train`: each agent's ``update``, then a publish),
+  checkpoints; publishes the learner's weights, closes everything;
 * :func:`trainable_batch`: a popped batch of groups as learner tensors, staleness recorded;
 * :class:`LearnerStep`: the start of an update (``pi_prox``, the reference's log-probs, the
-  truncated importance weights) and its minibatch steps on the agent's loss;
+  truncated importance weights), its minibatches, gradient steps and statistics;
 * :class:`TrainingRun`: the bookkeeping around the loop: batches popped from the collector,
   timings, logging, evaluation before and after, the ``--target-reward`` check, the result.
 """
@@ -31,9 +31,9 @@ from asyncvec.extras import check_installed
 from asyncvec.lifecycle import ClosesOnExit
 from asyncvec.lm.backends import LM_BACKENDS
 from asyncvec.lm.build import LMParts, build_parts
-from asyncvec.lm.episodes import EpisodeGroups
+from asyncvec.lm.episode_records import EpisodeGroups
 from asyncvec.lm.evaluation import confirm_target, mean_reward, target_reached
-from asyncvec.lm.learner import EpisodeBatch, LMBatch, minibatch_updates, quiet_model_libraries
+from asyncvec.lm.learner import EpisodeBatch, LMBatch, MinibatchSteps, quiet_model_libraries
 from asyncvec.lm.options import NOT_REPLAYED, LMArgs
 from asyncvec.lm.results import LMTrainResult
 from asyncvec.losses import truncated_importance_weights
@@ -48,21 +48,16 @@ from asyncvec.runs import (
     set_rng_state,
 )
 from asyncvec.schedule import RecordedUpdate, ScheduleError, ScheduleWriter, read_schedule
-from asyncvec.versioning import AdmissionControl
 
 LossAndStats = tuple[torch.Tensor, dict[str, float]]
 """What an agent's ``policy_loss`` returns: the loss (with grad) and its statistics."""
-
-PolicyLoss = Callable[..., LossAndStats]
-"""``policy_loss(logp, prox_logp, advantages, weights, mask, **row_inputs) -> (loss, stats)`` of a minibatch's
-rows (``row_inputs``: what :meth:`LearnerStep.minimize` was given, e.g. ``ref_logp``, on the same rows)."""
 
 
 class LMAgent(ClosesOnExit, RunFolder):
     """The skeleton of a language-model agent: its options (``args``), its parts (the learner and its
     frozen reference, the tokenizer, the policy, the version manager, the collector: see
     :class:`~asyncvec.lm.build.LMParts`), an Adam optimizer over the learner (``--learning-rate``),
-    one update, the loop, publishing and closing. An agent (a subclass) adds what differs: its
+    the loop, publishing and closing. An agent (a subclass) adds what differs: its ``update``, its
     ``compute_advantages`` and ``policy_loss``, and sets ``name`` (the run's name in its
     TensorBoard folder), ``label`` (its name in messages and the summary) and, when its
     advantages need it, ``min_group_samples``.
@@ -208,17 +203,17 @@ class LMAgent(ClosesOnExit, RunFolder):
         return cls.label
 
     # ------------------------------------------------------------------ one update
+    @abc.abstractmethod
     def update(self, groups: GroupBatch | EpisodeGroups) -> dict[str, float]:
-        """One learner update on complete groups (no publish); returns its statistics: the
-        trainable samples (:func:`trainable_batch`), ``pi_prox``, the reference's log-probs and the
-        truncated IS weights (:class:`LearnerStep`), the agent's advantages, then ``--update-epochs``
-        passes of ``--num-minibatches`` steps on the agent's loss, all against ``pi_prox``."""
-        data = trainable_batch(groups, self.parts, self.args, self.min_group_samples)
-        if not len(data):
-            return dict(data.info)  # nothing is trainable: no step
-        step = LearnerStep(data, self.parts, self.args)
-        advantages = self.compute_advantages(data, step.prox_logp, step.ref_logp)
-        return {**data.info, **step.minimize(self.optimizer, self.policy_loss, advantages, ref_logp=step.ref_logp)}
+        """One learner update on complete groups, read top to bottom in each agent's file: its trainable
+        batch (:meth:`trainable_batch`), ``pi_prox`` and the importance weights (:class:`LearnerStep`), its
+        advantages, its loss over ``--update-epochs`` x ``--num-minibatches`` steps; returns the update's
+        statistics (:meth:`LearnerStep.stats`). :meth:`train` publishes after it."""
+
+    def trainable_batch(self, groups: GroupBatch | EpisodeGroups) -> LMBatch | EpisodeBatch:
+        """What an update trains on (:func:`trainable_batch`): groups too stale, flagged rewards, deadline misses
+        and groups left with fewer than ``min_group_samples`` samples are out."""
+        return trainable_batch(groups, self.parts, self.args, self.min_group_samples)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> LMTrainResult:
@@ -281,10 +276,11 @@ def trainable_batch(
     data: LMBatch | EpisodeBatch
     if isinstance(groups, EpisodeGroups):  # multi-turn: a row per episode, stale turns masked one by one
         data = EpisodeBatch.from_episodes(
-            groups, current, args.max_staleness, args.gamma, min_group_samples, args.device
+            groups, current, args.staleness.learner_bound(), args.gamma, min_group_samples, args.device
         )
     else:
-        data = LMBatch.from_groups(groups, parts.tokenizer, current, args.max_staleness, min_group_samples, args.device)
+        bound = args.staleness.learner_bound()
+        data = LMBatch.from_groups(groups, parts.tokenizer, current, bound, min_group_samples, args.device)
     parts.versions.record_dropped(int(data.info["stale_samples"]))
     data.info["groups"], data.info["samples_received"] = batch_sizes(groups)
     return data
@@ -295,7 +291,8 @@ class LearnerStep:
     the update, detached), ``ref_logp`` (the frozen reference's, None without ``--kl-coef``), and
     ``weights``, the truncated importance weights ``min(pi_prox / mu, C)`` against the behavior
     log-probs ``mu`` the engine reported (``--is-cap``, ``--is-level``; ``[N, L]`` either way).
-    :meth:`minimize` runs the minibatch steps on the agent's loss.
+    :meth:`minibatches`, :meth:`logps` and :meth:`gradient_step` are the minibatch steps an agent's
+    ``update`` takes on its loss; :meth:`stats` the update's statistics.
 
     Per token: ``mu_t = mu_{v_t}(y_t | y_<t)``, token ``t``'s log-prob under the version ``v_t``
     that sampled it (``data.token_versions``), so ``w_t = min(pi_prox(y_t) / mu_{v_t}(y_t), C)``
@@ -304,9 +301,11 @@ class LearnerStep:
 
     def __init__(self, data: LMBatch | EpisodeBatch, parts: LMParts, args: LMArgs) -> None:
         self.data, self.learner, self.args = data, parts.learner, args
+        self.steps = MinibatchSteps(
+            parts.learner, len(data), args.update_epochs, args.num_minibatches, args.max_grad_norm, in_order=True
+        )
         # One pass over one minibatch reuses the graph of pi_prox's forward pass.
-        self.single_pass = args.update_epochs == 1 and args.num_minibatches == 1
-        with torch.set_grad_enabled(self.single_pass):
+        with torch.set_grad_enabled(self.steps.single_pass):
             self._logp = data.logps(parts.learner, args.temperature)
         self.prox_logp = self._logp.detach()
         self.ref_logp = None
@@ -319,37 +318,28 @@ class LearnerStep:
         if args.is_level == "sequence":
             self.weights = self.weights.unsqueeze(-1) * data.mask
 
-    def minimize(
-        self,
-        optimizer: torch.optim.Optimizer,
-        policy_loss: PolicyLoss,
-        advantages: torch.Tensor,
-        **row_inputs: torch.Tensor | None,
-    ) -> dict[str, float]:
-        """``--update-epochs`` passes of ``--num-minibatches`` steps on ``policy_loss``; returns the
-        update's statistics (losses, importance weights, advantages, KL to the reference).
-        ``row_inputs`` (e.g. ``ref_logp=step.ref_logp``) reach ``policy_loss`` by name, each on the
-        minibatch's rows (None as None)."""
-        data, args = self.data, self.args
+    def minibatches(self) -> Iterator[torch.Tensor]:
+        """The rows of each step: ``--update-epochs`` passes over the batch, each in
+        ``--num-minibatches`` shuffled minibatches (one pass over one minibatch: in order)."""
+        return iter(self.steps.minibatches(self.data.mask.device))
 
-        def rows_of(rows: Any) -> dict[str, torch.Tensor | None]:
-            return {key: None if value is None else value[rows] for key, value in row_inputs.items()}
+    def logps(self, rows: torch.Tensor) -> torch.Tensor:
+        """``pi_theta``'s log-probs ``[rows, L]`` of those rows, with gradients (one pass over one
+        minibatch reuses ``pi_prox``'s forward pass)."""
+        if self.steps.single_pass:
+            return self._logp
+        return self.data.logps(self.learner, self.args.temperature, rows)
 
-        losses = minibatch_updates(
-            data,
-            self.learner,
-            optimizer,
-            lambda logp_rows, rows: policy_loss(
-                logp_rows, self.prox_logp[rows], advantages[rows], self.weights[rows], data.mask[rows], **rows_of(rows)
-            ),
-            epochs=args.update_epochs,
-            minibatches=args.num_minibatches,
-            max_grad_norm=args.max_grad_norm,
-            temperature=args.temperature,
-            logp=self._logp if self.single_pass else None,
-        )
-        entries = len(data) if args.is_level == "sequence" else int(data.mask.sum())
-        stats = {f"losses/{k}": v for k, v in losses.items()}
+    def gradient_step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, stats: dict[str, float]) -> None:
+        """``zero_grad``, ``backward``, the gradient clipped to ``--max-grad-norm``, ``optimizer.step()``."""
+        self.steps.gradient_step(optimizer, loss, stats)
+
+    def stats(self, advantages: torch.Tensor) -> dict[str, float]:
+        """The update's statistics: its batch's counts (``data.info``), the losses' means over the steps,
+        the importance weights, the advantages and the KL to the reference."""
+        data = self.data
+        entries = len(data) if self.args.is_level == "sequence" else int(data.mask.sum())
+        stats = {**data.info, **{f"losses/{k}": v for k, v in self.steps.means().items()}}
         stats.update({f"is/{k}": float(v) for k, v in self.is_stats.items()})
         stats.update({"is/entries": entries, "is/clipped": round(float(self.is_stats["clipped_fraction"]) * entries)})
         stats["advantage_abs_mean"] = float(advantages.abs()[data.mask].mean())
@@ -400,11 +390,7 @@ class TrainingRun:
         self._pending: Any = None  # a batch that failed to confirm the target, trained on next
         self._stop = False
         self.evals = (math.nan, math.nan)
-        self.admission = (
-            AdmissionControl(args.prompts_per_update, args.max_staleness, args.policy_lag)
-            if args.mode == "async" and args.staleness_control == "admission"
-            else None
-        )
+        self.admission = args.staleness.admission(args.mode, args.prompts_per_update)
 
     def __enter__(self) -> TrainingRun:
         args = self.args
@@ -423,7 +409,7 @@ class TrainingRun:
             if args.mode == "async" and self.replay is None:  # generation runs ahead while the learner trains
                 self.parts.collector.start(
                     args.total_prompts - self.prompts_done,
-                    ahead=args.prefetch_updates * args.prompts_per_update,
+                    ahead=args.staleness.prompts_ahead(args.prompts_per_update),
                     admission=self.admission,
                 )
         except BaseException:
