@@ -43,7 +43,6 @@ from asyncvec.lm.prompts import (
 from asyncvec.lm.rewards import RewardService
 from asyncvec.lm.text_env import check_text_env, text_space
 from asyncvec.runs import check_env_id
-from asyncvec.versioning import LaggedWeights
 
 if TYPE_CHECKING:
     import torch
@@ -244,10 +243,10 @@ def version_manager(policy: Any, learner: torch.nn.Module, args: LMArgs, sync: b
     """The run's `VersionManager`, publishing to ``policy`` ``--policy-lag`` versions late. ``sync`` (a given
     policy or a server, whose weights may not be the learner's): the learner's weights are loaded first, as
     version ``starting_version(policy) + 1``."""
-    versions = VersionManager(initial_version=starting_version(policy) + sync, max_lag=args.max_staleness)
+    versions = args.staleness.version_manager(initial_version=starting_version(policy) + sync)  # max_lag
     if sync:
         policy.load_weights({k: v.detach().clone() for k, v in learner.state_dict().items()}, versions.current_version)
-    versions.register(LaggedWeights(policy, args.policy_lag))
+    versions.register(args.staleness.lagged(policy))
     return versions
 
 

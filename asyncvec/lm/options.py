@@ -22,6 +22,7 @@ import torch
 
 from asyncvec.lm import rewards
 from asyncvec.lm.backends import LM_BACKENDS
+from asyncvec.lm.staleness import Staleness
 from asyncvec.runs import import_user_module
 
 if TYPE_CHECKING:
@@ -213,6 +214,12 @@ class LMArgs:
     progress: bool = True
     """show a progress bar"""
 
+    @property
+    def staleness(self) -> Staleness:
+        """``--max-staleness``, ``--policy-lag``, ``--staleness-control`` and ``--prefetch-updates`` as one
+        object, with a method for each use of the bound (:mod:`asyncvec.lm.staleness`)."""
+        return Staleness.of(self)
+
     def __post_init__(self) -> None:
         for name in (
             "total_prompts",
@@ -236,12 +243,7 @@ class LMArgs:
             raise ValueError(
                 f"--replay re-runs a recorded schedule from the start: leave out --{'resume' if self.resume else 'record-schedule'}"
             )
-        if self.mode == "async" and self.staleness_control == "admission" and self.policy_lag > self.max_staleness:
-            raise ValueError(
-                f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}: under --staleness-control "
-                "admission no prompt could start; raise --max-staleness, or pass --staleness-control drop to generate "
-                "anyway and count what is dropped"
-            )
+        self.staleness.check(self.mode)  # --policy-lag within --max-staleness under admission
         _check_int("group_size", self.group_size, 2)
         for name in ("is_cap", "reward_timeout_s", "timeout_s", "learning_rate", "max_grad_norm"):
             _check_number(name, getattr(self, name), positive=True)
