@@ -145,7 +145,14 @@ class Args:
     """TensorBoard log root"""
     progress: bool = True
     """show a progress bar over the iterations"""
-    """torch.set_num_threads"""
+    critic_warmup_iterations: int = 5
+    """after behavior_clone: this many rollouts of the cloned policy that train the critic alone (the actor does not
+    move) before the ``iterations`` of PPO, so the first advantages come from a fitted value and not from noise
+    (0: none; no effect without behavior_clone)"""
+    anchor_coef: float = 0.1
+    """after behavior_clone: weight of the KL anchor ``KL(pi || pi_cloned)`` (per action, mean over the minibatch's
+    chunks) in the loss, which holds the actor near the frozen cloned policy (0: none; no effect without
+    behavior_clone)"""
 
 
 class ObservationEncoder(nn.Module):
@@ -285,6 +292,7 @@ class PPOChunks(RunFolder):
         self.version = 0
         self.clip_coef = args.clip_coef
         self.policy: GaussianChunkPolicy | None = None
+        self.reference: ChunkActorCritic | None = None  # the frozen cloned policy (behavior_clone), the anchor's
         self.iteration = 0
         self.run_name = run_name(args.env, "ppo_chunks", "sim" if args.latency_ticks is not None else "wall", args.seed)
 
@@ -376,6 +384,7 @@ class PPOChunks(RunFolder):
             self.optimizer.zero_grad()
             loss.backward()
             self.optimizer.step()
+        self.reference = copy.deepcopy(self.agent).requires_grad_(False)  # what RL is anchored to
         self.publish()
         return float(loss.detach())
 
@@ -432,8 +441,32 @@ class PPOChunks(RunFolder):
             value_mask,
         )
 
+    def value_loss(self, batch: ChunkBatch, idx: torch.Tensor) -> torch.Tensor:
+        """Half the squared error of the value against the GAE returns, on every env transition."""
+        values = self.agent.value(batch.observations[idx])
+        return 0.5 * masked_mean((values - batch.returns[idx]) ** 2, batch.value_mask[idx])
+
+    def anchor_kl(self, batch: ChunkBatch, idx: torch.Tensor) -> torch.Tensor:
+        """``KL(pi || pi_cloned)`` of one action (summed over its dimensions, mean over the H actions and the
+        minibatch's chunks), analytic for the two Gaussians; zero without a cloned reference."""
+        rows = torch.unique(batch.chunk_row[idx])
+        rows = rows[rows < len(batch.chunk_obs) - 1]  # the last row is the zeros of "no chunk"
+        if self.reference is None or len(rows) == 0:
+            return torch.zeros(())
+        mean, log_std = self.agent(batch.chunk_obs[rows])
+        with torch.no_grad():
+            reference_mean, reference_log_std = self.reference(batch.chunk_obs[rows])
+        kl = (
+            reference_log_std
+            - log_std
+            + ((2 * log_std).exp() + (mean - reference_mean) ** 2) / (2 * (2 * reference_log_std).exp())
+            - 0.5
+        )
+        return kl.sum(-1).mean()
+
     def loss(self, batch: ChunkBatch, idx: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Decoupled PPO on the policy's own actions plus the value loss on every env transition."""
+        """Decoupled PPO on the policy's own actions, the KL anchor to the cloned policy, and the value loss on
+        every env transition."""
         mask = batch.policy_mask[idx]
         advantages = batch.advantages[idx]
         if mask.any():
@@ -451,24 +484,31 @@ class PPOChunks(RunFolder):
         )
         if not mask.any():
             policy_loss = 0.0 * logp.sum()
-        values = self.agent.value(batch.observations[idx])
-        value_loss = 0.5 * masked_mean((values - batch.returns[idx]) ** 2, batch.value_mask[idx])
-        stats = {**stats, "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach()}
-        return policy_loss + self.args.vf_coef * value_loss, stats
+        anchor = self.anchor_kl(batch, idx) if self.args.anchor_coef > 0 else torch.zeros(())
+        value_loss = self.value_loss(batch, idx)
+        stats = {**stats, "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(),
+                 "anchor_kl": anchor.detach()}  # fmt: skip
+        return policy_loss + self.args.anchor_coef * anchor + self.args.vf_coef * value_loss, stats
 
-    def update(self, batch: ChunkBatch) -> dict[str, float]:
+    def update(self, batch: ChunkBatch, critic_only: bool = False) -> dict[str, float]:
+        """``update_epochs`` passes over the batch; ``critic_only``: the value loss alone (the critic warm-up:
+        the actor's parameters get no gradient, so Adam leaves them where they are)."""
         size = len(batch.advantages)
         minibatch = max(1, size // self.args.num_minibatches)
         stats: dict[str, torch.Tensor] = {}
         for _ in range(self.args.update_epochs):
             order = torch.randperm(size)
             for start in range(0, size, minibatch):
-                loss, stats = self.loss(batch, order[start : start + minibatch])
+                if critic_only:
+                    value_loss = self.value_loss(batch, order[start : start + minibatch])
+                    loss, stats = self.args.vf_coef * value_loss, {"value_loss": value_loss.detach()}
+                else:
+                    loss, stats = self.loss(batch, order[start : start + minibatch])
                 self.optimizer.zero_grad()
                 loss.backward()
                 nn.utils.clip_grad_norm_(self.agent.parameters(), self.args.max_grad_norm)
                 self.optimizer.step()
-            if self.args.target_kl is not None and stats["approx_kl"] > self.args.target_kl:
+            if not critic_only and self.args.target_kl is not None and stats["approx_kl"] > self.args.target_kl:
                 break
         return {key: float(value) for key, value in stats.items()}
 
@@ -514,6 +554,11 @@ class PPOChunks(RunFolder):
             history["eval_start"] = self.evaluate(executor, args.seed) if args.eval_rounds else float("nan")
             executor.reset(seed=args.seed)
             running = np.zeros(args.num_envs)
+            warmup_iterations = args.critic_warmup_iterations if self.reference is not None else 0
+            for _ in range(warmup_iterations):  # the critic learns the cloned policy's values; the actor waits
+                rollout = executor.run(args.ticks_per_rollout)
+                ended_episode_returns(rollout, running)
+                history["warmup_value_loss"] = self.update(self.prepare(rollout), critic_only=True)["value_loss"]
             trained = executed = 0
             for iteration in range(args.iterations):
                 frac = 1.0 - iteration / args.iterations if args.anneal_lr else 1.0
@@ -521,12 +566,7 @@ class PPOChunks(RunFolder):
                 tick = time.perf_counter()
                 rollout = executor.run(args.ticks_per_rollout)
                 history["act_seconds"] = history.get("act_seconds", 0.0) + time.perf_counter() - tick
-                ended = []
-                for row in range(len(rollout.rewards)):
-                    running += rollout.rewards[row]
-                    for env_id in np.flatnonzero(rollout.terminated[row] | rollout.truncated[row]):
-                        ended.append(running[env_id])
-                        running[env_id] = 0.0
+                ended = ended_episode_returns(rollout, running)
                 history["episode_returns"].append(float(np.mean(ended)) if ended else float("nan"))
                 for name in SOURCES:
                     history["sources"][name] += rollout.count(name)
@@ -556,6 +596,17 @@ class PPOChunks(RunFolder):
             envs.close()
         history["seconds"] = time.perf_counter() - start
         return history
+
+
+def ended_episode_returns(rollout: ChunkRollout, running: np.ndarray) -> list[float]:
+    """The returns of the episodes that ended in the rollout; ``running`` (per env, the return so far) is updated."""
+    ended = []
+    for row in range(len(rollout.rewards)):
+        running += rollout.rewards[row]
+        for env_id in np.flatnonzero(rollout.terminated[row] | rollout.truncated[row]):
+            ended.append(float(running[env_id]))
+            running[env_id] = 0.0
+    return ended
 
 
 def summary(args: Args, result: dict[str, Any]) -> str:

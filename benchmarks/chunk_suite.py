@@ -6,7 +6,9 @@ return of ``--eval-rounds`` x 8 episodes from reset before and after RL. The imp
 difference. One variant per ``--variants`` entry (Args fields changed from agents/ppo_chunks.py's
 defaults), every task and seed, two runs at a time (one per core: each run is one thread).
 
-Tasks (none keyed anywhere in the agent; image size and horizon vary):
+Tasks (none keyed anywhere in the agent; image size and horizon vary). The first four are the
+tuning tasks (agents/ppo_chunks.py's defaults are chosen on them); the ``held_out`` ones are never
+tuned on and are reported apart:
 
 * ``cartpole``: asyncvec/PixelCartPole-v0, 16 px, H=8: the task agents/ppo_chunks.py's defaults
   were measured on before this suite existed.
@@ -14,9 +16,17 @@ Tasks (none keyed anywhere in the agent; image size and horizon vary):
 * ``reach32``: the same at 32 px with H=4.
 * ``pendulum``: asyncvec/PixelPendulum-v0, 24 px, H=4, swing-up (the expert pumps energy, then
   balances).
+* ``mountain_car`` (held out): asyncvec/PixelMountainCarContinuous-v0, 16 px, H=8, 200 steps (the
+  expert pushes along the motion).
+* ``cartpole24`` (held out): asyncvec/PixelCartPole-v0 at 24 px with H=4.
+* ``reach24`` (held out): asyncvec/PixelReach-v0 at 24 px with H=6.
 
-Run (about 12 minutes on 2 cores for the two default variants):
-    python benchmarks/chunk_suite.py
+Each run is one row of ``benchmarks/results/<name>.jsonl`` (variant, task, seed, cloned start,
+end, expert, seconds), appended as it finishes; the table and the figure go to ``<name>.md`` and
+``<name>.png``. ``--processes 1`` (the default) runs one run at a time, one thread each.
+
+Run (the ablation of issue 50 on the tuning tasks, then the chosen defaults on every task):
+    python benchmarks/chunk_suite.py --variants "$(python -c 'from benchmarks.chunk_suite import ABLATION; print(ABLATION)')"
     python benchmarks/chunk_suite.py --tasks reach --seeds 1 --iterations 2 --eval-rounds 1   # a smoke run
 """
 
@@ -36,7 +46,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncvec.benchmarks.report import markdown_table, new_figure, save_report  # noqa: E402  (after the path)
+from asyncvec.benchmarks.report import RESULTS_DIR, markdown_table, new_figure, save_report  # noqa: E402  (after the path)
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,7 @@ class Task:
     size: int
     horizon: int
     max_episode_steps: int
+    held_out: bool = False  # never used to choose a default
 
 
 TASKS = {
@@ -52,21 +63,36 @@ TASKS = {
     "reach": Task("asyncvec/PixelReach-v0", 16, 8, 40),
     "reach32": Task("asyncvec/PixelReach-v0", 32, 4, 40),
     "pendulum": Task("asyncvec/PixelPendulum-v0", 24, 4, 200),
+    "mountain_car": Task("asyncvec/PixelMountainCarContinuous-v0", 16, 8, 200, held_out=True),
+    "cartpole24": Task("asyncvec/PixelCartPole-v0", 24, 4, 200, held_out=True),
+    "reach24": Task("asyncvec/PixelReach-v0", 24, 6, 40, held_out=True),
 }
+TUNING_TASKS = [name for name, task in TASKS.items() if not task.held_out]
+
+# issue 50's ablation: agents/ppo_chunks.py's fine-tuning aids after behaviour cloning, off and on
+ABLATION = json.dumps(
+    {
+        "none": {"critic_warmup_iterations": 0, "anchor_coef": 0.0},
+        "warm-up only": {"anchor_coef": 0.0},
+        "anchor only": {"critic_warmup_iterations": 0},
+        "both (defaults)": {},
+    }
+)
 
 
 @dataclass
 class Args:
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     """keys of TASKS"""
-    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
-    variants: str = '{"defaults": {}, "image only": {"instruction_buckets": 0}}'
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    variants: str = '{"defaults": {}}'
     """JSON: variant name -> agents/ppo_chunks.py Args fields changed from the defaults"""
     iterations: int = 20
     eval_rounds: int = 4
     demos: int = 800
     bc_steps: int = 150
-    processes: int = 2
+    processes: int = 1
+    """runs at a time (each one thread)"""
     name: str = "chunk_suite"
 
 
@@ -79,6 +105,9 @@ def expert_action(task: str, env: Any) -> np.ndarray:
     if task.startswith("reach"):
         heading = inner._squares[inner._target] - inner._dot
         return np.clip(heading / 0.1, -1.0, 1.0)
+    if task == "mountain_car":
+        _, speed = inner.state
+        return np.array([1.0 if speed >= 0 else -1.0])  # pump energy: push along the motion
     theta, speed = inner.state
     upright = ((theta + np.pi) % (2 * np.pi)) - np.pi
     if np.cos(upright) > 0.85:  # near the top: balance
@@ -161,10 +190,15 @@ def main(args: Args) -> list[dict]:
         for task in args.tasks for seed in args.seeds for name, fields in variants.items()
     ]  # fmt: skip
     context = multiprocessing.get_context("spawn")
+    rows_path = RESULTS_DIR / f"{args.name}.jsonl"
+    rows_path.parent.mkdir(parents=True, exist_ok=True)
+    rows_path.write_text("", encoding="utf-8")
     with ProcessPoolExecutor(args.processes, mp_context=context) as pool:
         results = []
         for result in pool.map(run, jobs):
             results.append(result)
+            with rows_path.open("a", encoding="utf-8") as rows_file:
+                rows_file.write(json.dumps({**result, "gain": result["eval_end"] - result["eval_start"]}) + "\n")
             print(f"{result['variant']:>12} {result['task']:>9} seed {result['seed']}: {result['eval_start']:8.1f} -> "
                   f"{result['eval_end']:8.1f} ({result['seconds']:.0f} s)", flush=True)  # fmt: skip
     rows = []
@@ -178,16 +212,19 @@ def main(args: Args) -> list[dict]:
             gaps = [r["expert"] - r["eval_start"] for r in runs]
             closed = np.mean([gain / gap for gain, gap in zip(gains, gaps, strict=True) if gap > 0] or [np.nan])
             expert = np.mean([r["expert"] for r in runs])
-            rows.append([name, task, *cells, f"{np.mean(gains):+.1f}", f"{min(gains):+.1f}", f"{expert:.1f}",
-                         f"{closed:.0%}"])  # fmt: skip
-    headers = ["variant", "task", *[f"seed {s}" for s in args.seeds], "mean gain", "worst gain", "expert",
-               "gap closed"]  # fmt: skip
+            label = f"{task} (held out)" if TASKS[task].held_out else task
+            rows.append([name, label, *cells, f"{np.median(gains):+.1f}", f"{np.mean(gains):+.1f}",
+                         f"{min(gains):+.1f}", f"{expert:.1f}", f"{closed:.0%}"])  # fmt: skip
+    headers = ["variant", "task", *[f"seed {s}" for s in args.seeds], "median gain", "mean gain", "worst gain",
+               "expert", "gap closed"]  # fmt: skip
     table = markdown_table(headers, rows)
     figure, axes = new_figure(width=8.0)
     labels = [f"{name}\n{task}" for name in variants for task in args.tasks]
     for i, (name, task) in enumerate((n, t) for n in variants for t in args.tasks):
         gains = [r["eval_end"] - r["eval_start"] for r in results if r["variant"] == name and r["task"] == task]
-        axes.scatter([i] * len(gains), gains, color="C0" if i < len(args.tasks) else "C1")
+        axes.scatter(
+            [i] * len(gains), gains, color=f"C{i // len(args.tasks)}", marker="x" if TASKS[task].held_out else "o"
+        )
     axes.axhline(0.0, color="grey", linewidth=0.8)
     axes.set_xticks(range(len(labels)), labels, fontsize=7)
     axes.set_ylabel("eval return after RL - after the warm start")
@@ -197,7 +234,8 @@ def main(args: Args) -> list[dict]:
     notes = (f"{args.iterations} iterations of 64 ticks x 8 envs after {args.bc_steps} behaviour-cloning steps on "
              f"{args.demos} noisy expert samples; {args.eval_rounds} x 8 evaluation episodes before and after RL. "
              "expert: the scripted demonstrator on the full state, one action per step, no noise, on the same "
-             "episodes; gap closed: the mean over seeds of gain / (expert - return after the warm start).")  # fmt: skip
+             "episodes; gap closed: the mean over seeds of gain / (expert - return after the warm start). Tasks marked "
+             "held out were never used to choose agents/ppo_chunks.py's defaults.")  # fmt: skip
     for path in save_report(args.name, table, figure, command=command.strip(), notes=notes):
         print(path)
     print(table)
