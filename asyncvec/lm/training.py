@@ -86,7 +86,7 @@ class LMAgent(ClosesOnExit, RunFolder):
         self.prompts_done = self.updates = 0
         state = self._load_checkpoint() if args.resume else None  # before building: a wrong one fails fast
         # --replay: the recorded updates (checked before building, so a wrong folder fails fast)
-        self._replay = read_schedule(args.replay, self.name, args, NOT_REPLAYED) if args.replay else None
+        self._replay = read_schedule(args.replay, self.name, args.flat(), NOT_REPLAYED) if args.replay else None
         if state is not None:
             self.run_name = state.get("run_name", self.run_name)
         # A resumed run: no warm start (the checkpoint's weights replace it), its prompt stream goes on.
@@ -136,7 +136,7 @@ class LMAgent(ClosesOnExit, RunFolder):
             updates=self.updates,
             prompts_done=self.prompts_done,
             run_name=self.run_name,
-            args=asdict(self.args),
+            args=asdict(self.args.flat()),  # flat names, as checkpoints always had
             reference=self.reference.state_dict() if self._reference_is_warm_started else None,
         )
 
@@ -220,7 +220,9 @@ class LMAgent(ClosesOnExit, RunFolder):
         """Trains on ``total_prompts`` prompts (or until ``target_reward``) and closes everything."""
         # TrainingRun: evaluation before and after, logging, generation started (--mode async) and stopped.
         recorder = (
-            ScheduleWriter(self.run_dir / "schedule", self.name, self.args) if self.args.record_schedule else None
+            ScheduleWriter(self.run_dir / "schedule", self.name, self.args.flat())
+            if self.args.record_schedule
+            else None
         )
         training = TrainingRun(self.parts, self.args, self.run_name, self.prompts_done, recorder, self._replay)
         with training as run:
@@ -399,7 +401,7 @@ class TrainingRun:
             track=args.track,
             total_steps=args.total_prompts,
             progress=args.progress,
-            hparams=asdict(args),
+            hparams=asdict(args.flat()),
             unit="prompt",
             initial_step=self.prompts_done,
         )
