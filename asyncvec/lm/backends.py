@@ -1,9 +1,11 @@
 """The LM agents' inference backends (``--backend``), one table entry each: :data:`LM_BACKENDS`.
 
-``LMArgs``' choices and checks of ``--backend`` (``asyncvec.lm.options``), the policy
-:func:`asyncvec.lm.build.make_text_policy` builds, whether the learner sends its starting weights
-first and whether ``--torch-threads`` applies all read this table. Adding a backend is adding an
-entry: its name, a factory making the text policy, and what sets it apart.
+``LMArgs``' choices and checks of ``--backend`` (``asyncvec.lm.options``: ``--base-url``,
+``--inflight-updates``, ``--bitwise-sampling``), the policy :func:`asyncvec.lm.build.make_text_policy`
+builds, whether the learner sends its starting weights first, whether requests are seeded and whether
+``--torch-threads`` applies all read this table. Adding an engine is its policy's file in
+``asyncvec/inference/backends/`` and a row here: its name, a factory making the text policy (importing
+the policy from its own module), and what sets it apart.
 
 Example:
     >>> from asyncvec.lm.backends import LM_BACKENDS
@@ -46,6 +48,9 @@ class LMBackend:
     """the policy talks to a server at ``--base-url`` (required), which no other backend takes"""
     inflight_server_kinds: tuple[str, ...] | None = None
     """``--inflight-updates``: None, always supported; else only with these ``--server-kind`` values"""
+    bitwise_sampling: bool = False
+    """``--bitwise-sampling`` applies: the policy can give each completion an engine call of its own (the others
+    batch requests as their engine decides)"""
     seeded_server_kinds: tuple[str, ...] | None = None
     """per-request sampling seeds (what makes LM runs repeat and async at lag 0 sync): None, always; else only with
     these ``--server-kind`` values (vLLM 0.32 on the CPU kills its engine when a seeded request's prefill is
@@ -63,6 +68,11 @@ class LMBackend:
         if not self.needs_base_url and args.base_url is not None:
             takes = " or ".join(name for name, backend in LM_BACKENDS.items() if backend.needs_base_url)
             raise ValueError(f"--base-url is only used with --backend {takes}, got --backend {self.name}")
+        if args.bitwise_sampling and not self.bitwise_sampling:
+            takes = " or ".join(name for name, backend in LM_BACKENDS.items() if backend.bitwise_sampling)
+            raise ValueError(
+                f"--bitwise-sampling needs --backend {takes}: {self.name} batches requests as its engine decides"
+            )
         kinds = self.inflight_server_kinds
         if args.inflight_updates and kinds is not None and args.server_kind not in kinds:
             anywhere = " or ".join(name for name, b in LM_BACKENDS.items() if b.inflight_server_kinds is None)
@@ -77,7 +87,7 @@ def make_hf_policy(
     args: Any, model_dir: Path, action_parser: Any, options: dict[str, Any], weights_dir: Path | None
 ) -> Any:
     """``HFTextPolicy``: transformers in this process, weights copied into the model in place."""
-    from asyncvec.inference import HFTextPolicy
+    from asyncvec.inference.backends.hf_policy import HFTextPolicy
     from asyncvec.lm.learner import load_causal_lm
 
     model, tokenizer = load_causal_lm(model_dir, args.device)
@@ -96,7 +106,7 @@ def make_vllm_policy(
     args: Any, model_dir: Path, action_parser: Any, options: dict[str, Any], weights_dir: Path | None
 ) -> Any:
     """``VLLMPolicy``: an in-process vLLM engine (``--vllm-engine``: its ``vllm.LLM`` options)."""
-    from asyncvec.inference import VLLMPolicy
+    from asyncvec.inference.backends.vllm_policy import VLLMPolicy
 
     engine = {"seed": args.seed, **json.loads(args.vllm_engine)}
     return VLLMPolicy(model_dir, action_parser, engine_kwargs=engine, inflight_updates=args.inflight_updates, **options)
@@ -108,7 +118,7 @@ def make_openai_policy(
     """``OpenAIPolicy`` against ``--base-url`` (``--server-kind``), checked before it is returned: each
     published version is written to ``--weights-dir`` (or ``weights_dir``), a folder the server must be
     able to read, and the server loads it."""
-    from asyncvec.inference import OpenAIPolicy
+    from asyncvec.inference.backends.openai_policy import OpenAIPolicy
 
     if args.inflight_updates:
         options = {**options, "inflight_updates": True}
@@ -158,7 +168,7 @@ def served_model_name(base_url: str, model_dir: Path) -> str:
 LM_BACKENDS: dict[str, LMBackend] = {
     backend.name: backend
     for backend in (
-        LMBackend("hf", make_hf_policy),
+        LMBackend("hf", make_hf_policy, bitwise_sampling=True),
         LMBackend(
             "openai",
             make_openai_policy,
