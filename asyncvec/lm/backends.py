@@ -4,8 +4,9 @@
 ``--inflight-updates``, ``--bitwise-sampling``), the policy :func:`asyncvec.lm.build.make_text_policy`
 builds, whether the learner sends its starting weights first, whether requests are seeded and whether
 ``--torch-threads`` applies all read this table. Adding an engine is its policy's file in
-``asyncvec/inference/backends/`` and a row here: its name, a factory making the text policy (importing
-the policy from its own module), and what sets it apart.
+``asyncvec/inference/backends/`` (with its name in ``asyncvec.inference``'s lazy table, which checks its
+optional library on first use) and a row here: its name, a factory making the text policy, and what sets
+it apart.
 
 Example:
     >>> from asyncvec.lm.backends import LM_BACKENDS
@@ -87,7 +88,7 @@ def make_hf_policy(
     args: Any, model_dir: Path, action_parser: Any, options: dict[str, Any], weights_dir: Path | None
 ) -> Any:
     """``HFTextPolicy``: transformers in this process, weights copied into the model in place."""
-    from asyncvec.inference.backends.hf_policy import HFTextPolicy
+    from asyncvec.inference import HFTextPolicy
     from asyncvec.lm.learner import load_causal_lm
 
     model, tokenizer = load_causal_lm(model_dir, args.device)
@@ -106,7 +107,7 @@ def make_vllm_policy(
     args: Any, model_dir: Path, action_parser: Any, options: dict[str, Any], weights_dir: Path | None
 ) -> Any:
     """``VLLMPolicy``: an in-process vLLM engine (``--vllm-engine``: its ``vllm.LLM`` options)."""
-    from asyncvec.inference.backends.vllm_policy import VLLMPolicy
+    from asyncvec.inference import VLLMPolicy
 
     engine = {"seed": args.seed, **json.loads(args.vllm_engine)}
     return VLLMPolicy(model_dir, action_parser, engine_kwargs=engine, inflight_updates=args.inflight_updates, **options)
@@ -118,7 +119,7 @@ def make_openai_policy(
     """``OpenAIPolicy`` against ``--base-url`` (``--server-kind``), checked before it is returned: each
     published version is written to ``--weights-dir`` (or ``weights_dir``), a folder the server must be
     able to read, and the server loads it."""
-    from asyncvec.inference.backends.openai_policy import OpenAIPolicy
+    from asyncvec.inference import OpenAIPolicy
 
     if args.inflight_updates:
         options = {**options, "inflight_updates": True}
