@@ -36,7 +36,7 @@ _TIMED_COMMANDS = ("step", "step_shared", "reset", "restart")  # a message holdi
 # The states and episode states the hot paths compare with, bound once (a global, not an enum attribute, per use)
 IDLE, WAITING_STEP, WAITING_RESET = SlotState.IDLE, SlotState.WAITING_STEP, SlotState.WAITING_RESET
 STEP_READY, RESET_READY, CALL_READY = SlotState.STEP_READY, SlotState.RESET_READY, SlotState.CALL_READY
-LIVE, ENDED = Episode.LIVE, Episode.ENDED
+LIVE, ENDED, LOST, ENDED_REBUILT = Episode.LIVE, Episode.ENDED, Episode.LOST, Episode.ENDED_REBUILT
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,8 @@ class Dispatcher:
         slot.payload = payload
         if command == "step":
             slot.state = WAITING_STEP
-            if slot.episode not in OWES_RESTART_STEP:  # the hot path: straight to the worker's message
+            episode = slot.episode
+            if episode is not LOST and episode is not ENDED_REBUILT:  # the hot path: straight to the worker's message
                 entry = self._outbox.get(slot.worker)
                 if entry is None:
                     entry = self._outbox[slot.worker] = ([], [])

@@ -47,7 +47,7 @@ class Episode(enum.Enum):
 OWES_RESTART_STEP = (Episode.LOST, Episode.ENDED_REBUILT)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: its fields are read and written per env on every step
 class Slot:
     """The vector env's view of one sub-environment."""
 
