@@ -75,7 +75,7 @@ def test_with_batched_sampling_lag_0_trains_on_the_same_samples_up_to_the_engine
         args = args_cls(model=str(warm_dir), mode=mode, log_dir=str(logs), record_schedule=True, **{**RUN, **options})
         with agent_cls(args) as agent:
             agent.train()
-            updates[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args, NOT_REPLAYED))
+            updates[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args.flat(), NOT_REPLAYED))
     assert len(updates["sync"]) == len(updates["async"]) == 4
     largest = 0.0
     for sync, async_ in zip(updates["sync"], updates["async"], strict=True):
@@ -166,7 +166,7 @@ def test_multi_turn_lag_0_plays_the_episodes_sync_does(warm_dir, tmp_path):
         args = rloo.Args(model=str(warm_dir), mode=mode, log_dir=str(tmp_path / mode), **{**options, **extra})
         with rloo.RLOO(args) as agent:
             agent.train()
-            played[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args, NOT_REPLAYED))
+            played[mode] = list(read_schedule(agent.run_dir / "schedule", "rloo", args.flat(), NOT_REPLAYED))
 
     def episodes(updates):
         return [
