@@ -32,7 +32,7 @@ from asyncvec.lifecycle import interrupts_outside_locks
 from asyncvec.lm.results import LMTrainResult, summary
 from asyncvec.runs import check_env_id
 from asyncvec.vector import WorkerError
-from asyncvec.versioning import LaggedWeights
+from asyncvec.versioning import with_lag
 
 if TYPE_CHECKING:
     from asyncvec import VersionManager
@@ -397,7 +397,7 @@ def make_ray_collector(
         make_policy, copy.deepcopy(actor), envs.single_action_space, largest, policy_latency_ms
     )
     collector = DistributedCollector(envs, policy_fn, sink, version_manager=versions, seed=seed, pace=pace)
-    versions.register(LaggedWeights(collector, policy_lag))
+    versions.register(with_lag(collector, policy_lag))
     if versions.current_version > 0:  # resumed from a checkpoint: act with its weights and version
         collector.load_weights({k: v.detach().clone() for k, v in actor.state_dict().items()}, versions.current_version)
     return collector

@@ -69,7 +69,7 @@ from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, rng_state, run_name, seed_everything
 from asyncvec.schedule import ScheduleError, ScheduleWriter, read_schedule
-from asyncvec.versioning import LaggedWeights, adapt_max_staleness
+from asyncvec.versioning import adapt_max_staleness, with_lag
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
 # left at their default; anything passed with another value wins.
@@ -283,7 +283,7 @@ class PPO(EnvStepsRun):
         self.versions = VersionManager(max_lag=args.max_staleness)
         self.stages = StageClock()  # wall and CPU seconds per stage of the loop (train starts a fresh one)
         if self.policy is not None:
-            self.versions.register(LaggedWeights(self.policy, args.policy_lag))
+            self.versions.register(with_lag(self.policy, args.policy_lag))
         self.store = RolloutStore(args.num_steps, args.num_envs, obs_space, stored_action_space(self.action_space))
         self.global_step = 0
         self.updates = 0

@@ -59,7 +59,7 @@ from asyncvec.buffers import Transitions
 from asyncvec.lifecycle import release_if_held
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, seed_everything
-from asyncvec.versioning import LaggedWeights
+from asyncvec.versioning import with_lag
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 
@@ -301,7 +301,7 @@ class SAC(EnvStepsRun):
             copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, whole_steps
         )
         self.versions = VersionManager(max_lag=None)
-        self.versions.register(LaggedWeights(self.policy, args.policy_lag))
+        self.versions.register(with_lag(self.policy, args.policy_lag))
         self.buffer = ReplayBuffer(args.buffer_size, obs_space, self.action_space, seed=args.seed)
         self.index = NStepIndex(args.buffer_size, args.num_envs)
         self.global_step = 0
