@@ -29,6 +29,14 @@ EXECUTED actions, one sample per tick and env:
   Actions older than ``--max-policy-lag`` versions are masked out.
 * **Advantage.** GAE over the ticks with ``V`` of each tick's image: the action played at tick
   ``t`` is credited with the rewards from ``t`` on, compared with ``V(o_t)``.
+* **After behaviour cloning** (``behavior_clone`` then ``train``, issue 50). Cloning freezes a copy
+  of the network as the reference. ``train`` first runs ``--critic-warmup-iterations`` rollouts of
+  the cloned policy that fit the critic alone (the actor does not move), so the first advantages
+  are not the noise of an untrained critic; then every PPO update adds
+  ``--anchor-coef * KL(pi || pi_cloned)`` (analytic, per action, over the minibatch's chunks),
+  which holds the actor near the policy that was good. Without cloning there is no reference:
+  neither applies. The defaults come from the ablation in ``benchmarks/chunk_suite.py``
+  (docs/robots.md).
 
 **What the network reads.** The camera image, resized to ``--image-size`` pixels a side, and, when the
 observation is a ``Dict`` with a ``Text`` instruction, the instruction as a bag of words hashed into

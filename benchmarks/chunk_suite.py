@@ -94,6 +94,11 @@ class Args:
     processes: int = 1
     """runs at a time (each one thread)"""
     name: str = "chunk_suite"
+    resume: bool = False
+    """keep the rows already in <name>.jsonl and run only the jobs that have none (a run replays bit for bit on
+    the simulated clock, so a row is what the job would give again on the same machine)"""
+    report_only: bool = False
+    """run nothing: draw the table and the figure from the rows already in <name>.jsonl (implies --resume)"""
 
 
 def expert_action(task: str, env: Any) -> np.ndarray:
@@ -182,6 +187,11 @@ def run(job: dict) -> dict:
             "trained_fraction": history["trained_fraction"], "seconds": time.perf_counter() - start}  # fmt: skip
 
 
+def same_job(row: dict, job: dict) -> bool:
+    """A jsonl row is this job's result (every setting of the job equal)."""
+    return all(row.get(key) == value for key, value in job.items())
+
+
 def main(args: Args) -> list[dict]:
     variants = json.loads(args.variants)
     jobs = [
@@ -192,9 +202,13 @@ def main(args: Args) -> list[dict]:
     context = multiprocessing.get_context("spawn")
     rows_path = RESULTS_DIR / f"{args.name}.jsonl"
     rows_path.parent.mkdir(parents=True, exist_ok=True)
-    rows_path.write_text("", encoding="utf-8")
+    resume = args.resume or args.report_only
+    kept = [json.loads(line) for line in rows_path.read_text().splitlines()] if resume and rows_path.exists() else []
+    if not resume:
+        rows_path.write_text("", encoding="utf-8")
+    results = [row for row in kept if any(same_job(row, job) for job in jobs)]
+    jobs = [] if args.report_only else [job for job in jobs if not any(same_job(row, job) for row in kept)]
     with ProcessPoolExecutor(args.processes, mp_context=context) as pool:
-        results = []
         for result in pool.map(run, jobs):
             results.append(result)
             with rows_path.open("a", encoding="utf-8") as rows_file:
@@ -204,10 +218,16 @@ def main(args: Args) -> list[dict]:
     rows = []
     for name in variants:
         for task in args.tasks:
-            runs = [r for r in results if r["variant"] == name and r["task"] == task]
+            runs = sorted((r for r in results if r["variant"] == name and r["task"] == task), key=lambda r: r["seed"])
+            if not runs:  # not measured (--report-only over a partial run)
+                continue
             gains = [r["eval_end"] - r["eval_start"] for r in runs]
+            by_seed = {r["seed"]: r for r in runs}
             cells = [
-                f"{r['eval_start']:.1f} -> {r['eval_end']:.1f} ({r['eval_end'] - r['eval_start']:+.1f})" for r in runs
+                f"{r['eval_start']:.1f} -> {r['eval_end']:.1f} ({r['eval_end'] - r['eval_start']:+.1f})"
+                if (r := by_seed.get(seed)) is not None
+                else "not run"
+                for seed in args.seeds
             ]
             gaps = [r["expert"] - r["eval_start"] for r in runs]
             closed = np.mean([gain / gap for gain, gap in zip(gains, gaps, strict=True) if gap > 0] or [np.nan])
