@@ -460,6 +460,16 @@ def one_line_parse_errors(args_cls: type[Any]) -> contextlib.AbstractContextMana
     return manager
 
 
+def _option_names(args_cls: type[Any]) -> list[str]:
+    """The fields of ``args_cls`` a command line sets, a section's (a nested dataclass, as ``LMArgs``'s) by name."""
+    names: list[str] = []
+    for option in dataclasses.fields(args_cls):
+        factory = option.default_factory
+        nested = dataclasses.is_dataclass(factory) and isinstance(factory, type)
+        names += _option_names(factory) if nested else [option.name]
+    return names
+
+
 def unrecognized_options(tokens: list[str], args_cls: type[Any]) -> str:
     """What an agent's command line could not read, with the option meant where one is near.
 
@@ -472,7 +482,7 @@ def unrecognized_options(tokens: list[str], args_cls: type[Any]) -> str:
         >>> unrecognized_options(["--lr", "0.001"], Args)
         'unrecognized option --lr (did you mean --learning-rate?); see --help'
     """
-    flags = ["--" + field.name.replace("_", "-") for field in dataclasses.fields(args_cls)]
+    flags = ["--" + name.replace("_", "-") for name in _option_names(args_cls)]
     words = []
     for token in tokens:
         if not token.startswith("--"):

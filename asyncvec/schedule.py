@@ -47,6 +47,12 @@ class RecordedUpdate:
     rng: dict[str, Any]
 
 
+def recorded_options(args: Any) -> dict[str, Any]:
+    """The options a schedule records and compares: every field by its flat name (an LM agent's ``LMArgs`` groups
+    its options in sections; ``args.flat()`` gives them the names they have on the command line)."""
+    return asdict(args.flat() if hasattr(args, "flat") else args)
+
+
 class ScheduleWriter:
     """Writes a run's schedule into ``folder``: ``meta.json`` (agent, options), then one
     ``update_NNNNNN.pt`` per update (:meth:`write`, before the update runs)."""
@@ -55,7 +61,7 @@ class ScheduleWriter:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.updates = len(list(self.folder.glob("update_*.pt")))  # a resumed run goes on numbering
-        meta = {"agent": agent, "args": asdict(args)}
+        meta = {"agent": agent, "args": recorded_options(args)}
         (self.folder / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
 
     def write(self, batch: Any, version: int, position: int) -> None:
@@ -92,7 +98,7 @@ def read_schedule(folder: str | Path, agent: str, args: Any, not_replayed: Colle
         raise ScheduleError(
             f"--replay {folder}: recorded by {meta.get('agent')}, not {agent}: replay it with that agent"
         )
-    current = json.loads(json.dumps(asdict(args), default=str))
+    current = json.loads(json.dumps(recorded_options(args), default=str))
     for name, value in meta.get("args", {}).items():
         if name not in not_replayed and current.get(name) != value:
             raise ScheduleError(

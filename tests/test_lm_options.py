@@ -134,3 +134,14 @@ def test_minibatch_steps_draw_the_shuffles_the_old_loop_drew(epochs, minibatches
     steps = MinibatchSteps(model, rows, epochs, minibatches, max_grad_norm=1.0, in_order=in_order)
     got = list(steps.minibatches())
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_mistyped_sectioned_flag_is_suggested_and_schedules_record_flat_names():
+    from asyncvec.agents.common import unrecognized_options
+    from asyncvec.schedule import recorded_options
+
+    # --max-staleness lives in the staleness section; the hint must name it, not the section
+    hint = unrecognized_options(["--max-stalenes", "1"], LMArgs)
+    assert "did you mean --max-staleness?" in hint
+    recorded = recorded_options(LMArgs(max_staleness=1))
+    assert recorded["max_staleness"] == 1 and "staleness" not in recorded
