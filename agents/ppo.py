@@ -16,13 +16,15 @@ Off-policy corrections (``--correction``), with ``mu`` the behavior policy that 
 ``pi_prox`` the learner's policy at the start of the update and ``pi`` the one being trained:
 
 * ``none``: PPO with ``mu`` as the old policy, ``r = pi/mu`` (staleness ignored).
-* ``tis`` (default): as ``none``, but the ratio is truncated, ``min(r, C) A`` in place of ``r A``,
-  so a stale sample cannot blow up the surrogate (``C = --is-cap``); it stays stable under
+* ``tis``: as ``none``, but the ratio is truncated, ``min(r, C) A`` in place of ``r A``,
+  so a stale sample cannot blow up the surrogate (``C = --is-cap``, 2); it stays stable under
   large lags (docs/agents.md has the measurement).
 * ``vtrace``: V-trace value targets and policy-gradient advantages (IMPALA, with
   ``rho = min(1, pi_prox/mu)``), PPO clipped against ``pi_prox``.
 * ``decoupled``: GAE advantages, Hilton et al.'s decoupled PPO loss, clipped against
-  ``pi_prox`` and weighted by ``min(pi_prox/mu, C)``.
+  ``pi_prox`` and weighted by ``pi_prox/mu`` (truncated at ``--is-cap`` when given).
+* ``auto`` (default): ``decoupled`` for Box actions at async ``--max-staleness 1``, ``tis`` otherwise
+  (:func:`chosen_correction` has the rule and why).
 
 Samples older than ``--max-staleness`` versions are masked out of the loss (and counted), and so
 are deadline fallbacks. Time-limit truncations bootstrap from the final observation. Settings
@@ -61,48 +63,16 @@ from asyncvec.agents.common import (
     stored_action_space,
 )
 from asyncvec.agents.ppo_networks import Actor, Critic
+from asyncvec.agents.ppo_settings import PRESETS, chosen_correction, corrected_policy_loss
 from asyncvec.agents.summaries import final_return_text, restarts_text, run_steps_text
 from asyncvec.collection import next_segment
 from asyncvec.collection.process import ProcessCollector
-from asyncvec.losses import decoupled_ppo_loss, gae, ppo_clip_loss, truncated_importance_weights, vtrace
+from asyncvec.losses import gae, truncated_importance_weights, vtrace
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.normalization import RewardScaler
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, rng_state, run_name, seed_everything
 from asyncvec.schedule import ScheduleError, ScheduleWriter, read_schedule
 from asyncvec.versioning import adapt_max_staleness, with_lag
-
-# Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
-# left at their default; anything passed with another value wins.
-PRESETS: dict[str, dict[str, object]] = {
-    # CleanRL's ppo.py (classic control): 128 steps/env, 4 minibatches x 4 epochs, an entropy bonus.
-    "cleanrl": dict(
-        num_steps=128,
-        learning_rate=2.5e-4,
-        gamma=0.99,
-        gae_lambda=0.95,
-        num_minibatches=4,
-        update_epochs=4,
-        ent_coef=0.01,
-        target_kl=None,
-        normalize_obs=False,
-        normalize_rewards=False,
-        clip_vloss=True,
-    ),
-    # CleanRL's ppo_continuous_action.py (MuJoCo): 2,048 steps per update, 32 minibatches x 10 epochs.
-    "cleanrl-continuous": dict(
-        num_steps=256,
-        learning_rate=3e-4,
-        gamma=0.99,
-        gae_lambda=0.95,
-        num_minibatches=32,
-        update_epochs=10,
-        ent_coef=0.0,
-        target_kl=None,
-        normalize_obs=True,
-        normalize_rewards=True,
-        clip_vloss=True,
-    ),
-}
 
 
 @dataclass
@@ -116,10 +86,12 @@ class Args(EnvAgentArgs):
     adaptive_staleness: bool = False
     """lower max_staleness while the importance weights of recent updates degenerate, raise it back
     (up to --max-staleness) while they are healthy (rule: asyncvec.versioning.adapt_max_staleness)"""
-    correction: Literal["none", "tis", "vtrace", "decoupled"] = "tis"
-    """off-policy correction for stale samples (see the module docstring)"""
-    is_cap: float = 2.0
-    """truncation C of the importance weights"""
+    correction: Literal["auto", "none", "tis", "vtrace", "decoupled"] = "auto"
+    """off-policy correction for stale samples (see the module docstring); auto: decoupled for a Box action space
+    at async --max-staleness 1, tis otherwise (the rule measured on a suite of tasks: asyncvec docs agents)"""
+    is_cap: float | None = None
+    """truncation C of the importance weights (tis: pi/mu; decoupled: pi_prox/mu); None: 2 for tis and vtrace's
+    statistics, no truncation for decoupled"""
     policy_lag: int = 0
     """actors receive each new version this many updates late (a slow weight broadcast)"""
     preset: Literal["none", "cleanrl", "cleanrl-continuous"] = "none"
@@ -176,7 +148,7 @@ class Args(EnvAgentArgs):
                 f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}: every sample "
                 f"would be too stale to learn from"
             )
-        if self.is_cap <= 0:
+        if self.is_cap is not None and self.is_cap <= 0:
             raise ValueError(f"--is-cap must be > 0, got {self.is_cap}")
         if self.target_kl is not None and self.target_kl <= 0:
             raise ValueError(f"--target-kl must be > 0 (or None), got {self.target_kl}")
@@ -237,6 +209,9 @@ class PPO(EnvStepsRun):
                 f"PPO needs a flat Box observation space and a Discrete or Box action space; {args.env} has "
                 f"observation space {obs_space} and action space {self.action_space}"
             )
+        self.correction, self.is_cap = chosen_correction(
+            args.correction, args.is_cap, args.mode, args.max_staleness, self.action_space
+        )
         # async at --max-staleness 0 or 1: acting runs in a process of its own (ProcessCollector, which builds the
         # envs there), the envs step together, and each segment is acted by a version fixed by construction
         self.lockstep = args.mode == "async" and args.backend == "local" and args.max_staleness <= 1 and not args.replay
@@ -383,7 +358,7 @@ class PPO(EnvStepsRun):
             final_values = torch.zeros_like(values)
             if truncated.any():
                 final_values[truncated] = self.critic(torch.as_tensor(segment.next_obs, dtype=torch.float32)[truncated])
-            if args.correction == "vtrace":
+            if self.correction == "vtrace":
                 # The trace stops at every episode end; a truncated step's reward carries gamma V(final obs).
                 discounts = args.gamma * (~(terminated | truncated)).float()
                 targets = vtrace(
@@ -434,7 +409,7 @@ class PPO(EnvStepsRun):
             prox_logp, _ = self.actor.log_prob_entropy(obs, actions)
             advantages, returns = self.advantages_and_returns(segment, values, prox_logp, rewards)
             # How off-policy the data is, whatever the correction: weights pi_prox/mu on the valid samples.
-            _, offpolicy = truncated_importance_weights(prox_logp, behavior_logp, args.is_cap, mask=valid)
+            _, offpolicy = truncated_importance_weights(prox_logp, behavior_logp, self.is_cap, mask=valid)
 
         b = {
             "obs": obs.reshape(T * N, -1),
@@ -468,8 +443,8 @@ class PPO(EnvStepsRun):
                     break
                 adv = b["advantages"][idx]
                 adv = (adv - adv[mask].mean()) / (adv[mask].std() + 1e-8) if mask.sum() > 1 else adv
-                pg_loss, pg_stats = self._policy_loss(
-                    logp, b["prox_logp"][idx], b["behavior_logp"][idx], adv, clip, mask
+                pg_loss, pg_stats = corrected_policy_loss(
+                    self.correction, self.is_cap, logp, b["prox_logp"][idx], b["behavior_logp"][idx], adv, clip, mask
                 )
                 value = self.critic(b["obs"][idx])
                 v_error = (value - b["returns"][idx]) ** 2
@@ -514,30 +489,6 @@ class PPO(EnvStepsRun):
             self.versions.max_lag = self.max_staleness
         out["staleness/max_staleness"] = float(self.max_staleness)
         return out
-
-    def _policy_loss(self, logp, prox_logp, behavior_logp, adv, clip, mask):
-        args = self.args
-        if args.correction == "decoupled":
-            loss, stats = decoupled_ppo_loss(
-                logp, prox_logp, behavior_logp, adv, clip, behavior_cap=args.is_cap, mask=mask
-            )
-            stats["is_weight_mean"] = stats.pop("behavior_weight_mean")
-            stats["is_clipped_fraction"] = stats.pop("behavior_clipped_fraction")
-            stats["is_ess"] = stats.pop("behavior_ess")
-            return loss, stats
-        if args.correction == "vtrace":
-            return ppo_clip_loss(logp, prox_logp, adv, clip, mask=mask)
-        if args.correction == "tis":
-            ratio = torch.exp(logp - behavior_logp)
-            surrogate = torch.min(ratio.clamp(max=args.is_cap) * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-            loss = -surrogate[mask].mean()
-            _, w_stats = truncated_importance_weights(logp.detach(), behavior_logp, args.is_cap, mask=mask)
-            return loss, {
-                "is_weight_mean": w_stats["mean_weight"],
-                "is_clipped_fraction": w_stats["clipped_fraction"],
-                "is_ess": w_stats["ess"],
-            }
-        return ppo_clip_loss(logp, behavior_logp, adv, clip, mask=mask)
 
     # ------------------------------------------------------------------ acting
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import glob
+import math
 import os
 import signal
 import subprocess
@@ -362,6 +363,26 @@ def test_ppo_corrections_run_and_report_is_stats(correction):
     assert last["staleness/max"] >= 1, "policy_lag=1 makes samples one version stale"
     if correction in ("tis", "decoupled"):
         assert 0 < last["losses/is_ess"] <= 1
+
+
+@pytest.mark.parametrize(
+    ("env", "mode", "max_staleness", "given", "chosen"),
+    [
+        ("Pendulum-v1", "async", 1, {}, ("decoupled", math.inf)),  # a Gaussian policy, every sample one version old
+        ("Pendulum-v1", "sync", 1, {}, ("tis", 2.0)),
+        ("Pendulum-v1", "async", 0, {}, ("tis", 2.0)),  # lag 0 is the sync run, bitwise: the same loss
+        ("Pendulum-v1", "async", 1, {"is_cap": 3.0}, ("decoupled", 3.0)),  # what the user gives wins
+        ("CartPole-v1", "async", 1, {}, ("tis", 2.0)),  # a categorical policy
+        ("CartPole-v1", "async", 1, {"correction": "vtrace"}, ("vtrace", 2.0)),
+    ],
+)
+def test_ppo_auto_correction_follows_its_rule_and_never_overrides_the_user(env, mode, max_staleness, given, chosen):
+    agent = ppo.PPO(ppo.Args(env=env, mode=mode, max_staleness=max_staleness, num_envs=2, progress=False, **given))
+    try:
+        assert (agent.correction, agent.is_cap) == chosen
+        assert agent.args.correction == given.get("correction", "auto"), "the options as the user gave them"
+    finally:
+        agent.close()
 
 
 def cartpole_segment(reward, terminated, truncated, first_obs, next_first_obs, last_first_obs, **fields):
