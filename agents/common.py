@@ -9,10 +9,7 @@ import difflib
 import functools
 import json
 import os
-import re
 import sys
-import tempfile
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +22,13 @@ import tyro
 from gymnasium.vector import AutoresetMode
 
 from asyncvec import AsyncLLMVectorEnv
+from asyncvec.agents.run_errors import TRACEBACK_VARIABLE, first_line, report_run_error
 from asyncvec.envs.slow import SlowEnv
 from asyncvec.extras import MissingExtraError, missing_env_extra
 from asyncvec.inference import BatchedPolicy, LatencyModel, TorchPolicy
 from asyncvec.lifecycle import interrupts_outside_locks
 from asyncvec.lm.results import LMTrainResult, summary
 from asyncvec.runs import check_env_id
-from asyncvec.vector import WorkerError
 from asyncvec.versioning import with_lag
 
 if TYPE_CHECKING:
@@ -417,10 +414,6 @@ def anneal(optimizer: torch.optim.Optimizer, learning_rate: float, clip_coef: fl
     return clip_coef * max(frac, 0.05)
 
 
-TRACEBACK_VARIABLE = "ASYNCVEC_TRACEBACK"
-"""Set (``ASYNCVEC_TRACEBACK=1``), the agents' command lines let every error keep its full traceback."""
-
-
 def exit_on_version_flag(argv: list[str] | None = None) -> None:
     """``--version`` anywhere on an agent's command line prints asyncvec's version and exits 0 (checked before tyro
     parses, so it works whatever else is given)."""
@@ -525,80 +518,6 @@ def exit_on_setup_error(name: str) -> Iterator[None]:
                 raise
             print(f"{name}: error: {first_line(exc)}", file=sys.stderr)
             raise SystemExit(2) from None
-
-
-def first_line(exc: BaseException) -> str:
-    """``exc``'s message up to its first blank line, on one line (a worker's traceback follows a blank line)."""
-    text = str(exc).split("\n\n")[0]
-    return " ".join(text.split()) or type(exc).__name__
-
-
-def worker_error_in(exc: BaseException) -> WorkerError | None:
-    """The `WorkerError` (an env that raised, died or hung in its worker) that ``exc`` is or wraps, if any."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, WorkerError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def where_raised(worker_traceback: str) -> str:
-    r"""``file:line in function`` of the last frame of a formatted traceback ('' when there is none).
-
-    Example:
-        >>> where_raised('Traceback (most recent call last):\n  File "/x/my_env.py", line 12, in step\n    1/0\nZeroDivisionError')
-        'my_env.py:12 in step'
-    """
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', worker_traceback)
-    if not frames:
-        return ""
-    path, line, function = frames[-1]
-    return f"{Path(path).name}:{line} in {function}"
-
-
-def report_run_error(name: str, exc: BaseException, folder: Path | None, setup: bool = False) -> int:
-    """Prints an error that ended a training run as one line (what failed, where, where its full traceback
-    was written) and returns the exit code: 2 for an env that failed in its worker (the user's env to fix) or
-    anything failing while the agent was built (``setup``: the env's or the model's code, a setting), 1
-    otherwise. The full traceback goes to ``folder/traceback.txt`` (or a temporary file), once."""
-    worker = worker_error_in(exc)
-    if worker is None:
-        text = "".join(traceback.format_exception(exc))
-    else:  # the worker's traceback once (the error's message and its chained cause repeat it)
-        text = (
-            f"{first_line(worker)}\n\nWhere the run met it (most recent call last):\n"
-            + "".join(traceback.format_tb(exc.__traceback__))
-            + f"\nTraceback in the worker process of env {worker.env_index}:\n{worker.worker_traceback}"
-        )
-    try:
-        if folder is None:
-            raise OSError
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "traceback.txt"
-        path.write_text(text)
-    except OSError:
-        with tempfile.NamedTemporaryFile("w", prefix="asyncvec-", suffix="-traceback.txt", delete=False) as file:
-            file.write(text)
-            path = Path(file.name)
-    tail = f"full traceback in {path} ({TRACEBACK_VARIABLE}=1 prints it)"
-    if worker is not None:
-        at = where_raised(worker.worker_traceback)
-        print(
-            f"{name}: error: your env failed: {first_line(worker)}{f' (at {at})' if at else ''}; fix the env "
-            f"(or let --max-restarts rebuild it); {tail}",
-            file=sys.stderr,
-        )
-        return 2
-    at = where_raised("".join(traceback.format_exception(exc)))
-    when = "while building the agent: its env, model or options" if setup else "while training"
-    print(
-        f"{name}: error: {type(exc).__name__}: {first_line(exc)} ({f'at {at}, ' if at else ''}{when}); {tail}",
-        file=sys.stderr,
-    )
-    return 2 if setup else 1
 
 
 def _checkpoint_words(agent: Any, saves: str, stopped: bool = False) -> str:

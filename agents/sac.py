@@ -4,9 +4,9 @@ Run:   python agents/sac.py --env Pendulum-v1 --mode async --total-timesteps 150
 Installed: asyncvec-sac (or python -m asyncvec.agents.sac) with the same options
 Import: from asyncvec.agents.sac import SAC, Args; result = SAC(Args()).train()
 
-``--mode sync`` is CleanRL's loop: act on every env, store, take gradient steps, repeat.
-``--mode async`` runs a Collector thread that fills the replay buffer while the learner
-takes gradient steps; the two are paced to the same update-to-data ratio (``--utd``).
+``--mode sync`` is CleanRL's loop: act on every env, store, take gradient steps, repeat. ``--mode async`` runs a
+Collector thread that fills the replay buffer while the learner takes gradient steps, at most one step of every env
+ahead of sync's update-to-data ratio (``--utd``).
 
 Every sample carries the version of the actor that chose its action and that action's
 log-prob. The learner publishes a new version every ``--publish-every`` gradient steps, by
@@ -37,9 +37,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributions import AffineTransform, Independent, Normal, TanhTransform, TransformedDistribution
 
 from asyncvec import Collector, ReplayBuffer, VersionManager
 from asyncvec.agents.common import (
@@ -54,14 +52,13 @@ from asyncvec.agents.common import (
     parse_cli,
     run_from_cli,
 )
+from asyncvec.agents.sac_networks import Actor, SoftQ
 from asyncvec.agents.summaries import final_return_text, restarts_text, run_steps_text
 from asyncvec.buffers import Transitions
 from asyncvec.lifecycle import release_if_held
 from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, seed_everything
 from asyncvec.versioning import with_lag
-
-LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 
 
 @dataclass
@@ -140,49 +137,6 @@ class Args(EnvAgentArgs):
             raise ValueError("--lockstep is async at lag 0: it needs --mode async, --backend local, --policy-lag 0")
         if self.max_staleness is not None and self.policy_lag > self.max_staleness:
             raise ValueError(f"--policy-lag {self.policy_lag} exceeds --max-staleness {self.max_staleness}")
-
-
-class Actor(nn.Module):
-    """Tanh-squashed Gaussian scaled to the action bounds; ``forward`` returns the distribution."""
-
-    def __init__(self, obs_dim: int, action_space: gym.spaces.Box, hidden: int) -> None:
-        super().__init__()
-        act_dim = int(np.prod(action_space.shape))
-        self.body = nn.Sequential(nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
-        self.mean = nn.Linear(hidden, act_dim)
-        self.log_std = nn.Linear(hidden, act_dim)
-        self.register_buffer("scale", torch.as_tensor((action_space.high - action_space.low) / 2, dtype=torch.float32))
-        self.register_buffer("bias", torch.as_tensor((action_space.high + action_space.low) / 2, dtype=torch.float32))
-
-    def forward(self, obs: torch.Tensor) -> Independent:
-        h = self.body(obs)
-        log_std = torch.tanh(self.log_std(h))
-        log_std = LOG_STD_MIN + 0.5 * (LOG_STD_MAX - LOG_STD_MIN) * (log_std + 1)
-        base = Normal(self.mean(h), log_std.exp())
-        squash = [TanhTransform(cache_size=1), AffineTransform(self.bias, self.scale, cache_size=1)]
-        return Independent(TransformedDistribution(base, squash), 1)
-
-    def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A reparameterized action and its log-prob (tanh correction included)."""
-        dist = self(obs)
-        action = dist.rsample()
-        return action, dist.log_prob(action)
-
-    def log_prob(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-        """Log-prob of a stored action (clamped inside the bounds so atanh stays finite)."""
-        inner = ((action - self.bias) / self.scale).clamp(-1 + 1e-6, 1 - 1e-6)
-        return self(obs).log_prob(inner * self.scale + self.bias)
-
-
-class SoftQ(nn.Module):
-    def __init__(self, obs_dim: int, act_dim: int, hidden: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(obs_dim + act_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
-        )
-
-    def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.cat([obs, action], -1)).squeeze(-1)
 
 
 @dataclass
@@ -340,8 +294,7 @@ class SAC(EnvStepsRun):
             self._progress.notify_all()
 
     def _gradient_steps_due(self) -> int:
-        """Gradient steps owed: ``utd`` per env step after ``learning_starts`` (as CleanRL: no catch-up burst
-        on the warm-up data), minus those taken."""
+        """Gradient steps owed: ``utd`` per env step after ``learning_starts`` (CleanRL's), minus those taken."""
         if self.global_step < self.args.learning_starts:
             return 0
         return int(self.args.utd * (self.global_step - self.args.learning_starts)) - self.gradient_steps
@@ -371,8 +324,7 @@ class SAC(EnvStepsRun):
                 self._progress.wait(0.1)
 
     def _learner_behind(self) -> bool:
-        """Async: gradient steps are due on the stored data (and can be taken), or the last one's publish is under
-        way (it bumps the version after the step count)."""
+        """Async: gradient steps are due on the stored data (and can be taken), or the last one's publish is under way."""
         args = self.args
         published = self._first_version + self.gradient_steps // args.publish_every - self._first_publishes
         return (self._gradient_steps_due() > 0 and not self._starved) or self.versions.current_version < published

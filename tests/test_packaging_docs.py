@@ -132,7 +132,9 @@ def printed_texts(capsys) -> dict[str, str]:
             main(argv)
         texts["asyncvec " + " ".join(argv)] = capsys.readouterr().out
     texts["the missing vLLM extra"] = install_command("vllm")
-    args = SimpleNamespace(base_url="http://127.0.0.1:1", server_kind="asyncvec", inflight_updates=True)
+    args = SimpleNamespace(
+        base_url="http://127.0.0.1:1", server_kind="asyncvec", inflight_updates=True, bitwise_sampling=False
+    )
     with pytest.raises(ValueError) as refused:
         LM_BACKENDS["openai"].check(args)
     texts["--inflight-updates refused"] = str(refused.value)
