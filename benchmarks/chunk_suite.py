@@ -104,7 +104,7 @@ class Args:
 def expert_action(task: str, env: Any) -> np.ndarray:
     """A scripted controller on the simulator state (the warm start's demonstrator)."""
     inner = env.unwrapped  # the simulator under the pixel wrapper
-    if task == "cartpole":
+    if task.startswith("cartpole"):
         _, _, angle, spin = inner.state
         return np.array([np.clip(3.0 * angle + 0.5 * spin, -1.0, 1.0)])
     if task.startswith("reach"):
