@@ -17,6 +17,8 @@ import importlib
 import os
 from typing import Any
 
+from asyncvec.lazy import lazy_package
+
 __version__ = "0.1.0"
 
 # The agents and the example envs sit at the top of the repository (agents/, envs/) and install as
@@ -99,15 +101,13 @@ def _register_with_gymnasium() -> None:
 _register_with_gymnasium()
 
 
+_lazy_name = lazy_package(globals(), _LAZY)[0]
+
+
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"asyncvec.{name}")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncvec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    return _lazy_name(name)
 
 
 def __dir__() -> list[str]:

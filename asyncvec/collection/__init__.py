@@ -18,8 +18,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from asyncvec.lazy import lazy_package
 
 # public name -> module that defines it
 _LAZY = {
@@ -32,15 +31,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncvec.collection' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_package(globals(), _LAZY)

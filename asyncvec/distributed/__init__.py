@@ -11,41 +11,27 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from asyncvec.lazy import LazyName, lazy_package
 
-from asyncvec.extras import check_installed
 
-# public name -> module that defines it
-_LAZY = {
+def _on_ray(module: str) -> LazyName:
+    return LazyName(f"asyncvec.distributed.{module}", "ray", "ray")
+
+
+# public name -> where it lives (the router runs without Ray; the rest check that it is installed)
+_LAZY: dict[str, str | LazyName] = {
     "RoutedPolicy": "asyncvec.distributed.router",
     "EndpointStats": "asyncvec.distributed.router",
-    "RayPolicy": "asyncvec.distributed.ray_policy",
-    "connect": "asyncvec.distributed.runtime",
-    "RayStateError": "asyncvec.distributed.runtime",
-    "RayCollectors": "asyncvec.distributed.collection",
-    "DistributedCollector": "asyncvec.distributed.collection",
-    "RayBackend": "asyncvec.distributed.ray_env",
-    "LocalCluster": "asyncvec.distributed.cluster",
-    "local_cluster": "asyncvec.distributed.cluster",
+    "RayPolicy": _on_ray("ray_policy"),
+    "connect": _on_ray("runtime"),
+    "RayStateError": _on_ray("runtime"),
+    "RayCollectors": _on_ray("collection"),
+    "DistributedCollector": _on_ray("collection"),
+    "RayBackend": _on_ray("ray_env"),
+    "LocalCluster": _on_ray("cluster"),
+    "local_cluster": _on_ray("cluster"),
 }
 
 __all__ = sorted(_LAZY)
 
-# the names that run on Ray; the router runs without it
-_NEEDS_RAY = set(_LAZY) - {"RoutedPolicy", "EndpointStats"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncvec.distributed' has no attribute {name!r}")
-    if name in _NEEDS_RAY:
-        check_installed("ray", extra="ray", feature=f"asyncvec.distributed.{name}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_package(globals(), _LAZY)

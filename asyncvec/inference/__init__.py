@@ -20,13 +20,17 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from asyncvec.lazy import LazyName, lazy_package
+from asyncvec.lm.backends import LM_BACKENDS
 
-from asyncvec.extras import check_installed, check_torch_libraries
+_HF = "hf"  # the extras installing the optional libraries (setup.py)
+_SERVE = "serve"
+_SERVER_PROCESS = "asyncvec.inference.serving.server_process"
 
-# public name -> module that defines it
-_LAZY = {
+# public name -> where it lives: its module, or a LazyName naming also the optional library it needs (checked on
+# first access, the error naming the extra that installs it: asyncvec.extras). The LM agents' engines (HFTextPolicy,
+# OpenAIPolicy, VLLMPolicy) are not listed here: each comes from its row of asyncvec.lm.backends.LM_BACKENDS.
+_LAZY: dict[str, str | LazyName] = {
     "Policy": "asyncvec.inference.types",
     "PolicyOutput": "asyncvec.inference.types",
     "BackendResult": "asyncvec.inference.types",
@@ -48,20 +52,17 @@ _LAZY = {
     "observation_key": "asyncvec.inference.requests",
     "TorchPolicy": "asyncvec.inference.backends.torch_policy",
     "LatencyModel": "asyncvec.inference.backends.latency",
-    "HFTextPolicy": "asyncvec.inference.backends.hf_policy",
-    "OpenAIPolicy": "asyncvec.inference.backends.openai_policy",
-    "VLLMPolicy": "asyncvec.inference.backends.vllm_policy",
-    "ServerProcess": "asyncvec.inference.serving.server_process",
-    "VLLMServer": "asyncvec.inference.serving.server_process",
-    "AsyncvecServer": "asyncvec.inference.serving.server_process",
-    "ServerStartError": "asyncvec.inference.serving.server_process",
-    "free_port": "asyncvec.inference.serving.server_process",
-    "wait_until_ready": "asyncvec.inference.serving.server_process",
-    "EngineSupervisor": "asyncvec.inference.serving.supervisor",
+    "ServerProcess": LazyName(_SERVER_PROCESS, "httpx", _SERVE),
+    "VLLMServer": LazyName(_SERVER_PROCESS, "httpx", _SERVE, needs_loadable_torch_libraries=True),
+    "AsyncvecServer": LazyName(_SERVER_PROCESS, "httpx", _SERVE),
+    "ServerStartError": _SERVER_PROCESS,
+    "free_port": _SERVER_PROCESS,
+    "wait_until_ready": LazyName(_SERVER_PROCESS, "httpx", _SERVE),
+    "EngineSupervisor": LazyName("asyncvec.inference.serving.supervisor", "httpx", _SERVE),
     "ParameterSpec": "asyncvec.inference.weights",
-    "write_checkpoint": "asyncvec.inference.weights",
+    "write_checkpoint": LazyName("asyncvec.inference.weights", "safetensors", _HF),
     "checkpoint_shapes": "asyncvec.inference.weights",
-    "build_tiny_lm": "asyncvec.inference.tiny_models",
+    "build_tiny_lm": LazyName("asyncvec.inference.tiny_models", "transformers", _HF),
     "DEFAULT_VOCAB": "asyncvec.inference.tiny_models",
     "ActionTokenizer": "asyncvec.inference.action_tokens",
     "TinyVLAConfig": "asyncvec.inference.backends.vla",
@@ -70,40 +71,12 @@ _LAZY = {
     "build_tiny_vla": "asyncvec.inference.backends.vla",
     "load_tiny_vla": "asyncvec.inference.backends.vla",
     "per_action_logps": "asyncvec.inference.backends.vla",
-    "VLLMVLAPolicy": "asyncvec.inference.backends.vla_vllm",
+    "VLLMVLAPolicy": LazyName(
+        "asyncvec.inference.backends.vla_vllm", "vllm", "vllm", needs_loadable_torch_libraries=True
+    ),
+    **{backend.policy: backend.policy_from for backend in LM_BACKENDS.values()},
 }
 
 __all__ = sorted(_LAZY)
 
-# public name -> (library it needs, extra installing it): checked on first access (asyncvec.extras)
-_NEEDS = {
-    "HFTextPolicy": ("transformers", "hf"),
-    "build_tiny_lm": ("transformers", "hf"),
-    "write_checkpoint": ("safetensors", "hf"),
-    "OpenAIPolicy": ("httpx", "serve"),
-    "ServerProcess": ("httpx", "serve"),
-    "VLLMServer": ("httpx", "serve"),
-    "AsyncvecServer": ("httpx", "serve"),
-    "wait_until_ready": ("httpx", "serve"),
-    "EngineSupervisor": ("httpx", "serve"),
-    "VLLMPolicy": ("vllm", "vllm"),
-    "VLLMVLAPolicy": ("vllm", "vllm"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'asyncvec.inference' has no attribute {name!r}")
-    if name in _NEEDS:
-        library, extra = _NEEDS[name]
-        check_installed(library, extra=extra, feature=f"asyncvec.inference.{name}")
-    if name in ("VLLMPolicy", "VLLMServer", "VLLMVLAPolicy"):
-        check_torch_libraries(f"asyncvec.inference.{name}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_package(globals(), _LAZY)

@@ -32,8 +32,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from asyncvec.lazy import lazy_package
 
 # public name -> module that defines it
 _LAZY = {
@@ -64,17 +63,8 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    else:  # every other name the old asyncvec/lm.py module had
-        try:
-            value = getattr(importlib.import_module("asyncvec.lm.learner"), name)
-        except AttributeError:
-            raise AttributeError(f"module 'asyncvec.lm' has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
+# every other name is looked up where the old asyncvec/lm.py module's names went
+__getattr__ = lazy_package(globals(), _LAZY, also_from="asyncvec.lm.learner")[0]
 
 
 def __dir__() -> list[str]:

@@ -4,9 +4,10 @@
 ``--inflight-updates``, ``--bitwise-sampling``), the policy :func:`asyncvec.lm.build.make_text_policy`
 builds, whether the learner sends its starting weights first, whether requests are seeded and whether
 ``--torch-threads`` applies all read this table. Adding an engine is its policy's file in
-``asyncvec/inference/backends/`` (with its name in ``asyncvec.inference``'s lazy table, which checks its
-optional library on first use) and a row here: its name, a factory making the text policy, and what sets
-it apart.
+``asyncvec/inference/backends/``, a row here (its name, its policy class, the module holding it and the optional
+library that module needs with the extra installing it, a factory making the text policy, and what sets it apart)
+and that extra in setup.py. ``asyncvec.inference`` exports each row's policy class lazily from the row, checking its
+library on first use.
 
 Example:
     >>> from asyncvec.lm.backends import LM_BACKENDS
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncvec.lazy import LazyName
+
 # ``args`` below is an asyncvec.lm.options.LMArgs (typed Any: options.py reads this table, so it is not imported here)
 PolicyFactory = Callable[[Any, Path, Any, dict[str, Any], Path | None], Any]
 """``make_policy(args, model_dir, action_parser, options, weights_dir) -> text policy``; ``options``: the
@@ -37,8 +40,12 @@ class LMBackend:
     """One ``--backend``: how its text policy is made and what sets it apart."""
 
     name: str
+    policy: str
+    """the policy class's name, which ``asyncvec.inference`` exports"""
+    policy_from: LazyName
+    """the module defining it, and the optional library that module needs with the extra installing it"""
     make_policy: PolicyFactory
-    """builds the text policy (see :data:`PolicyFactory`)"""
+    """builds the text policy (see :data:`PolicyFactory`; its class from :meth:`policy_class`)"""
     needs_sync: bool = False
     """the policy may hold other weights than the learner's (a server: another run's, or the model before the
     warm start), so the learner's starting weights are sent to it first, as its newest version + 1"""
@@ -56,6 +63,10 @@ class LMBackend:
     """per-request sampling seeds (what makes LM runs repeat and async at lag 0 sync): None, always; else only with
     these ``--server-kind`` values (vLLM 0.32 on the CPU kills its engine when a seeded request's prefill is
     chunked: "CPU Generator does not use offset"; its requests are not seeded)"""
+
+    def policy_class(self) -> Any:
+        """The policy class, imported once its library is found (else an ImportError naming the extra)."""
+        return self.policy_from.load(self.policy, f"asyncvec.inference.{self.policy}")
 
     def seeds_requests(self, args: Any) -> bool:
         """Whether the collectors give each request of a run with these ``args`` its own sampling seed."""
@@ -88,11 +99,11 @@ def make_hf_policy(
     args: Any, model_dir: Path, action_parser: Any, options: dict[str, Any], weights_dir: Path | None
 ) -> Any:
     """``HFTextPolicy``: transformers in this process, weights copied into the model in place."""
-    from asyncvec.inference import HFTextPolicy
     from asyncvec.lm.learner import load_causal_lm
 
+    policy_class = LM_BACKENDS["hf"].policy_class()
     model, tokenizer = load_causal_lm(model_dir, args.device)
-    return HFTextPolicy(
+    return policy_class(
         model,
         tokenizer,
         action_parser,
@@ -107,10 +118,10 @@ def make_vllm_policy(
     args: Any, model_dir: Path, action_parser: Any, options: dict[str, Any], weights_dir: Path | None
 ) -> Any:
     """``VLLMPolicy``: an in-process vLLM engine (``--vllm-engine``: its ``vllm.LLM`` options)."""
-    from asyncvec.inference import VLLMPolicy
-
     engine = {"seed": args.seed, **json.loads(args.vllm_engine)}
-    return VLLMPolicy(model_dir, action_parser, engine_kwargs=engine, inflight_updates=args.inflight_updates, **options)
+    return LM_BACKENDS["vllm"].policy_class()(
+        model_dir, action_parser, engine_kwargs=engine, inflight_updates=args.inflight_updates, **options
+    )
 
 
 def make_openai_policy(
@@ -119,13 +130,12 @@ def make_openai_policy(
     """``OpenAIPolicy`` against ``--base-url`` (``--server-kind``), checked before it is returned: each
     published version is written to ``--weights-dir`` (or ``weights_dir``), a folder the server must be
     able to read, and the server loads it."""
-    from asyncvec.inference import OpenAIPolicy
-
+    policy_class = LM_BACKENDS["openai"].policy_class()
     if args.inflight_updates:
         options = {**options, "inflight_updates": True}
     token = args.update_token if args.update_token is not None else os.environ.get("ASYNCVEC_SERVE_TOKEN")
     assert args.base_url is not None  # LMArgs checked it
-    policy = OpenAIPolicy(
+    policy = policy_class(
         args.base_url,
         args.served_model or served_model_name(args.base_url, model_dir),
         action_parser,
@@ -169,16 +179,31 @@ def served_model_name(base_url: str, model_dir: Path) -> str:
 LM_BACKENDS: dict[str, LMBackend] = {
     backend.name: backend
     for backend in (
-        LMBackend("hf", make_hf_policy, bitwise_sampling=True),
+        LMBackend(
+            "hf",
+            "HFTextPolicy",
+            LazyName("asyncvec.inference.backends.hf_policy", "transformers", "hf"),
+            make_hf_policy,
+            bitwise_sampling=True,
+        ),
         LMBackend(
             "openai",
+            "OpenAIPolicy",
+            LazyName("asyncvec.inference.backends.openai_policy", "httpx", "serve"),
             make_openai_policy,
             needs_sync=True,
             needs_base_url=True,
             inflight_server_kinds=("vllm",),
             seeded_server_kinds=("asyncvec",),
         ),
-        LMBackend("vllm", make_vllm_policy, sets_torch_threads=False, seeded_server_kinds=()),
+        LMBackend(
+            "vllm",
+            "VLLMPolicy",
+            LazyName("asyncvec.inference.backends.vllm_policy", "vllm", "vllm", needs_loadable_torch_libraries=True),
+            make_vllm_policy,
+            sets_torch_threads=False,
+            seeded_server_kinds=(),
+        ),
     )
 }
 """``--backend`` name -> :class:`LMBackend` (``--help`` lists them in this order)."""
