@@ -15,36 +15,26 @@ import torch
 from asyncvec.losses import decoupled_ppo_loss, ppo_clip_loss, truncated_importance_weights
 
 # Opt-in named settings (``--preset NAME``), never applied by env id. A preset sets the fields a user
-# left at their default; anything passed with another value wins.
+# left at their default; anything passed with another value wins. Side by side:
+# "cleanrl": CleanRL's ppo.py (classic control): 128 steps/env, 4 minibatches x 4 epochs, an entropy bonus;
+# "cleanrl-continuous": its ppo_continuous_action.py (MuJoCo): 2,048 steps per update, 32 minibatches x 10 epochs.
+_PRESET_NAMES = ("cleanrl", "cleanrl-continuous")
+_PRESET_VALUES: dict[str, tuple[object, object]] = {
+    "num_steps": (128, 256),
+    "learning_rate": (2.5e-4, 3e-4),
+    "gamma": (0.99, 0.99),
+    "gae_lambda": (0.95, 0.95),
+    "num_minibatches": (4, 32),
+    "update_epochs": (4, 10),
+    "ent_coef": (0.01, 0.0),
+    "target_kl": (None, None),
+    "normalize_obs": (False, True),
+    "normalize_rewards": (False, True),
+    "clip_vloss": (True, True),
+}
 PRESETS: dict[str, dict[str, object]] = {
-    # CleanRL's ppo.py (classic control): 128 steps/env, 4 minibatches x 4 epochs, an entropy bonus.
-    "cleanrl": dict(
-        num_steps=128,
-        learning_rate=2.5e-4,
-        gamma=0.99,
-        gae_lambda=0.95,
-        num_minibatches=4,
-        update_epochs=4,
-        ent_coef=0.01,
-        target_kl=None,
-        normalize_obs=False,
-        normalize_rewards=False,
-        clip_vloss=True,
-    ),
-    # CleanRL's ppo_continuous_action.py (MuJoCo): 2,048 steps per update, 32 minibatches x 10 epochs.
-    "cleanrl-continuous": dict(
-        num_steps=256,
-        learning_rate=3e-4,
-        gamma=0.99,
-        gae_lambda=0.95,
-        num_minibatches=32,
-        update_epochs=10,
-        ent_coef=0.0,
-        target_kl=None,
-        normalize_obs=True,
-        normalize_rewards=True,
-        clip_vloss=True,
-    ),
+    name: {field: values[column] for field, values in _PRESET_VALUES.items()}
+    for column, name in enumerate(_PRESET_NAMES)
 }
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncvec.lifecycle import interrupts_outside_locks
 
@@ -97,34 +98,29 @@ def _existing_dir(value: str) -> Path:
     return path
 
 
-def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"port must be an int, got {value!r}") from None
-    if not 0 <= port < 65536:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0: any free port), got {port}")
-    return port
+def _checked_number(
+    convert: Callable[[str], float], accepts: Callable[[float], bool], kind: str, bound: str
+) -> Callable[[str], Any]:
+    """An argparse type: ``convert(value)`` when it ``accepts`` the number; else an error saying the ``kind`` of
+    number expected, or the ``bound`` it missed."""
+
+    def parse(value: str) -> Any:
+        try:
+            number = convert(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kind}, got {value!r}") from None
+        if not accepts(number):
+            raise argparse.ArgumentTypeError(f"{bound}, got {value}")
+        return number
+
+    return parse
 
 
-def _positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {number}")
-    return number
-
-
-def _non_negative_float(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if not number >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return number
+_port = _checked_number(
+    int, lambda port: 0 <= port < 65536, "port must be an int", "port must be in 0..65535 (0: any free port)"
+)
+_positive_int = _checked_number(int, lambda number: number >= 1, "expected an int", "expected an int >= 1")
+_non_negative_float = _checked_number(float, lambda number: number >= 0, "expected a number", "expected a number >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:

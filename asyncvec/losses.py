@@ -232,28 +232,39 @@ def vtrace(
     _check_same_shape(
         behavior_logp=behavior_logp, target_logp=target_logp, rewards=rewards, values=values, discounts=discounts
     )
-    if values.dim() < 1 or bootstrap_value.shape != values.shape[1:]:
-        raise ValueError(
-            f"bootstrap_value: expected shape {tuple(values.shape[1:])} (values without time), "
-            f"got {tuple(bootstrap_value.shape)}"
-        )
     with torch.no_grad():
+        values_next = _next_values(values, bootstrap_value)
         rhos = torch.exp(target_logp - behavior_logp)
         clipped_rhos = rhos if rho_bar is None else rhos.clamp(max=rho_bar)
         cs = rhos if c_bar is None else rhos.clamp(max=c_bar)
         pg_bar = rho_bar if pg_rho_bar is None else pg_rho_bar
         pg_rhos = rhos if pg_bar is None else rhos.clamp(max=pg_bar)
-        values_next = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
         deltas = clipped_rhos * (rewards + discounts * values_next - values)
-        correction = torch.zeros_like(bootstrap_value)  # v_{s+1} - V(x_{s+1}), zero at T
-        vs_minus_values = torch.empty_like(values)
-        for t in range(values.shape[0] - 1, -1, -1):
-            correction = deltas[t] + discounts[t] * cs[t] * correction
-            vs_minus_values[t] = correction
-        vs = values + vs_minus_values
-        vs_next = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)], dim=0)
+        vs = values + _backward_sums(deltas, discounts * cs, values, bootstrap_value)  # (v_s - V(x_s) summed)
+        vs_next = _next_values(vs, bootstrap_value)
         pg_advantages = pg_rhos * (rewards + discounts * vs_next - values)
     return VTraceReturns(vs=vs, pg_advantages=pg_advantages)
+
+
+def _next_values(values: Tensor, bootstrap_value: Tensor) -> Tensor:
+    """``[T, B]`` values of the next step: ``values`` one step on, ``bootstrap_value`` (``V(x_T)``, ``[B]``) last."""
+    if values.dim() < 1 or bootstrap_value.shape != values.shape[1:]:
+        raise ValueError(
+            f"bootstrap_value: expected shape {tuple(values.shape[1:])} (values without time), "
+            f"got {tuple(bootstrap_value.shape)}"
+        )
+    return torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
+
+
+def _backward_sums(terms: Tensor, carry: Tensor, values: Tensor, bootstrap_value: Tensor) -> Tensor:
+    """``x_t = terms_t + carry_t * x_{t+1}`` from the last step back, with ``x_T = 0``: time-major, shaped and
+    typed as ``values`` (each step's sum as ``bootstrap_value``)."""
+    sums = torch.empty_like(values)
+    running = torch.zeros_like(bootstrap_value)
+    for t in range(terms.shape[0] - 1, -1, -1):
+        running = terms[t] + carry[t] * running
+        sums[t] = running
+    return sums
 
 
 def gae(
@@ -300,25 +311,16 @@ def gae(
     _check_same_shape(
         rewards=rewards, values=values, terminated=terminated, truncated=truncated, final_values=final_values
     )
-    if values.dim() < 1 or bootstrap_value.shape != values.shape[1:]:
-        raise ValueError(
-            f"bootstrap_value: expected shape {tuple(values.shape[1:])} (values without time), "
-            f"got {tuple(bootstrap_value.shape)}"
-        )
     with torch.no_grad():
+        next_values = _next_values(values, bootstrap_value)
         terminated = terminated.bool()
         truncated = torch.zeros_like(terminated) if truncated is None else truncated.bool()
-        next_values = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
         cut_value = torch.zeros_like(values) if final_values is None else final_values
         next_values = torch.where(truncated, cut_value, next_values)
         next_values = torch.where(terminated, torch.zeros_like(values), next_values)
         deltas = rewards + gamma * next_values - values
         carry = (~(terminated | truncated)).to(values.dtype) * (gamma * lam)
-        advantages = torch.empty_like(values)
-        running = torch.zeros_like(bootstrap_value)
-        for t in range(values.shape[0] - 1, -1, -1):
-            running = deltas[t] + carry[t] * running
-            advantages[t] = running
+        advantages = _backward_sums(deltas, carry, values, bootstrap_value)
     return advantages, advantages + values
 
 

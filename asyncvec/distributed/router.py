@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncvec.inference.requests import submit_all
 from asyncvec.inference.types import BackendError, Policy, PolicyClosedError, PolicyOutput
 from asyncvec.lifecycle import ClosesOnExit
 
@@ -36,7 +37,7 @@ Replica = Policy | Callable[[], Policy]
 def act_via_submit(
     policy: Any, obs_batch: Any, env_ids: Sequence[int] | None, timeout: float | None
 ) -> list[PolicyOutput]:
-    """`Policy.act` for a policy that only knows ``submit``: submit each row, wait for all.
+    """`Policy.act` for a policy that only knows ``submit``: submit each row (its env id as an int), wait for all.
 
     Example:
         >>> import gymnasium as gym, torch
@@ -45,17 +46,8 @@ def act_via_submit(
         ...     len(act_via_submit(policy, np.zeros((3, 2)), None, timeout=10))
         3
     """
-    from asyncvec.inference.requests import split_batch
-
-    observations = split_batch(obs_batch)
-    ids = list(range(len(observations))) if env_ids is None else [int(i) for i in env_ids]
-    if len(ids) != len(observations):
-        raise ValueError(f"act: got {len(observations)} observations but {len(ids)} env_ids")
-    futures = [policy.submit(obs, env_id=env_id) for obs, env_id in zip(observations, ids, strict=True)]
-    _, not_done = wait_futures(futures, timeout=timeout)
-    if not_done:
-        raise TimeoutError(f"act: {len(not_done)} of {len(futures)} answers not ready after {timeout} s")
-    return [future.result() for future in futures]
+    ids = None if env_ids is None else [int(i) for i in env_ids]
+    return submit_all(policy, obs_batch, ids, timeout, label="act")
 
 
 def _is_request_fault(exc: BaseException) -> bool:

@@ -17,7 +17,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -25,7 +24,14 @@ import gymnasium as gym
 import numpy as np
 
 from asyncvec.inference.batcher import DynamicBatcher
-from asyncvec.inference.requests import LRUCache, Request, VersionLock, observation_key, split_batch, zero_action
+from asyncvec.inference.requests import (
+    LRUCache,
+    Request,
+    VersionLock,
+    observation_key,
+    submit_all,
+    zero_action,
+)
 from asyncvec.inference.types import (
     BackendError,
     BackendResult,
@@ -345,15 +351,7 @@ class BatchedPolicy(ClosesOnExit):  # an abc.ABC, as ClosesOnExit is
             TimeoutError: not all answers arrived within ``timeout``.
             BackendError: the backend gave up on one of the requests.
         """
-        observations = split_batch(obs_batch)
-        ids = list(range(len(observations))) if env_ids is None else list(env_ids)
-        if len(ids) != len(observations):
-            raise ValueError(f"{self._label}: got {len(observations)} observations but {len(ids)} env_ids")
-        futures = [self.submit(obs, env_id=env_id) for obs, env_id in zip(observations, ids, strict=True)]
-        _, not_done = wait_futures(futures, timeout=timeout)
-        if not_done:
-            raise TimeoutError(f"{self._label}: {len(not_done)} of {len(futures)} answers not ready after {timeout} s")
-        return [future.result() for future in futures]
+        return submit_all(self, obs_batch, env_ids, timeout, label=self._label)
 
     def forward_batch(self, obs_list: Sequence[Any]) -> list[BackendResult]:
         """Run the backend once, synchronously, on observations from `check_observation`.

@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager
 from typing import Any
 
@@ -191,6 +192,27 @@ class Request:
     cache_key: bytes | None = None
     completed: bool = False
     prefix: Any = None  # a GeneratedPrefix: what a failed attempt had generated, continued by the next one
+
+
+def submit_all(
+    policy: Any, obs_batch: Any, env_ids: Sequence[int] | None, timeout: float | None, *, label: str
+) -> list[Any]:
+    """`Policy.act` through ``policy.submit``: submits each observation of the batch with its env id (default: its
+    position), waits for all and returns their `PolicyOutput`\ s; ``label`` starts the errors.
+
+    Raises:
+        ValueError: not one env id per observation.
+        TimeoutError: not every answer arrived within ``timeout`` seconds.
+    """
+    observations = split_batch(obs_batch)
+    ids = list(range(len(observations))) if env_ids is None else list(env_ids)
+    if len(ids) != len(observations):
+        raise ValueError(f"{label}: got {len(observations)} observations but {len(ids)} env_ids")
+    futures = [policy.submit(obs, env_id=env_id) for obs, env_id in zip(observations, ids, strict=True)]
+    _, not_done = wait_futures(futures, timeout=timeout)
+    if not_done:
+        raise TimeoutError(f"{label}: {len(not_done)} of {len(futures)} answers not ready after {timeout} s")
+    return [future.result() for future in futures]
 
 
 def split_batch(obs_batch: Any) -> list[Any]:

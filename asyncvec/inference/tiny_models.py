@@ -112,33 +112,52 @@ def build_tiny_lm(
 
     heads = check_lm_sizes(arch, n_head, n_layer=n_layer, n_embd=n_embd, max_positions=max_positions)
     tokenizer = build_char_tokenizer(vocab)
-    ids = {
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.eos_token_id,
-    }
-    if arch == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=len(tokenizer), n_positions=max_positions, n_embd=n_embd, n_layer=n_layer, n_head=heads, **ids
-        )
-    else:
-        config = transformers.LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=n_embd,
-            intermediate_size=2 * n_embd,
-            num_hidden_layers=n_layer,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=False,
-            **ids,
-        )
+    config = text_model_config(arch, tokenizer, len(tokenizer), n_layer, n_embd, heads, max_positions)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return save_tiny_model(model, tokenizer, path)
+
+
+def text_model_config(
+    arch: str,
+    tokenizer: Any,
+    vocab_size: int,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    max_positions: int,
+    tie_word_embeddings: bool | None = None,
+) -> Any:
+    """The transformers config of a tiny GPT-2 or Llama with ``tokenizer``'s special tokens (sizes checked by
+    `check_lm_sizes`). ``tie_word_embeddings``: None keeps GPT-2's tied input and output embeddings; Llama's are
+    never tied."""
+    import transformers
+
+    ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+    }
+    if arch == "gpt2":
+        if tie_word_embeddings is not None:
+            ids["tie_word_embeddings"] = tie_word_embeddings
+        return transformers.GPT2Config(
+            vocab_size=vocab_size, n_positions=max_positions, n_embd=n_embd, n_layer=n_layer, n_head=n_head, **ids
+        )
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=n_embd,
+        intermediate_size=2 * n_embd,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_head,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        **ids,
+    )
 
 
 def save_tiny_model(model: Any, tokenizer: Any, path: str | os.PathLike) -> Path:

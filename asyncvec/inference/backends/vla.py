@@ -41,6 +41,7 @@ from asyncvec.inference.tiny_models import (
     build_char_tokenizer,
     check_lm_sizes,
     save_tiny_model,
+    text_model_config,
 )
 from asyncvec.inference.types import BackendResult, PolicyOutput
 from asyncvec.inference.weights import WeightsSource, apply_state_dict, load_state_dict_source
@@ -337,33 +338,9 @@ def build_tiny_vla(
         raise ValueError(f"vision_layers must be an int >= 0, got {vision_layers!r}")
     tokenizer = build_char_tokenizer(vocab)
     text_vocab = len(tokenizer)
-    ids = {
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.eos_token_id,
-    }
-    if arch == "gpt2":
-        text_config = transformers.GPT2Config(
-            vocab_size=text_vocab + num_bins,
-            n_positions=max_positions,
-            n_embd=n_embd,
-            n_layer=n_layer,
-            n_head=heads,
-            tie_word_embeddings=False,
-            **ids,
-        )
-    else:
-        text_config = transformers.LlamaConfig(
-            vocab_size=text_vocab + num_bins,
-            hidden_size=n_embd,
-            intermediate_size=2 * n_embd,
-            num_hidden_layers=n_layer,
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=False,
-            **ids,
-        )
+    text_config = text_model_config(
+        arch, tokenizer, text_vocab + num_bins, n_layer, n_embd, heads, max_positions, tie_word_embeddings=False
+    )
     config = TinyVLAConfig(
         text_config=text_config.to_dict(),
         image_size=image_size,
