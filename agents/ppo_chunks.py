@@ -257,13 +257,13 @@ class ChunkBatch:
     value_mask: torch.Tensor  # an env transition (not a reset step)
 
 
-class PPOChunks(RunFolder):
-    """PPO from executed chunk actions (module docstring). ``train()`` returns a history dict."""
+class ChunkTask(RunFolder):
+    """The env side that PPOChunks and SACChunks (agents/sac_chunks.py) share: the checked env settings (``args``:
+    env, env_kwargs, max_episode_steps, instruction_buckets, horizon, num_envs, eval_rounds), ``make_env``,
+    ``flatten``, ``evaluate`` and the chunk space. ``agent`` names the agent in error messages."""
 
-    def __init__(self, args: Args) -> None:
+    def __init__(self, args: Any, agent: str) -> None:
         self.args = args
-        torch.set_num_threads(args.torch_threads)
-        seed_everything(args.seed)
         check_env_id(args.env)
         try:
             self.env_kwargs = json.loads(args.env_kwargs)
@@ -280,12 +280,12 @@ class PPOChunks(RunFolder):
         self.observation_space, self.action_space = probe.observation_space, probe.action_space
         probe.close()
         if not isinstance(self.action_space, gym.spaces.Box):
-            raise ValueError(f"{args.env}: PPOChunks needs a Box action space, got {self.action_space}")
+            raise ValueError(f"{args.env}: {agent} needs a Box action space, got {self.action_space}")
         space = self.observation_space
         image = space.spaces.get("image") if isinstance(space, gym.spaces.Dict) else space
         if not (isinstance(image, gym.spaces.Box) and len(image.shape) == 3):
             raise ValueError(
-                f"{args.env}: PPOChunks needs image observations, a Box (height, width, channels) or a Dict holding "
+                f"{args.env}: {agent} needs image observations, a Box (height, width, channels) or a Dict holding "
                 f"one under 'image' (and a Text 'instruction' if any), got {self.observation_space}"
             )
         self.chunk_space = gym.spaces.Box(
@@ -293,6 +293,61 @@ class PPOChunks(RunFolder):
             np.broadcast_to(self.action_space.high, (args.horizon, *self.action_space.shape)),
             dtype=np.float32,
         )
+
+    def make_env(self) -> gym.Env:
+        """The env as the policy sees it: a Dict observation keeps its image and its instruction, hashed."""
+        kwargs: dict[str, Any] = dict(self.env_kwargs)
+        if self.args.max_episode_steps > 0:
+            kwargs["max_episode_steps"] = self.args.max_episode_steps
+        env = gym.make(self.args.env, **kwargs)
+        space = env.observation_space
+        if isinstance(space, gym.spaces.Dict) and "image" in space.spaces:
+            instruction = space.spaces.get("instruction")
+            reads_instruction = self.args.instruction_buckets > 0 and isinstance(instruction, gym.spaces.Text)
+            env = gym.wrappers.FilterObservation(env, ["image", "instruction"] if reads_instruction else ["image"])
+            if reads_instruction:
+                env = HashedInstruction(env, self.args.instruction_buckets)
+        return env
+
+    def flatten(self, observations: Any) -> torch.Tensor:
+        """A batch of observations (``[N, ...]`` arrays, or a dict of them, as a vector env gives) as
+        the network's input ``[N, D]``: the same order as ``gymnasium.spaces.flatten``."""
+        if isinstance(self.observation_space, gym.spaces.Dict):
+            parts = [np.asarray(observations[key]) for key in self.observation_space.spaces]
+            parts = [part.reshape(len(part), -1) for part in parts]
+            return torch.as_tensor(np.concatenate(parts, axis=1), dtype=torch.float32)
+        array = np.asarray(observations)
+        return torch.as_tensor(array.reshape(len(array), -1), dtype=torch.float32)
+
+    def evaluate(self, executor: ChunkExecutor, seed: int) -> float:
+        """Mean return of the first episode of every env, from reset (``eval_rounds`` rounds)."""
+        returns = []
+        limit = self.args.max_episode_steps or gym.spec(self.args.env).max_episode_steps or 1000
+        record_obs, executor.record_obs = executor.record_obs, False
+        try:
+            for round_ in range(self.args.eval_rounds):
+                executor.reset(seed=seed + 1000 * round_)
+                totals, ended, ticks = np.zeros(self.args.num_envs), np.zeros(self.args.num_envs, dtype=bool), 0
+                while not ended.all() and ticks <= limit:  # in slices: stop once every env's first episode ended
+                    rollout = executor.run(min(50, limit + 1 - ticks))
+                    ticks += len(rollout.rewards)
+                    for rewards, done in zip(rollout.rewards, rollout.terminated | rollout.truncated, strict=True):
+                        totals += np.where(ended, 0.0, rewards)  # up to and with the first end
+                        ended |= done
+                returns.extend(totals.tolist())
+        finally:
+            executor.record_obs = record_obs
+        return float(np.mean(returns))
+
+
+class PPOChunks(ChunkTask):
+    """PPO from executed chunk actions (module docstring). ``train()`` returns a history dict."""
+
+    def __init__(self, args: Args) -> None:
+        self.args = args
+        torch.set_num_threads(args.torch_threads)
+        seed_everything(args.seed)
+        super().__init__(args, "PPOChunks")
         self.agent = ChunkActorCritic(
             self.observation_space, args.image_size, args.horizon, self.action_space, args.init_log_std
         )
@@ -322,31 +377,6 @@ class PPOChunks(RunFolder):
         if self.policy is not None:
             self.policy.close()
 
-    def make_env(self) -> gym.Env:
-        """The env as the policy sees it: a Dict observation keeps its image and its instruction, hashed."""
-        kwargs: dict[str, Any] = dict(self.env_kwargs)
-        if self.args.max_episode_steps > 0:
-            kwargs["max_episode_steps"] = self.args.max_episode_steps
-        env = gym.make(self.args.env, **kwargs)
-        space = env.observation_space
-        if isinstance(space, gym.spaces.Dict) and "image" in space.spaces:
-            instruction = space.spaces.get("instruction")
-            reads_instruction = self.args.instruction_buckets > 0 and isinstance(instruction, gym.spaces.Text)
-            env = gym.wrappers.FilterObservation(env, ["image", "instruction"] if reads_instruction else ["image"])
-            if reads_instruction:
-                env = HashedInstruction(env, self.args.instruction_buckets)
-        return env
-
-    def flatten(self, observations: Any) -> torch.Tensor:
-        """A batch of observations (``[N, ...]`` arrays, or a dict of them, as a vector env gives) as
-        the network's input ``[N, D]``: the same order as ``gymnasium.spaces.flatten``."""
-        if isinstance(self.observation_space, gym.spaces.Dict):
-            parts = [np.asarray(observations[key]) for key in self.observation_space.spaces]
-            parts = [part.reshape(len(part), -1) for part in parts]
-            return torch.as_tensor(np.concatenate(parts, axis=1), dtype=torch.float32)
-        array = np.asarray(observations)
-        return torch.as_tensor(array.reshape(len(array), -1), dtype=torch.float32)
-
     def make_policy(self, **kwargs: Any) -> GaussianChunkPolicy:
         """A `GaussianChunkPolicy` over a copy of the learner's network, reading whole observations."""
         network = copy.deepcopy(self.agent)
@@ -358,26 +388,6 @@ class PPOChunks(RunFolder):
         self.version += 1
         if self.policy is not None:
             self.policy.load_weights(copy.deepcopy(self.agent.state_dict()), self.version)
-
-    def evaluate(self, executor: ChunkExecutor, seed: int) -> float:
-        """Mean return of the first episode of every env, from reset (``eval_rounds`` rounds)."""
-        returns = []
-        limit = self.args.max_episode_steps or gym.spec(self.args.env).max_episode_steps or 1000
-        record_obs, executor.record_obs = executor.record_obs, False
-        try:
-            for round_ in range(self.args.eval_rounds):
-                executor.reset(seed=seed + 1000 * round_)
-                totals, ended, ticks = np.zeros(self.args.num_envs), np.zeros(self.args.num_envs, dtype=bool), 0
-                while not ended.all() and ticks <= limit:  # in slices: stop once every env's first episode ended
-                    rollout = executor.run(min(50, limit + 1 - ticks))
-                    ticks += len(rollout.rewards)
-                    for rewards, done in zip(rollout.rewards, rollout.terminated | rollout.truncated, strict=True):
-                        totals += np.where(ended, 0.0, rewards)  # up to and with the first end
-                        ended |= done
-                returns.extend(totals.tolist())
-        finally:
-            executor.record_obs = record_obs
-        return float(np.mean(returns))
 
     # ------------------------------------------------------------------ learning
     def behavior_clone(self, observations: Any, chunks: np.ndarray, steps: int, batch_size: int = 128) -> float:

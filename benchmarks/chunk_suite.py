@@ -1,10 +1,11 @@
-"""PPO on action chunks (agents/ppo_chunks.py) on a suite of pixel tasks, several seeds each.
+"""PPO or SAC on action chunks (agents/ppo_chunks.py, agents/sac_chunks.py: ``--agent``) on a suite of pixel
+tasks, several seeds each.
 
 Each run: a behaviour-cloned warm start from a scripted expert (``--demos`` noisy expert samples,
-``--bc-steps`` steps of regression), then ``--iterations`` of PPO on the simulated clock, the mean
+``--bc-steps`` steps of regression), then ``--iterations`` of RL on the simulated clock, the mean
 return of ``--eval-rounds`` x 8 episodes from reset before and after RL. The improvement is the
-difference. One variant per ``--variants`` entry (Args fields changed from agents/ppo_chunks.py's
-defaults), every task and seed, two runs at a time (one per core: each run is one thread).
+difference. One variant per ``--variants`` entry (Args fields changed from the agent's
+defaults), every task and seed.
 
 Tasks (none keyed anywhere in the agent; image size and horizon vary). The first four are the
 tuning tasks (agents/ppo_chunks.py's defaults are chosen on them); the ``held_out`` ones are never
@@ -21,13 +22,14 @@ tuned on and are reported apart:
 * ``cartpole24`` (held out): asyncvec/PixelCartPole-v0 at 24 px with H=4.
 * ``reach24`` (held out): asyncvec/PixelReach-v0 at 24 px with H=6.
 
-Each run is one row of ``benchmarks/results/<name>.jsonl`` (variant, task, seed, cloned start,
+Each run is one row of ``benchmarks/results/<name>.jsonl`` (agent, variant, task, seed, cloned start,
 end, expert, seconds), appended as it finishes; the table and the figure go to ``<name>.md`` and
 ``<name>.png``. ``--processes 1`` (the default) runs one run at a time, one thread each.
 
 Run (the ablation of issue 50 on the tuning tasks, then the chosen defaults on every task):
     python benchmarks/chunk_suite.py --variants "$(python -c 'from benchmarks.chunk_suite import ABLATION; print(ABLATION)')"
     python benchmarks/chunk_suite.py --tasks reach --seeds 1 --iterations 2 --eval-rounds 1   # a smoke run
+    python benchmarks/chunk_suite.py --agent sac --variants "$(python -c 'from benchmarks.chunk_suite import SAC_ABLATION; print(SAC_ABLATION)')" --tasks cartpole reach reach32 pendulum --seeds 1 --name chunk_suite_sac_ablation
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import tyro
@@ -78,6 +80,16 @@ ABLATION = json.dumps(
         "both (defaults)": {},
     }
 )
+# the same for agents/sac_chunks.py, with its third aid, the small initial entropy coefficient (0.01; SAC's usual 0.2)
+SAC_ABLATION = json.dumps(
+    {
+        "none (alpha 0.2)": {"critic_warmup_iterations": 0, "anchor_coef": 0.0, "alpha": 0.2},
+        "alpha 0.2": {"alpha": 0.2},
+        "no warm-up": {"critic_warmup_iterations": 0},
+        "no anchor": {"anchor_coef": 0.0},
+        "all (defaults)": {},
+    }
+)
 
 
 @dataclass
@@ -85,8 +97,10 @@ class Args:
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     """keys of TASKS"""
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    agent: Literal["ppo", "sac"] = "ppo"
+    """ppo: agents/ppo_chunks.py; sac: agents/sac_chunks.py"""
     variants: str = '{"defaults": {}}'
-    """JSON: variant name -> agents/ppo_chunks.py Args fields changed from the defaults"""
+    """JSON: variant name -> the agent's Args fields changed from its defaults"""
     iterations: int = 20
     eval_rounds: int = 4
     demos: int = 800
@@ -167,35 +181,37 @@ def expert_return(task: str, seed: int, episodes: int) -> float:
 def run(job: dict) -> dict:
     import torch
 
-    from asyncvec.agents.ppo_chunks import Args as ChunkArgs
-    from asyncvec.agents.ppo_chunks import PPOChunks
+    from asyncvec.agents import ppo_chunks, sac_chunks
 
     torch.set_num_threads(1)
     task = TASKS[job["task"]]
+    agent = sac_chunks.SACChunks if job["agent"] == "sac" else ppo_chunks.PPOChunks
+    ChunkArgs = sac_chunks.Args if job["agent"] == "sac" else ppo_chunks.Args
     args = ChunkArgs(
         env=task.env, env_kwargs=json.dumps({"size": task.size}), image_size=task.size, horizon=task.horizon,
         max_episode_steps=task.max_episode_steps, iterations=job["iterations"], eval_rounds=job["eval_rounds"],
         seed=job["seed"], **job["fields"],
     )  # fmt: skip
-    algo = PPOChunks(args)
+    algo = agent(args)  # type: ignore[arg-type]
     start = time.perf_counter()
     observations, chunks = demonstrations(job["task"], algo, job["demos"], job["seed"])
     algo.behavior_clone(observations, chunks, steps=job["bc_steps"], batch_size=64)
     history = algo.train()
     expert = expert_return(job["task"], job["seed"], 8 * job["eval_rounds"])
     return {**job, "eval_start": history["eval_start"], "eval_end": history["eval_end"], "expert": expert,
-            "trained_fraction": history["trained_fraction"], "seconds": time.perf_counter() - start}  # fmt: skip
+            "trained_fraction": history.get("trained_fraction"), "seconds": time.perf_counter() - start}  # fmt: skip
 
 
 def same_job(row: dict, job: dict) -> bool:
-    """A jsonl row is this job's result (every setting of the job equal)."""
-    return all(row.get(key) == value for key, value in job.items())
+    """A jsonl row is this job's result (every setting of the job equal; a row without an agent is PPO's, written
+    before --agent existed)."""
+    return all(row.get(key, "ppo" if key == "agent" else None) == value for key, value in job.items())
 
 
 def main(args: Args) -> list[dict]:
     variants = json.loads(args.variants)
     jobs = [
-        {"variant": name, "fields": fields, "task": task, "seed": seed, "iterations": args.iterations,
+        {"agent": args.agent, "variant": name, "fields": fields, "task": task, "seed": seed, "iterations": args.iterations,
          "eval_rounds": args.eval_rounds, "demos": args.demos, "bc_steps": args.bc_steps}
         for task in args.tasks for seed in args.seeds for name, fields in variants.items()
     ]  # fmt: skip
@@ -213,7 +229,7 @@ def main(args: Args) -> list[dict]:
             results.append(result)
             with rows_path.open("a", encoding="utf-8") as rows_file:
                 rows_file.write(json.dumps({**result, "gain": result["eval_end"] - result["eval_start"]}) + "\n")
-            print(f"{result['variant']:>12} {result['task']:>9} seed {result['seed']}: {result['eval_start']:8.1f} -> "
+            print(f"{result['agent']} {result['variant']:>12} {result['task']:>9} seed {result['seed']}: {result['eval_start']:8.1f} -> "
                   f"{result['eval_end']:8.1f} ({result['seconds']:.0f} s)", flush=True)  # fmt: skip
     rows = []
     for name in variants:
@@ -233,9 +249,9 @@ def main(args: Args) -> list[dict]:
             closed = np.mean([gain / gap for gain, gap in zip(gains, gaps, strict=True) if gap > 0] or [np.nan])
             expert = np.mean([r["expert"] for r in runs])
             label = f"{task} (held out)" if TASKS[task].held_out else task
-            rows.append([name, label, *cells, f"{np.median(gains):+.1f}", f"{np.mean(gains):+.1f}",
+            rows.append([args.agent, name, label, *cells, f"{np.median(gains):+.1f}", f"{np.mean(gains):+.1f}",
                          f"{min(gains):+.1f}", f"{expert:.1f}", f"{closed:.0%}"])  # fmt: skip
-    headers = ["variant", "task", *[f"seed {s}" for s in args.seeds], "median gain", "mean gain", "worst gain",
+    headers = ["agent", "variant", "task", *[f"seed {s}" for s in args.seeds], "median gain", "mean gain", "worst gain",
                "expert", "gap closed"]  # fmt: skip
     table = markdown_table(headers, rows)
     figure, axes = new_figure(width=8.0)
@@ -248,14 +264,14 @@ def main(args: Args) -> list[dict]:
     axes.axhline(0.0, color="grey", linewidth=0.8)
     axes.set_xticks(range(len(labels)), labels, fontsize=7)
     axes.set_ylabel("eval return after RL - after the warm start")
-    axes.set_title("agents/ppo_chunks.py on pixel tasks, per seed")
+    axes.set_title(f"agents/{args.agent}_chunks.py on pixel tasks, per seed")
     figure.tight_layout()
     command = "python benchmarks/chunk_suite.py " + " ".join(sys.argv[1:])
-    notes = (f"{args.iterations} iterations of 64 ticks x 8 envs after {args.bc_steps} behaviour-cloning steps on "
+    notes = (f"agents/{args.agent}_chunks.py: {args.iterations} iterations of 64 ticks x 8 envs after {args.bc_steps} behaviour-cloning steps on "
              f"{args.demos} noisy expert samples; {args.eval_rounds} x 8 evaluation episodes before and after RL. "
              "expert: the scripted demonstrator on the full state, one action per step, no noise, on the same "
              "episodes; gap closed: the mean over seeds of gain / (expert - return after the warm start). Tasks marked "
-             "held out were never used to choose agents/ppo_chunks.py's defaults.")  # fmt: skip
+             f"held out were never used to choose agents/{args.agent}_chunks.py's defaults.")  # fmt: skip
     for path in save_report(args.name, table, figure, command=command.strip(), notes=notes):
         print(path)
     print(table)

@@ -38,6 +38,10 @@ class GaussianChunkPolicy(TorchPolicy):
         obs_key: with dict observations, the module sees only ``obs[obs_key]`` (e.g.
             ``"image"``: the instruction is not read); None flattens the whole observation as
             `TorchPolicy` does.
+        squash: tanh-squash the sample into ``chunk_space``'s bounds, as SAC's actor does: the
+            module's ``(mean, log_std)`` are the Gaussian's before the squash, the action is
+            ``center + half_range * tanh(u)`` for the Gaussian sample ``u`` (the mode: of the mean),
+            and the log-probs have the change of variables (agents/sac_chunks.py). Needs finite bounds.
         seed: replay exactly: draw the sampling noise from the policy's own generator and
             compute the requests one at a time, in the order they were submitted, so an answer
             depends only on its observation, the weights and its place in that order, neither on
@@ -65,13 +69,22 @@ class GaussianChunkPolicy(TorchPolicy):
         *,
         obs_key: str | None = None,
         seed: int | None = None,
+        squash: bool = False,
         **kwargs: Any,
     ) -> None:
         if not isinstance(chunk_space, gym.spaces.Box) or len(chunk_space.shape) < 1:
             raise ValueError(
                 f"GaussianChunkPolicy: chunk_space must be a Box of shape (H, *action_shape), got {chunk_space!r}"
             )
+        if squash and not (np.isfinite(chunk_space.low).all() and np.isfinite(chunk_space.high).all()):
+            raise ValueError(f"GaussianChunkPolicy: squash=True needs finite bounds, got {chunk_space!r}")
         super().__init__(module, chunk_space, **kwargs)
+        self.squash = bool(squash)
+        horizon = int(chunk_space.shape[0])
+        low, high = (
+            torch.as_tensor(b, dtype=torch.float32).reshape(horizon, -1) for b in (chunk_space.low, chunk_space.high)
+        )
+        self._center, self._half_range = (high + low) / 2, (high - low) / 2
         self.obs_key = obs_key
         self.horizon = int(chunk_space.shape[0])
         self._generator = None if seed is None else torch.Generator().manual_seed(int(seed))
@@ -103,6 +116,13 @@ class GaussianChunkPolicy(TorchPolicy):
             else:
                 action = mean + dist.stddev * torch.randn(mean.shape, generator=self._generator).to(mean.device)
             per_action = dist.log_prob(action).sum(-1)  # [B, H]
+            if (
+                self.squash
+            ):  # a = center + half_range * tanh(u): log p(a) = log N(u) - log(half_range * (1 - tanh(u)^2))
+                center, half_range = self._center.to(action.device), self._half_range.to(action.device)
+                log_1m_tanh2 = 2.0 * (np.log(2.0) - action - torch.nn.functional.softplus(-2.0 * action))
+                per_action = per_action - (half_range.log() + log_1m_tanh2).sum(-1)
+                action = center + half_range * torch.tanh(action)
         actions = action.cpu().numpy()
         logps = per_action.cpu().numpy().astype(np.float64)
         return [
