@@ -297,6 +297,24 @@ def make_vector_env(
     )
 
 
+def vector_env_factory(args: EnvAgentArgs, batch_size: int | None) -> Callable[[], AsyncLLMVectorEnv]:
+    """Builds the run's envs when called (``--backend local``): worker processes as ``args`` place them, ``batch_size``
+    the size of a partial batch (None: lockstep). A ``functools.partial`` of plain values: a process of its own
+    may build them."""
+    return functools.partial(
+        make_vector_env,
+        args.env,
+        args.num_envs,
+        args.env_latency_ms,
+        batch_size=batch_size,
+        distribution=args.env_latency_dist,
+        max_restarts=args.max_restarts,
+        step_timeout=args.step_timeout,
+        envs_per_worker=args.envs_per_worker,
+        env_kwargs=args.env_kwargs_dict(),
+    )
+
+
 def make_policy(
     module: torch.nn.Module,
     action_space: gym.Space,
@@ -371,6 +389,19 @@ def make_ray_collectors(
     ]
     return RayCollectors(
         env_fns, num_collectors=num_collectors, address=address, autoreset_mode=AutoresetMode.SAME_STEP
+    )
+
+
+def ray_collectors_for(args: EnvAgentArgs) -> RayCollectors:
+    """The run's envs with ``--backend ray``: `make_ray_collectors` as ``args`` set them."""
+    return make_ray_collectors(
+        args.env,
+        args.num_envs,
+        args.env_latency_ms,
+        args.env_latency_dist,
+        address=args.ray_address,
+        num_collectors=args.ray_collectors,
+        env_kwargs=args.env_kwargs_dict(),
     )
 
 

@@ -55,20 +55,21 @@ from asyncvec.agents.common import (
     final_observations,
     make_policy,
     make_ray_collector,
-    make_ray_collectors,
-    make_vector_env,
     parse_cli,
+    ray_collectors_for,
     registered_spec,
     run_from_cli,
     stored_action_space,
+    vector_env_factory,
 )
 from asyncvec.agents.ppo_networks import Actor, Critic
 from asyncvec.agents.ppo_settings import PRESETS, chosen_correction, corrected_policy_loss
 from asyncvec.agents.summaries import final_return_text, restarts_text, run_steps_text
+from asyncvec.buffers import policy_columns
 from asyncvec.collection import next_segment
 from asyncvec.collection.process import ProcessCollector
 from asyncvec.losses import gae, truncated_importance_weights, vtrace
-from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
+from asyncvec.metrics import EpisodeStats, StageClock
 from asyncvec.normalization import RewardScaler
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, rng_state, run_name, seed_everything
 from asyncvec.schedule import ScheduleError, ScheduleWriter, read_schedule
@@ -196,8 +197,7 @@ class PPO(EnvStepsRun):
         if self.replay and [r.version for r in self.replay] != list(range(len(self.replay))):
             raise ScheduleError(f"--replay {args.replay}: the updates' versions are not 0, 1, 2...: not from the start")
         # The spaces first, from one env here: a clear error before any worker starts.
-        env_kwargs = args.env_kwargs_dict()
-        obs_space, self.action_space = env_spaces(args.env, env_kwargs)
+        obs_space, self.action_space = env_spaces(args.env, args.env_kwargs_dict())
         flat_box = isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
         if isinstance(obs_space, gym.spaces.Text) or isinstance(self.action_space, gym.spaces.Text):
             raise ValueError(
@@ -215,28 +215,11 @@ class PPO(EnvStepsRun):
         # async at --max-staleness 0 or 1: acting runs in a process of its own (ProcessCollector, which builds the
         # envs there), the envs step together, and each segment is acted by a version fixed by construction
         self.lockstep = args.mode == "async" and args.backend == "local" and args.max_staleness <= 1 and not args.replay
-        self.make_envs = functools.partial(
-            make_vector_env,
-            args.env,
-            args.num_envs,
-            args.env_latency_ms,
-            batch_size=max(1, args.num_envs // 4) if args.mode == "async" and not self.lockstep else None,
-            distribution=args.env_latency_dist,
-            max_restarts=args.max_restarts,
-            step_timeout=args.step_timeout,
-            envs_per_worker=args.envs_per_worker,
-            env_kwargs=env_kwargs,
+        self.make_envs = vector_env_factory(
+            args, batch_size=max(1, args.num_envs // 4) if args.mode == "async" and not self.lockstep else None
         )
         if args.backend == "ray":
-            self.envs = make_ray_collectors(
-                args.env,
-                args.num_envs,
-                args.env_latency_ms,
-                args.env_latency_dist,
-                address=args.ray_address,
-                num_collectors=args.ray_collectors,
-                env_kwargs=env_kwargs,
-            )
+            self.envs = ray_collectors_for(args)
         else:
             self.envs = self.make_envs() if not self.lockstep else None
         obs_dim = obs_space.shape[0]
@@ -508,18 +491,7 @@ class PPO(EnvStepsRun):
                 next_obs, rewards, terminated, truncated, info = self.envs.step(executed)
             done = terminated | truncated
             final = final_observations(next_obs, done, info)
-            self.store.add(
-                obs,
-                actions,
-                rewards,
-                final,
-                terminated,
-                truncated,
-                np.array([o.policy_version for o in outputs]),
-                behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
-                env_id=ids,
-                fallback=np.array([o.fallback for o in outputs]),
-            )
+            self.store.add(obs, actions, rewards, final, terminated, truncated, env_id=ids, **policy_columns(outputs))
             episodes.update(ids, rewards, done)
             obs = next_obs
         return obs
@@ -530,10 +502,7 @@ class PPO(EnvStepsRun):
         # first: the acting process may be a fork of this one, started before it runs threads (TensorBoard's writer)
         collector = self.start_collector()
         try:
-            logger = RunLogger(
-                self.run_dir, track=args.track, total_steps=args.total_timesteps, progress=args.progress,
-                hparams=asdict(args), initial_step=self.global_step,
-            )  # fmt: skip
+            logger = self.run_logger()
         except BaseException:
             if collector is not None:
                 collector.stop()

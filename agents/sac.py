@@ -47,16 +47,16 @@ from asyncvec.agents.common import (
     final_observations,
     make_policy,
     make_ray_collector,
-    make_ray_collectors,
-    make_vector_env,
     parse_cli,
+    ray_collectors_for,
     run_from_cli,
+    vector_env_factory,
 )
 from asyncvec.agents.sac_networks import Actor, SoftQ
 from asyncvec.agents.summaries import final_return_text, restarts_text, run_steps_text
-from asyncvec.buffers import Transitions
+from asyncvec.buffers import Transitions, policy_columns
 from asyncvec.lifecycle import release_if_held
-from asyncvec.metrics import EpisodeStats, RunLogger, StageClock
+from asyncvec.metrics import EpisodeStats, StageClock
 from asyncvec.runs import EnvStepsRun, check_resumable, load_checkpoint, run_name, seed_everything
 from asyncvec.versioning import with_lag
 
@@ -207,30 +207,13 @@ class SAC(EnvStepsRun):
         self.args = args
         seed_everything(args.seed)
         torch.set_num_threads(args.torch_threads)
-        env_kwargs = args.env_kwargs_dict()
-        env_spaces(args.env, env_kwargs)  # one env built here first: its errors before any worker starts
+        env_spaces(args.env, args.env_kwargs_dict())  # one env built here first: its errors before any worker starts
         if args.backend == "ray":
-            self.envs = make_ray_collectors(
-                args.env,
-                args.num_envs,
-                args.env_latency_ms,
-                args.env_latency_dist,
-                address=args.ray_address,
-                num_collectors=args.ray_collectors,
-                env_kwargs=env_kwargs,
-            )
+            self.envs = ray_collectors_for(args)
         else:
-            self.envs = make_vector_env(
-                args.env,
-                args.num_envs,
-                args.env_latency_ms,
-                batch_size=max(1, args.num_envs // 2) if args.mode == "async" else None,
-                distribution=args.env_latency_dist,
-                max_restarts=args.max_restarts,
-                step_timeout=args.step_timeout,
-                envs_per_worker=args.envs_per_worker,
-                env_kwargs=env_kwargs,
-            )
+            self.envs = vector_env_factory(
+                args, batch_size=max(1, args.num_envs // 2) if args.mode == "async" else None
+            )()
         obs_space, self.action_space = self.envs.single_observation_space, self.envs.single_action_space
         if not isinstance(self.action_space, gym.spaces.Box):
             self.envs.close()
@@ -513,14 +496,7 @@ class SAC(EnvStepsRun):
     def train(self) -> TrainResult:
         """Trains until ``total_timesteps`` (or ``target_return``); closes envs and policy."""
         args = self.args
-        logger = RunLogger(
-            self.run_dir,
-            track=args.track,
-            total_steps=args.total_timesteps,
-            progress=args.progress,
-            hparams=asdict(args),
-            initial_step=self.global_step,
-        )
+        logger = self.run_logger()
         history: list[dict] = []
         start = time.monotonic()
         reached_at = None
@@ -536,15 +512,9 @@ class SAC(EnvStepsRun):
         try:
             if args.mode == "async" and args.backend == "ray":
                 collector = make_ray_collector(
-                    self.envs,
-                    self.actor,
-                    self.store,
-                    self.versions,
-                    policy_latency_ms=args.policy_latency_ms,
-                    policy_lag=args.policy_lag,
-                    seed=args.seed,
-                    pace=self._pace,
-                ).start()
+                    self.envs, self.actor, self.store, self.versions,
+                    policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed, pace=self._pace,
+                ).start()  # fmt: skip
             elif args.mode == "async":
                 collector = Collector(
                     self.envs, self.policy, self.store, seed=args.seed, pace=self._pace, lockstep=args.lockstep
@@ -565,19 +535,10 @@ class SAC(EnvStepsRun):
                         final = final_observations(next_obs, done, info)
                         self.store(
                             Transitions(
-                                env_id=ids,
-                                obs=obs,
-                                action=actions,
-                                reward=rewards,
-                                next_obs=final,
-                                terminated=terminated,
-                                truncated=truncated,
-                                behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
-                                policy_version=np.array([o.policy_version for o in outputs]),
-                                fallback=np.array([o.fallback for o in outputs]),
-                                episode_id=episode_ids.copy(),
+                                obs, actions, rewards, final, terminated, truncated, **policy_columns(outputs),
+                                env_id=ids, episode_id=episode_ids.copy(),
                             )
-                        )
+                        )  # fmt: skip
                         episodes.update(ids, rewards, done)
                         episode_ids[done] = episode_ids.max() + 1 + np.arange(done.sum())
                         obs = next_obs

@@ -6,6 +6,7 @@ The agents (``asyncvec.agents``) and the language-model room (``asyncvec.lm``) c
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import json
@@ -21,6 +22,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+
+from asyncvec.metrics import RunLogger
 
 
 def check_env_id(env_id: str) -> None:
@@ -142,6 +145,18 @@ class EnvStepsRun(RunFolder):
     def work_left(self) -> int:
         """Env steps still to train for (0: a resumed run that had already finished)."""
         return max(0, self.args.total_timesteps - self.global_step)
+
+    def run_logger(self) -> RunLogger:
+        """The run's TensorBoard writer and progress bar, counting env steps from where the run starts."""
+        args = self.args
+        return RunLogger(
+            self.run_dir,
+            track=args.track,
+            total_steps=args.total_timesteps,
+            progress=args.progress,
+            hparams=dataclasses.asdict(args),
+            initial_step=self.global_step,
+        )
 
 
 class CheckpointError(ValueError):

@@ -20,7 +20,7 @@ from asyncvec.buffers.groups import CompletionGroups, GroupBatch
 from asyncvec.buffers.replay import ReplayBatch, ReplayBuffer
 from asyncvec.buffers.rollout import RolloutStore, Segment
 from asyncvec.buffers.sum_tree import SumTree
-from asyncvec.buffers.transitions import Transitions
+from asyncvec.buffers.transitions import Transitions, policy_columns
 
 __all__ = [
     "BufferClosedError",
@@ -36,4 +36,5 @@ __all__ = [
     "SumTree",
     "Transitions",
     "is_image_space",
+    "policy_columns",
 ]

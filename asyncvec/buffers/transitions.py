@@ -6,6 +6,7 @@ buffers), and the per-transition numbers among them say how a buffer stores and 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Generic, TypeVar
 
@@ -13,7 +14,7 @@ import numpy as np
 
 from asyncvec.buffers._spaces import as_column
 
-__all__ = ["NUMBERS", "Number", "TransitionWriter", "Transitions"]
+__all__ = ["NUMBERS", "Number", "TransitionWriter", "Transitions", "policy_columns"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,23 @@ class Transitions:
             ([6, 4], False)
         """
         return Transitions(**{name: _take_field(value, rows) for name, value in self.add_arguments().items()})
+
+
+def policy_columns(outputs: Sequence[Any]) -> dict[str, np.ndarray]:
+    """The fields of `Transitions` that a policy's answers (one ``PolicyOutput`` per row) give:
+    ``behavior_logp``, ``policy_version`` and ``fallback``.
+
+    Example:
+        >>> from types import SimpleNamespace as Answer
+        >>> columns = policy_columns([Answer(behavior_logp=-0.5, policy_version=3, fallback=False)])
+        >>> columns["policy_version"].tolist(), columns["behavior_logp"].dtype
+        ([3], dtype('float32'))
+    """
+    return {
+        "behavior_logp": np.array([o.behavior_logp for o in outputs], dtype=np.float32),
+        "policy_version": np.array([o.policy_version for o in outputs], dtype=np.int64),
+        "fallback": np.array([o.fallback for o in outputs], dtype=bool),
+    }
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Transitions))

@@ -22,7 +22,7 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions
+from asyncvec.buffers import ReplayBuffer, RolloutStore, Transitions, policy_columns
 from asyncvec.buffers.rollout import Segment
 from asyncvec.collection.base import BackgroundCollector
 from asyncvec.inference.requests import zero_action
@@ -465,9 +465,7 @@ class Collector(BackgroundCollector):
             next_obs=concatenate(self._space, next_obs, create_empty_array(self._space, n)),
             terminated=terminated[ks],
             truncated=truncated[ks],
-            behavior_logp=np.array([o.behavior_logp for o in outputs], dtype=np.float32),
-            policy_version=np.array([o.policy_version for o in outputs], dtype=np.int64),
-            fallback=np.array([o.fallback for o in outputs], dtype=bool),
+            **policy_columns(outputs),
             episode_id=self._episode_id[ids].copy(),
         )
         _write(self.sink, batch)

@@ -198,7 +198,7 @@ def submit_all(
     policy: Any, obs_batch: Any, env_ids: Sequence[int] | None, timeout: float | None, *, label: str
 ) -> list[Any]:
     """`Policy.act` through ``policy.submit``: submits each observation of the batch with its env id (default: its
-    position), waits for all and returns their `PolicyOutput`\ s; ``label`` starts the errors.
+    position), waits for all and returns the answers (`PolicyOutput`); ``label`` starts the errors.
 
     Raises:
         ValueError: not one env id per observation.

@@ -309,6 +309,13 @@ class AsyncLLMVectorEnv(EnvPoolAPI, VectorEnv[Any, Any, Any]):
                 f"Calling `{call}` while waiting for `{self._state.value}`.", self._state.value
             )
 
+    def _assert_waiting_for(self, state: _LockstepState) -> None:
+        """``reset_wait``/``step_wait``/``call_wait``: open, with ``state``'s ``*_async`` call pending."""
+        self._assert_is_running()
+        if self._state != state:
+            call = state.value
+            raise NoAsyncCallError(f"Calling `{call}_wait` without any prior call to `{call}_async`.", call)
+
     def reset(
         self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
@@ -338,9 +345,7 @@ class AsyncLLMVectorEnv(EnvPoolAPI, VectorEnv[Any, Any, Any]):
             multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
                 reset stays pending (call ``reset_wait`` again).
         """
-        self._assert_is_running()
-        if self._state != _LockstepState.WAITING_RESET:
-            raise NoAsyncCallError("Calling `reset_wait` without any prior call to `reset_async`.", "reset")
+        self._assert_waiting_for(_LockstepState.WAITING_RESET)
         self._dispatch.collect(self._lockstep_ids, timeout, _PENDING.format(call="reset_wait"))
         infos: dict[str, Any] = {}
         for index, (observation, info) in zip(self._lockstep_ids, self._dispatch.deliver(self._lockstep_ids)):
@@ -409,9 +414,7 @@ class AsyncLLMVectorEnv(EnvPoolAPI, VectorEnv[Any, Any, Any]):
             multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
                 step stays pending (call ``step_wait`` again).
         """
-        self._assert_is_running()
-        if self._state != _LockstepState.WAITING_STEP:
-            raise NoAsyncCallError("Calling `step_wait` without any prior call to `step_async`.", "step")
+        self._assert_waiting_for(_LockstepState.WAITING_STEP)
         dispatch = self._dispatch
         if dispatch.compact_step_waits(timeout):  # step_async: can_step_workers
             return self._step_batch(range(self.num_envs), *dispatch.finish_step_workers())
@@ -447,9 +450,7 @@ class AsyncLLMVectorEnv(EnvPoolAPI, VectorEnv[Any, Any, Any]):
             multiprocessing.TimeoutError: not every env answered within ``timeout`` seconds; the
                 call stays pending (call ``call_wait`` again).
         """
-        self._assert_is_running()
-        if self._state != _LockstepState.WAITING_CALL:
-            raise NoAsyncCallError("Calling `call_wait` without any prior call to `call_async`.", "call")
+        self._assert_waiting_for(_LockstepState.WAITING_CALL)
         return self._finish_calls("call", timeout)
 
     def _finish_calls(self, command: str, timeout: float | None, ids: list[int] | None = None) -> tuple[Any, ...]:

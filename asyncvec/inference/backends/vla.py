@@ -321,16 +321,9 @@ def build_tiny_vla(
         >>> sorted(p.name for p in folder.iterdir() if p.suffix == ".json")[:2]
         ['config.json', 'tokenizer.json']
     """
+    vision = {"image_size": image_size, "patch_size": patch_size, "vision_dim": vision_dim}  # checked, then configured
     heads = check_lm_sizes(
-        arch,
-        n_head,
-        image_size=image_size,
-        patch_size=patch_size,
-        vision_dim=vision_dim,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        max_positions=max_positions,
-        num_bins=num_bins,
+        arch, n_head, **vision, n_layer=n_layer, n_embd=n_embd, max_positions=max_positions, num_bins=num_bins
     )
     if image_size % patch_size:
         raise ValueError(f"image_size {image_size} must be a multiple of patch_size {patch_size}")
@@ -343,9 +336,7 @@ def build_tiny_vla(
     )
     config = TinyVLAConfig(
         text_config=text_config.to_dict(),
-        image_size=image_size,
-        patch_size=patch_size,
-        vision_dim=vision_dim,
+        **vision,
         vision_layers=vision_layers,
         num_bins=num_bins,
         action_token_start=text_vocab,
