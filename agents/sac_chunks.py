@@ -154,7 +154,7 @@ class ChunkActor(nn.Module):
     the Gaussian before the squash as ``(mean [B, H, d], log_std [B, H, d])`` for `GaussianChunkPolicy(squash=True)`.
     """
 
-    def __init__(self, observation_space: gym.Space, image_size: int, chunk_space: gym.spaces.Box, hidden: int):
+    def __init__(self, observation_space: gym.Space, image_size: int, chunk_space: gym.spaces.Box, hidden: int) -> None:
         super().__init__()
         self.encoder = encoder_for(observation_space, image_size)
         flat = gym.spaces.Box(chunk_space.low.reshape(-1), chunk_space.high.reshape(-1), dtype=np.float32)

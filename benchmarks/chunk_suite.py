@@ -80,14 +80,15 @@ ABLATION = json.dumps(
         "both (defaults)": {},
     }
 )
-# the same for agents/sac_chunks.py, with its third aid, the small initial entropy coefficient (0.01; SAC's usual 0.2)
+# agents/sac_chunks.py's defaults and each aid left out: the warm-up, the anchor, the small initial entropy
+# coefficient (0.01 against SAC's usual 0.2); then none of them
 SAC_ABLATION = json.dumps(
     {
-        "none (alpha 0.2)": {"critic_warmup_iterations": 0, "anchor_coef": 0.0, "alpha": 0.2},
-        "alpha 0.2": {"alpha": 0.2},
+        "defaults": {},
         "no warm-up": {"critic_warmup_iterations": 0},
         "no anchor": {"anchor_coef": 0.0},
-        "all (defaults)": {},
+        "alpha 0.2": {"alpha": 0.2},
+        "none (alpha 0.2)": {"critic_warmup_iterations": 0, "anchor_coef": 0.0, "alpha": 0.2},
     }
 )
 

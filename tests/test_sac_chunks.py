@@ -22,7 +22,7 @@ import torch
 from gymnasium.vector import AutoresetMode
 
 import asyncvec.envs  # noqa: F401  (registers the pixel envs)
-from asyncvec.agents.sac_chunks import Args, SACChunks, rollout_windows
+from asyncvec.agents.sac_chunks import Args, SACChunks, WindowReplay, rollout_windows
 from asyncvec.benchmarks.chunk_suite import demonstrations, expert_return
 from asyncvec.control import ChunkExecutor
 
@@ -112,6 +112,18 @@ def test_windows_hold_h_executed_actions_their_rewards_and_whole_chunks_play() -
         if (int(t), int(e)) in starts and c >= 0
     ]  # fmt: skip
     assert matched
+
+
+def test_the_replay_drops_the_oldest_windows_and_keeps_each_windows_observations() -> None:
+    replay = WindowReplay(capacity=3)
+    for first in (0.0, 10.0):  # two rollouts of 3 observation rows (the row's number is its value) and 2 windows
+        rows = torch.arange(first, first + 3).unsqueeze(1)
+        replay.add(rows, np.array([0, 1]), np.array([1, 2]), np.zeros((2, 4)), np.array([first, first + 1]), np.ones(2))
+    assert len(replay) == 3 and replay.rewards.tolist() == [1.0, 10.0, 11.0]
+    observations, _, rewards, _, next_observations = replay.sample(64)
+    expected = {1.0: (1.0, 2.0), 10.0: (10.0, 11.0), 11.0: (11.0, 12.0)}
+    for obs, reward, next_obs in zip(observations[:, 0], rewards, next_observations[:, 0], strict=True):
+        assert (float(obs), float(next_obs)) == expected[float(reward)]
 
 
 def test_the_policy_reports_the_actors_log_prob_of_a_squashed_chunk() -> None:
