@@ -171,7 +171,7 @@ class EnvAgentArgs:
     num_envs: int = 8
     """number of parallel envs"""
     mode: Literal["sync", "async"] = "async"
-    """sync: act then learn, in turn; async: a collector thread acts while the learner trains"""
+    """sync: act then learn, in turn; async: a collector acts while the learner trains (PPO: in a process of its own)"""
     backend: Literal["local", "ray"] = "local"
     """local: env worker processes here; ray: collector actors (envs + a copy of the policy each) on a Ray cluster"""
     ray_address: str | None = None

@@ -8,9 +8,9 @@ Import: from asyncvec.agents.ppo import PPO, Args; result = PPO(Args(env="CartPo
 call per step, then learn, then act again. ``--mode async`` acts in a process of its own beside the
 learner (`ProcessCollector`): at ``--max-staleness 1`` (the default) segment k+1 is acted by the
 version published after update k-1 while update k trains, every sample one version old by
-construction, whatever the speeds; ``0`` is the sync run, bitwise. Above 1 a Collector thread
-submits each env's observation as soon as it is ready (partial batches). Every sample carries the
-policy version that chose it.
+construction, whatever the speeds; ``0`` is the sync run, bitwise. Above 1 the acting process
+submits each env's observation as soon as it is ready (partial batches) and loads each publish as it
+comes. Every sample carries the policy version that chose it.
 
 Off-policy corrections (``--correction``), with ``mu`` the behavior policy that acted,
 ``pi_prox`` the learner's policy at the start of the update and ``pi`` the one being trained:
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from asyncvec import Collector, RolloutStore, VersionManager
+from asyncvec import RolloutStore, VersionManager
 from asyncvec.agents.common import (
     NOT_REPLAYED,
     EnvAgentArgs,
@@ -83,7 +83,8 @@ class Args(EnvAgentArgs):
     max_staleness: int = 1
     """async: 0 or 1, the envs step together and each segment is acted by a version fixed by construction (0:
     the last update's, the sync run bitwise; 1: the one before, while the learner trains the segment before);
-    above 1, the envs step freely (partial batches) and samples older than this are masked out (asyncvec docs agents)"""
+    above 1, the envs step freely (partial batches, in the acting process too) and samples older than this are
+    masked out (asyncvec docs agents)"""
     adaptive_staleness: bool = False
     """lower max_staleness while the importance weights of recent updates degenerate, raise it back
     (up to --max-staleness) while they are healthy (rule: asyncvec.versioning.adapt_max_staleness)"""
@@ -215,13 +216,15 @@ class PPO(EnvStepsRun):
         # async at --max-staleness 0 or 1: acting runs in a process of its own (ProcessCollector, which builds the
         # envs there), the envs step together, and each segment is acted by a version fixed by construction
         self.lockstep = args.mode == "async" and args.backend == "local" and args.max_staleness <= 1 and not args.replay
+        # above 1 it runs there too, with partial batches: the learner's update never shares an interpreter with acting
+        self.acting_process = args.mode == "async" and args.backend == "local" and not args.replay
         self.make_envs = vector_env_factory(
             args, batch_size=max(1, args.num_envs // 4) if args.mode == "async" and not self.lockstep else None
         )
         if args.backend == "ray":
             self.envs = ray_collectors_for(args)
         else:
-            self.envs = self.make_envs() if not self.lockstep else None
+            self.envs = self.make_envs() if not self.acting_process else None
         obs_dim = obs_space.shape[0]
         self.actor = Actor(obs_dim, self.action_space, args.hidden, normalize_obs=args.normalize_obs)
         self.critic = Critic(obs_dim, args.hidden, obs_norm=self.actor.obs_norm)
@@ -233,7 +236,7 @@ class PPO(EnvStepsRun):
             make_policy(  # (in sync mode; the acting process's is built there, from the actor of then)
                 copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, args.mode == "sync"
             )
-            if not self.lockstep
+            if not self.acting_process
             else None
         )
         self.learner_rng = torch.Generator().manual_seed(args.seed)  # minibatch order: the acting threads never draw
@@ -297,25 +300,29 @@ class PPO(EnvStepsRun):
 
     def start_collector(self) -> Any:
         """Async mode: starts acting beside the learner and returns the collector (None in sync mode or --replay):
-        at --max-staleness 0 or 1 a `ProcessCollector` (acting in a process of its own, a version fixed by
-        construction per segment), above it a `Collector` thread with partial batches, on Ray collector actors."""
+        a `ProcessCollector` (acting in a process of its own): at --max-staleness 0 or 1 lockstep, a version fixed by
+        construction per segment, above it with partial batches and the max-lag gate; on Ray, collector actors."""
         args = self.args
         if args.mode == "async" and args.backend == "ray":
             return make_ray_collector(
                 self.envs, self.actor, self.store, self.versions,
                 policy_latency_ms=args.policy_latency_ms, policy_lag=args.policy_lag, seed=args.seed,
             ).start()  # fmt: skip
-        if self.lockstep:
+        if self.acting_process:
             policy = functools.partial(  # built in the acting process, from the actor as it is now
-                make_policy, copy.deepcopy(self.actor), self.action_space, args.num_envs, args.policy_latency_ms, True
+                make_policy,
+                copy.deepcopy(self.actor),
+                self.action_space,
+                args.num_envs,
+                args.policy_latency_ms,
+                self.lockstep,
             )
             shapes = (args.num_steps, args.num_envs, self.store.observation_space, self.store.action_space)
             return ProcessCollector(
                 self.make_envs, policy, self._actor_weights(), *shapes, self.versions, args.max_staleness, args.seed,
                 env_specs=registered_spec(args.env), random_state=rng_state(),
+                partial_batches=not self.lockstep, policy_lag=0 if self.lockstep else args.policy_lag,
             ).start()  # fmt: skip
-        if args.mode == "async" and not args.replay:
-            return Collector(self.envs, self.policy, self.store, version_manager=self.versions, seed=args.seed).start()
         return None
 
     def _actor_weights(self) -> dict[str, torch.Tensor]:
@@ -521,7 +528,7 @@ class PPO(EnvStepsRun):
             while self.global_step < args.total_timesteps:
                 with stages("collect_wait"):
                     if collector is not None:
-                        segment = next_segment(collector if self.lockstep else self.store, collector)
+                        segment = next_segment(collector if self.acting_process else self.store, collector)
                     elif self.replay is not None:  # the recorded segments, in order, and no more
                         if self.updates == len(self.replay):
                             break
@@ -532,6 +539,8 @@ class PPO(EnvStepsRun):
                 self.global_step += segment.reward.size
                 with stages("update"):
                     stats = self.update(segment)
+                if args.adaptive_staleness and self.acting_process and not self.lockstep:
+                    collector.set_max_lag(self.max_staleness)  # the acting process's gate follows the learner's
                 if schedule is not None:  # (after the update: the record holds the complete ones)
                     schedule.write(batch=segment, version=self.versions.current_version, position=self.global_step)
                 # (read before the publish, which releases a lockstep collector: the returns of this segment's steps)
@@ -587,7 +596,7 @@ class PPO(EnvStepsRun):
             wall_time_s=wall,
             env_steps_per_s=(self.global_step - start_step) / wall,
             resumed_at_step=start_step,
-            env_restarts=list(getattr(collector if self.lockstep else self.envs, "restarts", [])),  # (Ray: none)
+            env_restarts=list(getattr(collector if self.acting_process else self.envs, "restarts", [])),  # (Ray: none)
             episodic_returns=returns,
             final_return=float(np.mean(returns[-20:])) if returns else float("nan"),
             reached_target_s=reached_at,
@@ -602,7 +611,7 @@ class PPO(EnvStepsRun):
 
     def close(self) -> None:
         """Stops the policy server and the env workers (``train`` does this itself when it ends)."""
-        if not self.lockstep:  # (else they live in the acting process, which train stops)
+        if not self.acting_process:  # (else they live in the acting process, which train stops)
             self.policy.close()
             self.envs.close()
         self.store.close()

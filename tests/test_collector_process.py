@@ -18,7 +18,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from toy_envs import CounterEnv, FaultyEnv
+from toy_envs import CounterEnv, FaultyEnv, SleepyEnv
 
 from asyncvec import AsyncLLMVectorEnv, TorchPolicy, VersionManager
 from asyncvec.collection import CollectorError, next_segment
@@ -106,6 +106,37 @@ def test_an_env_registered_only_in_the_learners_process_is_built_in_the_acting_o
 def test_lag_must_be_0_or_1():
     with pytest.raises(ValueError, match="lag must be 0 or 1"):
         collector(CounterEnv, VersionManager(max_lag=2), lag=2)
+    with pytest.raises(ValueError, match="policy_lag must be between 0 and lag"):
+        module = torch.nn.Linear(3, 3)
+        ProcessCollector(
+            functools.partial(AsyncLLMVectorEnv, [CounterEnv] * 2), functools.partial(TorchPolicy, module, SPACES[1]),
+            module.state_dict(), 4, 2, *SPACES, VersionManager(max_lag=2), 2, partial_batches=True, policy_lag=3,
+        )  # fmt: skip
+
+
+def test_partial_batches_load_each_publish_as_it_arrives(no_leftover_children):
+    """``partial_batches=True`` (PPO above ``--max-staleness 1``): envs answered one at a time (a straggler's 50 ms
+    steps beside a fast env), the child acting with the newest version it has: no pace ties a segment to a version."""
+    module = torch.nn.Linear(3, 3)
+    make_envs = functools.partial(
+        AsyncLLMVectorEnv, [functools.partial(SleepyEnv, 0.0), functools.partial(SleepyEnv, 0.05)], batch_size=1
+    )
+    make_policy = functools.partial(TorchPolicy, module, SPACES[1], max_batch_size=2, max_wait_ms=0.0)
+    versions = VersionManager(max_lag=3)
+    acting = ProcessCollector(
+        make_envs, make_policy, module.state_dict(), 4, 2, *SPACES, versions, 3, seed=0, partial_batches=True
+    )
+    with acting:
+        next_segment(acting, acting)
+        for _ in range(3):  # three publishes at once: the child loads each as it comes, whatever the segments
+            versions.publish({k: v + 1 for k, v in module.state_dict().items()})
+        seen: set[int] = set()
+        deadline = time.monotonic() + 60
+        while 3 not in seen and time.monotonic() < deadline:
+            seen |= set(next_segment(acting, acting).policy_version.ravel().tolist())
+        steps = acting.metrics()["env_steps"]
+    assert 3 in seen and max(seen) <= 3, seen  # (a lockstep lag-1 child acts a segment by the version before)
+    assert steps > 0 and acting._process.exitcode == 0
 
 
 def test_a_script_without_a_main_guard_trains_async_ppo(tmp_path, no_leftover_children):

