@@ -16,7 +16,9 @@ from terminal import sigint_as_in_a_terminal
 from asyncvec.lifecycle import interrupts_outside_locks
 
 # The main thread takes a condition's lock again and again (as a learner polls a buffer); each Ctrl-C is caught,
-# and the child reports how often the lock was still held after it, i.e. left held for good.
+# and the child reports how often the lock was still held after it, i.e. left held for good. It says "armed" inside
+# the try, so the next Ctrl-C is sent only once it would be caught (a slow child on a loaded machine was once still
+# printing the last "caught", outside the try, when the next one came).
 HAMMER = """
 import sys, threading, time
 from asyncvec.lifecycle import interrupts_outside_locks
@@ -24,10 +26,10 @@ from asyncvec.lifecycle import interrupts_outside_locks
 condition = threading.Condition()
 guarded = sys.argv[1] == "guarded"
 interrupts = leaked = 0
-print("ready", flush=True)
 with (interrupts_outside_locks() if guarded else open("/dev/null")):
     while interrupts < int(sys.argv[2]):
         try:
+            print("armed", flush=True)
             while True:
                 with condition:
                     pass
@@ -37,7 +39,6 @@ with (interrupts_outside_locks() if guarded else open("/dev/null")):
                 leaked += 1
                 while condition._is_owned():
                     condition.release()
-            print("caught", flush=True)
 print(f"interrupts {interrupts} leaked {leaked}", flush=True)
 """
 
@@ -51,12 +52,13 @@ def hammer(mode: str, interrupts: int) -> tuple[int, int]:
         preexec_fn=sigint_as_in_a_terminal,
     )
     try:
-        assert child.stdout.readline().strip() == "ready"
+        line = child.stdout.readline().strip()
         for _ in range(interrupts):
+            assert line == "armed", line
             time.sleep(0.003)
             child.send_signal(signal.SIGINT)
-            assert child.stdout.readline().strip() == "caught"
-        last = child.stdout.readline().split()
+            line = child.stdout.readline().strip()  # "armed" again, after the last one the counts
+        last = line.split()
         assert child.wait(timeout=60) == 0
     finally:
         if child.poll() is None:
