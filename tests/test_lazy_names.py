@@ -1,6 +1,6 @@
-"""The packages' lazy names (asyncvec.lazy), and the LM agents' engines: a row of ``LM_BACKENDS`` is the one place
-that names an engine's policy class, its module, its optional library and the extra installing it;
-``asyncvec.inference`` exports the class from the row."""
+"""The packages' lazy names (asyncvec.lazy), and the LM agents' engines: a row of ``asyncvec.inference.engines.ENGINES``
+is the one place that names an engine's policy class, its module, its optional library and the extra installing it;
+``asyncvec.inference`` exports the class from the row, and ``LM_BACKENDS`` is each row with its factory."""
 
 from __future__ import annotations
 
@@ -16,10 +16,22 @@ from packaging.requirements import Requirement
 
 import asyncvec.inference
 from asyncvec.extras import MissingExtraError, install_command
+from asyncvec.inference.engines import ENGINES
 from asyncvec.lazy import LazyName, lazy_package
 from asyncvec.lm.backends import LM_BACKENDS
 
 ROWS = list(LM_BACKENDS.values())
+
+
+def test_every_engine_is_a_backend_with_its_factory_and_its_row():
+    assert list(LM_BACKENDS) == list(ENGINES)
+    for name, backend in LM_BACKENDS.items():
+        assert callable(backend.make_policy), name
+        assert (backend.policy, backend.policy_from, backend.needs_sync) == (
+            ENGINES[name].policy,
+            ENGINES[name].policy_from,
+            ENGINES[name].needs_sync,
+        )
 
 
 def declared_by_extra(extra: str) -> set[str]:

