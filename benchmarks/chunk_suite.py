@@ -81,12 +81,13 @@ ABLATION = json.dumps(
     }
 )
 # agents/sac_chunks.py's defaults and each aid left out: the warm-up, the anchor, the small initial entropy
-# coefficient (0.01 against SAC's usual 0.2); then none of them
+# coefficient (0.01 against SAC's usual 0.2), a weaker anchor; then none of them (not run yet: docs/robots.md)
 SAC_ABLATION = json.dumps(
     {
         "defaults": {},
         "no warm-up": {"critic_warmup_iterations": 0},
         "no anchor": {"anchor_coef": 0.0},
+        "anchor 0.1": {"anchor_coef": 0.1},
         "alpha 0.2": {"alpha": 0.2},
         "none (alpha 0.2)": {"critic_warmup_iterations": 0, "anchor_coef": 0.0, "alpha": 0.2},
     }
