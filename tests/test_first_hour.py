@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
-AGENTS = ["ppo", "sac", "ppo_chunks", "rloo", "reinforce_pp", "grpo"]
+AGENTS = ["ppo", "sac", "ppo_chunks", "sac_chunks", "rloo", "reinforce_pp", "grpo"]
 
 SEEK_ENV = '''
 """A user's env module: importing it registers {env_id}."""

@@ -118,12 +118,12 @@ def printed_texts(capsys) -> dict[str, str]:
     the errors that name a page."""
     import tyro
 
-    from asyncvec.agents import grpo, ppo, ppo_chunks, reinforce_pp, rloo, sac
+    from asyncvec.agents import grpo, ppo, ppo_chunks, reinforce_pp, rloo, sac, sac_chunks
     from asyncvec.extras import install_command
     from asyncvec.lm.backends import LM_BACKENDS
 
     texts = {}
-    for module in (ppo, sac, ppo_chunks, rloo, reinforce_pp, grpo):
+    for module in (ppo, sac, ppo_chunks, sac_chunks, rloo, reinforce_pp, grpo):
         with pytest.raises(SystemExit):
             tyro.cli(module.Args, args=["--help"])
         texts[f"asyncvec-{module.__name__.rpartition('.')[2]} --help"] = capsys.readouterr().out
