@@ -294,6 +294,26 @@ class ChunkTask(RunFolder):
             dtype=np.float32,
         )
 
+    # ------------------------------------------------------------------ where the run is (the command line's)
+    checkpoint_path = None  # neither chunk agent keeps a checkpoint
+    length_flag = "--iterations"
+    iteration: int  # the iterations done (the agent counts them)
+    policy: Any  # the acting policy, or None
+
+    @property
+    def position(self) -> str:
+        """Where the run is, in words (the command line's Ctrl-C message)."""
+        return f"iteration {self.iteration} of {self.args.iterations}"
+
+    @property
+    def work_left(self) -> int:
+        return self.args.iterations - self.iteration
+
+    def close(self) -> None:
+        """Closes the acting policy (``train`` does this itself when it ends)."""
+        if self.policy is not None:
+            self.policy.close()
+
     def make_env(self) -> gym.Env:
         """The env as the policy sees it: a Dict observation keeps its image and its instruction, hashed."""
         kwargs: dict[str, Any] = dict(self.env_kwargs)
@@ -358,24 +378,6 @@ class PPOChunks(ChunkTask):
         self.reference: ChunkActorCritic | None = None  # the frozen cloned policy (behavior_clone), the anchor's
         self.iteration = 0
         self.run_name = run_name(args.env, "ppo_chunks", "sim" if args.latency_ticks is not None else "wall", args.seed)
-
-    # ------------------------------------------------------------------ where the run writes
-    checkpoint_path = None  # this agent keeps no checkpoint
-    length_flag = "--iterations"
-
-    @property
-    def position(self) -> str:
-        """Where the run is, in words (the command line's Ctrl-C message)."""
-        return f"iteration {self.iteration} of {self.args.iterations}"
-
-    @property
-    def work_left(self) -> int:
-        return self.args.iterations - self.iteration
-
-    def close(self) -> None:
-        """Closes the acting policy (``train`` does this itself when it ends)."""
-        if self.policy is not None:
-            self.policy.close()
 
     def make_policy(self, **kwargs: Any) -> GaussianChunkPolicy:
         """A `GaussianChunkPolicy` over a copy of the learner's network, reading whole observations."""
@@ -627,17 +629,22 @@ def ended_episode_returns(rollout: ChunkRollout, running: np.ndarray) -> list[fl
     return ended
 
 
+def evaluation_text(args: Any, result: dict[str, Any]) -> str:
+    """A chunk agent's evaluation before and after training, in words (its summary line's)."""
+    if not args.eval_rounds:
+        return "not evaluated (--eval-rounds 0)"
+    return (
+        f"mean return of {args.eval_rounds} x {args.num_envs} evaluation episodes {result['eval_start']:.1f} -> "
+        f"{result['eval_end']:.1f}"
+    )
+
+
 def summary(args: Args, result: dict[str, Any]) -> str:
     """The command line's report of a run: evaluation before and after, what was trained on, time."""
     sources = ", ".join(f"{name} {count}" for name, count in result["sources"].items())
-    evaluation = (
-        f"mean return of {args.eval_rounds} x {args.num_envs} evaluation episodes {result['eval_start']:.1f} -> "
-        f"{result['eval_end']:.1f}"
-        if args.eval_rounds
-        else "not evaluated (--eval-rounds 0)"
-    )
     return (
-        f"PPO on chunks, {args.env}: {args.iterations} iterations in {result['seconds']:.1f} s; {evaluation}; "
+        f"PPO on chunks, {args.env}: {args.iterations} iterations in {result['seconds']:.1f} s; "
+        f"{evaluation_text(args, result)}; "
         f"{result['trained_fraction']:.0%} of the executed actions trained on (executed actions by source: {sources})"
     )
 

@@ -54,7 +54,7 @@ from torch.distributions import Independent, Normal, kl_divergence
 
 from asyncvec import AsyncLLMVectorEnv
 from asyncvec.agents.common import parse_cli, run_from_cli
-from asyncvec.agents.ppo_chunks import ChunkTask, ObservationEncoder, ended_episode_returns
+from asyncvec.agents.ppo_chunks import ChunkTask, ObservationEncoder, ended_episode_returns, evaluation_text
 from asyncvec.agents.sac_networks import Actor, SoftQ
 from asyncvec.control import SOURCES, ChunkExecutor, ChunkRollout
 from asyncvec.control.chunk_policy import GaussianChunkPolicy
@@ -316,24 +316,6 @@ class SACChunks(ChunkTask):
         self.iteration = 0
         self.run_name = run_name(args.env, "sac_chunks", "sim", args.seed)
 
-    # ------------------------------------------------------------------ where the run writes
-    checkpoint_path = None  # this agent keeps no checkpoint
-    length_flag = "--iterations"
-
-    @property
-    def position(self) -> str:
-        """Where the run is, in words (the command line's Ctrl-C message)."""
-        return f"iteration {self.iteration} of {self.args.iterations}"
-
-    @property
-    def work_left(self) -> int:
-        return self.args.iterations - self.iteration
-
-    def close(self) -> None:
-        """Closes the acting policy (``train`` does this itself when it ends)."""
-        if self.policy is not None:
-            self.policy.close()
-
     def make_policy(self, **kwargs: Any) -> GaussianChunkPolicy:
         """A squashed `GaussianChunkPolicy` over a copy of the actor, reading whole observations."""
         network = copy.deepcopy(self.actor)
@@ -504,14 +486,9 @@ class SACChunks(ChunkTask):
 
 def summary(args: Args, result: dict[str, Any]) -> str:
     """The command line's report of a run: evaluation before and after, the replay, time."""
-    evaluation = (
-        f"mean return of {args.eval_rounds} x {args.num_envs} evaluation episodes {result['eval_start']:.1f} -> "
-        f"{result['eval_end']:.1f}"
-        if args.eval_rounds
-        else "not evaluated (--eval-rounds 0)"
-    )
     return (
-        f"SAC on chunks, {args.env}: {args.iterations} iterations in {result['seconds']:.1f} s; {evaluation}; "
+        f"SAC on chunks, {args.env}: {args.iterations} iterations in {result['seconds']:.1f} s; "
+        f"{evaluation_text(args, result)}; "
         f"{result['windows']} windows of {args.horizon} executed actions in the replay"
     )
 
