@@ -303,6 +303,21 @@ def _k(steps: int | None) -> str:
     return f"{steps / 1000:.1f}k" if steps is not None else "-"
 
 
+def ratio_interval(numerator: list[float], denominator: list[float], draws: int = 20000) -> tuple[float, float]:
+    """90% bootstrap interval of ``mean(numerator) / mean(denominator)``: seeds drawn with replacement from each
+    side apart (seed 0: a report gives the same interval again)."""
+    rng = np.random.default_rng(0)
+    top = rng.choice(numerator, (draws, len(numerator))).mean(1)
+    bottom = rng.choice(denominator, (draws, len(denominator))).mean(1)
+    low, high = np.percentile(top / bottom, [5, 95])
+    return float(low), float(high)
+
+
+def steps_or_budget(run: dict) -> int:
+    """Steps to the reference, the run's budget where it never reached it (so a ratio with it is a lower bound)."""
+    return run["reached_at"] if run["reached_at"] is not None else run["budget"]
+
+
 def summarize(rows: list[dict]) -> tuple[str, str]:
     """The per-seed table and the per-task verdict table (markdown)."""
     per_seed, verdicts = [], []
@@ -346,10 +361,19 @@ def summarize(rows: list[dict]) -> tuple[str, str]:
                     f"{sum(r['final'] <= task.floor for r in runs)}/{len(runs)}",
                     f"{min(r['load_mean'] for r in runs):.1f}-{max(r['load_max'] for r in runs):.1f}",
                     "",
+                    "",
+                    "",
                 ]
             )
         if medians.get("sync") and medians.get("async"):
-            task_rows[-1][-1] = f"{medians['async'] / medians['sync']:.2f}"
+            task_rows[-1][-3] = f"{medians['async'] / medians['sync']:.2f}"
+        steps = {m: [steps_or_budget(r) for r in rows if r["task"] == key and r["mode"] == m] for m in medians}
+        reached_both = all(any(r["reached_at"] for r in rows if r["task"] == key and r["mode"] == m) for m in steps)
+        if len(steps.get("sync", [])) > 1 and len(steps.get("async", [])) > 1 and reached_both:
+            low, high = ratio_interval(steps["async"], steps["sync"])
+            mean_ratio = np.mean(steps["async"]) / np.mean(steps["sync"])
+            task_rows[-1][-2] = f"{mean_ratio:.2f} ({low:.2f}-{high:.2f})"
+            task_rows[-1][-1] = "{:.2f}-{:.2f}".format(*ratio_interval(steps["sync"], steps["sync"]))
         verdicts += task_rows
     seed_table = markdown_table(
         [
@@ -380,6 +404,8 @@ def summarize(rows: list[dict]) -> tuple[str, str]:
             "ended at floor",
             "load",
             "async/sync median steps",
+            "async/sync mean steps (90% bootstrap interval)",
+            "sync against itself (90%)",
         ],
         verdicts,
     )
@@ -456,9 +482,13 @@ def report(path: Path, args: Args) -> None:
         ):
             print(f"wrote {out}")
         return
-    rows = [r for r in load_rows(path) if variant_label(r["variant"]) == variant_label(json.loads(args.variant))]
+    every_row = load_rows(path)
+    rows = [r for r in every_row if variant_label(r["variant"]) == variant_label(json.loads(args.variant))]
     if not rows:
         raise SystemExit(f"no rows for variant {args.variant} in {path}")
+    # an async-only variant (a correction) is compared with the defaults' sync runs of its tasks
+    synced = {r["task"] for r in rows if r["mode"] == "sync"}
+    rows += [r for r in every_row if r["mode"] == "sync" and not r["variant"] and r["task"] not in synced]
     verdicts, seeds = summarize(rows)
     print(f"\n{verdicts}\n\n{seeds}\n")
     notes = (
