@@ -31,16 +31,20 @@ that code (2026-12-06): 15 runs, 6 alone and 9 beside other test and benchmark p
 policy off that state (not the thresholds) is not found yet.
 
 On the server 1,138-1,517 of 1,280-1,600 episodes spanned a publish (0.06-2.82 s each, 0 batches
-retried). Run 2's log-prob check failed: it scored the turns at temperature 1 while
-the server sampled at 0.7 (it passes the run's temperature now). The in-process engine is built at
-the runs' temperature: a policy given to ``RLOO`` samples at its own, which the learner does not
-check.
+retried). Run alone, on a server no earlier test had used (2026-12-06), 0 of about 1,900 and 11 of 1,536 did: the
+update (about 1 s) outlasted the 32 episodes begun at its pop, which the test's wait for their first answered turn
+did not prevent. The test now also holds their next turns until the publish: alone, 1,664 of 1,728 and 1,664 of
+1,696 spanned (one turn held per update), the evaluation's turns matching the last version within 1e-6.
+Run 2's log-prob check failed: it scored the turns at temperature 1 while the server sampled at 0.7 (it
+passes the run's temperature now). The in-process engine is built at the runs' temperature: a policy given
+to ``RLOO`` samples at its own, which the learner does not check.
 
 With the former settings (temperature 1, stop at 0.8, up to 40 updates; 64 held-out episodes) the
 in-process runs ended at 0.83-0.94 (6 runs) and the server runs at 0.83-0.94 (5 runs), 32-40
 updates, 41-76 s of RL in process, 66-173 s on the server; the module took 195-504 s (load 2-9)."""
 
 import json
+import threading
 import time
 
 import httpx
@@ -192,7 +196,8 @@ def test_rloo_improves_frozen_lake_on_a_vllm_server_every_turn_matching_the_weig
     the weak warm start up by a margin (``check_learned``), a new version published after each update (the server's
     weight routes) while the next episodes are in flight, so an episode's turns span versions. Every
     turn's behavior log-probs must be those of the weights of the version it carries (teacher-forced
-    on its prompt ids, as the single-turn weight-sync test checks answers). (Per-turn staleness
+    on its prompt ids, as the single-turn weight-sync test checks answers), and the evaluation after RL plays the
+    last version (the server's version when it begins, its first turns teacher-forced). (Per-turn staleness
     masking is the learner's, the same on every backend: tests/test_multiturn.py.)"""
     args = rloo.Args(
         model=str(frozen_lake_warm), backend="openai", server_kind="vllm", base_url=server.url,
@@ -200,47 +205,103 @@ def test_rloo_improves_frozen_lake_on_a_vllm_server_every_turn_matching_the_weig
     )  # fmt: skip
     agent = rloo.RLOO(args)
     updates = args.total_prompts // args.prompts_per_update
-    popped = []  # per update: its episodes, and the turns answered before it
+    popped = []  # per update: its episodes
     published = {agent.parts.start_version: agent.learner_weights()}  # version -> the weights sent to the server
-    update, publish, close = agent.update, agent.publish, agent.close
+    update, publish, pop, stop = agent.update, agent.publish, agent.collector.pop, agent.collector.stop
+    policy, submit = agent.policy, agent.policy.submit
+
+    # Episodes in flight across each publish, made sure of. Waiting for a turn of the episodes begun at a pop
+    # before publishing is not enough: the update takes about a second here, and a fast server plays all 32
+    # episodes begun at the pop (about 200 turns) in less, so that none is left to span the publish (run alone,
+    # on a server no other test had used: 0 of 1,900 and 11 of 1,536 episodes spanned). So once a turn begun
+    # after a pop is answered, the training collector's next turns wait for the publish (a slow learner), or
+    # for the next pop or the end of training (an update that trained on nothing publishes nothing), 60 s at most.
+    gate = threading.Condition()
+    held = {"after": None, "releases": 0, "turns": 0, "popped": 0, "evaluating": False}
+
+    def release():
+        with gate:
+            held["after"] = None
+            held["releases"] += 1
+            gate.notify_all()
+
+    class HeldPolicy:  # the policy as the training collector asks it
+        def __getattr__(self, name):
+            return getattr(policy, name)
+
+        def submit(self, request, **kwargs):
+            with gate:
+                after, releases = held["after"], held["releases"]
+                if after is not None and agent.collector.samples > after:
+                    held["turns"] += 1
+                    gate.wait_for(lambda: held["releases"] != releases, timeout=60)
+            return policy.submit(request, **kwargs)
+
+    def holding_pop(num_groups, timeout):
+        release()  # the groups popped now may be the ones held (no publish came)
+        groups = pop(num_groups, timeout)
+        with gate:
+            held["after"], held["popped"] = agent.collector.samples, held["popped"] + num_groups
+        return groups
 
     def recording_update(groups):
-        popped.append((groups, agent.collector.samples))
+        popped.append(groups)
         return update(groups)
 
     def recording_publish():
-        # A slow learner's timing, made sure of: publish once a turn of the episodes begun at the
-        # pop was answered, so they are in flight across the publish (the last pop begins none).
+        # Publish once a turn of the episodes begun at the pop was answered (the last pops begin none).
         deadline = time.monotonic() + 60
-        while len(popped) < updates and agent.collector.samples <= popped[-1][1] and time.monotonic() < deadline:
+        while (held["popped"] < args.total_prompts and held["after"] is not None
+               and agent.collector.samples <= held["after"] and time.monotonic() < deadline):  # fmt: skip
             time.sleep(0.005)
         version = publish()
         published[version] = agent.learner_weights()
+        release()
         return version
 
-    policy_stats = {}
+    # The evaluation after RL: the server's version when it begins, and its turns (checked against the last weights).
+    evaluated = {"served": None, "turns": []}
+
+    def stopping(*args_, **kwargs):
+        release()
+        stop(*args_, **kwargs)
+        if not held["evaluating"]:  # the first stop: training is over, the evaluation after RL begins
+            held["evaluating"] = True
+            evaluated["served"] = httpx.get(server.url + "/weight_info", timeout=10).json()["weight_version"]
+
+    def capturing_submit(request, **kwargs):
+        future = submit(request, **kwargs)
+        if held["evaluating"]:
+            evaluated["turns"].append((request, future))
+        return future
+
     agent.update, agent.publish = recording_update, recording_publish
-    agent.close = lambda: (policy_stats.update(agent.policy.stats()), close())
+    agent.collector.pop, agent.collector.stop, agent.collector.policy = holding_pop, stopping, HeldPolicy()
+    policy.submit = capturing_submit
     result = agent.train()
+    policy_stats = policy.stats()  # its counts (train() closed it)
     served = int(httpx.get(server.url + "/weight_info", timeout=10).json()["weight_version"])
     print(summary("RLOO on FrozenLake, vLLM server", result), result.reward_curve)  # shown with pytest -s
 
     # Each update trained and was published, once: the server holds the last version.
     assert 10 <= result.updates <= updates and sorted(published) == list(range(result.start_version, served + 1))
     assert served == result.final_version == result.start_version + result.updates, (served, result)
-    check_episodes([groups for groups, _ in popped], result.start_version, FROZEN_LAKE["max_new_tokens"])
-    episodes = [e for groups, _ in popped for group in groups.episodes for e in group]
+    check_episodes(popped, result.start_version, FROZEN_LAKE["max_new_tokens"])
+    episodes = [e for groups in popped for group in groups.episodes for e in group]
     spanning = sum(len({t.policy_version for t in e.turns}) > 1 for e in episodes)
     print(
         f"{spanning} of {len(episodes)} episodes span a publish, publish s "
-        f"{[round(r['time/publish_s'], 2) for r in result.history]}, batch retries {policy_stats.get('retries')}"
+        f"{[round(r['time/publish_s'], 2) for r in result.history]}, batch retries {policy_stats.get('retries')}, "
+        f"{held['turns']} turns held for a publish"
     )
     assert spanning >= 4, spanning
 
     # Honest versions: each turn against the weights of the version it carries (its prompt ids as sent),
-    # every turn of every 10th update's episodes (all of them: over a minute more on a loaded machine).
-    episodes = [e for groups, _ in popped[::10] for group in groups.episodes for e in group]
-    checked = {t.policy_version for e in episodes for t in e.turns}
+    # every turn of every 10th update's episodes and of the last update's (all of them: over a minute more on a
+    # loaded machine).
+    checked_updates = popped[::10] + ([popped[-1]] if (len(popped) - 1) % 10 else [])
+    episodes = [e for groups in checked_updates for group in groups.episodes for e in group]
+    checked = {t.policy_version for e in episodes for t in e.turns} | {result.final_version}
     reference = VersionedReference(frozen_lake_warm)
     for version in sorted(checked | {v - 1 for v in checked if v > result.start_version}):
         reference.add(version, published[version])  # the learner's starting weights (sent first), then each update's
@@ -255,5 +316,18 @@ def test_rloo_improves_frozen_lake_on_a_vllm_server_every_turn_matching_the_weig
                                           args.temperature) for t in newer)  # fmt: skip
     print(f"max |logp - teacher-forced logp of its version| {worst:.1e}; against the version before {off_by_one:.2f}")
     assert off_by_one > 100 * LOGP_TOLERANCE, off_by_one
+
+    # The evaluation after RL played the last version: the server held it when the evaluation began, and the first
+    # turns of the evaluation (teacher-forced on their prompt ids) are those of the last weights the learner sent.
+    assert int(evaluated["served"]) == result.final_version, evaluated["served"]
+    answers = [(request, future.result(timeout=0)) for request, future in evaluated["turns"][:64]]
+    assert len(answers) == 64 and {a.policy_version for _, a in answers} == {result.final_version}, len(answers)
+    evaluation_error = max(reference.error(r.prompt, a, args.temperature) for r, a in answers)
+    print(f"the evaluation's first {len(answers)} turns: within {evaluation_error:.1e} of the last version")
+    # A run whose evaluation falls short with the checks above passing: the learner's own weights (its KL to the
+    # reference drops with its reward at updates of large gradient norm), not the server's.
+    print("kl_ref", [round(row.get("kl_ref", float("nan")), 2) for row in result.history],
+          "grad norm", [round(row.get("losses/grad_norm", float("nan")), 1) for row in result.history])  # fmt: skip
+    assert evaluation_error <= LOGP_TOLERANCE, evaluation_error
     assert result.missed_deadline_fraction == 0.0 and result.flagged_fraction == 0.0
     check_learned(result)
