@@ -42,7 +42,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import gymnasium as gym
 import numpy as np
@@ -133,6 +133,10 @@ class Args:
     """after behavior_clone: weight of ``KL(pi || pi_cloned)`` (per action, mean over the H actions) in the actor's
     loss, which holds the actor near the frozen cloned policy (0: none; no effect without behavior_clone; at 0 and
     0.1 cartpole ended below its cloned start)"""
+    anchor_filter: Literal["none", "q", "q-pessimistic"] = "none"
+    """the anchor holds only where the critics do not prefer the actor's chunk (a Q-filter, Nair et al. 2018): per
+    observation, q: ``min_j Q_j(o, mean_cloned(o)) >= min_j Q_j(o, mean_pi(o))``; q-pessimistic: ``max_j`` for the
+    cloned chunk (released only where both critics prefer the actor's chunk)"""
 
     def __post_init__(self) -> None:
         positive = ("image_size", "num_envs", "horizon", "ticks_per_rollout", "batch_size", "buffer_size", "hidden")
@@ -313,6 +317,7 @@ class SACChunks(ChunkTask):
         self.version = 0
         self.policy: GaussianChunkPolicy | None = None
         self.reference: ChunkActor | None = None  # the frozen cloned actor (behavior_clone), the anchor's
+        self.anchor_held = torch.ones(())  # --anchor-filter: per observation of the last actor step, 1 where it held
         self.iteration = 0
         self.run_name = run_name(args.env, "sac_chunks", "sim", args.seed)
 
@@ -364,14 +369,26 @@ class SACChunks(ChunkTask):
         self.replay.add(observations, obs_rows, next_rows, windows["chunk"], windows["reward"], windows["discount"])
         return len(windows["env"])
 
-    def anchor_kl(self, observations: torch.Tensor) -> torch.Tensor:
+    def anchor_kl(self, observations: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         """``KL(pi || pi_cloned)`` per action (summed over its dimensions, mean over the H actions and the batch), of
-        the Gaussians before the squash; zero without a cloned reference."""
+        the Gaussians before the squash; zero without a cloned reference. With ``--anchor-filter`` (and the critics'
+        ``features`` of the observations) only the observations where the critics do not prefer the actor's chunk
+        to the cloned one count (the others count zero)."""
         if self.reference is None:
             return torch.zeros(())
         with torch.no_grad():
             reference = self.reference.gaussian(observations)
-        return kl_divergence(self.actor.gaussian(observations), reference).sum(-1).mean() / self.args.horizon
+        kl = kl_divergence(self.actor.gaussian(observations), reference).sum(-1)
+        if self.args.anchor_filter == "none" or features is None:
+            return kl.mean() / self.args.horizon
+        with torch.no_grad():
+            cloned_chunk = self.reference.squashed_mean(observations)
+            if self.args.anchor_filter == "q":
+                cloned_q = self.critic.min_q(features, cloned_chunk)
+            else:
+                cloned_q = torch.max(self.critic.q1(features, cloned_chunk), self.critic.q2(features, cloned_chunk))
+            self.anchor_held = (cloned_q >= self.critic.min_q(features, self.actor.squashed_mean(observations))).float()
+        return (self.anchor_held * kl).mean() / self.args.horizon
 
     def gradient_step(self, critic_only: bool = False) -> dict[str, float]:
         """One critic step on a replay batch, then (unless ``critic_only``: the warm-up) one actor and alpha step."""
@@ -390,9 +407,9 @@ class SACChunks(ChunkTask):
         stats = {"q_loss": float(q_loss.detach()), "q": float(q1.mean().detach())}
         if not critic_only:
             new_chunks, logp = self.actor.head.sample(self.actor.encoder(observations))
-            anchor = self.anchor_kl(observations) if args.anchor_coef > 0 else torch.zeros(())
             with torch.no_grad():
                 features = self.critic.encoder(observations)
+            anchor = self.anchor_kl(observations, features) if args.anchor_coef > 0 else torch.zeros(())
             actor_loss = (alpha * logp - self.critic.min_q(features, new_chunks)).mean()
             self.actor_optimizer.zero_grad()
             (actor_loss + args.anchor_coef * anchor).backward()
@@ -403,6 +420,7 @@ class SACChunks(ChunkTask):
                 alpha_loss.backward()
                 self.alpha_optimizer.step()
             stats.update(actor_loss=float(actor_loss.detach()), anchor_kl=float(anchor.detach()),
+                         anchor_held=float(self.anchor_held.mean()),
                          entropy=float(-logp.mean().detach()), alpha=float(self.log_alpha.exp().detach()))  # fmt: skip
         with torch.no_grad():
             for param, target_param in zip(self.critic.parameters(), self.critic_target.parameters(), strict=True):

@@ -2,7 +2,8 @@
 
 * Cloning the squashed actor on a scripted expert's demonstrations reaches the expert's order of return.
 * The critic warm-up trains the critics and leaves the actor and alpha bit-identical.
-* The KL anchor is zero at the cloned reference and grows as the actor moves away.
+* The KL anchor is zero at the cloned reference and grows as the actor moves away; filtered, it lets go only where
+  both critics prefer the actor's chunk.
 * The critic's windows: H executed actions, their discounted rewards, the next observation L ticks before the next
   window; whole chunks play (nothing dropped).
 * The acting policy's log-prob of a squashed chunk is the actor's.
@@ -74,6 +75,40 @@ def test_the_anchor_is_zero_at_the_cloned_reference_and_grows_away_from_it() -> 
         algo.actor.head.mean.bias.add_(0.3)
         assert float(algo.anchor_kl(probe)) > 0.01
         assert float(SACChunks(small_args()).anchor_kl(probe)) == 0.0  # no cloning, no reference: no anchor
+
+
+class ScoresChunks(torch.nn.Module):
+    """A critic head that scores a chunk by its closeness to a chosen chunk per observation, plus an offset."""
+
+    def __init__(self, favoured: torch.Tensor, offset: float = 0.0) -> None:
+        super().__init__()
+        self.favoured, self.offset = favoured, offset
+
+    def forward(self, features: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        return self.offset - ((chunks - self.favoured) ** 2).sum(-1)
+
+
+def test_the_filtered_anchor_lets_go_only_where_both_critics_prefer_the_actors_chunk() -> None:
+    algo = cloned(small_args(anchor_filter="q-pessimistic"))
+    observations, _ = demonstrations("cartpole", algo, 64, 2)
+    probe = algo.flatten(observations)
+    with torch.no_grad():
+        algo.actor.head.mean.bias.add_(0.3)
+        features = algo.critic.encoder(probe)
+        actor_chunks, cloned_chunks = algo.actor.squashed_mean(probe), algo.reference.squashed_mean(probe)
+        unfiltered = float(algo.anchor_kl(probe))  # without the critics' features: the whole anchor
+        assert unfiltered > 0.01
+        algo.critic.q1, algo.critic.q2 = ScoresChunks(cloned_chunks), ScoresChunks(cloned_chunks, 1.0)
+        assert float(algo.anchor_kl(probe, features)) == pytest.approx(unfiltered)  # both prefer the clone: held
+        algo.critic.q1, algo.critic.q2 = ScoresChunks(actor_chunks), ScoresChunks(actor_chunks)
+        assert float(algo.anchor_kl(probe, features)) == 0.0  # both prefer the actor's chunk: let go
+        algo.critic.q1 = ScoresChunks(cloned_chunks)  # the critics disagree: pessimistic holds
+        assert float(algo.anchor_kl(probe, features)) == pytest.approx(unfiltered)
+        half = torch.arange(len(probe)) < len(probe) // 2  # the actor's chunk preferred on the first half only
+        favoured = torch.where(half[:, None], actor_chunks, cloned_chunks)
+        algo.critic.q1, algo.critic.q2 = ScoresChunks(favoured), ScoresChunks(favoured)
+        assert 0.0 < float(algo.anchor_kl(probe, features)) < unfiltered
+        assert algo.anchor_held.tolist() == (~half).float().tolist()
 
 
 def test_windows_hold_h_executed_actions_their_rewards_and_whole_chunks_play() -> None:
