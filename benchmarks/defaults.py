@@ -466,10 +466,23 @@ def variants_table(rows: list[dict]) -> str:
     )
 
 
+def with_default_sync_runs(every_row: list[dict], variant: dict) -> list[dict]:
+    """The variant's rows, and where it has no sync run of a task (a correction: async only) the defaults' sync runs."""
+    rows = [r for r in every_row if variant_label(r["variant"]) == variant_label(variant)]
+    synced = {r["task"] for r in rows if r["mode"] == "sync"}
+    return rows + [r for r in every_row if r["mode"] == "sync" and not r["variant"] and r["task"] not in synced]
+
+
+def variant_label_verdicts(every_row: list[dict], variant: dict) -> str:
+    """One variant's per-task verdict table, headed by its label."""
+    return f"Variant {variant_label(variant)}:\n\n{summarize(with_default_sync_runs(every_row, variant))[0]}"
+
+
 def report(path: Path, args: Args) -> None:
     if args.variant == "all":
         rows = load_rows(path)
-        table = variants_table(rows)
+        variants = {variant_label(r["variant"]): r["variant"] for r in rows if r["variant"]}  # each correction's
+        table = "\n\n".join([*(variant_label_verdicts(rows, v) for v in variants.values()), variants_table(rows)])
         print(f"\n{table}\n")
         command = "python benchmarks/defaults.py " + " ".join(sys.argv[1:])
         for out in save_report(
@@ -482,13 +495,9 @@ def report(path: Path, args: Args) -> None:
         ):
             print(f"wrote {out}")
         return
-    every_row = load_rows(path)
-    rows = [r for r in every_row if variant_label(r["variant"]) == variant_label(json.loads(args.variant))]
-    if not rows:
+    rows = with_default_sync_runs(load_rows(path), json.loads(args.variant))
+    if not any(variant_label(r["variant"]) == variant_label(json.loads(args.variant)) for r in rows):
         raise SystemExit(f"no rows for variant {args.variant} in {path}")
-    # an async-only variant (a correction) is compared with the defaults' sync runs of its tasks
-    synced = {r["task"] for r in rows if r["mode"] == "sync"}
-    rows += [r for r in every_row if r["mode"] == "sync" and not r["variant"] and r["task"] not in synced]
     verdicts, seeds = summarize(rows)
     print(f"\n{verdicts}\n\n{seeds}\n")
     notes = (

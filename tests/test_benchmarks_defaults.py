@@ -55,4 +55,7 @@ def test_a_correction_variant_is_reported_against_the_default_sync_runs(tmp_path
     defaults.main(args)
     async_line = next(line for line in (tmp_path / "suite.md").read_text().splitlines() if "| async |" in line)
     assert "| 2.00 | 2.00 (" in async_line, async_line  # median and mean ratio against the defaults' sync runs
+    defaults.main(defaults.Args(out_dir=str(tmp_path), name="suite", report=True, variant="all"))
+    every_run = (tmp_path / "suite.md").read_text()  # each correction's verdicts, then one line per run
+    assert 'Variant {"correction": "decoupled"}:' in every_run and "| 2.00 | 2.00 (" in every_run
     capsys.readouterr()
