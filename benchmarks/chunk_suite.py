@@ -30,6 +30,7 @@ Run (the ablation of issue 50 on the tuning tasks, then the chosen defaults on e
     python benchmarks/chunk_suite.py --variants "$(python -c 'from benchmarks.chunk_suite import ABLATION; print(ABLATION)')"
     python benchmarks/chunk_suite.py --tasks reach --seeds 1 --iterations 2 --eval-rounds 1   # a smoke run
     python benchmarks/chunk_suite.py --agent sac --variants "$(python -c 'from benchmarks.chunk_suite import SAC_ABLATION; print(SAC_ABLATION)')" --tasks cartpole reach reach32 pendulum --seeds 1 --name chunk_suite_sac_ablation
+    python benchmarks/chunk_suite.py --agent sac --variants "$(python -c 'from benchmarks.chunk_suite import SAC_ANCHOR_FILTERS; print(SAC_ANCHOR_FILTERS)')" --name chunk_suite_sac_qfilter
 """
 
 from __future__ import annotations
@@ -80,16 +81,27 @@ ABLATION = json.dumps(
         "both (defaults)": {},
     }
 )
-# agents/sac_chunks.py's defaults and each aid left out: the warm-up, the anchor, the small initial entropy
-# coefficient (0.01 against SAC's usual 0.2), a weaker anchor; then none of them (not run yet: docs/robots.md)
+# agents/sac_chunks.py's aids left out, as run: each with the anchor held everywhere (--anchor-filter none, the
+# default until the filtered anchor was measured); the small initial entropy coefficient (0.01 against SAC's usual
+# 0.2), a weaker anchor; then none of them (not run yet: docs/robots.md)
 SAC_ABLATION = json.dumps(
     {
-        "defaults": {},
-        "no warm-up": {"critic_warmup_iterations": 0},
-        "no anchor": {"anchor_coef": 0.0},
-        "anchor 0.1": {"anchor_coef": 0.1},
-        "alpha 0.2": {"alpha": 0.2},
-        "none (alpha 0.2)": {"critic_warmup_iterations": 0, "anchor_coef": 0.0, "alpha": 0.2},
+        "anchor everywhere": {"anchor_filter": "none"},
+        "no warm-up": {"critic_warmup_iterations": 0, "anchor_filter": "none"},
+        "no anchor": {"anchor_coef": 0.0, "anchor_filter": "none"},
+        "anchor 0.1": {"anchor_coef": 0.1, "anchor_filter": "none"},
+        "alpha 0.2": {"alpha": 0.2, "anchor_filter": "none"},
+        "none (alpha 0.2)": {"critic_warmup_iterations": 0, "anchor_coef": 0.0, "alpha": 0.2, "anchor_filter": "none"},
+    }
+)
+# where the anchor holds (--anchor-filter): everywhere, the Q-filter on min_j Q_j, and the pessimistic one (the
+# default: let go only where both critics prefer the actor's chunk); q and anchor 10 only on cartpole, pendulum and
+# mountain_car, seed 1
+SAC_ANCHOR_FILTERS = json.dumps(
+    {
+        "q-filter": {"anchor_filter": "q"},
+        "q-filter, anchor 10": {"anchor_filter": "q", "anchor_coef": 10.0},
+        "q-filter, pessimistic": {"anchor_filter": "q-pessimistic"},
     }
 )
 
