@@ -185,7 +185,11 @@ class ChunkActor(nn.Module):
 
     def squashed_mean(self, observations: torch.Tensor) -> torch.Tensor:
         """The chunk the policy plays deterministically, ``[B, H * d]``: the mean through the squash."""
-        return self.head.bias + self.head.scale * torch.tanh(self.gaussian(observations).loc)
+        return self.squash(self.gaussian(observations).loc)
+
+    def squash(self, values: torch.Tensor) -> torch.Tensor:
+        """Values of the Gaussian before the squash, as chunks in the action bounds."""
+        return self.head.bias + self.head.scale * torch.tanh(values)
 
 
 class ChunkCritic(nn.Module):
@@ -380,16 +384,17 @@ class SACChunks(ChunkTask):
             return torch.zeros(())
         with torch.no_grad():
             reference = self.reference.gaussian(observations)
-        kl = kl_divergence(self.actor.gaussian(observations), reference).sum(-1)
+        actor = self.actor.gaussian(observations)
+        kl = kl_divergence(actor, reference).sum(-1)
         if self.args.anchor_filter == "none" or features is None:
             return kl.mean() / self.args.horizon
-        with torch.no_grad():
-            cloned_chunk = self.reference.squashed_mean(observations)
+        with torch.no_grad():  # the chunks played deterministically, squashed from the Gaussians above
+            cloned_chunk, actor_chunk = self.actor.squash(reference.loc), self.actor.squash(actor.loc)
             if self.args.anchor_filter == "q":
                 cloned_q = self.critic.min_q(features, cloned_chunk)
             else:
                 cloned_q = torch.max(self.critic.q1(features, cloned_chunk), self.critic.q2(features, cloned_chunk))
-            self.anchor_held = (cloned_q >= self.critic.min_q(features, self.actor.squashed_mean(observations))).float()
+            self.anchor_held = (cloned_q >= self.critic.min_q(features, actor_chunk)).float()
         return (self.anchor_held * kl).mean() / self.args.horizon
 
     def gradient_step(self, critic_only: bool = False) -> dict[str, float]:
