@@ -155,6 +155,8 @@ class Args:
             raise ValueError(f"--gamma and --tau must be in (0, 1], got {self.gamma} and {self.tau}")
         if self.alpha <= 0 or self.anchor_coef < 0:
             raise ValueError(f"--alpha must be > 0 and --anchor-coef >= 0, got {self.alpha} and {self.anchor_coef}")
+        if self.anchor_filter not in ("none", "q", "q-pessimistic"):
+            raise ValueError(f"--anchor-filter must be none, q or q-pessimistic, got {self.anchor_filter!r}")
 
 
 class ChunkActor(nn.Module):

@@ -194,6 +194,7 @@ def test_without_cloning_there_is_no_warm_up_and_training_runs() -> None:
         ({"gradient_steps": -1}, "--gradient-steps"),
         ({"alpha": 0.0}, "--alpha"),
         ({"gamma": 1.5}, "--gamma"),
+        ({"anchor_filter": "Q"}, "--anchor-filter"),
     ],
 )
 def test_bad_settings_name_the_option(overrides, field) -> None:
